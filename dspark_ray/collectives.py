@@ -1,0 +1,196 @@
+"""Where the two halves of the pair meet: one interface, one backend per way of meeting.
+
+The drafter holds the shards of the ranks that live in this process (`local_ranks`: both in `emulated`, one in
+`pair` / `solo`, the single unsplit rank in `tp1`) and hands the collectives one partial per local shard, in rank
+order. Three operations, all exact:
+
+* `all_reduce(parts)`: the fp32 sum P0 + P1 of the two ranks' fp32 partials, added in rank order with no further
+  rounding, so both ranks hold the same bits and the replicated residual streams never diverge.
+* `max_exchange(parts)`: per row the global (max, index) of the split vocabulary; a tie goes to the lower id,
+  i.e. rank 0, whose ids are lower (as one card would pick with torch.argmax).
+* `top2_exchange(parts)`: per row (top1, top2, index) of the union, for the margins the client may ask for.
+
+Backends here: `LocalCollectives` (tp1 and emulated: everything in one process, plain tensor ops), `SoloCollectives`
+(one rank of a pair with local stand-ins, to time one rank's compute), `GlooCollectives` (two processes over
+torch.distributed gloo: the CPU pair). The NVLink push backend lives in `kernels/`. Choosing a backend is a
+start-up decision (`make_collectives`), never an `if` on the hot path.
+"""
+from __future__ import annotations
+
+import datetime
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import torch
+
+MaxPart = tuple[torch.Tensor, torch.Tensor]                   # (max fp32 (n,), global index int64 (n,))
+Top2Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor]    # (top1, top2 fp32 (n,), index of top1 int64 (n,))
+
+
+class CollectiveError(RuntimeError):
+    """A collective did not complete. Its output must never be used: the step fails closed."""
+
+
+def combine_max(a: MaxPart, b: MaxPart) -> MaxPart:
+    """(max, index) of rank 0's part `a` and rank 1's part `b`. `b` wins only if strictly larger: rank 0 holds
+    the lower ids, so a tie goes to the lower id. NaN never wins (NaN > x is False); both NaN keeps rank 0."""
+    take_b = b[0] > a[0]
+    return torch.where(take_b, b[0], a[0]), torch.where(take_b, b[1], a[1])
+
+
+def combine_top2(a: Top2Part, b: Top2Part) -> Top2Part:
+    """Top-1, top-2 and top-1's index of the union of two disjoint vocab slices (rank 0's `a` first)."""
+    take_b = b[0] > a[0]
+    top1 = torch.where(take_b, b[0], a[0])
+    idx = torch.where(take_b, b[2], a[2])
+    # The runner-up is the larger of the loser's top1 and the winner's top2.
+    top2 = torch.where(take_b, torch.maximum(a[0], b[1]), torch.maximum(a[1], b[0]))
+    return top1, top2, idx
+
+
+def reduce_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    out = parts[0]
+    for p in parts[1:]:
+        out = out + p
+    return out
+
+
+class Collectives(ABC):
+    """One way for the ranks of a pair to meet. `local_ranks` are the ranks whose partials this process passes."""
+
+    name: str = "?"
+    world_size: int = 1
+    local_ranks: tuple[int, ...] = (0,)
+
+    def check_parts(self, parts: Sequence) -> None:
+        if len(parts) != len(self.local_ranks):
+            raise CollectiveError(f"{self.name}: got {len(parts)} partials for local ranks {self.local_ranks}")
+
+    @abstractmethod
+    def all_reduce(self, parts: Sequence[torch.Tensor]) -> torch.Tensor: ...
+
+    @abstractmethod
+    def max_exchange(self, parts: Sequence[MaxPart]) -> MaxPart: ...
+
+    @abstractmethod
+    def top2_exchange(self, parts: Sequence[Top2Part]) -> Top2Part: ...
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"{self.name} (world {self.world_size}, local ranks {list(self.local_ranks)})"
+
+
+class LocalCollectives(Collectives):
+    """Every rank of the group lives in this process: `tp1` (one unsplit rank) or `emulated` (both ranks of the
+    pair, the bit-exact oracle of the real pair). The combine is the same tensor arithmetic the pair does."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.local_ranks = tuple(range(world_size))
+        self.name = "tp1" if world_size == 1 else "emulated"
+
+    def all_reduce(self, parts):
+        self.check_parts(parts)
+        return reduce_in_rank_order(parts)
+
+    def max_exchange(self, parts):
+        self.check_parts(parts)
+        out = parts[0]
+        for p in parts[1:]:
+            out = combine_max(out, p)
+        return out
+
+    def top2_exchange(self, parts):
+        self.check_parts(parts)
+        out = parts[0]
+        for p in parts[1:]:
+            out = combine_top2(out, p)
+        return out
+
+
+class SoloCollectives(Collectives):
+    """One rank of a pair, alone: the collectives become local stand-ins (the partial is doubled, the local argmax
+    wins). The numbers are not the pair's; the compute time is one rank's share, which is what `solo` measures."""
+
+    name = "solo"
+
+    def __init__(self, rank: int = 0):
+        self.world_size = 2
+        self.local_ranks = (rank,)
+
+    def all_reduce(self, parts):
+        self.check_parts(parts)
+        return parts[0] + parts[0]
+
+    def max_exchange(self, parts):
+        self.check_parts(parts)
+        return parts[0]
+
+    def top2_exchange(self, parts):
+        self.check_parts(parts)
+        return parts[0]
+
+
+class GlooCollectives(Collectives):
+    """The CPU pair: two processes meeting through torch.distributed's gloo backend.
+
+    Each exchange is an all-gather of the local payload (so both ranks add P0 + P1 in rank order themselves: the
+    sum's bits do not depend on gloo's reduction order). A gloo failure or timeout raises `CollectiveError`.
+    """
+
+    name = "gloo"
+
+    def __init__(self, rank: int, world_size: int = 2, *, init_method: str | None = None,
+                 group=None, timeout_s: float = 30.0):
+        import torch.distributed as dist
+        self.dist = dist
+        self.world_size = world_size
+        self.rank = rank
+        self.local_ranks = (rank,)
+        self._own_pg = False
+        if group is None:
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                        timeout=datetime.timedelta(seconds=timeout_s))
+                self._own_pg = True
+            group = dist.group.WORLD
+        self.group = group
+
+    def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        t = t.contiguous()
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        try:
+            self.dist.all_gather(out, t, group=self.group)
+        except Exception as e:      # gloo raises RuntimeError on timeouts and peer loss
+            raise CollectiveError(f"gloo all_gather failed on rank {self.rank}: {e}") from e
+        return out
+
+    def all_reduce(self, parts):
+        self.check_parts(parts)
+        return reduce_in_rank_order(self._gather(parts[0]))
+
+    def max_exchange(self, parts):
+        self.check_parts(parts)
+        m, i = parts[0]
+        packed = torch.stack([m.double(), i.double()])        # fp32 and int < 2^53 travel exactly as fp64
+        g = self._gather(packed)
+        out = (g[0][0].float(), g[0][1].long())
+        for p in g[1:]:
+            out = combine_max(out, (p[0].float(), p[1].long()))
+        return out
+
+    def top2_exchange(self, parts):
+        self.check_parts(parts)
+        t1, t2, i = parts[0]
+        g = self._gather(torch.stack([t1.double(), t2.double(), i.double()]))
+        out = (g[0][0].float(), g[0][1].float(), g[0][2].long())
+        for p in g[1:]:
+            out = combine_top2(out, (p[0].float(), p[1].float(), p[2].long()))
+        return out
+
+    def close(self) -> None:
+        if self._own_pg and self.dist.is_initialized():
+            self.dist.destroy_process_group()
+            self._own_pg = False
