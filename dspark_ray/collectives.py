@@ -10,9 +10,10 @@ order. Three operations, all exact:
   i.e. rank 0, whose ids are lower (as one card would pick with torch.argmax).
 * `top2_exchange(parts)`: per row (top1, top2, index) of the union, for the margins the client may ask for.
 
-Backends here: `LocalCollectives` (tp1 and emulated: everything in one process, plain tensor ops), `SoloCollectives`
-(one rank of a pair with local stand-ins, to time one rank's compute), `GlooCollectives` (two processes over
-torch.distributed gloo: the CPU pair). The NVLink push backend lives in `kernels/`. Choosing a backend is a
+Backends here: `LocalCollectives` (every shard in one caller: tp1, and the split reference that computes both
+partials itself), `ThreadCollectives` (the emulated pair: both ranks in one process, each on its own thread,
+meeting through shared tensors), `SoloCollectives` (one rank of a pair with local stand-ins, to time one rank's
+compute), `GlooCollectives` (two processes over torch.distributed gloo: the CPU pair). The NVLink push backend lives in `kernels/`. Choosing a backend is a
 start-up decision (`make_collectives`), never an `if` on the hot path.
 """
 from __future__ import annotations
@@ -83,13 +84,13 @@ class Collectives(ABC):
 
 
 class LocalCollectives(Collectives):
-    """Every rank of the group lives in this process: `tp1` (one unsplit rank) or `emulated` (both ranks of the
-    pair, the bit-exact oracle of the real pair). The combine is the same tensor arithmetic the pair does."""
+    """Every shard of the group is in the caller's hands: `tp1` (one unsplit rank), or the split reference (one
+    caller computing both ranks' partials and adding them in rank order, as the pair does)."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.local_ranks = tuple(range(world_size))
-        self.name = "tp1" if world_size == 1 else "emulated"
+        self.name = "tp1" if world_size == 1 else "split"
 
     def all_reduce(self, parts):
         self.check_parts(parts)
@@ -108,6 +109,68 @@ class LocalCollectives(Collectives):
         for p in parts[1:]:
             out = combine_top2(out, p)
         return out
+
+
+class _Rendezvous:
+    """Where the two threads of an emulated pair meet: each posts its payload, both read both."""
+
+    def __init__(self, world_size: int, timeout_s: float):
+        import threading
+        self.slots: list = [None] * world_size
+        self.barrier = threading.Barrier(world_size)
+        self.timeout_s = timeout_s
+
+    def exchange(self, rank: int, payload):
+        import threading
+        self.slots[rank] = payload
+        try:
+            self.barrier.wait(self.timeout_s)
+            got = list(self.slots)
+            self.barrier.wait(self.timeout_s)       # nobody overwrites a slot before both have read it
+        except threading.BrokenBarrierError:
+            self.barrier.abort()
+            raise CollectiveError(f"emulated pair: rank {rank} waited {self.timeout_s} s for its peer") from None
+        return got
+
+
+class ThreadCollectives(Collectives):
+    """One rank of the emulated pair. Both ranks run in this process, each on its own thread, and combine the
+    exchanged payloads with the same tensor ops in the same rank order as the real pair."""
+
+    name = "emulated"
+
+    def __init__(self, rank: int, rendezvous: _Rendezvous):
+        self.world_size = len(rendezvous.slots)
+        self.local_ranks = (rank,)
+        self.rank, self.rv = rank, rendezvous
+
+    @staticmethod
+    def pair(timeout_s: float = 30.0) -> list["ThreadCollectives"]:
+        rv = _Rendezvous(2, timeout_s)
+        return [ThreadCollectives(0, rv), ThreadCollectives(1, rv)]
+
+    def all_reduce(self, parts):
+        self.check_parts(parts)
+        return reduce_in_rank_order(self.rv.exchange(self.rank, parts[0]))
+
+    def max_exchange(self, parts):
+        self.check_parts(parts)
+        got = self.rv.exchange(self.rank, parts[0])
+        out = got[0]
+        for p in got[1:]:
+            out = combine_max(out, p)
+        return out
+
+    def top2_exchange(self, parts):
+        self.check_parts(parts)
+        got = self.rv.exchange(self.rank, parts[0])
+        out = got[0]
+        for p in got[1:]:
+            out = combine_top2(out, p)
+        return out
+
+    def close(self) -> None:
+        self.rv.barrier.abort()
 
 
 class SoloCollectives(Collectives):

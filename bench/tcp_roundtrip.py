@@ -1,0 +1,218 @@
+"""STEP round trip over TCP loopback against a raw blocking-socket ping-pong of the same bytes.
+
+The server runs in a second process (as a serving engine and the drafter would), with a fake front-end that answers
+at once, so the figure is the transport's own cost: framing, msgpack, the connection thread and two socket hops.
+The raw ping-pong sends the very same request / reply byte counts with bare send / recv_into: the floor for TCP here.
+Budget (DESIGN.md, the 2-core CPU machine): 23 us for a 256 B blocking round trip, 51 us for 64 KB.
+
+Placement decides the figure on the 2-core VM: client and server on one core measured ~10 us for the raw ping-pong,
+on two cores ~60 us (waking an idle vCPU costs ~50 us there), and an unpinned run lands on either. So both are
+measured, each pinned: `same_core` (the headline figures) and `split_cores`.
+
+    .venv/bin/python bench/tcp_roundtrip.py [--iters 3000] [--rows 6] [--out bench/results/tcp_roundtrip.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import timeit
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from dspark_ray import contract as C                 # noqa: E402
+from dspark_ray import wire                         # noqa: E402
+from dspark_ray.client import DrafterClient         # noqa: E402
+from dspark_ray.config import tiny                  # noqa: E402
+
+LIMITS = C.Limits.for_config(tiny(), slot_capacity=64)
+
+
+class InstantFrontEnd:
+    """Answers every entry at once with fixed drafts: the handler adds (almost) nothing to the round trip."""
+
+    def open_session(self, peer):
+        return 1
+
+    def hello(self, session, msg):
+        return C.HelloReply(ok=True, limits=LIMITS, session_id=session)
+
+    def acquire(self, session, msg):
+        return C.AcquireReply(slots=[C.SlotGrant(slot=i, generation=0) for i in range(msg.n)])
+
+    def release(self, session, msg):
+        return C.ReleaseReply(released=msg.slots)
+
+    def step(self, session, msg, received_ns):
+        return C.StepReply(results=[
+            C.EntryResult(generation=e.generation, drafts=_DRAFTS[:4 * e.n_out], confidences=_CONF[:4 * e.n_out],
+                          confident_len=e.n_out) for e in msg.entries])
+
+    def close_session(self, session):
+        pass
+
+
+_DRAFTS = np.arange(5, dtype="<i4").tobytes()
+_CONF = np.full(5, 0.75, "<f4").tobytes()
+
+
+def _pin(cpu: int | None) -> None:
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+
+
+def _serve_step(conn, cpu) -> None:
+    from dspark_ray.transport.tcp import TcpServer
+    _pin(cpu)
+    srv = TcpServer(InstantFrontEnd(), "127.0.0.1", 0).start()
+    conn.send(srv.port)
+    conn.recv()                  # run until told to stop
+    srv.stop()
+
+
+def _recv_exactly(sock, view) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise EOFError
+        got += n
+
+
+def _serve_raw(conn, req_bytes: int, rep_bytes: int, cpu) -> None:
+    _pin(cpu)
+    lst = socket.create_server(("127.0.0.1", 0))
+    conn.send(lst.getsockname()[1])
+    s, _ = lst.accept()
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = memoryview(bytearray(req_bytes))
+    reply = bytes(rep_bytes)
+    try:
+        while True:
+            _recv_exactly(s, buf)
+            s.sendall(reply)
+    except (EOFError, OSError):
+        pass
+
+
+def _stats(ns: list[int]) -> dict:
+    us = np.array(ns) / 1e3
+    # p90 beside p99: on the 2-core VM a few 1-5 ms host hiccups per second land in p99 of any loop this long.
+    return {"p50_us": round(float(np.percentile(us, 50)), 1), "p90_us": round(float(np.percentile(us, 90)), 1),
+            "p99_us": round(float(np.percentile(us, 99)), 1), "min_us": round(float(us.min()), 1)}
+
+
+def bench_step(entries, iters: int, warmup: int, cpu) -> dict:
+    parent, child = mp.Pipe()
+    p = mp.Process(target=_serve_step, args=(child, cpu), daemon=True)
+    p.start()
+    port = parent.recv()
+    times = []
+    with DrafterClient("127.0.0.1", port, timeout_s=5.0) as c:
+        c.hello(client="bench")
+        for i in range(warmup + iters):
+            t0 = time.perf_counter_ns()
+            c.step(entries, deadline_ms=50.0)
+            if i >= warmup:
+                times.append(time.perf_counter_ns() - t0)
+    parent.send("stop")
+    p.join(10)
+    return _stats(times)
+
+
+def bench_raw(req_bytes: int, rep_bytes: int, iters: int, warmup: int, cpu) -> dict:
+    parent, child = mp.Pipe()
+    p = mp.Process(target=_serve_raw, args=(child, req_bytes, rep_bytes, cpu), daemon=True)
+    p.start()
+    port = parent.recv()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    req = bytes(req_bytes)
+    buf = memoryview(bytearray(rep_bytes))
+    times = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter_ns()
+        s.sendall(req)
+        _recv_exactly(s, buf)
+        if i >= warmup:
+            times.append(time.perf_counter_ns() - t0)
+    s.close()
+    p.join(10)
+    return _stats(times)
+
+
+def _device() -> str:
+    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+                 platform.processor())
+    return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def _commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--iters", type=int, default=3000)
+    ap.add_argument("--warmup", type=int, default=300)
+    ap.add_argument("--rows", type=int, default=6)
+    ap.add_argument("--entries", type=int, default=1)
+    ap.add_argument("--out", help="also write the JSON here")
+    a = ap.parse_args()
+
+    rng = np.random.default_rng(0)
+    entries = [C.make_entry(slot=i, generation=0, seed_token=7, start_pos=100, token_ids=np.arange(a.rows),
+                            taps=rng.standard_normal((a.rows, LIMITS.taps_width)).astype(np.float16))
+               for i in range(a.entries)]
+    req = len(wire.encode(C.Step(entries=entries, deadline_ms=50.0)))
+    rep = len(wire.encode(InstantFrontEnd().step(0, C.Step(entries=entries), 0)))
+
+    # What the front-end's stateless checks add per STEP (in-process, not part of the round trip above).
+    step = C.Step(entries=entries)
+    validate_us = min(timeit.repeat(lambda: C.validate_entries(step, LIMITS), number=1000, repeat=5)) / 1000 * 1e6
+
+    def both(server_cpu, client_cpu) -> dict:
+        everywhere = os.sched_getaffinity(0)
+        _pin(client_cpu)
+        try:
+            return {"step": bench_step(entries, a.iters, a.warmup, server_cpu),
+                    "raw_socket": bench_raw(req, rep, a.iters, a.warmup, server_cpu)}
+        finally:
+            os.sched_setaffinity(0, everywhere)
+
+    same = both(0, 0)
+    split = both(0, 1) if os.cpu_count() > 1 else None
+    result = {
+        **same["step"],
+        "raw_socket": same["raw_socket"],
+        "split_cores": split,
+        "validate_entries_us": round(validate_us, 1),
+        "config": {"preset": "tiny", "entries": a.entries, "rows": a.rows, "taps_width": LIMITS.taps_width,
+                   "request_frame_bytes": req, "reply_frame_bytes": rep, "iters": a.iters,
+                   "transport": "tcp loopback, two processes, blocking sockets, TCP_NODELAY",
+                   "placement": "headline and raw_socket: client and server pinned to CPU 0; split_cores: 0 and 1"},
+        "device": _device(),
+        "commit": _commit(),
+    }
+    print(json.dumps(result, indent=2))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The drafter client a serving engine embeds: one blocking TCP connection, one request at a time.
+
+It imports the contract, the framing and numpy only (no torch, no ray), so an engine can vendor it. Typical use:
+
+    with DrafterClient(host, port) as c:
+        c.hello(config_digest=..., tp=2)
+        grants = c.acquire(4)
+        results = c.step([make_entry(slot=g.slot, generation=g.generation, ...) for g in grants], deadline_ms=5)
+        drafts = results[0].drafts_array()
+
+Per-entry outcomes (BAD_ENTRY, STALE_GENERATION, INTERNAL, DEADLINE, ...) come back in the results; a refusal of a
+whole request or a lost connection raises `ClientError`. After a timeout or a broken frame the connection is closed:
+a late reply could otherwise be read as the answer to the next request.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Sequence
+
+from .contract import (Acquire, AcquireReply, Code, Entry, EntryResult, ErrorReply, Hello, HelloReply, Limits,
+                       Release, ReleaseReply, SlotGrant, Step, StepReply, make_entry)
+from .wire import HEADER_SIZE, ConnectionClosed, FrameError, FrameReader, FrameWriter
+
+__all__ = ["DrafterClient", "ClientError", "make_entry"]
+
+# msgpack overhead of one Entry beyond its two byte strings (field names, ints): generous, used to split STEPs.
+_ENTRY_OVERHEAD = 160
+
+
+class ClientError(RuntimeError):
+    """A refused request (`code` says why) or a lost / broken connection (`code` is None)."""
+
+    def __init__(self, message: str, code: Code | None = None):
+        super().__init__(message)
+        self.code = code
+
+
+class DrafterClient:
+    def __init__(self, host: str, port: int, timeout_s: float = 5.0):
+        self.endpoint = f"{host}:{port}"
+        self.timeout_s = timeout_s
+        try:
+            self._sock = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as e:
+            raise ClientError(f"cannot connect to drafter at {self.endpoint}: {e}") from None
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Every recv is bounded by timeout_s (the socket's timeout), so a silent server cannot hang the engine.
+        self._reader = FrameReader(self._sock.recv_into)
+        self._writer = FrameWriter()
+        self._lock = threading.Lock()      # one request in flight: replies are matched by order and request id
+        self._next_id = 1
+        self.hello_reply: HelloReply | None = None
+
+    @property
+    def limits(self) -> Limits:
+        if self.hello_reply is None or self.hello_reply.limits is None:
+            raise ClientError("no limits yet: call hello() first")
+        return self.hello_reply.limits
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+    def hello(self, *, model_digest: str | None = None, config_digest: str | None = None, tp: int | None = None,
+              max_model_len: int | None = None, client: str = "dspark-ray-client") -> HelloReply:
+        """Open the session; raises ClientError(CONFIG_MISMATCH / UNAVAILABLE) when the worker refuses."""
+        reply = self._call(Hello(model_digest=model_digest, config_digest=config_digest, tp=tp,
+                                 max_model_len=max_model_len, client=client), HelloReply)
+        if not reply.ok:
+            raise ClientError(f"HELLO refused by {self.endpoint}: {reply.code.name}: {reply.reason}", reply.code)
+        self.hello_reply = reply
+        # Frames up to the worker's limit: the reader must accept the largest reply it can be sent.
+        self._reader.max_frame_bytes = self._writer.max_frame_bytes = reply.limits.max_frame_bytes
+        return reply
+
+    def acquire(self, n: int = 1) -> list[SlotGrant]:
+        """n fresh slots with their generations; ClientError(OVERLOADED) when fewer are free."""
+        return self._call(Acquire(n=n), AcquireReply).slots
+
+    def release(self, slots: Sequence[int]) -> list[int]:
+        return self._call(Release(slots=[int(s) for s in slots]), ReleaseReply).released
+
+    def step(self, entries: Sequence[Entry], deadline_ms: float = 100.0) -> list[EntryResult]:
+        """One result per entry, in order. Entries beyond the worker's per-STEP entry or frame limits are sent as
+        several STEPs, one after the other; entries name distinct slots, and a request's drafts do not depend on
+        the other entries of its batch (batch invariance), so the split changes no answer."""
+        results: list[EntryResult] = []
+        for chunk in self._chunks(entries):
+            results.extend(self._call(Step(entries=chunk, deadline_ms=deadline_ms), StepReply).results)
+        return results
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "DrafterClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- plumbing ----------------------------------------------------------------------------------------------
+    def _chunks(self, entries: Sequence[Entry]) -> list[list[Entry]]:
+        if self.hello_reply is None:
+            return [list(entries)]
+        lim = self.limits
+        budget = lim.max_frame_bytes - HEADER_SIZE - 64
+        chunks: list[list[Entry]] = [[]]
+        size = 0
+        for e in entries:
+            n = len(e.token_ids) + len(e.taps) + _ENTRY_OVERHEAD
+            if chunks[-1] and (len(chunks[-1]) >= lim.max_entries_per_step or size + n > budget):
+                chunks.append([])
+                size = 0
+            chunks[-1].append(e)
+            size += n
+        return chunks
+
+    def _call(self, msg: object, reply_type: type):
+        with self._lock:
+            request_id = self._next_id
+            self._next_id += 1
+            name = type(msg).__name__
+            try:
+                self._writer.send(self._sock.sendall, msg, request_id)
+            except FrameError as e:      # refused by the encoder before a byte was sent: the stream is intact
+                raise ClientError(f"{name} not sent to {self.endpoint}: {e}") from None
+            except OSError as e:
+                self.close()
+                raise ClientError(f"{name} to {self.endpoint}: connection lost while sending: {e}") from None
+            try:
+                got_id, reply, _ = self._reader.read()
+            except FrameError as e:
+                self.close()
+                raise ClientError(f"{name} to {self.endpoint}: bad reply frame: {e}") from None
+            except socket.timeout:
+                self.close()
+                raise ClientError(f"{name} to {self.endpoint}: no answer within {self.timeout_s} s") from None
+            except (ConnectionClosed, OSError) as e:
+                self.close()
+                raise ClientError(f"{name} to {self.endpoint}: connection lost: {e}") from None
+            if got_id != request_id:
+                self.close()
+                raise ClientError(f"{name} to {self.endpoint}: reply to request {got_id}, expected {request_id}")
+        if isinstance(reply, ErrorReply):
+            raise ClientError(f"{name} refused by {self.endpoint}: {reply.code.name}: {reply.reason}", reply.code)
+        if not isinstance(reply, reply_type):
+            self.close()
+            raise ClientError(f"{name} to {self.endpoint}: got {type(reply).__name__}, expected {reply_type.__name__}")
+        return reply

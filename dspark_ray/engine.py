@@ -1,0 +1,185 @@
+"""One rank's step engine: its slots, the eager step through the `Collectives`, and a health latch.
+
+A plain class, testable without Ray; `RankActor` is a thin shell around it. Both ranks of a pair receive the same
+batch and hold the same replicated slot state, so every decision here (which entry is refused, how the batch is
+drafted) comes out the same on both and their collectives stay paired.
+
+The health latch: once a step fails in a way that may have left the pair out of step (a collective failed, or an
+error struck between the first and the last collective of the step), the engine refuses every later step until
+the process is replaced. A failure before the first or after the last collective leaves the pair in step: the
+step fails, the latch stays open.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .collectives import CollectiveError, Collectives
+from .model.drafter import Drafter
+from .model.heads import confident_prefix
+from .model.state import SlotState
+
+log = logging.getLogger("dspark_ray.engine")
+
+OK, BAD_ENTRY = 0, 1
+
+
+class EngineBroken(RuntimeError):
+    """The engine's health latch is closed: the rank must be restarted."""
+
+
+class StepFailed(RuntimeError):
+    """This step failed; the pair is still in step (the latch stays open)."""
+
+
+@dataclass
+class StepEntry:
+    slot: int
+    seed: int
+    n_out: int
+    start: int = 0
+    token_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    taps: torch.Tensor | None = None               # (rows, n_taps * hidden) fp16
+    rollback_to: int = -1
+    want_margins: bool = False
+
+
+@dataclass
+class EntryOut:
+    code: int
+    reason: str = ""
+    drafts: torch.Tensor | None = None             # (n_out,) int64
+    confidences: torch.Tensor | None = None        # (n_out,) fp32
+    margins: torch.Tensor | None = None            # (n_out,) fp32 or None
+    confident_len: int = 0
+
+
+class _CountingCollectives(Collectives):
+    """Wraps the real collectives to know whether a failure struck mid-sequence (pair possibly out of step)."""
+
+    def __init__(self, inner: Collectives):
+        self.inner, self.name = inner, inner.name
+        self.world_size, self.local_ranks = inner.world_size, inner.local_ranks
+        self.count = 0
+        self.fault = None                          # callable(count) -> None: the fault injector's hook
+
+    def _call(self, op, parts):
+        if self.fault is not None:
+            self.fault(self.count)
+        out = op(parts)
+        self.count += 1
+        return out
+
+    def all_reduce(self, parts):
+        return self._call(self.inner.all_reduce, parts)
+
+    def max_exchange(self, parts):
+        return self._call(self.inner.max_exchange, parts)
+
+    def top2_exchange(self, parts):
+        return self._call(self.inner.top2_exchange, parts)
+
+    def close(self):
+        self.inner.close()
+
+
+class RankEngine:
+    def __init__(self, drafter: Drafter, n_slots: int, rank: int = 0):
+        self.drafter, self.rank = drafter, rank
+        self.coll = _CountingCollectives(drafter.coll)
+        drafter.coll = self.coll
+        drafter.head.coll = self.coll
+        self.slots: list[SlotState] = [drafter.new_slot() for _ in range(n_slots)]
+        self.broken: str | None = None
+        self.steps = 0
+        self.failed_steps = 0
+        self.last_error = ""
+        self.fault_hook = None          # callable(phase: str) -> None, set by the fault injector (off by default)
+
+    # -- slots -----------------------------------------------------------------------------------------------------
+    def reset_slots(self, slots: list[int], generation: int | None = None) -> None:
+        """Forget the context of these slots (acquire, release, resync)."""
+        for s in slots:
+            self.slots[s].reset()
+            if generation is not None:
+                self.slots[s].generation = generation
+
+    def slot_info(self, s: int) -> dict:
+        st = self.slots[s]
+        return {"position": st.position, "base": st.base, "generation": st.generation}
+
+    # -- the step --------------------------------------------------------------------------------------------------
+    def check(self, e: StepEntry) -> str | None:
+        d = self.drafter
+        if not 0 <= e.slot < len(self.slots):
+            return f"slot {e.slot} outside [0, {len(self.slots)})"
+        why = d.check_draft(e.seed, e.n_out)
+        if why:
+            return why
+        taps = e.taps if e.taps is not None else torch.zeros(0, d.cfg.n_taps * d.cfg.hidden_size, dtype=torch.float16)
+        return d.check_insert(self.slots[e.slot], e.start, e.token_ids, taps, e.rollback_to)
+
+    def step(self, entries: list[StepEntry]) -> list[EntryOut]:
+        """Run one batch: refuse bad entries alone, apply rollbacks and inserts, draft the rest in one batch."""
+        if self.broken:
+            raise EngineBroken(f"rank {self.rank} refuses steps: {self.broken}")
+        self.steps += 1
+        self.coll.count = 0
+        outs: list[EntryOut | None] = [None] * len(entries)
+        seen: set[int] = set()
+        good = []
+        for i, e in enumerate(entries):
+            why = self.check(e)
+            if why is None and e.slot in seen:
+                why = f"slot {e.slot} appears twice in one batch"
+            if why:
+                outs[i] = EntryOut(BAD_ENTRY, f"slot {e.slot}: {why}")
+            else:
+                seen.add(e.slot)
+                good.append(i)
+        done = False       # every collective of the step has completed
+        try:
+            self._hook("start")
+            for i in good:
+                e = entries[i]
+                taps = e.taps if e.taps is not None else torch.zeros(
+                    0, self.drafter.cfg.n_taps * self.drafter.cfg.hidden_size, dtype=torch.float16)
+                self.drafter.insert(self.slots[e.slot], e.start, e.token_ids, taps, e.rollback_to)
+            if good:
+                n_out = max(entries[i].n_out for i in good)
+                margins = any(entries[i].want_margins for i in good)
+                res = self.drafter.draft([self.slots[entries[i].slot] for i in good],
+                                         [entries[i].seed for i in good], n_out, margins)
+                for j, i in enumerate(good):
+                    k = entries[i].n_out
+                    conf = res.confidences[j, :k]
+                    outs[i] = EntryOut(
+                        OK, "", res.drafts[j, :k], conf,
+                        res.margins[j, :k] if entries[i].want_margins else None,
+                        int(confident_prefix(conf, self.drafter.head.threshold)))
+            done = True
+            self._hook("end")
+        except Exception as e:
+            self.failed_steps += 1
+            self.last_error = f"{type(e).__name__}: {e}"
+            # Mid-sequence (some but maybe not all collectives issued) or a collective's own failure: the peer may
+            # be parked in, or past, a collective we will never match. Latch.
+            if isinstance(e, CollectiveError) or (self.coll.count > 0 and not done):
+                self.broken = self.last_error
+                log.error("rank %d: step failed, engine latched broken: %s", self.rank, self.last_error)
+                raise EngineBroken(self.broken) from e
+            log.warning("rank %d: step failed (pair still in step): %s", self.rank, self.last_error)
+            raise StepFailed(self.last_error) from e
+        return outs  # type: ignore[return-value]
+
+    def _hook(self, phase: str) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(phase)
+
+    def status(self) -> dict:
+        return {"rank": self.rank, "steps": self.steps, "failed_steps": self.failed_steps,
+                "broken": self.broken, "last_error": self.last_error, "collectives": self.coll.describe(),
+                "time": time.time()}

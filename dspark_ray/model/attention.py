@@ -1,0 +1,82 @@
+"""DSpark attention of one drafter block: MQA with one shared K=V row, per-head sinks, output de-rotation and the
+grouped output projection (spec 3b.3).
+
+Parallel-unaware: it runs whatever heads its weights hold. `wq_b` / `attn_sink` / `wo_a` / `wo_b` may be a rank's
+slice (a whole number of o_groups); the result is then that rank's fp32 partial of the wo_b output, which the
+caller reduces. The kv side (wkv, kv_norm, the main-kv history) is always whole.
+"""
+from __future__ import annotations
+
+import torch
+
+from .ops import F32, Rope, exp, f16, fp8_fake_quant, head_norm, linear, rms_norm, tree_sum
+
+
+class Attention:
+    def __init__(self, w: dict[str, torch.Tensor], *, head_dim: int, rope_dim: int, o_lora_rank: int,
+                 heads_per_group: int, eps: float, rope: Rope, fp8_kv: bool):
+        self.wq_a, self.q_norm, self.wq_b = w["wq_a"], w["q_norm"], w["wq_b"]
+        self.wkv, self.kv_norm = w["wkv"], w["kv_norm"]
+        self.wo_b, self.sink = w["wo_b"], w["attn_sink"].float()
+        self.D, self.rd, self.Ro, self.hpg, self.eps = head_dim, rope_dim, o_lora_rank, heads_per_group, eps
+        self.n_heads = self.wq_b.shape[0] // head_dim            # local heads
+        self.n_groups = self.n_heads // heads_per_group
+        # wo_a is one 2-D tensor; group g uses rows [g*Ro, (g+1)*Ro). Views made once (the GEMM caches by tensor).
+        self.wo_a = [w["wo_a"][g * o_lora_rank:(g + 1) * o_lora_rank] for g in range(self.n_groups)]
+        self.scale = torch.tensor(head_dim ** -0.5, dtype=F32)
+        self.rope, self.fp8_kv = rope, fp8_kv
+
+    # -- the kv row: used for the context insert (main-kv rows) and for the block's own kv ----------------------
+    def kv_rows(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x (n, h) fp16 -> kv (n, D) fp16: wkv, weighted RMS norm over all D dims, RoPE on the last rd dims."""
+        kv = self._rope_tail(head_norm(linear(x, self.wkv), self.kv_norm, self.eps), pos)
+        if self.fp8_kv:       # DeepSeek's reference quantizes the kv nope part; exllamav3 only on request
+            kv = torch.cat((fp8_fake_quant(kv[:, :self.D - self.rd]), kv[:, self.D - self.rd:]), dim=-1)
+        return kv
+
+    def _rope_tail(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rotate dims [Dn, D) of x (n, ..., D) at positions pos (n,) in fp32 and round them to fp16."""
+        dn = self.D - self.rd
+        cos, sin = self.rope.cos_sin(pos)
+        shape = (pos.shape[0],) + (1,) * (x.dim() - 2) + (self.rd // 2,)
+        tail = f16(Rope.rotate(x[..., dn:], cos.reshape(shape), sin.reshape(shape)))
+        return torch.cat((x[..., :dn], tail), dim=-1)
+
+    # -- the draft block -------------------------------------------------------------------------------------------
+    def __call__(self, a: torch.Tensor, p0: list[int], hist: list[torch.Tensor], block: int) -> torch.Tensor:
+        """a (bsz*B, h) fp16, rows of request r at positions p0[r] + j; hist[r] (n_r, D) fp16 main-kv window.
+        Returns this shard's fp32 partial of the wo_b output (bsz*B, h)."""
+        H, D = self.n_heads, self.D
+        n = a.shape[0]
+        pos = torch.tensor([p + j for p in p0 for j in range(block)], dtype=torch.int64, device=a.device)
+        q = linear(rms_norm(linear(a, self.wq_a), self.q_norm, self.eps), self.wq_b).reshape(n, H, D)
+        q = self._rope_tail(head_norm(q, None, self.eps), pos)
+        kv = self.kv_rows(a, pos)
+        outs = []
+        for r, p in enumerate(p0):
+            rows = slice(r * block, (r + 1) * block)
+            keys = torch.cat((hist[r], kv[rows]), dim=0)           # (hist + B, D), V = K, non-causal
+            outs.append(self._attend(q[rows], keys, self.rope.cos_sin(pos[rows])))
+        o = torch.cat(outs, dim=0)                                  # (n, H, D) fp16
+        # Grouped output: group g holds heads [g*hpg, (g+1)*hpg), concatenated in head order.
+        u = o.reshape(n, self.n_groups, self.hpg * D)
+        z = torch.cat([linear(u[:, g], self.wo_a[g]) for g in range(self.n_groups)],
+                      dim=-1)
+        return linear(z, self.wo_b, out_dtype=F32)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, cs) -> torch.Tensor:
+        """Softmax with sink over one request's keys; q (B, H, D), keys (m, D) -> (B, H, D) fp16 after de-rotation.
+        fp32 scores; one max over the keys and the sink; fp32 denominator from unrounded exponentials; exponentials
+        rounded to fp16 for the PV product (exllamav3's rounding points)."""
+        kf = keys.float()
+        s = tree_sum(q.float()[:, :, None, :] * kf[None, None, :, :]) * self.scale     # (B, H, m)
+        sink = self.sink[None, :]                                                        # (1, H)
+        mu = torch.maximum(s.amax(dim=-1), sink)
+        e = exp(s - mu[..., None])
+        den = exp(sink - mu) + tree_sum(e)
+        pv = tree_sum(f16(e).float()[..., None] * kf[None, None, :, :], dim=-2)        # (B, H, D)
+        o = pv / den[..., None]
+        dn = self.D - self.rd
+        cos, sin = cs
+        tail = Rope.rotate(o[..., dn:], cos[:, None, :], sin[:, None, :], inverse=True)
+        return f16(torch.cat((o[..., :dn], tail), dim=-1))

@@ -1,0 +1,172 @@
+"""The DSpark block drafter, composed from its parts (spec section 3).
+
+Parallel-unaware math: the drafter holds the weight shards of the ranks that live in this process (one for tp1,
+a pair rank or solo; both for the emulated pair) and hands one partial per shard to its `Collectives` at the two
+reduction points of every block (after wo_b, after the FFN) and at every argmax. Which slice a shard holds is the
+layout table's business (`model/layout.py`); replicated tensors are read from the first shard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..collectives import Collectives, LocalCollectives
+from ..config import DrafterConfig
+from .attention import Attention
+from .heads import DraftHead, HeadOut, VocabShard
+from .mhc import HcSite, HyperHead
+from .moe import Experts, Router
+from .ops import Rope, linear, rms_norm
+from .state import SlotState
+
+Weights = dict[str, torch.Tensor]
+
+
+class DraftInputError(ValueError):
+    """A request the drafter refuses; raised before any state changes."""
+
+
+@dataclass
+class DraftOut(HeadOut):
+    normed: torch.Tensor | None = None      # (bsz, B, h) fp16 head input ("head hidden"), when asked for
+
+
+class _Block:
+    def __init__(self, cfg: DrafterConfig, n: int, shards: list[Weights], rope: Rope, fp8_kv: bool):
+        p = f"mtp.{n}."
+        w0 = shards[0]
+        hc = dict(m=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+        self.hc_attn = HcSite(w0[p + "hc_attn_fn"], w0[p + "hc_attn_base"], w0[p + "hc_attn_scale"], **hc)
+        self.hc_ffn = HcSite(w0[p + "hc_ffn_fn"], w0[p + "hc_ffn_base"], w0[p + "hc_ffn_scale"], **hc)
+        self.attn_norm, self.ffn_norm = w0[p + "attn_norm.weight"], w0[p + "ffn_norm.weight"]
+        self.eps = cfg.rms_norm_eps
+        self.attn = [Attention({k: w[p + "attn." + k + ("" if k == "attn_sink" else ".weight")]
+                                for k in ("wq_a", "q_norm", "wq_b", "wkv", "kv_norm", "wo_a", "wo_b", "attn_sink")},
+                               head_dim=cfg.head_dim, rope_dim=cfg.qk_rope_head_dim, o_lora_rank=cfg.o_lora_rank,
+                               heads_per_group=cfg.heads_per_group, eps=cfg.rms_norm_eps, rope=rope, fp8_kv=fp8_kv)
+                     for w in shards]
+        self.router = Router(w0[p + "ffn.gate.weight"], w0[p + "ffn.gate.bias"], top_k=cfg.num_experts_per_tok,
+                             scaling=cfg.routed_scaling_factor)
+        e = p + "ffn.experts."
+        s = p + "ffn.shared_experts."
+        self.experts = [Experts([w[f"{e}{i}.w1.weight"] for i in range(cfg.n_routed_experts)],
+                                [w[f"{e}{i}.w3.weight"] for i in range(cfg.n_routed_experts)],
+                                [w[f"{e}{i}.w2.weight"] for i in range(cfg.n_routed_experts)],
+                                (w[s + "w1.weight"], w[s + "w3.weight"], w[s + "w2.weight"]),
+                                limit=cfg.swiglu_limit)
+                        for w in shards]
+
+    def __call__(self, x, p0, hist, block, coll: Collectives):
+        c, post, comb = self.hc_attn.collapse(x)
+        a = rms_norm(c, self.attn_norm, self.eps)
+        y = coll.all_reduce([attn(a, p0, hist, block) for attn in self.attn])
+        x = HcSite.expand(x, y, post, comb)
+        c, post, comb = self.hc_ffn.collapse(x)
+        f = rms_norm(c, self.ffn_norm, self.eps)
+        experts, weights = self.router(f)
+        y = coll.all_reduce([ex(f, experts, weights) for ex in self.experts])
+        return HcSite.expand(x, y, post, comb), experts
+
+
+class Drafter:
+    def __init__(self, cfg: DrafterConfig, shards: list[Weights], vocab_starts: list[int] | None = None,
+                 coll: Collectives | None = None, *, fp8_kv: bool = False, conf_threshold: float = 0.5):
+        self.cfg = cfg
+        self.coll = coll or LocalCollectives(len(shards))
+        if len(shards) != len(self.coll.local_ranks):
+            raise ValueError(f"{len(shards)} shards for collectives with local ranks {self.coll.local_ranks}")
+        vocab_starts = vocab_starts or [0]
+        w0 = shards[0]
+        dev = w0["embed.weight"].device
+        self.device = dev
+        self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta, dev)
+        self.embed = w0["embed.weight"]
+        self.main_proj, self.main_norm = w0["mtp.0.main_proj.weight"], w0["mtp.0.main_norm.weight"]
+        self.blocks = [_Block(cfg, n, shards, self.rope, fp8_kv) for n in range(cfg.n_blocks)]
+        last = f"mtp.{cfg.n_blocks - 1}."
+        self.hyper_head = HyperHead(w0[last + "hc_head_fn"], w0[last + "hc_head_base"], w0[last + "hc_head_scale"],
+                                    hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+        self.final_norm = w0[last + "norm.weight"]
+        mk = last + "markov_head."
+        self.head = DraftHead(
+            [VocabShard(w["head.weight"], w[mk + "markov_w2.weight"], w.get(mk + "markov_w2.bias"), start)
+             for w, start in zip(shards, vocab_starts)],
+            w0[mk + "markov_w1.weight"], w0[last + "confidence_head.proj.weight"],
+            w0.get(last + "confidence_head.proj.bias"), self.coll, conf_threshold)
+        self.last_experts: list[torch.Tensor] = []      # routing of the last draft, per block (for diagnostics)
+
+    # -- slots -----------------------------------------------------------------------------------------------------
+    def new_slot(self) -> SlotState:
+        c = self.cfg
+        return SlotState(c.n_blocks, c.sliding_window, 128, c.head_dim, self.device)
+
+    # -- context insert (spec 3a) ----------------------------------------------------------------------------------
+    def check_insert(self, state: SlotState, start: int, token_ids: torch.Tensor, taps: torch.Tensor,
+                     rollback_to: int = -1) -> str | None:
+        """Every check of an insert (after an optional rollback), without touching the state."""
+        c = self.cfg
+        if rollback_to >= 0:
+            why = state.check_rollback(rollback_to)
+            if why:
+                return why
+        n = token_ids.shape[0]
+        width = c.n_taps * c.hidden_size
+        if taps.dim() != 2 or taps.shape != (n, width):
+            return f"taps shape {tuple(taps.shape)} != ({n}, {width}) (rows, n_taps * hidden)"
+        if taps.dtype != torch.float16:
+            return f"taps dtype {taps.dtype} != float16"
+        if n and not bool(torch.isfinite(taps).all()):
+            return "taps hold inf or nan"
+        if n and (int(token_ids.min()) < 0 or int(token_ids.max()) >= c.vocab_size):
+            bad = token_ids[(token_ids < 0) | (token_ids >= c.vocab_size)][0]
+            return f"token id {int(bad)} outside [0, {c.vocab_size})"
+        return state.check_insert(start, n, rollback_to)
+
+    def insert(self, state: SlotState, start: int, token_ids: torch.Tensor, taps: torch.Tensor,
+               rollback_to: int = -1) -> None:
+        why = self.check_insert(state, start, token_ids, taps, rollback_to)
+        if why:
+            raise DraftInputError(why)
+        if rollback_to >= 0:
+            state.rollback(rollback_to)
+        n = taps.shape[0]
+        if n == 0:
+            return
+        x = rms_norm(linear(taps.to(self.device), self.main_proj), self.main_norm, self.cfg.rms_norm_eps)
+        pos = torch.arange(start, start + n, device=self.device)
+        state.write(start, [b.attn[0].kv_rows(x, pos) for b in self.blocks])
+
+    # -- draft forward + head (spec 3b, 3c, 3d) --------------------------------------------------------------------
+    def check_draft(self, seed: int, n_out: int) -> str | None:
+        if not 0 <= seed < self.cfg.vocab_size:
+            return f"seed token {seed} outside [0, {self.cfg.vocab_size})"
+        if not 1 <= n_out <= self.cfg.block_size:
+            return f"n_out {n_out} outside 1..{self.cfg.block_size}"
+        return None
+
+    @torch.inference_mode()
+    def draft(self, states: list[SlotState], seeds: list[int], n_out: int, want_margins: bool = False,
+              debug: bool = False) -> DraftOut:
+        """Draft n_out tokens for each slot, seeds at p0 = each slot's position. Row i of the block predicts
+        position p0 + i + 1; drafts for n_out = k are the first k of n_out = B (the loop never looks ahead)."""
+        c = self.cfg
+        for s in seeds:
+            why = self.check_draft(s, n_out)
+            if why:
+                raise DraftInputError(why)
+        B, bsz = c.block_size, len(states)
+        ids = torch.full((bsz, B), c.dspark_noise_token_id, dtype=torch.int64, device=self.device)
+        ids[:, 0] = torch.tensor(seeds, dtype=torch.int64, device=self.device)
+        e = self.embed[ids.flatten()].float()                               # bf16 -> fp32 is exact
+        x = e[:, None, :].expand(-1, c.hc_mult, -1).contiguous()           # (bsz*B, M, h) fp32 streams
+        p0 = [s.position for s in states]
+        self.last_experts = []
+        for n, blk in enumerate(self.blocks):
+            x, experts = blk(x, p0, [s.history(n) for s in states], B, self.coll)
+            self.last_experts.append(experts)
+        prenorm = self.hyper_head(x)                                        # (bsz*B, h) fp32
+        normed = rms_norm(prenorm, self.final_norm, c.rms_norm_eps)
+        out = self.head(normed.reshape(bsz, B, -1), prenorm.reshape(bsz, B, -1),
+                        ids[:, 0], n_out, want_margins, keep_logits=debug)
+        return DraftOut(**vars(out), normed=normed.reshape(bsz, B, -1) if debug else None)

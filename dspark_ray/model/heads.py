@@ -1,0 +1,87 @@
+"""Exit of the drafter (spec 3c, 3d): the trunk head, the sequential Markov loop that picks the drafts, and the
+confidence head that bounds the draft length.
+
+The vocabulary may be split into shards (rank r holds ids [start_r, stop_r) of the head and of markov_w2). Each
+shard computes its logits and its local (max, first argmax); the collectives combine them (ties to the lower id,
+i.e. the lower shard). NaN policy: a NaN logit never wins (it is replaced by -inf before the argmax).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..collectives import Collectives
+from .ops import F32, f16, linear, sigmoid
+
+
+@dataclass
+class VocabShard:
+    head: torch.Tensor                  # (V_r, h) fp16
+    markov_w2: torch.Tensor             # (V_r, r) fp16
+    markov_b2: torch.Tensor | None      # (V_r,) fp16 or None
+    start: int                          # global id of local row 0
+
+
+@dataclass
+class HeadOut:
+    drafts: torch.Tensor                # (bsz, n_out) int64
+    confidences: torch.Tensor           # (bsz, n_out) fp32 sigmoid scores
+    confident_len: torch.Tensor         # (bsz,) int64: longest all-confident prefix
+    margins: torch.Tensor | None        # (bsz, n_out) fp32 top-1 minus top-2 of the combined logits
+    logits: torch.Tensor | None         # (bsz, n_out, sum of local V_r) fp32, the local shards' final logits
+
+
+def confident_prefix(conf: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Length of the longest all-confident prefix (sigmoid score >= threshold) along the last dim: 0..n."""
+    return torch.cumprod((conf >= threshold).to(torch.int64), dim=-1).sum(dim=-1)
+
+
+def _local_top(l: torch.Tensor, start: int, want_top2: bool):
+    l = torch.where(torch.isnan(l), torch.full_like(l, -torch.inf), l)
+    m, i = l.max(dim=-1)                # torch returns the first maximal index
+    gi = i + start
+    if not want_top2:
+        return (m, gi)
+    rest = l.scatter(-1, i[:, None], -torch.inf)
+    return (m, rest.amax(dim=-1), gi)
+
+
+class DraftHead:
+    def __init__(self, shards: list[VocabShard], markov_w1: torch.Tensor, conf_w: torch.Tensor,
+                 conf_b: torch.Tensor | None, coll: Collectives, threshold: float = 0.5):
+        self.shards, self.markov_w1, self.conf_w, self.conf_b = shards, markov_w1, conf_w, conf_b
+        self.coll, self.threshold = coll, threshold
+
+    def __call__(self, normed: torch.Tensor, prenorm: torch.Tensor, seeds: torch.Tensor, n_out: int,
+                 want_margins: bool, keep_logits: bool = False) -> HeadOut:
+        """normed (bsz, B, h) fp16 final-norm output; prenorm (bsz, B, h) fp32 HyperHead output; seeds (bsz,)."""
+        bsz = normed.shape[0]
+        lg = [linear(normed[:, :n_out], s.head).float() for s in self.shards]      # only the rows we draft
+        prev = seeds.to(torch.int64)
+        drafts, margins, embs, logits = [], [], [], []
+        for i in range(n_out):
+            me = f16(self.markov_w1[prev])                                          # (bsz, r) bf16 -> fp16
+            embs.append(me)
+            ls = [lg[k][:, i] + linear(me, s.markov_w2, bias=s.markov_b2).float()
+                  for k, s in enumerate(self.shards)]
+            if keep_logits:
+                logits.append(torch.cat(ls, dim=-1))
+            if want_margins:
+                top1, top2, prev = self.coll.top2_exchange([_local_top(l, s.start, True)
+                                                            for l, s in zip(ls, self.shards)])
+                margins.append(top1 - top2)
+            else:
+                _, prev = self.coll.max_exchange([_local_top(l, s.start, False) for l, s in zip(ls, self.shards)])
+            drafts.append(prev)
+        # Confidence of row i from [f16(prenorm_i) ; markov embedding of the token that predicted d_{i+1}].
+        ci = torch.cat((f16(prenorm[:, :n_out]), torch.stack(embs, dim=1)), dim=-1)
+        c = linear(ci, self.conf_w, bias=self.conf_b)[..., 0]
+        conf = sigmoid(c.float())
+        return HeadOut(
+            drafts=torch.stack(drafts, dim=1),
+            confidences=conf,
+            confident_len=confident_prefix(conf, self.threshold),
+            margins=torch.stack(margins, dim=1) if want_margins else None,
+            logits=torch.stack(logits, dim=1) if keep_logits else None,
+        )

@@ -1,0 +1,61 @@
+"""The drafter block's MoE (spec 3b.4): sqrt-softplus router with a selection-only bias, top-k, clamped SwiGLU
+experts and a shared expert.
+
+Parallel-unaware: the router is whole (every rank routes identically from identical inputs); the expert and shared
+weights may be a rank's slice of the intermediate channels, and the result is then that rank's fp32 partial
+R_r + S_r, which the caller reduces.
+"""
+from __future__ import annotations
+
+import torch
+
+from .ops import F32, f16, linear, softplus, swiglu, tree_sum
+
+
+class Router:
+    def __init__(self, gate: torch.Tensor, bias: torch.Tensor, *, top_k: int, scaling: float):
+        self.gate = gate
+        b = bias.float()
+        # Selection bias only (noaux_tc): mean-centred, then fp16. Centring leaves the choice unchanged up to rounding.
+        self.bsel = f16(b - tree_sum(b) / b.numel()).float()
+        self.top_k, self.scaling = top_k, torch.tensor(scaling, dtype=F32)
+
+    def __call__(self, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """f (n, h) fp16 -> (experts (n, k) int64 in selection order, weights (n, k) fp16)."""
+        lg = linear(f, self.gate)                                        # fp16 router logits
+        sc = torch.sqrt(softplus(lg.float()))       # sqrt is correctly rounded everywhere
+        key = sc + self.bsel
+        key = torch.where(torch.isnan(key), torch.full_like(key, -torch.inf), key)
+        # A stable descending sort keeps the lower expert id first among equal keys: ties go to the lower id.
+        order = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :self.top_k]
+        chosen = torch.gather(sc, 1, order)
+        den = chosen[:, 0]
+        for i in range(1, self.top_k):                                   # summed in selection order
+            den = den + chosen[:, i]
+        w = f16(chosen * self.scaling / (den + 1e-20)[:, None])
+        return order, w
+
+
+class Experts:
+    """Routed experts + shared expert of one block (possibly a channel slice of each)."""
+
+    def __init__(self, w1: list[torch.Tensor], w3: list[torch.Tensor], w2: list[torch.Tensor],
+                 shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, limit: float):
+        self.w1, self.w3, self.w2, self.shared, self.limit = w1, w3, w2, shared, limit
+
+    def _mlp(self, f: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        act = swiglu(linear(f, w1), linear(f, w3), self.limit)
+        return linear(act, w2, out_dtype=F32)
+
+    def __call__(self, f: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """f (n, h) fp16; returns the fp32 partial (n, h) = sum_k w_k d_{e_k} (ascending expert id) + shared."""
+        n = f.shape[0]
+        routed = torch.zeros(n, self.w2[0].shape[0], dtype=F32, device=f.device)
+        wf = weights.float()
+        for e in torch.unique(experts).tolist():                         # ascending expert id
+            hit = experts == e                                           # (n, k): at most one True per row
+            rows = hit.any(dim=1).nonzero().flatten()
+            d = self._mlp(f[rows], self.w1[e], self.w3[e], self.w2[e])   # row-invariant: only the hit rows
+            we = (wf * hit).sum(dim=1)[rows]                             # the one weight of e per row (exact)
+            routed[rows] = routed[rows] + we[:, None] * d
+        return routed + self._mlp(f, *self.shared)

@@ -1,0 +1,198 @@
+"""Numeric building blocks with pinned rounding points and a pinned reduction order.
+
+Every reduction the drafter does along a hidden dimension (GEMM dot products, RMS means, attention dots and
+probability-weighted sums) goes through `tree_sum`: products are formed in fp32 (exact for fp16 x fp16), then added
+as a fixed pairwise tree over the reduced axis. The order depends only on the axis length, never on how many rows
+share the call, the thread count or the device, so
+
+* a request's drafts do not depend on which other requests share its batch (batch invariance),
+* the CPU suite, a CPU rank in a Ray actor (one thread) and an in-process reference (two threads) agree bit for bit.
+
+A library GEMM (MKL, cuBLAS) chooses its blocking by the row count and thread count and so breaks both (measured
+on this CPU with torch 2.13: `x @ W.T` for 20 rows differs from the same rows one at a time). The GPU engine swaps
+`linear` for a batch-invariant kernel of its own through `set_matmul`, a start-up choice.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+F16 = torch.float16
+F32 = torch.float32
+
+# Bound the (rows, N, K) fp32 product tensor of one tree-sum GEMM chunk (bytes); the N-chunking does not change bits.
+_CHUNK_BYTES = 64 << 20
+
+
+def f16(x: torch.Tensor) -> torch.Tensor:
+    """Round to fp16 (round-to-nearest-even). Overflow becomes inf, as on the GPU: the synthetic weights are scaled
+    so that it never happens, and the tests check every activation stays finite."""
+    return x if x.dtype == F16 else x.to(F16)
+
+
+# Transcendentals are evaluated in fp64 and rounded once to fp32. torch's CPU kernels compute the bulk of a tensor
+# with a vectorized exp / rsqrt and the tail with a scalar one, which can differ by an ulp, so an element's fp32
+# value would depend on its position in the tensor, i.e. on the batch (seen here: logits of a lone request
+# differed from the same request batched with another). In fp64 both paths are far inside one fp32 ulp, so the
+# rounded fp32 result is the same wherever the element sits, on any device.
+def exp(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x.double()).float()
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(x.double()).float()
+
+
+def rsqrt(x: torch.Tensor) -> torch.Tensor:
+    return torch.rsqrt(x.double()).float()
+
+
+def softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:
+    """softplus(x) = x above the threshold, log1p(exp(x)) otherwise (fp64, rounded once)."""
+    xd = x.double()
+    return torch.where(xd > threshold, xd, torch.log1p(torch.exp(xd))).float()
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Sum along `dim` in a fixed pairwise order: pad with zeros to a power of two 2h, add element i to element
+    i + h, repeat until one is left. Zeros add exactly, so the padding never changes a bit. The reduced axis is
+    moved to the front so every halving is one add of two contiguous blocks."""
+    x = x.movedim(dim, 0)
+    n = x.shape[0]
+    if n == 0:
+        return x.new_zeros(x.shape[1:])
+    p = 1 << max(0, math.ceil(math.log2(n)))
+    if p != n:
+        x = torch.cat((x, x.new_zeros((p - n,) + tuple(x.shape[1:]))))
+    while x.shape[0] > 1:
+        h = x.shape[0] // 2
+        x = x[:h] + x[h:]
+    return x[0]
+
+
+# fp32, transposed (K, N) copies of the weights, made once: the tree GEMM reads them every call.
+_wt_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _weight_t(w: torch.Tensor) -> torch.Tensor:
+    hit = _wt_cache.get(id(w))
+    if hit is None or hit[0] is not w:
+        hit = (w, w.float().t().contiguous())
+        _wt_cache[id(w)] = hit
+    return hit[1]
+
+
+def linear_tree(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 result of x @ w.T with exact fp32 products (fp16-valued operands) and the fixed `tree_sum` order over
+    K. x (..., K), w (N, K). Products are laid out (K, rows, N) so the halvings run over contiguous blocks."""
+    lead = x.shape[:-1]
+    xt = x.reshape(-1, x.shape[-1]).float().t()              # (K, rows)
+    wt = _weight_t(w)                                         # (K, N)
+    k, rows = xt.shape
+    n = wt.shape[1]
+    step = max(1, _CHUNK_BYTES // max(1, rows * k * 4))
+    outs = [tree_sum(xt[:, :, None] * wt[:, None, c:c + step], dim=0) for c in range(0, n, step)]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    return out.reshape(*lead, n)
+
+
+_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = linear_tree
+
+
+def set_matmul(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """Install the fp32-accumulating matmul used by every dense layer (a start-up decision)."""
+    global _matmul
+    _matmul = fn
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = F16,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Linear(W, x) = x @ W.T of fp16-valued operands, fp32 accumulation, one rounding to `out_dtype`."""
+    y = _matmul(x, w)
+    if bias is not None:
+        y = y + bias.float()
+    return f16(y) if out_dtype == F16 else y
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Block RMSNorm: y = (x * w) * rsqrt(mean(x^2) + eps) entirely in fp32, output fp16 (spec section 4).
+    x is fp16 or fp32; w is bf16 (kept) or fp16, read exactly as fp32."""
+    xf = x.float()
+    r = rsqrt(tree_sum(xf * xf) / xf.shape[-1] + eps)
+    return f16((xf * w.float()) * r[..., None])
+
+
+def head_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The fused per-head norm of the q heads (w None: a ones vector) and of the kv row (w = kv_norm).
+    Sum of squares in fp32; with a bf16 (or fp32) weight the product (x * rsqrt) * w is rounded once to fp16; with an
+    fp16 weight exllamav3 rounds x * rsqrt to fp16 first and multiplies in fp16 (double rounding)."""
+    xf = x.float()
+    r = rsqrt(tree_sum(xf * xf) / xf.shape[-1] + eps)[..., None]
+    if w is None:
+        return f16(xf * r)
+    if w.dtype == F16:
+        return f16(f16(xf * r).float() * w.float())
+    return f16((xf * r) * w.float())
+
+
+class Rope:
+    """GPT-J (interleaved) rotary embedding on the last `rd` dims, unscaled (the drafter's sliding blocks).
+
+    inv_freq_i = 1 / theta^(2i/rd) and sin/cos are computed in fp64 and rounded to fp32; the angle is the fp32
+    product f32(w_i * p). The table is computed per call for the positions asked (exact either way)."""
+
+    def __init__(self, rd: int, theta: float, device: torch.device | str = "cpu"):
+        i = torch.arange(rd // 2, dtype=torch.float64)
+        self.inv_freq = (1.0 / (theta ** (2.0 * i / rd))).to(F32).to(device)
+        self.rd = rd
+
+    def cos_sin(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ang = pos.to(F32)[..., None] * self.inv_freq          # fp32 product
+        a64 = ang.double()
+        return torch.cos(a64).float(), torch.sin(a64).float()
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate the interleaved pairs of x (..., rd) in fp32; returns fp32. cos/sin broadcast to (..., rd/2)."""
+        xf = x.float()
+        x0, x1 = xf[..., 0::2], xf[..., 1::2]
+        if inverse:
+            y0, y1 = x0 * cos + x1 * sin, x1 * cos - x0 * sin
+        else:
+            y0, y1 = x0 * cos - x1 * sin, x1 * cos + x0 * sin
+        return torch.stack((y0, y1), dim=-1).flatten(-2)
+
+
+def silu_f16(g: torch.Tensor) -> torch.Tensor:
+    """silu(g) in correctly rounded fp16 steps, as exllamav3's dense path (h2exp / h2rcp):
+    f16(g * f16(1 / f16(1 + f16(exp(-g)))))."""
+    gf = g.float()
+    t = f16(exp(-gf)).float()
+    t = f16(1.0 + t).float()
+    r = f16(1.0 / t).float()
+    return f16(gf * r)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """Clamped SwiGLU in exllamav3's order: f16(min(silu(g), L) * clamp(u, -L, L)), fp16 in and out.
+
+    We follow exllamav3 rather than DeepSeek's reference (silu(min(g, L))): exllamav3 is the implementation our
+    spec was checked against bit for bit on drafts (spec section 10), and the two differ only where g > L, by at
+    most L * (1 - sigmoid(L)) in the gate factor. limit == 0 disables both clamps."""
+    s = silu_f16(g).float()
+    uf = u.float()
+    if limit > 0:
+        s = torch.clamp(s, max=limit)
+        uf = torch.clamp(uf, -limit, limit)
+    return f16(s * uf)
+
+
+def fp8_fake_quant(x: torch.Tensor, group: int = 64) -> torch.Tensor:
+    """e4m3 fake-quant in groups of `group` with power-of-two scales (DeepSeek's act_quant), back to fp16."""
+    g = x.float().reshape(*x.shape[:-1], -1, group)
+    amax = g.abs().amax(-1, keepdim=True).clamp(min=1e-12).double()
+    s = torch.exp2(torch.ceil(torch.log2(amax / 448.0))).float()     # a power of two: exact in fp32
+    q = (g / s).to(torch.float8_e4m3fn).float() * s
+    return f16(q.reshape(x.shape))

@@ -1,0 +1,84 @@
+"""Per-slot drafter state: the main-kv history of every drafter block, the slot's position and generation.
+
+History is a ring of `capacity` rows per block indexed by absolute position (row of position t at t % capacity).
+The draft reads the last min(W, rows held) rows before p0. We write exactly the rows a client sends, and capacity
+is W + the insert limit (128), which is >= W + B + 1, so the ring hazard of spec 3a (a row written at q >= p0
+overwriting q - W, still inside the window) cannot occur, and a whole insert can always be rolled back.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class SlotState:
+    def __init__(self, n_blocks: int, window: int, max_rows: int, head_dim: int, device="cpu"):
+        self.window, self.max_rows = window, max_rows
+        self.capacity = window + max_rows
+        self.kv = torch.zeros(n_blocks, self.capacity, head_dim, dtype=torch.float16, device=device)
+        self.generation = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the context (a fresh slot). The generation is the owner's business (bumped on resync)."""
+        self.base = -1          # first position held (-1: fresh, the next insert may start anywhere)
+        self.position = 0       # p0: the number of positions with rows = where the next insert starts
+
+    @property
+    def fresh(self) -> bool:
+        return self.base < 0
+
+    @property
+    def oldest(self) -> int:
+        """Lowest position whose row is still held."""
+        return max(self.base, self.position - self.capacity)
+
+    def hist_len(self) -> int:
+        """History rows the draft reads: the last W before p0, fewer when the slot holds fewer (partial window)."""
+        return 0 if self.fresh else min(self.window, self.position - self.base)
+
+    def history(self, block: int) -> torch.Tensor:
+        n = self.hist_len()
+        idx = torch.arange(self.position - n, self.position, device=self.kv.device) % self.capacity
+        return self.kv[block, idx]
+
+    # -- checks first, so a refused request leaves the state untouched -------------------------------------------
+    def check_rollback(self, q: int) -> str | None:
+        if q > self.position:
+            return f"rollback_to {q} > slot position {self.position}"
+        if self.fresh:
+            return None if q == 0 else f"rollback_to {q} on a fresh slot (no rows)"
+        lowest = max(self.base, self.position - self.capacity + self.window)
+        if q < lowest and q != self.base:
+            return (f"rollback_to {q} < {lowest}: rows below it are no longer held "
+                    f"(the slot keeps W + {self.max_rows} rows)")
+        return None
+
+    def check_insert(self, start: int, n: int, rollback_to: int = -1) -> str | None:
+        """Checks of an insert of n rows at `start`, after the optional rollback (already checked)."""
+        fresh_after = self.fresh or (rollback_to >= 0 and rollback_to == self.base)
+        pos_after = rollback_to if rollback_to >= 0 else self.position
+        if n > self.max_rows:
+            return f"{n} rows > insert limit {self.max_rows}"
+        if start < 0:
+            return f"start position {start} < 0"
+        if n > 0 and not fresh_after and start != pos_after:
+            return f"position gap: insert starts at {start}, slot position is {pos_after}"
+        return None
+
+    # -- mutations -----------------------------------------------------------------------------------------------
+    def rollback(self, q: int) -> None:
+        if self.fresh or q == self.base:
+            self.reset()
+        else:
+            self.position = q
+
+    def write(self, start: int, rows_per_block: list[torch.Tensor]) -> None:
+        n = rows_per_block[0].shape[0]
+        if n == 0:
+            return
+        if self.fresh:
+            self.base, self.position = start, start
+        idx = torch.arange(start, start + n, device=self.kv.device) % self.capacity
+        for b, rows in enumerate(rows_per_block):
+            self.kv[b, idx] = rows
+        self.position = start + n

@@ -1,0 +1,285 @@
+"""A deterministic synthetic checkpoint in the DeepSeek-V4 drafter namespace (no real checkpoint is reachable).
+
+    synthesize(cfg, out_dir, seed=0, device="cpu")   ->   out_dir/config.json
+                                                           out_dir/model.safetensors            (one shard), or
+                                                           out_dir/model-0000i-of-0000N.safetensors + index.json
+                                                           out_dir/dspark-manifest.json         (written last)
+
+The bytes depend only on (config, seed, SCALES), never on the device that drew them: every value comes from a
+counter-based integer hash of (seed, crc32(name), element index) computed with exact int64 ops, turned into a
+uniform by exact fp32 ops (24 hash bits -> k / 2**23 - 1), then ONE correctly rounded fp32 multiply by the scale,
+an exact-or-correctly-rounded add of the centre, and the round-to-nearest-even cast to the storage dtype. IEEE
+gives those the same result on a CPU and a GPU; each is a separate torch op (no fused multiply-add can form).
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import json
+import math
+import struct
+import sys
+import time
+import zlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import DrafterConfig, preset
+from .inventory import TensorSpec, tensor_specs
+from .manifest import DTYPE_TAGS, compute_manifest, write_manifest
+
+
+# ==== value distributions: the ONE table to tune ==================================================================
+@dataclass(frozen=True)
+class Draw:
+    """value = center + half * U, U uniform on [-1, 1).
+
+    Give `half` directly, or `std` (a uniform's std is half / sqrt(3)); with `per_fan_in` the std is divided by
+    sqrt(fan_in), fan_in = the tensor's last dimension (a Linear's in-features in (out, in) orientation).
+    """
+    center: float = 0.0
+    half: float | None = None
+    std: float | None = None
+    per_fan_in: bool = False
+
+    def half_width(self, shape: tuple[int, ...]) -> float:
+        if self.half is not None:
+            return self.half
+        std = self.std / math.sqrt(shape[-1]) if self.per_fan_in else self.std
+        return std * math.sqrt(3.0)
+
+
+def fan_in(gain: float) -> Draw:        # std = gain / sqrt(fan_in): keeps a Linear's output near the input's scale
+    return Draw(std=gain, per_fan_in=True)
+
+
+def around(center: float, half: float) -> Draw:     # U(center - half, center + half)
+    return Draw(center=center, half=half)
+
+
+def with_std(std: float) -> Draw:
+    return Draw(std=std)
+
+
+# First match wins (fnmatch over the full tensor name, `*` also crosses dots). Every tensor must match one entry.
+SCALES: list[tuple[str, Draw]] = [
+    ("mtp.*.attn.attn_sink",               around(0.0, 1.0)),   # nonzero: the sink term must change softmax
+    ("mtp.*.hc_*_fn",                      fan_in(0.02)),       # small mixing logits: base/scale dominate mHC
+    ("mtp.*.hc_*_base",                    around(0.0, 0.5)),
+    ("mtp.*.hc_*_scale",                   around(1.0, 0.5)),   # [pre, post, comb] (hc_head: one scalar)
+    ("mtp.*.ffn.gate.bias",                around(0.0, 0.3)),   # selection bias: big enough to move the top-k
+    ("*norm.weight",                       around(1.0, 0.1)),   # attn/ffn/q/kv/main_norm and the final norm
+    ("embed.weight",                       with_std(1.0)),
+    ("*.markov_head.markov_w1.weight",     with_std(1.0)),
+    ("*.markov_head.markov_w2.weight",     fan_in(1.0)),
+    ("*.confidence_head.proj.weight",      fan_in(1.0)),
+    ("head.weight",                        fan_in(1.0)),
+    ("*.ffn.gate.weight",                  fan_in(1.0)),
+    ("*.weight",                           fan_in(1.0)),        # every other Linear (attn, experts, main_proj)
+]
+
+
+def draw_for(name: str) -> Draw:
+    for pattern, draw in SCALES:
+        if fnmatch.fnmatchcase(name, pattern):
+            return draw
+    raise KeyError(f"tensor {name!r}: no SCALES entry matches; add one to dspark_ray/weights/synth.py")
+
+
+# ==== counter-based RNG (exact integer ops) =========================================================================
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2**32 for 0 <= x < 2**32 without int64 overflow (c = 0x846ca68b > 2**31 would overflow a plain
+    int64 product, and signed overflow is not something to rely on across CPU and CUDA)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def lowbias32(x):
+    """Chris Wellons' "lowbias32" integer hash; works on Python ints and on int64 tensors alike."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _tensor_keys(seed: int, name: str) -> tuple[int, int]:
+    k1 = lowbias32((lowbias32(seed & _M32) ^ zlib.crc32(name.encode())) & _M32)
+    return k1, lowbias32(k1 ^ 0x9E3779B9)
+
+
+def uniform(seed: int, name: str, start: int, count: int, device="cpu") -> torch.Tensor:
+    """Elements [start, start+count) of the tensor's stream: fp32 k / 2**23 - 1 in [-1, 1), k a 24-bit hash.
+
+    Two hash rounds, the key mixed into each: with one round, two tensors would draw the same values at indices
+    that differ by the xor of their keys.
+    """
+    if start + count > 1 << 32:
+        raise ValueError(f"tensor {name}: {start + count} elements exceeds the 2**32 counter range")
+    k1, k2 = _tensor_keys(seed, name)
+    x = torch.arange(start, start + count, dtype=torch.int64, device=device)
+    x = lowbias32(lowbias32(x ^ k1) ^ k2)
+    u = (x >> 8).to(torch.float32)                  # < 2**24: exact in fp32
+    return u.mul_(2.0 ** -23).sub_(1.0)             # power-of-two scale and the -1 are exact
+
+
+def draw_values(spec: TensorSpec, seed: int, start: int, count: int, device="cpu") -> torch.Tensor:
+    """Elements [start, start+count) of the flattened tensor in its storage dtype."""
+    d = draw_for(spec.name)
+    half = torch.tensor(d.half_width(spec.shape), dtype=torch.float32, device=device)   # rounded once, to fp32
+    v = uniform(seed, spec.name, start, count, device).mul_(half)
+    if d.center:
+        v.add_(torch.tensor(d.center, dtype=torch.float32, device=device))
+    return v.to(spec.dtype)
+
+
+def synth_tensor(spec: TensorSpec, seed: int = 0, device="cpu") -> torch.Tensor:
+    """One whole tensor (for tests and small tools; `synthesize` streams in chunks instead)."""
+    return draw_values(spec, seed, 0, spec.numel, device).reshape(spec.shape)
+
+
+# ==== streaming safetensors writer ==================================================================================
+def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
+    """Header for tensors laid out in the given order. Widest dtypes first (as safetensors' own writer does), so each
+    tensor's offset is a multiple of its element size; the JSON is padded to 8 bytes for the same reason."""
+    meta, off = {"__metadata__": {"format": "pt"}}, 0
+    for name, dtype, shape in entries:
+        n = math.prod(shape) * dtype.itemsize
+        meta[name] = {"dtype": DTYPE_TAGS[dtype], "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _file_order(specs: list[TensorSpec]) -> list[TensorSpec]:
+    return sorted(specs, key=lambda s: -s.dtype.itemsize)      # stable: inventory order within a width
+
+
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write a small safetensors file with any dtype in DTYPE_TAGS (tests use it for FP8/E8M0 files)."""
+    path = Path(path)
+    items = sorted(tensors.items(), key=lambda kv: -kv[1].dtype.itemsize)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(_header([(k, t.dtype, tuple(t.shape)) for k, t in items]))
+        for _, t in items:
+            f.write(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    tmp.replace(path)       # the tensors may be mmapped views of the file being replaced (safetensors load_file)
+
+
+def _plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
+    """Greedy in inventory order (a block's tensors stay together); a tensor bigger than a shard gets its own."""
+    shards, cur, size = [], [], 0
+    for s in specs:
+        if cur and size + s.nbytes > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(s)
+        size += s.nbytes
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+DEFAULT_SHARD_BYTES = 4 << 30
+_OWNED = ("model*.safetensors", "model.safetensors.index.json", "dspark-manifest.json", "config.json")
+
+
+def synthesize(cfg: DrafterConfig, out_dir: str | Path, seed: int = 0, device: str | torch.device = "cpu",
+               shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool | None = None) -> dict:
+    """Write the checkpoint and its manifest; returns the manifest. `progress=None`: a bar above 1 GB."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for pattern in _OWNED:                          # stale shards of an earlier layout would be found by a glob
+        for p in out.glob(pattern):
+            p.unlink()
+    (out / "config.json").write_text(json.dumps(cfg.to_json_dict(), indent=2, sort_keys=True) + "\n")
+
+    specs = list(tensor_specs(cfg).values())
+    shards = _plan_shards(specs, shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    total = sum(s.nbytes for s in specs)
+    dev = torch.device(device)
+    # Chunks big enough to keep a GPU busy (each int64 temporary of 64M elements is 512 MB); on a CPU, small enough
+    # that the hash's int64 temporaries stay in cache (2 MB each: measured 3-6x faster than 4M-element chunks).
+    chunk = (1 << 26) if dev.type == "cuda" else (1 << 18)
+    bar = None
+    if progress or (progress is None and total > 1 << 30):
+        from tqdm import tqdm
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"synth {out.name}")
+
+    # Pipeline: this thread draws chunk i+1 on the device while one thread writes chunk i and another hashes it
+    # (both drop the GIL). One worker each keeps the file and each tensor's hash in order.
+    records: dict[str, dict] = {}
+    pending: deque = deque()
+    with ThreadPoolExecutor(1) as writer, ThreadPoolExecutor(1) as hasher:
+        def write(f, buf):
+            f.write(buf)
+            if bar is not None:
+                bar.update(len(buf))
+
+        for fname, shard in zip(names, shards):
+            order = _file_order(shard)
+            f = open(out / fname, "wb")
+            f.write(_header([(s.name, s.dtype, s.shape) for s in order]))
+            for s in order:
+                h = hashlib.sha256()
+                for start in range(0, s.numel, chunk):
+                    vals = draw_values(s, seed, start, min(chunk, s.numel - start), dev)
+                    buf = vals.cpu().view(torch.uint8).numpy()
+                    pending.append(writer.submit(write, f, buf))
+                    pending.append(hasher.submit(h.update, buf))
+                    while len(pending) > 8:     # bound host memory: at most ~4 chunks in flight
+                        pending.popleft().result()
+                records[s.name] = {"shape": list(s.shape), "dtype": DTYPE_TAGS[s.dtype],
+                                   "sha256": hasher.submit(h.hexdigest)}
+            pending.append(writer.submit(f.close))
+        while pending:
+            pending.popleft().result()
+    if bar is not None:
+        bar.close()
+    for r in records.values():
+        r["sha256"] = r["sha256"].result()
+
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {s.name: fname for fname, shard in zip(names, shards) for s in shard}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
+    manifest = compute_manifest(cfg.digest(), records)
+    write_manifest(out, manifest)                   # last: its presence says the checkpoint is complete
+    return manifest
+
+
+# ==== `dspark-ray synth` ============================================================================================
+def synth_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="dspark-ray synth", description="Write a deterministic synthetic checkpoint.")
+    ap.add_argument("--preset", choices=["tiny", "full"], required=True)
+    ap.add_argument("--out", required=True, help="checkpoint directory (created; earlier model files replaced)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default=None, help="where values are drawn (default: cuda if present, else cpu); "
+                                                   "the bytes are the same either way")
+    ap.add_argument("--shard-gb", type=float, default=DEFAULT_SHARD_BYTES / (1 << 30),
+                    help="largest shard in GiB (default %(default)s)")
+    a = ap.parse_args(argv)
+    if a.shard_gb <= 0:
+        ap.error(f"--shard-gb {a.shard_gb}: must be > 0")
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    t0 = time.perf_counter()
+    m = synthesize(preset(a.preset), a.out, seed=a.seed, device=device, shard_bytes=int(a.shard_gb * (1 << 30)))
+    print(f"wrote {a.out}: {len(m['tensors'])} tensors, preset {a.preset}, seed {a.seed}, device {device}, "
+          f"{time.perf_counter() - t0:.1f} s\nidentity_digest {m['identity_digest']}\n"
+          f"config_digest {m['config_digest']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(synth_main())

@@ -1,0 +1,168 @@
+"""Length-prefixed binary frames: a fixed 24-byte header, then one msgpack-encoded contract message.
+
+    offset  size  field
+    0       4     magic b"DSPK"
+    4       2     protocol version (PROTOCOL_VERSION)
+    6       2     message type (contract.MsgType)
+    8       2     flags (0 in version 1; a receiver refuses unknown bits)
+    10      2     reserved (0)
+    12      8     request id (a reply echoes its request's id)
+    20      4     payload length in bytes
+    (all little-endian)
+
+The header is the only hand-packed part; tensors ride inside the payload as msgpack `bin` fields that the receiver
+views with numpy. A reader checks the header completely (magic, version, type, flags, length against its limit)
+before it allocates or reads a byte of payload, so a bad or hostile length costs nothing.
+"""
+from __future__ import annotations
+
+import struct
+import time
+from typing import Callable, NamedTuple
+
+import msgspec
+
+from .contract import MESSAGE_TYPES, PROTOCOL_VERSION, MsgType
+
+MAGIC = b"DSPK"
+HEADER = struct.Struct("<4sHHHHQI")
+HEADER_SIZE = HEADER.size   # 24
+DEFAULT_MAX_FRAME_BYTES = 64 << 20
+
+
+class FrameError(Exception):
+    """A frame that cannot be read: bad magic / version / type / flags, oversized, truncated or undecodable.
+    The stream is out of step after it: the connection must be closed."""
+
+
+class VersionMismatch(FrameError):
+    """The frame header names another protocol version (the header layout itself is the same in every version)."""
+
+
+class ConnectionClosed(EOFError):
+    """The peer closed the connection cleanly, between two frames."""
+
+
+class Frame(NamedTuple):
+    request_id: int
+    msg: object
+    received_ns: int       # time.monotonic_ns() when the header had arrived
+
+
+_DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGE_TYPES.items()}
+_TYPE_OF = {cls: t for t, cls in MESSAGE_TYPES.items()}
+_MSG_TYPE = {int(t): t for t in MESSAGE_TYPES}
+
+
+def parse_header(header: bytes | memoryview, max_frame_bytes: int) -> tuple[MsgType, int, int]:
+    """(message type, request id, payload length) of a header, or FrameError naming what is wrong."""
+    magic, version, mtype, flags, reserved, request_id, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {bytes(magic)!r} (want {MAGIC!r}): not a dspark-ray stream")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(f"protocol version {version} in frame header, this side speaks {PROTOCOL_VERSION}")
+    known = _MSG_TYPE.get(mtype)
+    if known is None:
+        raise FrameError(f"unknown message type {mtype}")
+    if flags:
+        raise FrameError(f"unknown flags 0x{flags:04x} (version {PROTOCOL_VERSION} defines none)")
+    if reserved:
+        raise FrameError(f"reserved header field is {reserved}, must be 0")
+    if HEADER_SIZE + length > max_frame_bytes:
+        raise FrameError(f"frame of {HEADER_SIZE + length} bytes > limit {max_frame_bytes}")
+    return known, request_id, length
+
+
+def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> object:
+    try:
+        return _DECODERS[mtype].decode(payload)
+    except msgspec.DecodeError as e:     # ValidationError is a DecodeError
+        raise FrameError(f"undecodable {mtype.name} payload ({len(payload)} bytes): {e}") from None
+
+
+class FrameWriter:
+    """Encodes messages into one reused buffer: header and payload contiguous, so a frame is one send."""
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
+        self.max_frame_bytes = max_frame_bytes
+        self._enc = msgspec.msgpack.Encoder()
+        self._buf = bytearray(64 << 10)
+
+    def _encode(self, msg: object, request_id: int) -> int:
+        mtype = _TYPE_OF.get(type(msg))
+        if mtype is None:
+            raise TypeError(f"{type(msg).__name__} is not a contract message")
+        self._enc.encode_into(msg, self._buf, HEADER_SIZE)   # leaves room for the header, resizes as needed
+        n = len(self._buf)
+        if n > self.max_frame_bytes:
+            raise FrameError(f"{mtype.name} frame of {n} bytes > limit {self.max_frame_bytes}")
+        HEADER.pack_into(self._buf, 0, MAGIC, PROTOCOL_VERSION, mtype, 0, 0, request_id, n - HEADER_SIZE)
+        return n
+
+    def send(self, sendall: Callable[[memoryview], None], msg: object, request_id: int) -> int:
+        """Encode `msg` and hand the frame to `sendall` (e.g. socket.sendall) in one call; returns its size."""
+        n = self._encode(msg, request_id)
+        # The view must be released before the next encode resizes the buffer (a live export forbids a resize).
+        with memoryview(self._buf) as whole, whole[:n] as frame:
+            sendall(frame)
+        return n
+
+    def encode(self, msg: object, request_id: int) -> bytes:
+        """The frame as a copy (tests, tools); `send` avoids the copy."""
+        n = self._encode(msg, request_id)
+        return bytes(self._buf[:n])
+
+
+def encode(msg: object, request_id: int = 0, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:
+    """One frame as bytes (tests, tools); hot paths keep a FrameWriter."""
+    return FrameWriter(max_frame_bytes).encode(msg, request_id)
+
+
+class FrameReader:
+    """Reads exactly one header, then exactly its payload, into buffers reused across frames.
+
+    `recv_into` is `socket.recv_into` (or anything with its contract: fill a prefix of the view, return the count,
+    0 at end of stream). A stall is a recv that makes no progress within the socket's own receive timeout (it raises
+    TimeoutError, or BlockingIOError under SO_RCVTIMEO): mid-frame it is a FrameError, since the stream can no longer
+    be trusted; between frames it is the caller's timeout, or, with `wait_between_frames`, nothing (an idle client
+    is normal) and the reader keeps waiting. The server arms SO_RCVTIMEO once per connection rather than switching
+    the timeout per frame: that switch cost two fcntl calls and a poll per frame, about 10 us of a ~40 us round trip.
+    """
+
+    def __init__(self, recv_into: Callable[[memoryview], int], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 wait_between_frames: bool = False):
+        self.max_frame_bytes = max_frame_bytes
+        self._recv_into = recv_into
+        self._wait_between_frames = wait_between_frames
+        self._header = memoryview(bytearray(HEADER_SIZE))
+        self._payload = bytearray(64 << 10)       # grows to the largest frame seen, never shrinks
+
+    def read(self) -> Frame:
+        """The next frame. ConnectionClosed at a clean end of stream; FrameError for anything else wrong; a timeout
+        between frames (without `wait_between_frames`) and other socket errors pass through."""
+        self._fill(self._header, at_boundary=True)
+        received_ns = time.monotonic_ns()
+        mtype, request_id, length = parse_header(self._header, self.max_frame_bytes)
+        if length > len(self._payload):
+            self._payload = bytearray(length)
+        payload = memoryview(self._payload)[:length]
+        self._fill(payload, at_boundary=False)
+        return Frame(request_id, decode_payload(mtype, payload), received_ns)
+
+    def _fill(self, view: memoryview, at_boundary: bool) -> None:
+        got = 0
+        part = "header" if at_boundary else "payload"
+        while got < len(view):
+            try:
+                n = self._recv_into(view[got:])
+            except (TimeoutError, BlockingIOError):
+                if at_boundary and got == 0:
+                    if self._wait_between_frames:
+                        continue
+                    raise
+                raise FrameError(f"stalled frame: no progress after {got} of {len(view)} {part} bytes") from None
+            if n == 0:
+                if at_boundary and got == 0:
+                    raise ConnectionClosed("peer closed the connection")
+                raise FrameError(f"truncated frame: stream ended after {got} of {len(view)} {part} bytes")
+            got += n

@@ -1,0 +1,51 @@
+"""A seeded STEP workload: what a serving engine would send over many decode rounds.
+
+Each request starts with a prompt insert (a short one, so the first drafts see a partial window, or the last rows
+of a long prompt at a far position), then every round inserts the rows the trunk accepted (seed + accepted drafts,
+1..B+1 rows), now and then rolls back a few rows first, and asks for n_out drafts with a fresh seed token. Used by
+the tests, the parity report, the demo and the benchmarks, so they all speak of the same inputs.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import DrafterConfig
+from .engine import StepEntry
+
+
+def make_taps(cfg: DrafterConfig, rows: int, gen: torch.Generator) -> torch.Tensor:
+    """Synthetic trunk taps: fp16 stream means of unit scale, (rows, n_taps * hidden)."""
+    return torch.randn(rows, cfg.n_taps * cfg.hidden_size, generator=gen).to(torch.float16)
+
+
+def rounds(cfg: DrafterConfig, *, seed: int = 0, n_requests: int = 2, n_rounds: int = 40,
+           first_rows: tuple[int, ...] = (6, 3), far_start: int | None = None, rollback_every: int = 7,
+           vary_n_out: bool = True, margins_every: int = 3) -> list[list[StepEntry]]:
+    """`n_rounds` batches of `n_requests` entries (request i uses slot i). Request 0's first insert is short
+    (partial window); with `far_start`, request 1 starts at that position (a long prompt's last rows)."""
+    g = torch.Generator().manual_seed(seed)
+    B = cfg.block_size
+    pos = [0] * n_requests
+    out: list[list[StepEntry]] = []
+    for r in range(n_rounds):
+        batch = []
+        for i in range(n_requests):
+            rollback = -1
+            if r == 0:
+                n = first_rows[i % len(first_rows)]
+                start = far_start if (far_start is not None and i == 1) else 0
+            else:
+                n = int(torch.randint(1, B + 2, (1,), generator=g))
+                start = pos[i]
+                if rollback_every and r % rollback_every == rollback_every - 1 and pos[i] - 2 > 0:
+                    rollback = pos[i] - int(torch.randint(1, 3, (1,), generator=g))
+                    start = rollback
+            ids = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+            n_out = int(torch.randint(1, B + 1, (1,), generator=g)) if vary_n_out else B
+            batch.append(StepEntry(
+                slot=i, seed=int(torch.randint(0, cfg.vocab_size, (1,), generator=g)), n_out=n_out,
+                start=start, token_ids=ids, taps=make_taps(cfg, n, g), rollback_to=rollback,
+                want_margins=bool(margins_every) and r % margins_every == 0))
+            pos[i] = start + n
+        out.append(batch)
+    return out

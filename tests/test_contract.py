@@ -1,0 +1,233 @@
+"""The contract's messages, its stateless checks and the framing (no sockets here; see test_tcp.py)."""
+from __future__ import annotations
+
+import io
+import struct
+
+import msgspec
+import numpy as np
+import pytest
+
+from dspark_ray import contract as C
+from dspark_ray import wire
+
+LIMITS = C.Limits(vocab_size=4096, hidden_size=256, n_taps=3, slot_capacity=8, max_frame_bytes=1 << 20)
+W = LIMITS.taps_width   # 768, the tiny preset
+
+
+def taps(rows: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((rows, W)).astype(np.float16)
+
+
+def good_entry(**kw) -> C.Entry:
+    args = dict(slot=3, generation=1, seed_token=17, start_pos=10, token_ids=np.arange(6) + 100, taps=taps(6),
+                n_out=5)
+    args.update(kw)
+    return C.make_entry(**args)
+
+
+def reader_over(data: bytes, chunk: int | None = None, max_frame_bytes: int = 1 << 20) -> wire.FrameReader:
+    bio = io.BytesIO(data)
+    return wire.FrameReader(lambda view: bio.readinto(view[:chunk] if chunk else view), max_frame_bytes)
+
+
+EVERY_MESSAGE = [
+    C.Hello(model_digest="abc", config_digest="def", tp=2, max_model_len=4096, client="test"),
+    C.Hello(),
+    C.HelloReply(ok=True, model_digest="abc", config_digest="def", tp=2, max_model_len=1 << 20, worker_generation=3,
+                 limits=LIMITS, session_id=9),
+    C.HelloReply(ok=False, code=C.Code.CONFIG_MISMATCH, reason="tp: client expects 1, server serves 2"),
+    C.Acquire(n=4),
+    C.AcquireReply(slots=[C.SlotGrant(slot=0, generation=1), C.SlotGrant(slot=5, generation=7)]),
+    C.Release(slots=[0, 5]),
+    C.ReleaseReply(released=[0, 5]),
+    C.Step(entries=[good_entry(), good_entry(slot=4, token_ids=[], taps=None, rollback_to=12, want_margins=True)],
+           deadline_ms=2.5),
+    C.StepReply(results=[C.ok_result(generation=1, drafts=[1, 2, 3], confidences=[0.9, 0.8, 0.1],
+                                     margins=[1.0, 2.0, 0.5], confident_len=2),
+                         C.error_result(C.Code.STALE_GENERATION, "slot 4: generation 1, current 2", 2)]),
+    C.ErrorReply(code=C.Code.OVERLOADED, reason="3 slots wanted, 1 free"),
+]
+
+
+@pytest.mark.parametrize("msg", EVERY_MESSAGE, ids=lambda m: type(m).__name__)
+def test_every_message_survives_a_frame_round_trip(msg):
+    frame = wire.encode(msg, request_id=42)
+    got = reader_over(frame, chunk=7).read()      # 7-byte reads: the reader must reassemble header and payload
+    assert got.request_id == 42
+    assert type(got.msg) is type(msg) and got.msg == msg
+
+
+def test_entry_arrays_are_views_of_the_bytes_as_sent():
+    t = taps(6)
+    e = good_entry(taps=t)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(e), type=C.Entry)
+    assert back.rows == 6
+    assert np.array_equal(back.token_array(), np.arange(6) + 100)
+    assert back.taps_array(W).tobytes() == t.tobytes()       # bits, not values: fp16 survives untouched
+
+
+def test_make_entry_takes_torch_tensors():
+    torch = pytest.importorskip("torch")
+    t = torch.randn(6, W).half()
+    e = C.make_entry(slot=1, generation=0, seed_token=5, token_ids=torch.arange(6), taps=t)
+    assert e.taps == t.numpy().tobytes() and np.array_equal(e.token_array(), np.arange(6))
+
+
+def test_make_entry_refuses_taps_that_are_not_fp16():
+    with pytest.raises(TypeError, match="taps must be float16, got float32"):
+        C.make_entry(slot=1, generation=0, seed_token=5, token_ids=[1], taps=np.zeros((1, W), np.float32))
+
+
+def test_result_arrays_view_the_answer():
+    r = C.ok_result(generation=2, drafts=np.array([7, 8, 9]), confidences=np.array([0.75, 0.5, 0.25]),
+                    confident_len=2)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(r), type=C.EntryResult)
+    assert back.drafts_array().tolist() == [7, 8, 9] and back.drafts_array().dtype == np.int32
+    assert back.confidences_array().tolist() == [0.75, 0.5, 0.25]
+    assert back.margins_array().size == 0 and back.confident_len == 2
+
+
+# ---- validate_entry: one case per rule, with the reason it must give ------------------------------------------------
+def _nonfinite_taps(value: float) -> np.ndarray:
+    t = taps(6)
+    t[4, 100] = value
+    return t
+
+
+BAD_ENTRIES = [
+    (dict(slot=8), "slot 8: slot id outside [0, 8)"),
+    (dict(slot=-1), "slot -1: slot id outside [0, 8)"),
+    (dict(generation=-1), "slot 3: generation -1 < 0"),
+    (dict(n_out=0), "slot 3: n_out 0 outside 1..5"),
+    (dict(n_out=6), "slot 3: n_out 6 outside 1..5"),
+    (dict(seed_token=4096), "slot 3: seed token 4096 outside [0, vocab 4096)"),
+    (dict(seed_token=-2), "slot 3: seed token -2 outside [0, vocab 4096)"),
+    (dict(start_pos=-1), "slot 3: start_pos -1 < 0"),
+    (dict(rollback_to=-2), "slot 3: rollback_to -2 < -1 (-1 means no rollback)"),
+    (dict(token_ids=np.arange(129), taps=taps(129)), "slot 3: 129 rows > max_rows_per_entry 128"),
+    (dict(start_pos=(1 << 20) - 5), "slot 3: rows reach position 1048577 > max_model_len 1048576"),
+    (dict(taps=taps(5)), "slot 3: taps holds 7680 bytes, want 9216 (6 rows x 3 taps x 256 hidden x 2 bytes fp16)"),
+    (dict(token_ids=[1, 2, 131000, 4, 5, 6]), "slot 3: token id 131000 >= vocab 4096"),
+    (dict(token_ids=[1, 2, -7, 4, 5, 6]), "slot 3: token id -7 < 0"),
+    (dict(taps=_nonfinite_taps(np.inf)), "slot 3: taps row 4 holds inf or nan (fp16 taps must be finite)"),
+    (dict(taps=_nonfinite_taps(-np.inf)), "slot 3: taps row 4 holds inf or nan (fp16 taps must be finite)"),
+    (dict(taps=_nonfinite_taps(np.nan)), "slot 3: taps row 4 holds inf or nan (fp16 taps must be finite)"),
+]
+
+
+@pytest.mark.parametrize("change,reason", BAD_ENTRIES, ids=[r for _, r in BAD_ENTRIES])
+def test_validate_entry_names_the_slot_field_value_and_rule(change, reason):
+    assert C.validate_entry(good_entry(**change), LIMITS) == reason
+
+
+def test_validate_entry_refuses_token_bytes_that_are_not_int32():
+    e = good_entry()
+    e.token_ids = e.token_ids[:-1]
+    assert C.validate_entry(e, LIMITS) == "slot 3: token_ids holds 23 bytes, not a multiple of 4 (int32)"
+
+
+def test_validate_entry_accepts_good_entries_at_the_edges():
+    for change in ({}, dict(token_ids=[], taps=None), dict(n_out=1), dict(slot=7, seed_token=4095),
+                   dict(token_ids=np.arange(128), taps=taps(128)), dict(rollback_to=0, start_pos=0),
+                   dict(taps=np.full((6, W), 65504, np.float16))):      # the largest finite fp16
+        assert C.validate_entry(good_entry(**change), LIMITS) is None, change
+
+
+def test_validate_step_limits_entries_and_deadline():
+    e = good_entry()
+    assert C.validate_step(C.Step(entries=[e] * 64, deadline_ms=1.0), LIMITS) is None
+    assert C.validate_step(C.Step(entries=[e] * 65, deadline_ms=1.0), LIMITS) == \
+        "STEP holds 65 entries > max_entries_per_step 64"
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        assert C.validate_step(C.Step(entries=[e], deadline_ms=bad), LIMITS) == \
+            f"deadline_ms {bad} must be finite and > 0"
+
+
+def test_validate_entries_refuses_a_slot_named_twice_after_its_first():
+    step = C.Step(entries=[good_entry(slot=1), good_entry(slot=2), good_entry(slot=1), good_entry(n_out=9)])
+    assert C.validate_entries(step, LIMITS) == [None, None, "slot 1: named by entries 0 and 2 of one STEP",
+                                                "slot 3: n_out 9 outside 1..5"]
+
+
+# ---- HELLO ---------------------------------------------------------------------------------------------------------
+SERVED = dict(model_digest="m1", config_digest="c1", tp=2, max_model_len=8192)
+
+
+@pytest.mark.parametrize("hello,reason", [
+    (C.Hello(), None),
+    (C.Hello(model_digest="m1", config_digest="c1", tp=2, max_model_len=8192), None),
+    (C.Hello(protocol_version=2), "protocol_version: client speaks 2, server speaks 1"),
+    (C.Hello(model_digest="m2"), "model_digest: client expects 'm2', server serves 'm1'"),
+    (C.Hello(config_digest="c2"), "config_digest: client expects 'c2', server serves 'c1'"),
+    (C.Hello(tp=1), "tp: client expects 1, server serves 2"),
+    (C.Hello(max_model_len=8193), "max_model_len: client needs 8193, server serves at most 8192"),
+])
+def test_hello_mismatch_names_the_field_and_both_values(hello, reason):
+    assert C.hello_mismatch(hello, **SERVED) == reason
+
+
+def test_limits_for_config_reads_the_tiny_preset():
+    from dspark_ray.config import tiny
+    lim = C.Limits.for_config(tiny(), slot_capacity=16)
+    assert (lim.vocab_size, lim.taps_width, lim.max_n_out, lim.slot_capacity) == (4096, 768, 5, 16)
+
+
+# ---- framing: every way a frame can be wrong ------------------------------------------------------------------------
+def _frame(msg=C.Acquire(n=1), **header) -> bytes:
+    f = bytearray(wire.encode(msg, request_id=1))
+    fields = dict(zip(("magic", "version", "mtype", "flags", "reserved", "request_id", "length"),
+                      wire.HEADER.unpack_from(f)))
+    fields.update(header)
+    wire.HEADER.pack_into(f, 0, *fields.values())
+    return bytes(f)
+
+
+@pytest.mark.parametrize("data,message", [
+    (_frame(magic=b"HTTP"), "bad magic b'HTTP'"),
+    (_frame(version=2), "protocol version 2 in frame header, this side speaks 1"),
+    (_frame(mtype=99), "unknown message type 99"),
+    (_frame(flags=1), "unknown flags 0x0001"),
+    (_frame(reserved=3), "reserved header field is 3, must be 0"),
+    (_frame(length=(1 << 20)), "frame of 1048600 bytes > limit 1048576"),
+    (_frame(length=(1 << 32) - 1), "frame of 4294967319 bytes > limit 1048576"),
+    (_frame()[:10], "truncated frame: stream ended after 10 of 24 header bytes"),
+    (_frame(C.Release(slots=[1, 2, 3]))[:-2], "truncated frame: stream ended after 15 of 17 payload bytes"),
+    (_frame(mtype=int(C.MsgType.STEP)), "undecodable STEP payload"),
+    (wire.HEADER.pack(wire.MAGIC, 1, int(C.MsgType.ACQUIRE), 0, 0, 1, 3) + b"\xc1\xc1\xc1",
+     "undecodable ACQUIRE payload"),
+], ids=["magic", "version", "type", "flags", "reserved", "oversize", "oversize-4GiB", "truncated-header", "truncated-payload",
+        "wrong-payload-type", "garbage-payload"])
+def test_reader_refuses_bad_frames_with_a_clear_reason(data, message):
+    with pytest.raises(wire.FrameError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        reader_over(data).read()
+
+
+def test_reader_checks_the_length_before_allocating():
+    r = reader_over(_frame(length=(1 << 32) - 1))
+    with pytest.raises(wire.FrameError):
+        r.read()
+    assert len(r._payload) <= 64 << 10       # nothing was allocated for the claimed 4 GiB
+
+
+def test_reader_reports_a_clean_end_between_frames():
+    r = reader_over(wire.encode(C.Acquire(n=2), 1) + wire.encode(C.Release(slots=[1]), 2))
+    assert r.read().msg == C.Acquire(n=2) and r.read().msg == C.Release(slots=[1])
+    with pytest.raises(wire.ConnectionClosed):
+        r.read()
+
+
+def test_writer_refuses_an_oversized_frame_before_sending():
+    w = wire.FrameWriter(max_frame_bytes=1000)
+    sent = []
+    with pytest.raises(wire.FrameError, match="STEP frame of .* bytes > limit 1000"):
+        w.send(lambda view: sent.append(bytes(view)), C.Step(entries=[good_entry()]), 1)
+    assert sent == []
+    w.send(lambda view: sent.append(bytes(view)), C.Acquire(n=1), 2)      # the writer is still usable
+    assert reader_over(sent[0]).read().msg == C.Acquire(n=1)
+
+
+def test_header_is_24_bytes_little_endian():
+    f = wire.encode(C.Acquire(n=1), request_id=0x0102030405060708)
+    assert len(f) - wire.HEADER_SIZE == struct.unpack_from("<I", f, 20)[0]
+    assert f[:4] == b"DSPK" and f[12:20] == bytes([8, 7, 6, 5, 4, 3, 2, 1])

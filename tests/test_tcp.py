@@ -1,0 +1,322 @@
+"""The TCP transport and the client against a fake front-end on 127.0.0.1: a bad connection is closed alone while
+the others keep being served, and a closed connection's session is closed. Every wait is bounded."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dspark_ray import contract as C
+from dspark_ray import wire
+from dspark_ray.client import ClientError, DrafterClient
+from dspark_ray.transport.tcp import TcpServer
+
+LIMITS = C.Limits(vocab_size=4096, hidden_size=256, n_taps=3, slot_capacity=8, max_entries_per_step=4,
+                  max_frame_bytes=1 << 20)
+SERVED = dict(model_digest="model-1", config_digest="config-1", tp=2, max_model_len=1 << 20)
+WAIT_S = 5.0
+
+
+class FakeFrontEnd:
+    """The StepHandler seam with slots and generations, drafting seed+1, seed+2, ... (a deterministic stand-in)."""
+
+    def __init__(self, step_delay_s: float = 0.0):
+        self.step_delay_s = step_delay_s
+        self.lock = threading.Lock()
+        self.free = list(range(LIMITS.slot_capacity))
+        self.owner: dict[int, int] = {}
+        self.sessions = 0
+        self.closed: list[int] = []
+        self.closed_event = threading.Event()
+        self.steps = 0
+
+    def open_session(self, peer):
+        with self.lock:
+            self.sessions += 1
+            return self.sessions
+
+    def hello(self, session, msg):
+        reason = C.hello_mismatch(msg, **SERVED)
+        if reason:
+            return C.HelloReply(ok=False, code=C.Code.CONFIG_MISMATCH, reason=reason, **SERVED)
+        return C.HelloReply(ok=True, limits=LIMITS, session_id=session, worker_generation=1, **SERVED)
+
+    def acquire(self, session, msg):
+        with self.lock:
+            if msg.n > len(self.free):
+                return C.ErrorReply(code=C.Code.OVERLOADED, reason=f"{msg.n} slots wanted, {len(self.free)} free")
+            got = [self.free.pop(0) for _ in range(msg.n)]
+            self.owner.update({s: session for s in got})
+        return C.AcquireReply(slots=[C.SlotGrant(slot=s, generation=1) for s in got])
+
+    def release(self, session, msg):
+        with self.lock:
+            mine = [s for s in msg.slots if self.owner.get(s) == session]
+            for s in mine:
+                del self.owner[s]
+                self.free.append(s)
+        return C.ReleaseReply(released=mine)
+
+    def step(self, session, msg, received_ns):
+        if msg.entries and msg.entries[0].seed_token == 666:
+            raise RuntimeError("front-end bug")
+        time.sleep(self.step_delay_s)
+        with self.lock:
+            self.steps += 1
+        results = []
+        for e, reason in zip(msg.entries, C.validate_entries(msg, LIMITS)):
+            if reason is None and self.owner.get(e.slot) != session:
+                reason = f"slot {e.slot}: not held by session {session}"
+            if reason:
+                results.append(C.error_result(C.Code.BAD_ENTRY, reason))
+                continue
+            drafts = (e.seed_token + 1 + np.arange(e.n_out)) % LIMITS.vocab_size
+            results.append(C.ok_result(generation=e.generation, drafts=drafts, confidences=np.full(e.n_out, 0.75),
+                                       margins=np.ones(e.n_out) if e.want_margins else None, confident_len=e.n_out))
+        return C.StepReply(results=results)
+
+    def close_session(self, session):
+        with self.lock:
+            for s in [s for s, o in self.owner.items() if o == session]:
+                del self.owner[s]
+                self.free.append(s)
+            self.closed.append(session)
+        self.closed_event.set()
+
+
+@pytest.fixture
+def front():
+    return FakeFrontEnd()
+
+
+@pytest.fixture
+def server(front):
+    srv = TcpServer(front, "127.0.0.1", 0, max_frame_bytes=LIMITS.max_frame_bytes, stall_timeout_s=0.5).start()
+    yield srv
+    srv.stop(timeout_s=WAIT_S)
+
+
+def connect(server, **hello) -> DrafterClient:
+    c = DrafterClient("127.0.0.1", server.port, timeout_s=WAIT_S)
+    c.hello(client="test", **hello)
+    return c
+
+
+def entry(slot, generation=1, seed=10, rows=6, **kw):
+    taps = np.random.default_rng(slot).standard_normal((rows, LIMITS.taps_width)).astype(np.float16)
+    return C.make_entry(slot=slot, generation=generation, seed_token=seed, start_pos=0, token_ids=np.arange(rows),
+                        taps=taps, **kw)
+
+
+def assert_served(client, slot):
+    """The client still gets correct answers."""
+    [r] = client.step([entry(slot, seed=41, n_out=3)], deadline_ms=50)
+    assert r.code == C.Code.OK and r.drafts_array().tolist() == [42, 43, 44]
+
+
+def raw(server) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
+    return s
+
+
+def assert_closed_by_server(sock):
+    """The server closed this connection: recv sees end of stream (or a reset) within WAIT_S."""
+    try:
+        while sock.recv(65536):     # a CONFIG_MISMATCH reply may precede the close
+            pass
+    except ConnectionResetError:
+        pass
+    sock.close()
+
+
+def hello_frame() -> bytes:
+    return wire.encode(C.Hello(client="raw"), request_id=1)
+
+
+# ---- HELLO ---------------------------------------------------------------------------------------------------------
+def test_hello_accepted_reports_identity_limits_and_session(server):
+    with DrafterClient("127.0.0.1", server.port, timeout_s=WAIT_S) as c:
+        reply = c.hello(model_digest="model-1", config_digest="config-1", tp=2, max_model_len=4096)
+        assert reply.ok and reply.session_id == 1 and reply.worker_generation == 1
+        assert (reply.model_digest, reply.config_digest, reply.tp) == ("model-1", "config-1", 2)
+        assert c.limits == LIMITS
+
+
+def test_hello_refused_names_the_field_and_both_values(server):
+    with DrafterClient("127.0.0.1", server.port, timeout_s=WAIT_S) as c:
+        with pytest.raises(ClientError, match="CONFIG_MISMATCH: tp: client expects 1, server serves 2") as e:
+            c.hello(tp=1)
+        assert e.value.code == C.Code.CONFIG_MISMATCH
+        c.hello(tp=2)          # the refused session may try again on the same connection
+
+
+def test_a_frame_of_another_protocol_version_gets_config_mismatch_then_close(server):
+    s = raw(server)
+    f = bytearray(hello_frame())
+    f[4] = 2
+    s.sendall(f)
+    r = wire.FrameReader(s.recv_into)
+    msg = r.read().msg
+    assert msg.code == C.Code.CONFIG_MISMATCH and "protocol version 2" in msg.reason
+    with pytest.raises(wire.ConnectionClosed):
+        r.read()
+
+
+# ---- the slot lifecycle and STEP over the wire ---------------------------------------------------------------------
+def test_acquire_step_release_round_trip(server, front):
+    with connect(server) as c:
+        grants = c.acquire(2)
+        assert [g.slot for g in grants] == [0, 1]
+        results = c.step([entry(0, seed=5, n_out=5, want_margins=True), entry(1, seed=9, n_out=2),
+                          entry(1, seed=9, n_out=9)], deadline_ms=10)
+        assert results[0].drafts_array().tolist() == [6, 7, 8, 9, 10]
+        assert results[0].margins_array().tolist() == [1.0] * 5
+        assert results[1].drafts_array().tolist() == [10, 11] and results[1].margins_array().size == 0
+        assert results[2].code == C.Code.BAD_ENTRY and results[2].reason == "slot 1: n_out 9 outside 1..5"
+        with pytest.raises(ClientError, match="OVERLOADED: 7 slots wanted, 6 free") as e:
+            c.acquire(7)
+        assert e.value.code == C.Code.OVERLOADED
+        assert c.release([0, 1]) == [0, 1]
+        assert len(front.free) == LIMITS.slot_capacity
+
+
+def test_client_splits_a_step_beyond_the_entry_limit(server, front):
+    with connect(server) as c:
+        c.acquire(8)
+        results = c.step([entry(s % 8, seed=s) for s in range(10)], deadline_ms=10)   # limit: 4 per STEP
+        assert front.steps == 3
+        assert [r.drafts_array()[0] for r in results] == [s + 1 for s in range(10)]
+
+
+def test_a_handler_error_answers_internal_and_keeps_the_connection(server):
+    with connect(server) as c:
+        c.acquire(1)
+        with pytest.raises(ClientError, match="INTERNAL: front-end error on Step") as e:
+            c.step([entry(0, seed=666)])
+        assert e.value.code == C.Code.INTERNAL
+        assert_served(c, 0)
+
+
+def test_client_times_out_instead_of_hanging(front):
+    front.step_delay_s = 0.6
+    with TcpServer(front, max_frame_bytes=LIMITS.max_frame_bytes).start() as srv:
+        c = DrafterClient("127.0.0.1", srv.port, timeout_s=0.2)
+        c.hello()
+        c.acquire(1)
+        t0 = time.monotonic()
+        with pytest.raises(ClientError, match="no answer within 0.2 s"):
+            c.step([entry(0)])
+        assert time.monotonic() - t0 < 0.9
+
+
+# ---- a bad connection is closed alone ------------------------------------------------------------------------------
+def _bad_magic():
+    return b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def _oversized():
+    return wire.HEADER.pack(wire.MAGIC, 1, int(C.MsgType.STEP), 0, 0, 2, 1 << 30)
+
+
+def _truncated():
+    return wire.encode(C.Step(entries=[entry(0)]), 2)[:500]
+
+
+def _undecodable():
+    return wire.HEADER.pack(wire.MAGIC, 1, int(C.MsgType.STEP), 0, 0, 2, 4) + b"\xc1\xc1\xc1\xc1"
+
+
+def _reply_type():
+    return wire.encode(C.StepReply(results=[]), 2)
+
+
+BAD_STREAMS = {"malformed": _bad_magic, "oversized": _oversized, "truncated": _truncated,
+               "undecodable": _undecodable, "reply-as-request": _reply_type}
+
+
+@pytest.mark.parametrize("kind", BAD_STREAMS)
+def test_a_bad_frame_closes_only_its_own_connection(server, front, kind):
+    good = connect(server)
+    good.acquire(1)
+    bad = raw(server)
+    bad.sendall(hello_frame())
+    assert isinstance(wire.FrameReader(bad.recv_into).read().msg, C.HelloReply)
+    bad.sendall(BAD_STREAMS[kind]())
+    if kind == "truncated":
+        bad.shutdown(socket.SHUT_WR)            # the stream ends mid-frame
+    assert_closed_by_server(bad)
+    assert front.closed_event.wait(WAIT_S) and front.closed == [2]
+    assert_served(good, 0)
+    good.close()
+
+
+def test_a_step_before_hello_closes_the_connection(server, front):
+    good = connect(server)
+    good.acquire(1)
+    bad = raw(server)
+    bad.sendall(wire.encode(C.Step(entries=[entry(0)]), 1))
+    assert_closed_by_server(bad)
+    assert front.closed_event.wait(WAIT_S)
+    assert_served(good, 0)
+    good.close()
+
+
+def test_a_peer_stalling_mid_frame_is_closed_after_the_stall_timeout(server, front):
+    good = connect(server)
+    good.acquire(1)
+    bad = raw(server)
+    bad.sendall(hello_frame()[:10])       # and then nothing, with the connection left open
+    t0 = time.monotonic()
+    assert_closed_by_server(bad)
+    assert 0.3 < time.monotonic() - t0 < WAIT_S      # the server's stall_timeout_s is 0.5
+    assert_served(good, 0)
+    good.close()
+
+
+def test_closing_a_connection_closes_its_session_and_frees_its_slots(server, front):
+    c = connect(server)
+    c.acquire(5)
+    assert len(front.free) == 3
+    c.close()
+    assert front.closed_event.wait(WAIT_S) and front.closed == [1]
+    assert len(front.free) == LIMITS.slot_capacity
+    with connect(server) as again:
+        assert len(again.acquire(8)) == 8
+
+
+# ---- concurrency and shutdown --------------------------------------------------------------------------------------
+def test_concurrent_clients_each_get_their_own_answers(server):
+    errors: list[BaseException] = []
+
+    def run(k):
+        try:
+            with connect(server) as c:
+                [g] = c.acquire(1)
+                for i in range(50):
+                    seed = (k * 1000 + i) % LIMITS.vocab_size
+                    [r] = c.step([entry(g.slot, seed=seed, n_out=1 + i % 5)], deadline_ms=50)
+                    assert r.drafts_array().tolist() == [seed + 1 + j for j in range(1 + i % 5)]
+        except BaseException as e:       # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S * 2)
+    assert not any(t.is_alive() for t in threads) and errors == []
+
+
+def test_stop_closes_connections_and_clients_see_a_clear_error(front):
+    srv = TcpServer(front, max_frame_bytes=LIMITS.max_frame_bytes).start()
+    c = connect(srv)
+    t0 = time.monotonic()
+    srv.stop(timeout_s=WAIT_S)
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(ClientError, match="connection lost"):
+        c.acquire(1)
+    with pytest.raises(ClientError, match="cannot connect"):
+        DrafterClient("127.0.0.1", srv.port, timeout_s=1.0)
