@@ -32,16 +32,20 @@ class CollectiveError(RuntimeError):
     """A collective did not complete. Its output must never be used: the step fails closed."""
 
 
+def _b_wins(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (b > a) | (torch.isnan(a) & ~torch.isnan(b))
+
+
 def combine_max(a: MaxPart, b: MaxPart) -> MaxPart:
     """(max, index) of rank 0's part `a` and rank 1's part `b`. `b` wins only if strictly larger: rank 0 holds
-    the lower ids, so a tie goes to the lower id. NaN never wins (NaN > x is False); both NaN keeps rank 0."""
-    take_b = b[0] > a[0]
+    the lower ids, so a tie goes to the lower id. A NaN never wins over a number; both NaN keeps rank 0."""
+    take_b = _b_wins(a[0], b[0])
     return torch.where(take_b, b[0], a[0]), torch.where(take_b, b[1], a[1])
 
 
 def combine_top2(a: Top2Part, b: Top2Part) -> Top2Part:
     """Top-1, top-2 and top-1's index of the union of two disjoint vocab slices (rank 0's `a` first)."""
-    take_b = b[0] > a[0]
+    take_b = _b_wins(a[0], b[0])
     top1 = torch.where(take_b, b[0], a[0])
     idx = torch.where(take_b, b[2], a[2])
     # The runner-up is the larger of the loser's top1 and the winner's top2.

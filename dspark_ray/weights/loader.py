@@ -246,6 +246,16 @@ class Checkpoint:
             raw = self._read_quant(sn, quant, dim, start, stop, device)
         return _to_compute(raw, kind, name, self._stored[sn].dtype)
 
+    def close(self) -> None:
+        """Drop the open file handles (their mmaps); reads after this reopen them."""
+        self._handles.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # ---- reading -----------------------------------------------------------------------------------------------
     def _handle(self, path: Path):
         if path not in self._handles:
