@@ -10,11 +10,14 @@ from __future__ import annotations
 import torch
 
 
-class SlotState:
-    def __init__(self, n_blocks: int, window: int, max_rows: int, head_dim: int, device="cpu"):
+class SlotCursor:
+    """Where a slot stands (base, position) and the rules for inserts and rollbacks, without the rows: the
+    front-end keeps one per slot to refuse a bad entry before it reaches a rank, the ranks one inside each
+    `SlotState`. One implementation of the rules, so both always agree."""
+
+    def __init__(self, window: int, max_rows: int):
         self.window, self.max_rows = window, max_rows
         self.capacity = window + max_rows
-        self.kv = torch.zeros(n_blocks, self.capacity, head_dim, dtype=torch.float16, device=device)
         self.generation = 0
         self.reset()
 
@@ -35,11 +38,6 @@ class SlotState:
     def hist_len(self) -> int:
         """History rows the draft reads: the last W before p0, fewer when the slot holds fewer (partial window)."""
         return 0 if self.fresh else min(self.window, self.position - self.base)
-
-    def history(self, block: int) -> torch.Tensor:
-        n = self.hist_len()
-        idx = torch.arange(self.position - n, self.position, device=self.kv.device) % self.capacity
-        return self.kv[block, idx]
 
     # -- checks first, so a refused request leaves the state untouched -------------------------------------------
     def check_rollback(self, q: int) -> str | None:
@@ -72,13 +70,32 @@ class SlotState:
         else:
             self.position = q
 
+    def advance(self, start: int, n: int) -> None:
+        """Record n rows inserted at `start` (checked before)."""
+        if n == 0:
+            return
+        if self.fresh:
+            self.base = start
+        self.position = start + n
+
+
+class SlotState(SlotCursor):
+    """A slot on a rank: the cursor plus the main-kv ring of every drafter block."""
+
+    def __init__(self, n_blocks: int, window: int, max_rows: int, head_dim: int, device="cpu"):
+        super().__init__(window, max_rows)
+        self.kv = torch.zeros(n_blocks, self.capacity, head_dim, dtype=torch.float16, device=device)
+
+    def history(self, block: int) -> torch.Tensor:
+        n = self.hist_len()
+        idx = torch.arange(self.position - n, self.position, device=self.kv.device) % self.capacity
+        return self.kv[block, idx]
+
     def write(self, start: int, rows_per_block: list[torch.Tensor]) -> None:
         n = rows_per_block[0].shape[0]
         if n == 0:
             return
-        if self.fresh:
-            self.base, self.position = start, start
         idx = torch.arange(start, start + n, device=self.kv.device) % self.capacity
         for b, rows in enumerate(rows_per_block):
             self.kv[b, idx] = rows
-        self.position = start + n
+        self.advance(start, n)

@@ -1,0 +1,207 @@
+"""The front-end actor: owns the step ring, the rank actors of its pair, the STEP endpoint and the supervisor.
+
+`RingPair` is the `Pair` the service drives: one publish into the ring, one wait for every rank's completion
+record (bounded: the watchdog), no Ray call. `PairManager` does the Ray part at the edges: create the rank actors
+in their placement-group bundles, load, connect, serve; on restart kill them and do it again.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict
+
+from ..frontend import PairFailure, StepService
+from . import messages as M
+from .rank import SAFE_ENV, PairSpec, rank_actor_class
+from .ring import RingError, RingTimeout, StepRing
+
+log = logging.getLogger("dspark_ray.frontend")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PairManager:
+    """The rank actors of one pair and the ring that feeds them."""
+
+    def __init__(self, spec: PairSpec, pg=None, rank_bundles: list[int] | None = None, rank_resources=None,
+                 name: str = "dspark"):
+        self.spec, self.pg, self.name = spec, pg, name
+        self.rank_bundles = rank_bundles or list(range(spec.tp))
+        self.rank_resources = rank_resources or {"num_cpus": 0.5}
+        self.ring = StepRing.create(f"dspark-{name}", n_readers=spec.tp, slot_bytes=1 << 20, n_slots=4)
+        self.ranks: list = []
+        self.progress_cb = None
+        # Hung-step bound: a collective's own timeout plus slack, so a timed-out collective reports itself
+        # ("broken") before the watchdog calls the step hung.
+        self.step_bound_s = spec.collective_timeout_s * 2 + 5.0
+
+    def _actor_options(self, r: int) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        opts = dict(self.rank_resources)
+        opts["runtime_env"] = {"env_vars": {**SAFE_ENV, "OMP_NUM_THREADS": str(self.spec.torch_threads),
+                                            "PYTHONUNBUFFERED": "1"}}
+        opts["max_restarts"] = 0         # the front-end restarts the pair as a whole, never one rank alone
+        if self.pg is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=self.rank_bundles[r])
+        return opts
+
+    def start(self) -> None:
+        import ray
+        Rank = rank_actor_class()
+        t0 = time.monotonic()
+        self.ranks = [Rank.options(**self._actor_options(r)).remote(asdict(self.spec), r)
+                      for r in range(self.spec.tp)]
+        loads = [a.load.remote() for a in self.ranks]
+        while True:
+            done, _ = ray.wait(loads, num_returns=len(loads), timeout=0.25)
+            if self.progress_cb:
+                self.progress_cb(ray.get([a.progress.remote() for a in self.ranks]))
+            if len(done) == len(loads):
+                break
+        ray.get(loads)
+        init = f"tcp://127.0.0.1:{_free_port()}" if self.spec.tp == 2 else None
+        ray.get([a.connect.remote(init) for a in self.ranks], timeout=120)
+        for r in range(self.spec.tp):
+            self.ring.reset_reader(r)
+        ray.get([a.serve.remote(self.ring.handle) for a in self.ranks])
+        log.info("pair %s: %d ranks up in %.2f s (%s)", self.name, self.spec.tp, time.monotonic() - t0,
+                 self.spec.backend if self.spec.tp == 2 else "tp1")
+
+    def kill(self) -> None:
+        import ray
+        for a in self.ranks:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:       # already dead
+                pass
+        self.ranks = []
+
+    def restart(self, why: str) -> None:
+        self.kill()
+        time.sleep(0.2)             # let Ray release the bundle before the new actors claim it
+        self.start()
+
+    def alive(self) -> list[bool]:
+        import ray
+        out = []
+        for a in self.ranks:
+            try:
+                ray.get(a.ping.remote(), timeout=2)
+                out.append(True)
+            except Exception:
+                out.append(False)
+        return out
+
+    def run(self, batch: M.RankBatch) -> list[M.RankResult]:
+        """One step through the ring. A missing completion within the bound is a hang (or a death): the ranks
+        are killed so nothing stale can answer later, and the supervisor restarts the pair."""
+        try:
+            seq = self.ring.publish(M.encode(batch), timeout_s=self.step_bound_s)
+            comps = self.ring.wait_completions(seq, timeout_s=self.step_bound_s)
+        except RingTimeout as e:
+            alive = self.alive()
+            kind = "dead" if not all(alive) else "hung"
+            self.kill()
+            raise PairFailure(kind, f"{e} (ranks alive: {alive})") from None
+        except RingError as e:
+            self.kill()
+            raise PairFailure("broken", str(e)) from None
+        statuses = [s for s, _ in comps]
+        if any(s == M.STATUS_BROKEN for s in statuses) or any(s == M.STATUS_STEP_FAILED for s in statuses):
+            kind = "broken" if M.STATUS_BROKEN in statuses else "step"
+            errs = "; ".join(f"rank {r}: {M.decode_reply(p).error}" for r, (s, p) in enumerate(comps) if s)
+            raise PairFailure(kind, errs)
+        return M.decode_reply(comps[0][1]).results
+
+    def status(self) -> list[dict]:
+        import ray
+        out = []
+        for r, a in enumerate(self.ranks):
+            try:
+                out.append(ray.get(a.status.remote(), timeout=2))
+            except Exception as e:
+                out.append({"rank": r, "error": f"{type(e).__name__}: {e}"})
+        return out
+
+    def close(self) -> None:
+        self.kill()
+        self.ring.unlink()
+
+
+def frontend_actor_class():
+    import ray
+
+    @ray.remote(max_concurrency=8)
+    class FrontEnd:
+        """A thin shell: a StepService + Supervisor fed by a PairManager, served over TCP."""
+
+        def __init__(self, spec: dict, host: str = "127.0.0.1", port: int = 0, name: str = "dspark",
+                     pg=None, rank_bundles=None, rank_resources=None, restart_threshold: int = 3):
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+            from ..config import load_config
+            from ..contract import Limits
+            from ..frontend import Identity
+            from ..supervisor import Supervisor
+            from ..transport.tcp import TcpServer
+            from ..weights.loader import Checkpoint
+            self.spec = PairSpec(**spec)
+            ck = Checkpoint(self.spec.checkpoint)
+            cfg = load_config(self.spec.checkpoint)
+            self.identity = Identity(ck.identity_digest, cfg.digest(), self.spec.tp, cfg.max_model_len)
+            self.limits = Limits.for_config(cfg, slot_capacity=self.spec.n_slots)
+            self.manager = PairManager(self.spec, pg, rank_bundles, rank_resources, name)
+            self.service = StepService(self.identity, self.limits, None, window=cfg.sliding_window)
+            self.supervisor = Supervisor(self.service, self.manager.restart, threshold=restart_threshold)
+            self.server = TcpServer(self.service, host=host, port=port)
+            self.host, self.port, self.name = host, port, name
+            self.started = False
+            self.load_progress = []
+
+        def start(self) -> str:
+            """Bring the pair up and open the endpoint; returns "host:port"."""
+            self.manager.progress_cb = lambda p: setattr(self, "load_progress", p)
+            self.manager.start()
+            self.service.pair = self.manager
+            self.service.unavailable = None
+            self.server.start()
+            self.started = True
+            log.info("front-end %s serving STEP on %s (tp %d, %d slots, model %s)", self.name,
+                     self.server.endpoint, self.spec.tp, self.spec.n_slots, self.identity.model_digest)
+            return self.server.endpoint
+
+        def endpoint(self) -> str:
+            return self.server.endpoint
+
+        def progress(self):
+            return self.load_progress
+
+        def status(self) -> dict:
+            return {"name": self.name, "endpoint": self.server.endpoint if self.started else None,
+                    "tp": self.spec.tp, "backend": self.spec.backend, "model_digest": self.identity.model_digest,
+                    "pid": os.getpid(), "env": {k: os.environ.get(k) for k in SAFE_ENV},
+                    **self.service.status(), "supervisor": self.supervisor.status(),
+                    "ranks": self.manager.status()}
+
+        def set_fault(self, rank: int, kind: str | None, **params) -> str:
+            import ray
+            msg = ray.get(self.manager.ranks[rank].set_fault.remote(kind, **params))
+            log.warning("fault injection: %s", msg)
+            return msg
+
+        def rank_pids(self) -> list[int]:
+            return [s.get("pid") for s in self.manager.status()]
+
+        def shutdown(self) -> None:
+            self.server.stop()
+            self.service.close()
+            self.manager.close()
+            log.info("front-end %s stopped", self.name)
+
+    return FrontEnd

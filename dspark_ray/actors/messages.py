@@ -1,0 +1,89 @@
+"""What travels through the shared-memory step ring: one batch to every rank, one result record back from each.
+
+msgspec msgpack with raw little-endian bytes for arrays (the same encoding as the wire contract), so a rank views
+token ids and taps with numpy / torch.frombuffer instead of decoding lists.
+"""
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import torch
+
+from ..engine import EntryOut, StepEntry
+
+# Completion status words (the ring's per-rank status).
+STATUS_OK = 0
+STATUS_STEP_FAILED = 1      # the step failed, the pair is still in step (latch open)
+STATUS_BROKEN = 2           # the engine's health latch is closed: restart the rank
+
+
+class RankEntry(msgspec.Struct, array_like=True, gc=False):
+    slot: int
+    seed: int
+    n_out: int
+    start: int
+    token_ids: bytes            # int32 LE
+    taps: bytes                 # fp16 LE, rows x taps_width
+    rollback_to: int
+    want_margins: bool
+
+
+class RankBatch(msgspec.Struct, array_like=True, gc=False):
+    resets: list[int]           # slots whose context is forgotten before the entries run (acquire, release, resync)
+    entries: list[RankEntry]
+
+
+class RankResult(msgspec.Struct, array_like=True, gc=False):
+    code: int                   # engine.OK / engine.BAD_ENTRY
+    reason: str
+    drafts: bytes               # int32 x n_out
+    confidences: bytes          # fp32 x n_out
+    margins: bytes              # fp32 x n_out, or empty
+    confident_len: int
+
+
+class RankReply(msgspec.Struct, array_like=True, gc=False):
+    results: list[RankResult]
+    error: str = ""
+
+
+_enc = msgspec.msgpack.Encoder()
+_batch_dec = msgspec.msgpack.Decoder(RankBatch)
+_reply_dec = msgspec.msgpack.Decoder(RankReply)
+
+
+def encode(msg) -> bytes:
+    return _enc.encode(msg)
+
+
+def decode_batch(buf) -> RankBatch:
+    return _batch_dec.decode(buf)
+
+
+def decode_reply(buf) -> RankReply:
+    return _reply_dec.decode(buf)
+
+
+def to_step_entries(batch: RankBatch, taps_width: int) -> list[StepEntry]:
+    out = []
+    for e in batch.entries:
+        ids = torch.from_numpy(np.frombuffer(e.token_ids, dtype="<i4").astype(np.int64))
+        taps = torch.from_numpy(np.frombuffer(e.taps, dtype="<f2").copy()).view(-1, taps_width) if e.taps else \
+            torch.zeros(0, taps_width, dtype=torch.float16)
+        out.append(StepEntry(slot=e.slot, seed=e.seed, n_out=e.n_out, start=e.start, token_ids=ids, taps=taps,
+                             rollback_to=e.rollback_to, want_margins=e.want_margins))
+    return out
+
+
+def to_rank_results(outs: list[EntryOut]) -> list[RankResult]:
+    res = []
+    for o in outs:
+        if o.drafts is None:
+            res.append(RankResult(o.code, o.reason, b"", b"", b"", 0))
+            continue
+        res.append(RankResult(
+            o.code, o.reason, o.drafts.to(torch.int32).numpy().tobytes(),
+            o.confidences.to(torch.float32).numpy().tobytes(),
+            o.margins.to(torch.float32).numpy().tobytes() if o.margins is not None else b"",
+            o.confident_len))
+    return res

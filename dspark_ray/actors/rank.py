@@ -1,0 +1,181 @@
+"""One rank of a pair: `RankWorker` (plain: load, connect to the peer, serve the step ring) and `RankActor`, the
+Ray actor that is a thin shell around it.
+
+Start-up, in the front-end's order: `load()` on both ranks at once (each reads only its slices), `connect()` on
+both at once (the collectives' handshake: gloo's rendezvous, later the push collectives' IPC handles), `serve()`
+(starts the dispatch thread on the ring). No Ray call happens per step: the dispatch thread waits on the ring
+(bounded spin, then a blocking wait), runs the step and posts its completion record.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..engine import EngineBroken, RankEngine, StepFailed
+from . import messages as M
+
+log = logging.getLogger("dspark_ray.rank")
+
+# Every actor's environment: never let NCCL / symmetric memory / NVSHMEM build NVLink multicast objects (the
+# lent GPU machines forbid them; see the device notes). Set in each actor's runtime_env and checked by a test.
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass
+class PairSpec:
+    checkpoint: str
+    tp: int = 2
+    n_slots: int = 16
+    backend: str = "gloo"              # collectives of a pair: gloo (CPU), push (NVLink), nccl
+    device: str = "cpu"
+    collective_timeout_s: float = 10.0
+    torch_threads: int = 1
+
+
+class RankWorker:
+    def __init__(self, spec: PairSpec | dict, rank: int):
+        self.spec = spec if isinstance(spec, PairSpec) else PairSpec(**spec)
+        self.rank = rank
+        torch.set_num_threads(self.spec.torch_threads)
+        self.loaded = 0
+        self.total = 0
+        self.weights = None
+        self.engine: RankEngine | None = None
+        self.reader = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.faults = None
+
+    # -- start-up --------------------------------------------------------------------------------------------------
+    def load(self) -> dict:
+        from ..model.layout import Layout
+        from ..modes import read_rank
+        from ..weights.loader import Checkpoint
+        t0 = time.time()
+        ck = Checkpoint(self.spec.checkpoint)
+        self.ckpt = ck
+        self.total = len(ck.names())
+        layout = Layout(ck.config, self.spec.tp)
+
+        def tick(n):
+            self.loaded += n
+
+        self.weights = read_rank(ck, layout, self.rank, self.spec.device, progress=tick)
+        self.layout = layout
+        nbytes = sum(t.numel() * t.element_size() for t in self.weights.values())
+        log.info("rank %d: loaded %d tensors (%.1f MiB) in %.2f s", self.rank, self.total, nbytes / 2**20,
+                 time.time() - t0)
+        return {"rank": self.rank, "tensors": self.total, "bytes": nbytes, "seconds": time.time() - t0}
+
+    def progress(self) -> tuple[int, int]:
+        return self.loaded, self.total
+
+    def connect(self, init_method: str | None) -> str:
+        """Meet the peer (both ranks call this at once) and build the engine."""
+        from ..collectives import GlooCollectives, LocalCollectives
+        from ..model.drafter import Drafter
+        cfg = self.ckpt.config
+        if self.spec.tp == 1:
+            coll = LocalCollectives(1)
+        elif self.spec.backend == "gloo":
+            coll = GlooCollectives(self.rank, 2, init_method=init_method, timeout_s=self.spec.collective_timeout_s)
+        elif self.spec.backend == "push":
+            from ..kernels.push import PushCollectives    # GPU only; wired with the push collectives issue
+            coll = PushCollectives.connect(self.rank, init_method, timeout_s=self.spec.collective_timeout_s)
+        else:
+            raise ValueError(f"backend {self.spec.backend!r}: choose gloo or push")
+        drafter = Drafter(cfg, [self.weights], [self.layout.vocab_range(self.rank)[0]], coll)
+        self.engine = RankEngine(drafter, self.spec.n_slots, self.rank)
+        log.info("rank %d: connected through %s", self.rank, coll.describe())
+        return coll.describe()
+
+    def serve(self, ring_handle) -> None:
+        from .ring import StepRing
+        self.reader = StepRing.attach(ring_handle, self.rank)
+        self._thread = threading.Thread(target=self._loop, name=f"dspark-rank{self.rank}", daemon=True)
+        self._thread.start()
+
+    # -- the step loop ---------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        from .ring import RingClosed, RingTimeout
+        width = self.engine.drafter.cfg.n_taps * self.engine.drafter.cfg.hidden_size
+        while not self._stop:
+            try:
+                seq, view = self.reader.next(timeout_s=1.0)
+            except RingTimeout:
+                continue
+            except RingClosed:
+                break
+            batch = M.decode_batch(view)              # copies what it needs: the view dies at complete()
+            self.engine.reset_slots(batch.resets)
+            status, payload = M.STATUS_OK, b""
+            try:
+                outs = self.engine.step(M.to_step_entries(batch, width))
+                if self.rank == 0:
+                    payload = M.encode(M.RankReply(M.to_rank_results(outs)))
+            except StepFailed as e:
+                status, payload = M.STATUS_STEP_FAILED, M.encode(M.RankReply([], str(e)))
+            except EngineBroken as e:
+                status, payload = M.STATUS_BROKEN, M.encode(M.RankReply([], str(e)))
+            except Exception as e:               # decoding or anything unforeseen: latch, the pair may be split
+                self.engine.broken = f"{type(e).__name__}: {e}"
+                status, payload = M.STATUS_BROKEN, M.encode(M.RankReply([], self.engine.broken))
+            self.reader.complete(seq, status, payload)
+
+    def status(self) -> dict:
+        st = self.engine.status() if self.engine else {"rank": self.rank, "loading": self.progress()}
+        st["pid"] = os.getpid()
+        st["env"] = {k: os.environ.get(k) for k in SAFE_ENV}
+        return st
+
+    def stop(self) -> None:
+        self._stop = True
+        if self._thread:
+            self._thread.join(3)
+        if self.reader:
+            self.reader.close()
+
+
+def rank_actor_class():
+    """The Ray actor class (built lazily so importing this module needs no Ray)."""
+    import ray
+
+    @ray.remote(max_concurrency=4)          # status / faults answer while the dispatch thread runs
+    class RankActor:
+        def __init__(self, spec: dict, rank: int):
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+            self.w = RankWorker(spec, rank)
+
+        def load(self):
+            return self.w.load()
+
+        def progress(self):
+            return self.w.progress()
+
+        def connect(self, init_method):
+            return self.w.connect(init_method)
+
+        def serve(self, ring_handle):
+            return self.w.serve(ring_handle)
+
+        def status(self):
+            return self.w.status()
+
+        def set_fault(self, kind: str | None, **params):
+            from ..faults import install
+            return install(self.w, kind, **params)
+
+        def ping(self):
+            return self.w.rank
+
+        def stop(self):
+            return self.w.stop()
+
+    return RankActor
+
+

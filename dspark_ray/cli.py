@@ -1,0 +1,246 @@
+"""dspark-ray: serve | status | stop | step | demo | synth | layout.
+
+    dspark-ray demo                         the main job on the embedded default: local Ray, tiny drafter pair,
+                                            scripted client rounds, shut down
+    dspark-ray serve [--detach] ...         deploy one pair on a Ray cluster (joined or embedded)
+    dspark-ray status | stop                inspect or remove a detached deployment
+    dspark-ray step --endpoint HOST:PORT    the scripted demo client against a running endpoint
+    dspark-ray synth --preset tiny|full --out DIR
+    dspark-ray layout --preset tiny|full --tp 1|2 [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("dspark_ray")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark-ray"))
+
+
+def resolve_checkpoint(preset: str | None, checkpoint: str | None, seed: int = 0, device: str = "cpu") -> str:
+    """A checkpoint directory: the one given, or the preset's synthetic checkpoint (made once, then reused)."""
+    if checkpoint:
+        return checkpoint
+    from .config import preset as get_preset
+    from .weights.synth import synthesize
+    out = _cache_dir() / f"{preset}-seed{seed}"
+    if (out / "dspark-manifest.json").exists():
+        return str(out)
+    print(f"synthesizing the {preset} drafter into {out} ...", flush=True)
+    synthesize(get_preset(preset), out, seed=seed, device=device)
+    return str(out)
+
+
+def _gpus() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+def connect_ray(address: str | None, detach: bool) -> str:
+    """Join the cluster at --address / RAY_ADDRESS, or a running local one; else start one: `ray start --head`
+    when the deployment must outlive this command (--detach), an embedded local Ray otherwise."""
+    import ray
+    address = address or os.environ.get("RAY_ADDRESS")
+    kw = dict(namespace="dspark", log_to_driver=False, logging_level=logging.WARNING)
+    if address:
+        ray.init(address=address, **kw)
+        return f"joined Ray at {address}"
+    try:
+        ray.init(address="auto", **kw)
+        return "joined the running local Ray cluster"
+    except (ConnectionError, RuntimeError):
+        pass
+    if detach:
+        ray_bin = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
+        subprocess.run([ray_bin, "start", "--head", "--disable-usage-stats"], check=True,
+                       stdout=subprocess.DEVNULL)
+        ray.init(address="auto", **kw)
+        return "started a Ray head (ray start --head) and joined it"
+    ray.init(include_dashboard=False, **kw)
+    return "started an embedded local Ray"
+
+
+def _progress_bar(tp: int):
+    from tqdm import tqdm
+    bar = {"b": None}
+
+    def cb(p):
+        if not p:
+            return
+        done, total = sum(x[0] for x in p), sum(x[1] for x in p)
+        if total and bar["b"] is None:
+            bar["b"] = tqdm(total=total, desc=f"loading {tp} rank(s)", unit="tensor", leave=False)
+        if bar["b"] is not None:
+            bar["b"].n = done
+            bar["b"].refresh()
+    return cb
+
+
+def cmd_serve(a, *, then=None) -> int:
+    from .actors.placement import deploy, teardown
+    from .actors.rank import PairSpec
+    device = a.device or ("cuda" if _gpus() >= a.tp else "cpu")
+    backend = a.backend or ("push" if device == "cuda" and a.tp == 2 else "gloo")
+    ckpt = resolve_checkpoint(a.preset, a.checkpoint, device=device)
+    print(connect_ray(a.address, a.detach), flush=True)
+    spec = PairSpec(checkpoint=os.path.abspath(ckpt), tp=a.tp, n_slots=a.slots, backend=backend, device=device,
+                    collective_timeout_s=a.collective_timeout)
+    t0 = time.monotonic()
+    fe, endpoint = deploy(spec, host=a.host, port=a.port, name=a.name, detach=a.detach,
+                          on_progress=_progress_bar(a.tp))
+    print(f"dspark-ray {a.name}: tp {a.tp} ({backend} on {device}) ready in {time.monotonic() - t0:.1f} s; "
+          f"STEP endpoint {endpoint}", flush=True)
+    if then is not None:
+        try:
+            return then(endpoint)
+        finally:
+            teardown(a.name)
+    if a.detach:
+        print(f"detached: `dspark-ray status --name {a.name}` / `dspark-ray stop --name {a.name}`")
+        return 0
+    try:
+        print("serving; Ctrl-C to stop", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        teardown(a.name)
+    return 0
+
+
+def cmd_status(a) -> int:
+    import ray
+    from .actors.placement import find
+    print(connect_ray(a.address, False), file=sys.stderr)
+    try:
+        st = ray.get(find(a.name).status.remote(), timeout=30)
+    except ValueError:
+        print(f"no deployment named {a.name!r}", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps(st, indent=1, default=str))
+        return 0
+    print(f"{st['name']}: endpoint {st['endpoint']}, tp {st['tp']} ({st['backend']}), worker generation "
+          f"{st['worker_generation']}, {'UNAVAILABLE: ' + st['unavailable'] if st['unavailable'] else 'serving'}")
+    print(f"  slots {st['slots']['held']}/{st['slots']['capacity']} held, {st['sessions']} sessions; "
+          f"steps {st['stats']['steps']}, batches {st['stats']['batches']}, entries {st['stats']['entries']}")
+    print(f"  supervisor: {st['supervisor']}")
+    for r in st["ranks"]:
+        print(f"  rank {r.get('rank')}: pid {r.get('pid')}, steps {r.get('steps')}, failed {r.get('failed_steps')},"
+              f" broken {r.get('broken')}, last error {r.get('last_error') or '-'}")
+    for e in st["last_errors"]:
+        print(f"  error: {e}")
+    return 0
+
+
+def cmd_stop(a) -> int:
+    from .actors.placement import teardown
+    print(connect_ray(a.address, False), file=sys.stderr)
+    teardown(a.name)
+    print(f"stopped {a.name}")
+    return 0
+
+
+def cmd_step(a) -> int:
+    from .demo import run
+    run(a.endpoint, rounds=a.rounds, requests=a.requests, seed=a.seed)
+    return 0
+
+
+def cmd_demo(a) -> int:
+    from .demo import run
+    return cmd_serve(a, then=lambda ep: (run(ep, rounds=a.rounds, requests=a.requests), 0)[1])
+
+
+def cmd_layout(a) -> int:
+    from .config import preset
+    from .model.layout import memory_table
+    from .weights.inventory import tensor_specs
+    cfg = preset(a.preset)
+    specs = {n: (s.shape, s.dtype.itemsize) for n, s in tensor_specs(cfg).items()}
+    rows = memory_table(cfg, a.tp, specs)
+    if a.json:
+        print(json.dumps({"preset": a.preset, "tp": a.tp, "rows": rows}, indent=1))
+        return 0
+    mib = 2 ** 20
+    print(f"{a.preset} preset, tp {a.tp}: what each rank holds (MiB, compute form)")
+    print(f"{'item':28s}" + "".join(f"{'rank ' + str(r):>12s}" for r in range(a.tp)) + "  cut")
+    for r in rows:
+        print(f"{r['item']:28s}" + "".join(f"{b / mib:12.1f}" for b in r["bytes"]) + f"  {r['cut']}")
+    tot = [sum(r["bytes"][k] for r in rows) for k in range(a.tp)]
+    print(f"{'total':28s}" + "".join(f"{b / mib:12.1f}" for b in tot))
+    return 0
+
+
+def cmd_synth(a) -> int:
+    from .weights.synth import synth_main
+    return synth_main(a.rest)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    p = argparse.ArgumentParser(prog="dspark-ray", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def serve_args(sp):
+        sp.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, a running local one, or embedded)")
+        g = sp.add_mutually_exclusive_group()
+        g.add_argument("--preset", choices=["tiny", "full"], default="tiny")
+        g.add_argument("--checkpoint", help="a checkpoint directory in the DeepSeek-V4 namespace")
+        sp.add_argument("--tp", type=int, choices=[1, 2], default=2)
+        sp.add_argument("--host", default="127.0.0.1")
+        sp.add_argument("--port", type=int, default=0)
+        sp.add_argument("--slots", type=int, default=16)
+        sp.add_argument("--name", default="dspark")
+        sp.add_argument("--device", choices=["cpu", "cuda"])
+        sp.add_argument("--backend", choices=["gloo", "push"])
+        sp.add_argument("--collective-timeout", type=float, default=10.0)
+
+    sp = sub.add_parser("serve", help="deploy one pair and serve STEP")
+    serve_args(sp)
+    sp.add_argument("--detach", action="store_true", help="leave detached actors behind (starts `ray start --head` "
+                                                          "when no cluster runs)")
+    sp.set_defaults(fn=cmd_serve)
+    sp = sub.add_parser("demo", help="the main job on the embedded default: serve, run the demo client, stop")
+    serve_args(sp)
+    sp.add_argument("--rounds", type=int, default=8)
+    sp.add_argument("--requests", type=int, default=2)
+    sp.set_defaults(fn=cmd_demo, detach=False)
+    for name, fn in (("status", cmd_status), ("stop", cmd_stop)):
+        sp = sub.add_parser(name)
+        sp.add_argument("--address")
+        sp.add_argument("--name", default="dspark")
+        sp.add_argument("--json", action="store_true")
+        sp.set_defaults(fn=fn)
+    sp = sub.add_parser("step", help="the scripted demo client against a running endpoint")
+    sp.add_argument("--endpoint", required=True)
+    sp.add_argument("--rounds", type=int, default=8)
+    sp.add_argument("--requests", type=int, default=2)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.set_defaults(fn=cmd_step)
+    sp = sub.add_parser("synth", help="write a synthetic checkpoint (see --help of synth)", add_help=False)
+    sp.add_argument("rest", nargs=argparse.REMAINDER)
+    sp.set_defaults(fn=cmd_synth)
+    sp = sub.add_parser("layout", help="what each rank holds, from the layout table")
+    sp.add_argument("--preset", choices=["tiny", "full"], default="full")
+    sp.add_argument("--tp", type=int, choices=[1, 2], default=2)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(fn=cmd_layout)
+    a = p.parse_args(argv)
+    return a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Fault injection for tests, chaos runs and demos: off by default, switched per rank at run time.
+
+| kind                 | what the rank does at its next step(s)                                            |
+|----------------------|-----------------------------------------------------------------------------------|
+| `raise`              | raises after its last collective: the step fails, the pair stays in step          |
+| `raise_early`        | raises before its first collective: its peer waits in a collective until timeout  |
+| `collective_timeout` | sleeps inside its first collective past the collective timeout (both sides fail)  |
+| `stall`              | sleeps `seconds` inside the step (the front-end's watchdog must fire)             |
+| `kill`               | the process exits at once (a dead rank actor)                                     |
+
+`count` bounds how many steps the fault fires on (default: every step until cleared with kind None).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+KINDS = ("raise", "raise_early", "collective_timeout", "stall", "kill")
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def install(worker, kind: str | None, count: int | None = None, seconds: float = 30.0) -> str:
+    """Arm `kind` on a RankWorker's engine (None disarms). Returns a one-line description for the log."""
+    eng = worker.engine
+    eng.fault_hook = None
+    eng.coll.fault = None
+    if kind is None:
+        return f"rank {worker.rank}: faults cleared"
+    if kind not in KINDS:
+        raise ValueError(f"fault kind {kind!r}: choose one of {', '.join(KINDS)}")
+    left = [count if count is not None else -1]
+
+    def fire() -> bool:
+        if left[0] == 0:
+            return False
+        left[0] -= 1
+        return True
+
+    if kind == "kill":
+        eng.fault_hook = lambda phase: os._exit(17) if phase == "start" and fire() else None
+    elif kind == "stall":
+        eng.fault_hook = lambda phase: time.sleep(seconds) if phase == "start" and fire() else None
+    elif kind in ("raise", "raise_early"):
+        at = "end" if kind == "raise" else "start"
+
+        def hook(phase):
+            if phase == at and fire():
+                raise InjectedFault(f"injected fault on rank {worker.rank} ({kind})")
+        eng.fault_hook = hook
+    else:   # collective_timeout: hold the first collective of the step past its bound
+        timeout = worker.spec.collective_timeout_s
+
+        def coll_fault(count_in_step):
+            if count_in_step == 0 and fire():
+                time.sleep(timeout * 1.5)
+        eng.coll.fault = coll_fault
+    return f"rank {worker.rank}: fault {kind} armed (count {count if count is not None else 'unbounded'})"

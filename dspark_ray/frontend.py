@@ -1,0 +1,334 @@
+"""The front-end's logic as a plain class: sessions, slots, contract checks, batching, and the failure policy.
+
+`FrontEnd` (the Ray actor in `actors/frontend.py`) is a thin shell around `StepService`; tests drive this class
+with real ranks behind a `Pair`, or with the in-process `LocalPair`.
+
+Per STEP, nothing reaches a rank before every field was checked: stateless rules (contract.validate_entries),
+then the slot's owner, generation and cursor (position gap, rollback depth) here. Valid entries go to one
+dispatcher thread, which merges entries of concurrent clients into one batch of up to `max_entries_per_replay`
+while the ranks are busy, and sends a lone entry at once when they are idle. An entry still queued when its
+STEP's deadline passes answers DEADLINE and never runs, so its slot is unchanged.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from . import contract as C
+from .actors.messages import RankBatch, RankEntry, RankResult
+from .model.state import SlotCursor
+
+log = logging.getLogger("dspark_ray.frontend")
+
+
+class PairFailure(RuntimeError):
+    """A batch did not complete on the pair. `kind`: "step" (the ranks failed the step consistently and are still
+    in step), "broken" (a rank's health latch closed), "hung" (no completion within the bound), "dead"."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(f"{kind}: {reason}")
+        self.kind, self.reason = kind, reason
+
+
+class Pair(Protocol):
+    """What the front-end drives: one batch in, rank 0's results out, or a PairFailure."""
+
+    def run(self, batch: RankBatch) -> list[RankResult]: ...
+
+
+@dataclass
+class Identity:
+    model_digest: str
+    config_digest: str
+    tp: int
+    max_model_len: int
+
+
+@dataclass
+class _Slot:
+    cursor: SlotCursor
+    owner: int | None = None
+    busy: bool = False
+
+
+@dataclass
+class _Pending:
+    session: int
+    index: int
+    entry: C.Entry
+    deadline_ns: int
+    done: threading.Event = field(default_factory=threading.Event)
+    result: C.EntryResult | None = None
+
+
+class StepService(C.StepHandler):
+    def __init__(self, identity: Identity, limits: C.Limits, pair: Pair | None, *, window: int,
+                 on_failure: Callable[[PairFailure, list[int]], None] | None = None):
+        self.identity, self.limits, self.pair = identity, limits, pair
+        self.slots = [_Slot(SlotCursor(window, limits.max_rows_per_entry)) for _ in range(limits.slot_capacity)]
+        self.sessions: dict[int, dict] = {}
+        self._ids = itertools.count(1)
+        self.lock = threading.Lock()
+        self.queue: queue.Queue[_Pending | None] = queue.Queue()
+        self.pending_resets: set[int] = set()
+        self.worker_generation = 0
+        self.unavailable: str | None = None if pair is not None else "starting"
+        self.on_failure = on_failure
+        self.stats = {"steps": 0, "entries": 0, "batches": 0, "deadline": 0, "internal": 0, "bad_entry": 0,
+                      "stale": 0, "unavailable": 0, "batch_sizes": [0] * (limits.max_entries_per_replay + 1)}
+        self.last_errors: list[str] = []
+        self._stop = False
+        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="dspark-dispatch", daemon=True)
+        self._dispatcher.start()
+
+    # -- sessions --------------------------------------------------------------------------------------------------
+    def open_session(self, peer: str) -> int:
+        with self.lock:
+            sid = next(self._ids)
+            self.sessions[sid] = {"peer": peer, "hello": False}
+        return sid
+
+    def hello(self, session: int, msg: C.Hello) -> C.HelloReply:
+        idt = self.identity
+        why = C.hello_mismatch(msg, model_digest=idt.model_digest, config_digest=idt.config_digest, tp=idt.tp,
+                               max_model_len=idt.max_model_len)
+        base = dict(model_digest=idt.model_digest, config_digest=idt.config_digest, tp=idt.tp,
+                    max_model_len=idt.max_model_len, worker_generation=self.worker_generation, session_id=session)
+        if why:
+            log.info("session %d: HELLO refused: %s", session, why)
+            return C.HelloReply(ok=False, code=C.Code.CONFIG_MISMATCH, reason=why, **base)
+        with self.lock:
+            self.sessions[session]["hello"] = True
+        log.info("session %d: HELLO accepted (%s)", session, msg.client or "client")
+        return C.HelloReply(ok=True, limits=self.limits, **base)
+
+    def _need_hello(self, session: int) -> C.ErrorReply | None:
+        s = self.sessions.get(session)
+        if s is None or not s["hello"]:
+            return C.ErrorReply(code=C.Code.BAD_ENTRY, reason="HELLO first")
+        return None
+
+    def acquire(self, session: int, msg: C.Acquire):
+        err = self._need_hello(session)
+        if err:
+            return err
+        with self.lock:
+            free = [i for i, s in enumerate(self.slots) if s.owner is None]
+            if msg.n < 1 or msg.n > len(free):
+                return C.ErrorReply(code=C.Code.OVERLOADED,
+                                    reason=f"asked for {msg.n} slots, {len(free)} of {len(self.slots)} free")
+            grants = []
+            for i in free[:msg.n]:
+                self._resync(i)
+                self.slots[i].owner = session
+                grants.append(C.SlotGrant(slot=i, generation=self.slots[i].cursor.generation))
+        return C.AcquireReply(slots=grants)
+
+    def release(self, session: int, msg: C.Release):
+        with self.lock:
+            done = []
+            for i in msg.slots:
+                if 0 <= i < len(self.slots) and self.slots[i].owner == session:
+                    self.slots[i].owner = None
+                    self._resync(i)
+                    done.append(i)
+        return C.ReleaseReply(released=done)
+
+    def close_session(self, session: int) -> None:
+        with self.lock:
+            held = [i for i, s in enumerate(self.slots) if s.owner == session]
+            for i in held:
+                self.slots[i].owner = None
+                self._resync(i)
+            self.sessions.pop(session, None)
+        log.info("session %d closed, %d slots freed", session, len(held))
+
+    def _resync(self, i: int) -> None:
+        """Forget slot i's context everywhere: bump its generation, reset the cursor here and the rows on the
+        ranks (with the next batch). Caller holds the lock."""
+        c = self.slots[i].cursor
+        c.reset()
+        c.generation += 1
+        self.pending_resets.add(i)
+
+    def resync_all(self) -> None:
+        with self.lock:
+            for i in range(len(self.slots)):
+                self._resync(i)
+
+    # -- STEP ------------------------------------------------------------------------------------------------------
+    def step(self, session: int, msg: C.Step, received_ns: int):
+        err = self._need_hello(session)
+        if err:
+            return err
+        why = C.validate_step(msg, self.limits)
+        if why:
+            return C.ErrorReply(code=C.Code.BAD_ENTRY, reason=why)
+        self.stats["steps"] += 1
+        deadline = received_ns + int(msg.deadline_ms * 1e6)
+        results: list[C.EntryResult | None] = [None] * len(msg.entries)
+        pend: list[_Pending] = []
+        reasons = C.validate_entries(msg, self.limits)
+        with self.lock:
+            for k, (e, why) in enumerate(zip(msg.entries, reasons)):
+                results[k] = self._admit(session, e, why)
+                if results[k] is None:
+                    p = _Pending(session, k, e, deadline)
+                    self.slots[e.slot].busy = True
+                    pend.append(p)
+        for p in pend:
+            self.queue.put(p)
+        for p in pend:
+            # The dispatcher answers every queued entry (DEADLINE if it expires before it runs); the bound here
+            # only guards against a dispatcher that died.
+            if not p.done.wait(max(0.0, (deadline - time.monotonic_ns()) / 1e9) + 30.0):
+                p.result = C.error_result(C.Code.INTERNAL, "front-end dispatcher did not answer")
+            results[p.index] = p.result
+        return C.StepReply(results=results)  # type: ignore[arg-type]
+
+    def _admit(self, session: int, e: C.Entry, why: str | None) -> C.EntryResult | None:
+        """The stateful checks (caller holds the lock): None to run the entry, else its answer."""
+        if why:
+            self.stats["bad_entry"] += 1
+            return C.error_result(C.Code.BAD_ENTRY, why)
+        slot = self.slots[e.slot]
+        gen = slot.cursor.generation
+        if self.unavailable:
+            self.stats["unavailable"] += 1
+            return C.error_result(C.Code.UNAVAILABLE, f"pair unavailable: {self.unavailable}", gen)
+        if slot.owner != session:
+            self.stats["bad_entry"] += 1
+            return C.error_result(C.Code.BAD_ENTRY, f"slot {e.slot}: not held by this session", gen)
+        if e.generation != gen:
+            self.stats["stale"] += 1
+            return C.error_result(C.Code.STALE_GENERATION,
+                                  f"slot {e.slot}: generation {e.generation} is stale, the slot is at {gen}: "
+                                  f"re-insert its context", gen)
+        if slot.busy:
+            return C.error_result(C.Code.BAD_ENTRY, f"slot {e.slot}: an earlier entry is still running", gen)
+        cur = slot.cursor
+        if e.rollback_to >= 0:
+            w = cur.check_rollback(e.rollback_to)
+            if w:
+                self.stats["bad_entry"] += 1
+                return C.error_result(C.Code.BAD_ENTRY, f"slot {e.slot}: {w}", gen)
+        w = cur.check_insert(e.start_pos, e.rows, e.rollback_to)
+        if w:
+            self.stats["bad_entry"] += 1
+            return C.error_result(C.Code.BAD_ENTRY, f"slot {e.slot}: {w}", gen)
+        return None
+
+    # -- the dispatcher --------------------------------------------------------------------------------------------
+    def _take_batch(self) -> list[_Pending]:
+        first = self.queue.get()
+        if first is None:
+            return []
+        batch, later, slots = [first], [], {first.entry.slot}
+        while len(batch) < self.limits.max_entries_per_replay:
+            try:
+                p = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if p is None:
+                self._stop = True
+                break
+            (later if p.entry.slot in slots else batch).append(p)
+            slots.add(p.entry.slot)
+        for p in later:                  # never reached: a slot has one entry in flight (checked at admission)
+            self.queue.put(p)
+        return batch
+
+    def _dispatch_loop(self) -> None:
+        while not self._stop:
+            batch = self._take_batch()
+            if not batch:
+                continue
+            now = time.monotonic_ns()
+            live = []
+            for p in batch:
+                if now > p.deadline_ns:
+                    self.stats["deadline"] += 1
+                    self._finish(p, C.error_result(C.Code.DEADLINE, "deadline passed before the entry could run",
+                                                   self.slots[p.entry.slot].cursor.generation))
+                elif self.unavailable:
+                    self.stats["unavailable"] += 1
+                    self._finish(p, C.error_result(C.Code.UNAVAILABLE, f"pair unavailable: {self.unavailable}",
+                                                   self.slots[p.entry.slot].cursor.generation))
+                else:
+                    live.append(p)
+            if live:
+                self._run(live)
+
+    def _run(self, live: list[_Pending]) -> None:
+        with self.lock:
+            resets = sorted(self.pending_resets)
+            self.pending_resets.clear()
+        rb = RankBatch(resets, [RankEntry(p.entry.slot, p.entry.seed_token, p.entry.n_out, p.entry.start_pos,
+                                          p.entry.token_ids, p.entry.taps, p.entry.rollback_to,
+                                          p.entry.want_margins) for p in live])
+        self.stats["batches"] += 1
+        self.stats["entries"] += len(live)
+        self.stats["batch_sizes"][len(live)] += 1
+        try:
+            results = self.pair.run(rb)
+        except PairFailure as f:
+            self.stats["internal"] += len(live)
+            msg = f"batch failed closed ({f.kind}): {f.reason}"
+            self.last_errors = (self.last_errors + [msg])[-10:]
+            log.warning("%s; %d entries answer INTERNAL, their slots are resynced", msg, len(live))
+            with self.lock:
+                for p in live:
+                    self._resync(p.entry.slot)
+                    self.slots[p.entry.slot].busy = False
+                    p.result = C.error_result(C.Code.INTERNAL, msg, self.slots[p.entry.slot].cursor.generation)
+                    p.done.set()
+                if f.kind != "step":             # a rank's state may differ from its peer's: resync everything
+                    for i in range(len(self.slots)):
+                        self._resync(i)
+                else:
+                    self.pending_resets.update(resets)   # the failed batch may not have applied its resets
+            if self.on_failure:
+                self.on_failure(f, [p.entry.slot for p in live])
+            return
+        if self.on_failure:
+            self.on_failure(None, [])      # a success: the supervisor resets its failure count
+        with self.lock:
+            for p, r in zip(live, results):
+                slot = self.slots[p.entry.slot]
+                gen = slot.cursor.generation
+                if r.code == 0:
+                    e = p.entry
+                    if e.rollback_to >= 0:
+                        slot.cursor.rollback(e.rollback_to)
+                    slot.cursor.advance(e.start_pos, e.rows)
+                    p.result = C.EntryResult(code=C.Code.OK, generation=gen, drafts=r.drafts,
+                                             confidences=r.confidences, margins=r.margins,
+                                             confident_len=r.confident_len)
+                else:
+                    self.stats["bad_entry"] += 1
+                    p.result = C.error_result(C.Code.BAD_ENTRY, r.reason, gen)
+                slot.busy = False
+                p.done.set()
+
+    def _finish(self, p: _Pending, r: C.EntryResult) -> None:
+        with self.lock:
+            self.slots[p.entry.slot].busy = False
+        p.result = r
+        p.done.set()
+
+    def close(self) -> None:
+        self._stop = True
+        self.queue.put(None)
+        self._dispatcher.join(5)
+
+    def status(self) -> dict:
+        with self.lock:
+            held = sum(s.owner is not None for s in self.slots)
+        return {"worker_generation": self.worker_generation, "unavailable": self.unavailable,
+                "slots": {"capacity": len(self.slots), "held": held}, "sessions": len(self.sessions),
+                "stats": dict(self.stats), "last_errors": list(self.last_errors)}

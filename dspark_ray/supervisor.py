@@ -1,0 +1,89 @@
+"""The failure policy: when a failed batch becomes a pair restart.
+
+A step the ranks failed consistently ("step": the pair is still in step) counts toward a threshold of consecutive
+failures (3 by default, as seed 000's systemd policy); a closed health latch ("broken"), a hung step ("hung") or a
+dead rank ("dead") restarts at once, since the ranks' replicated state may have diverged. A success resets the
+count. The restart itself (kill both ranks, recreate them in the same placement group, redo the start-up
+handshake, reload) is the caller's `restart` function; it runs on its own thread, and the service answers
+UNAVAILABLE meanwhile.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from .frontend import PairFailure, StepService
+
+log = logging.getLogger("dspark_ray.supervisor")
+
+
+class Supervisor:
+    def __init__(self, service: StepService, restart: Callable[[str], None], threshold: int = 3,
+                 on_restart_done: Callable[[float], None] | None = None):
+        self.service, self.restart_fn, self.threshold = service, restart, threshold
+        self.consecutive = 0
+        self.restarts = 0
+        self.restart_seconds: list[float] = []
+        self.on_restart_done = on_restart_done
+        self.attempts = 3
+        self._lock = threading.Lock()
+        self._restarting = False
+        service.on_failure = self.observe
+
+    def observe(self, failure: PairFailure | None, slots: list[int]) -> None:
+        with self._lock:
+            if failure is None:
+                self.consecutive = 0
+                return
+            self.consecutive += 1
+            immediate = failure.kind != "step"
+            if not (immediate or self.consecutive >= self.threshold) or self._restarting:
+                log.info("failure %d of %d in a row (%s): no restart yet", self.consecutive, self.threshold,
+                         failure.kind)
+                return
+            why = (f"{failure.kind}: {failure.reason}" if immediate
+                   else f"{self.consecutive} consecutive failed steps (threshold {self.threshold})")
+            self._restarting = True
+            self.service.unavailable = f"restarting ({why})"
+        threading.Thread(target=self._restart, args=(why,), name="dspark-restart", daemon=True).start()
+
+    def _restart(self, why: str) -> None:
+        t0 = time.monotonic()
+        log.warning("restarting the pair: %s", why)
+        ok = False
+        for attempt in range(self.attempts):
+            try:
+                self.restart_fn(why)
+                ok = True
+                break
+            except Exception as e:
+                log.error("pair restart attempt %d failed: %s: %s", attempt + 1, type(e).__name__, e)
+                self.service.last_errors = (self.service.last_errors + [f"restart failed: {e}"])[-10:]
+                time.sleep(min(5.0, 0.5 * 2 ** attempt))
+        dt = time.monotonic() - t0
+        with self._lock:
+            self._restarting = False
+            self.consecutive = 0
+            if ok:
+                self.restarts += 1
+                self.restart_seconds.append(dt)
+                self.service.worker_generation += 1
+                self.service.resync_all()
+                self.service.unavailable = None
+                log.warning("pair restarted in %.2f s (worker generation %d)", dt,
+                            self.service.worker_generation)
+            else:
+                self.service.unavailable = f"restart failed: {why}"
+        if ok and self.on_restart_done:
+            self.on_restart_done(dt)
+
+    @property
+    def restarting(self) -> bool:
+        return self._restarting
+
+    def status(self) -> dict:
+        return {"consecutive_failures": self.consecutive, "threshold": self.threshold, "restarts": self.restarts,
+                "restart_seconds": [round(s, 3) for s in self.restart_seconds[-10:]],
+                "restarting": self._restarting}
