@@ -45,3 +45,26 @@ def cfg(ckpt):
 def full_weights(ckpt):
     """The whole model in compute form (read once; tests that plant ties copy what they change)."""
     return {n: ckpt.read(n) for n in ckpt.names()}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance for every test that needs real actors (keeps the suite fast on 2 cores)."""
+    import logging
+
+    import ray
+    ray.init(num_cpus=2, include_dashboard=False, namespace="dspark", log_to_driver=False,
+             logging_level=logging.WARNING)
+    yield ray
+    ray.shutdown()
+
+
+def deploy_pair(ray_cluster, ckpt_dir, name, **kw):
+    """Deploy a tiny pair on the shared cluster; returns (front-end handle, host, port)."""
+    from dspark_ray.actors.placement import deploy
+    from dspark_ray.actors.rank import PairSpec
+    spec = PairSpec(checkpoint=str(ckpt_dir), tp=kw.pop("tp", 2), n_slots=kw.pop("n_slots", 8),
+                    collective_timeout_s=kw.pop("collective_timeout_s", 3.0))
+    fe, endpoint = deploy(spec, name=name, **kw)
+    host, port = endpoint.rsplit(":", 1)
+    return fe, host, int(port)

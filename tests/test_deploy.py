@@ -1,0 +1,194 @@
+"""The deployment end to end on a real local Ray cluster: tiny preset, tp2 over gloo, STEP over TCP."""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from dspark_ray import workload
+from dspark_ray.actors.placement import teardown
+from dspark_ray.client import ClientError, DrafterClient
+from dspark_ray.contract import Code, make_entry
+from dspark_ray.engine import RankEngine
+from dspark_ray.modes import make_drafter
+
+from conftest import deploy_pair
+
+
+@pytest.fixture(scope="module")
+def pair(ray_cluster, tiny_ckpt):
+    fe, host, port = deploy_pair(ray_cluster, tiny_ckpt, "e2e")
+    yield fe, host, port
+    teardown("e2e")
+
+
+def client(pair, **hello):
+    c = DrafterClient(pair[1], pair[2], timeout_s=60)
+    c.hello(client="test", **hello)
+    return c
+
+
+def to_entry(e, slot, gen, **over):
+    kw = dict(slot=slot, generation=gen, seed_token=e.seed, start_pos=e.start, token_ids=e.token_ids.numpy(),
+              taps=e.taps.numpy(), rollback_to=e.rollback_to, n_out=e.n_out, want_margins=e.want_margins)
+    kw.update(over)
+    return make_entry(**kw)
+
+
+def test_every_actor_carries_the_no_multicast_environment(pair, ray_cluster):
+    st = ray_cluster.get(pair[0].status.remote())
+    want = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    assert st["env"] == want
+    assert [r["env"] for r in st["ranks"]] == [want, want]
+    assert st["tp"] == 2 and st["backend"] == "gloo"
+
+
+def test_hello_accepted_and_refused(pair, ckpt, cfg):
+    with client(pair, config_digest=cfg.digest(), tp=2, model_digest=ckpt.identity_digest) as c:
+        assert c.limits.slot_capacity == 8
+    c = DrafterClient(pair[1], pair[2], timeout_s=30)
+    with pytest.raises(ClientError, match="config_digest") as e:
+        c.hello(config_digest="0" * 16)
+    assert e.value.code == Code.CONFIG_MISMATCH
+    with pytest.raises(ClientError, match="tp"):
+        c.hello(tp=1)
+    assert c.hello().ok                  # the refused session may say HELLO again
+    c.close()
+
+
+def test_rounds_over_the_wire_equal_the_in_process_reference_bit_for_bit(pair, cfg, ckpt):
+    rounds = workload.rounds(cfg, seed=3, n_requests=2, n_rounds=40, far_start=2000)
+    ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 2)
+    with client(pair) as c:
+        grants = c.acquire(2)
+        for batch in rounds:
+            want = ref.step(batch)
+            got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)],
+                         deadline_ms=60_000)
+            for w, g in zip(want, got):
+                assert g.code == Code.OK, g.reason
+                assert np.array_equal(g.drafts_array(), w.drafts.numpy())
+                assert np.array_equal(g.confidences_array(), w.confidences.numpy())
+                if w.margins is not None:
+                    assert np.array_equal(g.margins_array(), w.margins.numpy())
+                assert g.confident_len == w.confident_len
+        c.release([g.slot for g in grants])
+
+
+def test_n_out_prefix_over_the_wire(pair, cfg):
+    taps = workload.make_taps(cfg, 7, torch.Generator().manual_seed(1)).numpy()
+    outs = {}
+    with client(pair) as c:
+        for n_out in (5, 2):
+            (g,) = c.acquire(1)
+            (r,) = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=9, token_ids=np.arange(7),
+                                      taps=taps, n_out=n_out, want_margins=True)])
+            outs[n_out] = r
+            c.release([g.slot])
+    assert np.array_equal(outs[2].drafts_array(), outs[5].drafts_array()[:2])
+    assert np.array_equal(outs[2].confidences_array(), outs[5].confidences_array()[:2])
+    assert np.array_equal(outs[2].margins_array(), outs[5].margins_array()[:2])
+
+
+def test_bad_entry_fails_alone_and_stale_generation_is_refused(pair, cfg):
+    taps = workload.make_taps(cfg, 3, torch.Generator().manual_seed(2)).numpy()
+    with client(pair) as c:
+        a, b = c.acquire(2)
+        good = make_entry(slot=a.slot, generation=a.generation, seed_token=5, token_ids=[1, 2, 3], taps=taps)
+        bad = make_entry(slot=b.slot, generation=b.generation, seed_token=cfg.vocab_size + 7, token_ids=[1, 2, 3],
+                         taps=taps)
+        r = c.step([good, bad])
+        assert r[0].code == Code.OK and r[1].code == Code.BAD_ENTRY and "4103" in r[1].reason
+        gap = make_entry(slot=a.slot, generation=a.generation, seed_token=5, start_pos=9, token_ids=[1], taps=taps[:1])
+        r = c.step([gap])
+        assert r[0].code == Code.BAD_ENTRY and "position gap" in r[0].reason
+        stale = make_entry(slot=a.slot, generation=a.generation + 1, seed_token=5, start_pos=3, token_ids=[1],
+                           taps=taps[:1])
+        r = c.step([stale])
+        assert r[0].code == Code.STALE_GENERATION and r[0].generation == a.generation
+        c.release([a.slot, b.slot])
+
+
+def test_bad_frames_close_only_their_own_connection(pair, cfg):
+    taps = workload.make_taps(cfg, 2, torch.Generator().manual_seed(4)).numpy()
+    with client(pair) as c:
+        (g,) = c.acquire(1)
+        pos = 0
+        for junk in (b"\x00" * 64, b"DSPK" + b"\xff" * 20, struct.pack("<4sHHHHQI", b"DSPK", 1, 7, 0, 0, 1, 1 << 31)):
+            s = socket.create_connection((pair[1], pair[2]), timeout=10)
+            s.sendall(junk)
+            s.shutdown(socket.SHUT_WR)
+            assert s.recv(1 << 16) is not None      # the server answers or closes; it never hangs
+            s.close()
+            r = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=1, start_pos=pos,
+                                   token_ids=[3, 4], taps=taps)])
+            assert r[0].code == Code.OK
+            pos += 2
+
+
+def test_concurrent_clients_are_batched_and_get_the_same_bits_as_alone(pair, cfg, ckpt, ray_cluster):
+    n = 3
+    rounds = workload.rounds(cfg, seed=9, n_requests=n, n_rounds=6)
+    ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), n)
+    want = [ref.step(b) for b in rounds]
+    before = ray_cluster.get(pair[0].status.remote())["stats"]["batch_sizes"]
+    got: dict[int, list] = {}
+    barrier = threading.Barrier(n)
+
+    def worker(i):
+        with client(pair) as c:
+            (g,) = c.acquire(1)
+            out = []
+            for batch in rounds:
+                barrier.wait(30)
+                out.append(c.step([to_entry(batch[i], g.slot, g.generation)], deadline_ms=60_000)[0])
+            got[i] = out
+            c.release([g.slot])
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    for i in range(n):
+        for r, w in zip(got[i], [b[i] for b in want]):
+            assert r.code == Code.OK and np.array_equal(r.drafts_array(), w.drafts.numpy())
+            assert np.array_equal(r.confidences_array(), w.confidences.numpy())
+    after = ray_cluster.get(pair[0].status.remote())["stats"]["batch_sizes"]
+    merged = sum(after[k] - before[k] for k in range(2, len(after)))
+    assert merged > 0, (before, after)
+
+
+def test_a_step_past_its_deadline_answers_deadline(pair, cfg):
+    taps = workload.make_taps(cfg, 2, torch.Generator().manual_seed(5)).numpy()
+    with client(pair) as c:
+        (g,) = c.acquire(1)
+        r = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=1, token_ids=[1, 2], taps=taps)],
+                   deadline_ms=1e-6)
+        assert r[0].code == Code.DEADLINE
+        # Nothing ran: the slot is still fresh, an insert at 0 is accepted.
+        r = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=1, token_ids=[1, 2], taps=taps)])
+        assert r[0].code == Code.OK
+
+
+def test_a_closed_sessions_slots_are_free_again(pair):
+    c = client(pair)
+    c.acquire(8)
+    other = client(pair)
+    with pytest.raises(ClientError):
+        other.acquire(1)
+    c.close()
+    for _ in range(50):
+        try:
+            assert len(other.acquire(8)) == 8
+            break
+        except ClientError:
+            import time
+            time.sleep(0.1)
+    else:
+        pytest.fail("slots of the closed session never came free")
+    other.close()
