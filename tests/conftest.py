@@ -64,7 +64,8 @@ def deploy_pair(ray_cluster, ckpt_dir, name, **kw):
     from dspark_ray.actors.placement import deploy
     from dspark_ray.actors.rank import PairSpec
     spec = PairSpec(checkpoint=str(ckpt_dir), tp=kw.pop("tp", 2), n_slots=kw.pop("n_slots", 8),
-                    collective_timeout_s=kw.pop("collective_timeout_s", 3.0))
+                    collective_timeout_s=kw.pop("collective_timeout_s", 3.0),
+                    step_timeout_s=kw.pop("step_timeout_s", None))
     fe, endpoint = deploy(spec, name=name, **kw)
     host, port = endpoint.rsplit(":", 1)
     return fe, host, int(port)

@@ -39,7 +39,7 @@ class PairManager:
         self.progress_cb = None
         # Hung-step bound: a collective's own timeout plus slack, so a timed-out collective reports itself
         # ("broken") before the watchdog calls the step hung.
-        self.step_bound_s = spec.collective_timeout_s * 2 + 5.0
+        self.step_bound_s = spec.step_timeout_s or spec.collective_timeout_s * 2 + 5.0
 
     def _actor_options(self, r: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -47,14 +47,35 @@ class PairManager:
         opts["runtime_env"] = {"env_vars": {**SAFE_ENV, "OMP_NUM_THREADS": str(self.spec.torch_threads),
                                             "PYTHONUNBUFFERED": "1"}}
         opts["max_restarts"] = 0         # the front-end restarts the pair as a whole, never one rank alone
+        opts["name"], opts["namespace"] = self.rank_name(r), "dspark"     # found again by a restarted front-end
         if self.pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=self.rank_bundles[r])
         return opts
 
+    def rank_name(self, r: int) -> str:
+        return f"{self.name}-rank{r}"
+
+    def kill_leftovers(self, timeout_s: float = 30.0) -> None:
+        """Kill rank actors of this pair that outlived their owner (a front-end that died and was restarted), and
+        wait until their names are free."""
+        import ray
+        deadline = time.monotonic() + timeout_s
+        for r in range(self.spec.tp):
+            while True:
+                try:
+                    a = ray.get_actor(self.rank_name(r), namespace="dspark")
+                except ValueError:
+                    break
+                ray.kill(a, no_restart=True)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank actor {self.rank_name(r)} still exists after {timeout_s} s")
+                time.sleep(0.1)
+
     def start(self) -> None:
         import ray
         Rank = rank_actor_class()
+        self.kill_leftovers()
         t0 = time.monotonic()
         self.ranks = [Rank.options(**self._actor_options(r)).remote(asdict(self.spec), r)
                       for r in range(self.spec.tp)]
@@ -85,31 +106,29 @@ class PairManager:
 
     def restart(self, why: str) -> None:
         self.kill()
-        time.sleep(0.2)             # let Ray release the bundle before the new actors claim it
         self.start()
-
-    def alive(self) -> list[bool]:
-        import ray
-        out = []
-        for a in self.ranks:
-            try:
-                ray.get(a.ping.remote(), timeout=2)
-                out.append(True)
-            except Exception:
-                out.append(False)
-        return out
 
     def run(self, batch: M.RankBatch) -> list[M.RankResult]:
         """One step through the ring. A missing completion within the bound is a hang (or a death): the ranks
         are killed so nothing stale can answer later, and the supervisor restarts the pair."""
         try:
             seq = self.ring.publish(M.encode(batch), timeout_s=self.step_bound_s)
-            comps = self.ring.wait_completions(seq, timeout_s=self.step_bound_s)
+            deadline = time.monotonic() + self.step_bound_s
+            while True:
+                # Slices of the bound, so a dead rank is noticed within ~0.1 s instead of at the bound.
+                try:
+                    comps = self.ring.wait_completions(seq, timeout_s=min(0.1, max(0.0, deadline - time.monotonic())))
+                    break
+                except RingTimeout:
+                    dead = self.ring.dead_readers()
+                    if dead:
+                        self.kill()
+                        raise PairFailure("dead", f"rank(s) {dead} died during step {seq}") from None
+                    if time.monotonic() >= deadline:
+                        raise
         except RingTimeout as e:
-            alive = self.alive()
-            kind = "dead" if not all(alive) else "hung"
-            self.kill()
-            raise PairFailure(kind, f"{e} (ranks alive: {alive})") from None
+            self.kill()             # the stuck ranks must never answer later
+            raise PairFailure("hung", f"no completion within the {self.step_bound_s:g} s watchdog: {e}") from None
         except RingError as e:
             self.kill()
             raise PairFailure("broken", str(e)) from None
@@ -135,6 +154,38 @@ class PairManager:
         self.ring.unlink()
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Metrics:
+    """The front-end's Prometheus metrics through Ray's metrics agent (scraped from every node's exporter)."""
+
+    def __init__(self, name: str):
+        from ray.util.metrics import Counter, Gauge, Histogram
+        tags = {"pair": name}
+        self.restarts = Counter("dspark_restarts_total", "pair restarts", tag_keys=("pair",))
+        self.restart_s = Histogram("dspark_restart_seconds", "time to serve again after a restart",
+                                   boundaries=[1, 2, 5, 10, 20, 60], tag_keys=("pair",))
+        self.gauges = {k: Gauge(f"dspark_{k}", k.replace("_", " "), tag_keys=("pair",))
+                       for k in ("steps", "batches", "entries", "internal", "deadline", "unavailable",
+                                 "slots_held", "worker_generation")}
+        for m in (self.restarts, self.restart_s, *self.gauges.values()):
+            m.set_default_tags(tags)
+
+    def restart_done(self, seconds: float) -> None:
+        self.restarts.inc()
+        self.restart_s.observe(seconds)
+
+    def observe(self, service, supervisor) -> None:
+        st = service.status()
+        for k in ("steps", "batches", "entries", "internal", "deadline", "unavailable"):
+            self.gauges[k].set(st["stats"][k])
+        self.gauges["slots_held"].set(st["slots"]["held"])
+        self.gauges["worker_generation"].set(st["worker_generation"])
+
+
 def frontend_actor_class():
     import ray
 
@@ -145,6 +196,7 @@ def frontend_actor_class():
         def __init__(self, spec: dict, host: str = "127.0.0.1", port: int = 0, name: str = "dspark",
                      pg=None, rank_bundles=None, rank_resources=None, restart_threshold: int = 3):
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+            import ray
             from ..config import load_config
             from ..contract import Limits
             from ..frontend import Identity
@@ -163,9 +215,19 @@ def frontend_actor_class():
             self.host, self.port, self.name = host, port, name
             self.started = False
             self.load_progress = []
+            self.metrics = _Metrics(name)
+            self.supervisor.on_restart_done = self.metrics.restart_done
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                # Ray restarted this front-end after it died: whatever is left of the old pair is killed (by
+                # name, in start) and a new pair is brought up on the same endpoint.
+                log.warning("front-end %s was restarted by Ray: recreating its pair", name)
+                import threading
+                threading.Thread(target=self.start, name="dspark-recover", daemon=True).start()
 
         def start(self) -> str:
             """Bring the pair up and open the endpoint; returns "host:port"."""
+            if self.started:
+                return self.server.endpoint
             self.manager.progress_cb = lambda p: setattr(self, "load_progress", p)
             self.manager.start()
             self.service.pair = self.manager
@@ -183,7 +245,8 @@ def frontend_actor_class():
             return self.load_progress
 
         def status(self) -> dict:
-            return {"name": self.name, "endpoint": self.server.endpoint if self.started else None,
+            self.metrics.observe(self.service, self.supervisor)
+            return {"rss_bytes": _rss_bytes(), "name": self.name, "endpoint": self.server.endpoint if self.started else None,
                     "tp": self.spec.tp, "backend": self.spec.backend, "model_digest": self.identity.model_digest,
                     "pid": os.getpid(), "env": {k: os.environ.get(k) for k in SAFE_ENV},
                     **self.service.status(), "supervisor": self.supervisor.status(),

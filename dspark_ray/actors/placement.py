@@ -39,7 +39,9 @@ def deploy(spec: PairSpec, *, host: str = "127.0.0.1", port: int = 0, name: str 
         raise RuntimeError(f"placement group {bl} did not place within 60 s: the cluster has "
                            f"{ray.available_resources()}")
     FrontEnd = frontend_actor_class()
-    opts = dict(fe_res, name=f"{name}-frontend", namespace=NAMESPACE,
+    if port == 0:
+        port = _free_port(host)     # a concrete port, so a front-end restarted by Ray serves the same endpoint
+    opts = dict(fe_res, name=f"{name}-frontend", namespace=NAMESPACE, max_restarts=3,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=spec.tp),
                 runtime_env={"env_vars": {**SAFE_ENV, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}})
     if detach:
@@ -60,6 +62,13 @@ def deploy(spec: PairSpec, *, host: str = "127.0.0.1", port: int = 0, name: str 
         if time.monotonic() - t0 > timeout_s:
             raise TimeoutError(f"pair {name} did not start within {timeout_s} s")
     return fe, ray.get(start)
+
+
+def _free_port(host: str) -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def find(name: str = "dspark"):

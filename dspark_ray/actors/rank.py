@@ -34,6 +34,7 @@ class PairSpec:
     backend: str = "gloo"              # collectives of a pair: gloo (CPU), push (NVLink), nccl
     device: str = "cpu"
     collective_timeout_s: float = 10.0
+    step_timeout_s: float | None = None    # the watchdog's bound on one step; None: 2 x collective timeout + 5 s
     torch_threads: int = 1
 
 

@@ -343,6 +343,12 @@ class RingWriter(_End):
             raise RingClosed(f"{self._label}: the writer was closed")
         super()._check()
 
+    def dead_readers(self) -> list[int]:
+        """Readers whose attached process is gone (a dead rank never completes: no need to wait out a bound)."""
+        lay, w = self._lay, self._w
+        return [i for i in range(self.handle.n_readers)
+                if _pid_state(w[lay.reader_word(i, _R_PID)]).endswith("not running")]
+
     def _min_ack(self) -> int:
         w = self._w
         return min(w[k] for k in self._ack_words)

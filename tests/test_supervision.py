@@ -1,0 +1,178 @@
+"""Supervision on a real local Ray pair (tiny preset, gloo ranks): every fault gives the documented codes, nothing
+hangs past its bound, the pair restarts at the threshold and not before, and drafts after a restart equal the
+in-process reference."""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dspark_ray import workload
+from dspark_ray.actors.placement import teardown
+from dspark_ray.client import DrafterClient
+from dspark_ray.contract import Code, make_entry
+from dspark_ray.engine import RankEngine, StepEntry
+from dspark_ray.modes import make_drafter
+
+from conftest import deploy_pair
+
+STEP_TIMEOUT = 4.0
+
+
+class Request:
+    """A client-side request on one slot, mirrored into an in-process reference engine slot: every OK answer is
+    compared bit for bit with what the reference drafts from the same context."""
+
+    def __init__(self, c: DrafterClient, ref: RankEngine, ref_slot: int, cfg, seed: int):
+        self.c, self.ref, self.rs, self.cfg = c, ref, ref_slot, cfg
+        (g,) = c.acquire(1)
+        self.slot, self.gen = g.slot, g.generation
+        self.gen_ = torch.Generator().manual_seed(seed)
+        self.pos, self.fresh = 0, True
+
+    def entry(self) -> StepEntry:
+        rows = 8 if self.fresh else int(torch.randint(1, 7, (1,), generator=self.gen_))
+        return StepEntry(slot=self.rs, seed=int(torch.randint(0, self.cfg.vocab_size, (1,), generator=self.gen_)),
+                         n_out=5, start=self.pos, token_ids=torch.randint(0, self.cfg.vocab_size, (rows,),
+                                                                          generator=self.gen_),
+                         taps=workload.make_taps(self.cfg, rows, self.gen_))
+
+    def step(self, deadline_ms: float = 60_000):
+        e = self.entry()
+        (r,) = self.c.step([make_entry(slot=self.slot, generation=self.gen, seed_token=e.seed, start_pos=e.start,
+                                       token_ids=e.token_ids.numpy(), taps=e.taps.numpy(), n_out=e.n_out)],
+                           deadline_ms=deadline_ms)
+        if r.code == Code.OK:
+            if self.fresh:
+                self.ref.reset_slots([self.rs])
+            (w,) = self.ref.step([e])
+            assert np.array_equal(r.drafts_array(), w.drafts.numpy()), "a wrong draft was returned"
+            assert np.array_equal(r.confidences_array(), w.confidences.numpy())
+            self.pos += e.token_ids.shape[0]
+            self.fresh = False
+        elif r.code in (Code.INTERNAL, Code.STALE_GENERATION):
+            self.gen, self.fresh = r.generation, True       # resynced: re-insert the context
+        return r
+
+
+@pytest.fixture(scope="module")
+def sup(ray_cluster, tiny_ckpt, cfg, ckpt):
+    fe, host, port = deploy_pair(ray_cluster, tiny_ckpt, "sup", collective_timeout_s=1.5,
+                                 step_timeout_s=STEP_TIMEOUT, restart_threshold=3)
+    ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 8)
+    yield fe, host, port, ref
+    teardown("sup")
+
+
+def _status(ray_cluster, fe):
+    return ray_cluster.get(fe.status.remote(), timeout=30)
+
+
+def _wait_serving(ray_cluster, fe, timeout=60):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        st = _status(ray_cluster, fe)
+        if not st["unavailable"] and not st["supervisor"]["restarting"]:
+            return st
+        time.sleep(0.1)
+    pytest.fail("the pair did not come back")
+
+
+def _client(sup):
+    c = DrafterClient(sup[1], sup[2], timeout_s=60)
+    c.hello(client="supervision test")
+    return c
+
+
+def test_a_failed_step_fails_closed_and_resyncs_only_its_slots(sup, ray_cluster, cfg):
+    fe, _, _, ref = sup
+    with _client(sup) as ca, _client(sup) as cb:
+        a, b = Request(ca, ref, 0, cfg, 1), Request(cb, ref, 1, cfg, 2)
+        assert a.step().code == Code.OK and b.step().code == Code.OK
+        ray_cluster.get(fe.set_fault.remote(0, "raise", count=1))
+        old = a.gen
+        r = a.step()
+        assert r.code == Code.INTERNAL and "injected fault" in r.reason and r.generation == old + 1
+        assert b.step().code == Code.OK                      # b's slot was not in the batch: it kept its state
+        assert a.step().code == Code.OK                      # a re-inserted its context
+        st = _status(ray_cluster, fe)
+        assert st["supervisor"]["restarts"] == 0 and st["supervisor"]["consecutive_failures"] == 0
+
+
+def test_restart_happens_at_the_threshold_and_not_before(sup, ray_cluster, cfg):
+    fe, _, _, ref = sup
+    gen0 = _status(ray_cluster, fe)["worker_generation"]
+    with _client(sup) as c:
+        q = Request(c, ref, 2, cfg, 3)
+        assert q.step().code == Code.OK
+        ray_cluster.get(fe.set_fault.remote(0, "raise", count=3))
+        for k in (1, 2):
+            assert q.step().code == Code.INTERNAL
+            st = _status(ray_cluster, fe)
+            assert st["supervisor"]["restarts"] == 0 and st["supervisor"]["consecutive_failures"] == k
+            assert not st["unavailable"]
+        assert q.step().code == Code.INTERNAL              # the third in a row: the pair restarts
+        lat, codes = [], []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            codes.append(q.step().code)
+            lat.append((time.perf_counter() - t0) * 1e3)
+        assert set(codes) == {Code.UNAVAILABLE}, codes
+        assert statistics.median(lat) < 5.0, lat
+        st = _wait_serving(ray_cluster, fe)
+        assert st["supervisor"]["restarts"] == 1 and st["worker_generation"] == gen0 + 1
+        r = q.step()
+        assert r.code == Code.STALE_GENERATION                # every slot was resynced by the restart
+        assert q.step().code == Code.OK and q.step().code == Code.OK     # ... and drafts equal the reference
+
+
+@pytest.mark.parametrize("kind", ["kill", "stall", "collective_timeout"])
+def test_dead_hung_or_timed_out_rank_fails_closed_and_restarts_the_pair(sup, ray_cluster, cfg, kind):
+    fe, _, _, ref = sup
+    before = _status(ray_cluster, fe)
+    pids = [r["pid"] for r in before["ranks"]]
+    with _client(sup) as c:
+        q = Request(c, ref, 3, cfg, 4)
+        assert q.step().code == Code.OK
+        ray_cluster.get(fe.set_fault.remote(1, kind, seconds=60.0))
+        t0 = time.monotonic()
+        r = q.step()
+        took = time.monotonic() - t0
+        assert r.code == Code.INTERNAL, r.reason
+        assert took < STEP_TIMEOUT + 2.0, took
+        want = {"kill": "dead", "stall": "hung", "collective_timeout": "broken"}[kind]
+        assert f"({want})" in r.reason, r.reason
+        st = _wait_serving(ray_cluster, fe)
+        assert st["supervisor"]["restarts"] == before["supervisor"]["restarts"] + 1
+        assert all(p not in pids for p in (x["pid"] for x in st["ranks"]))
+        for p in pids:                                       # the old ranks are gone, not left running
+            with pytest.raises(ProcessLookupError):
+                for _ in range(50):
+                    os.kill(p, 0)
+                    time.sleep(0.1)
+        assert q.step().code == Code.STALE_GENERATION
+        assert q.step().code == Code.OK
+
+
+def test_a_dead_front_end_is_restarted_and_recreates_its_pair(sup, ray_cluster):
+    fe = sup[0]
+    pids = [r["pid"] for r in _status(ray_cluster, fe)["ranks"]]
+    ray_cluster.kill(fe, no_restart=False)
+    t0 = time.monotonic()
+    while True:
+        try:
+            st = _wait_serving(ray_cluster, fe, timeout=5)
+            if st["endpoint"]:
+                break
+        except Exception:
+            pass
+        if time.monotonic() - t0 > 90:
+            pytest.fail("the front-end did not come back")
+        time.sleep(0.5)
+    assert all(p not in pids for p in (x["pid"] for x in st["ranks"]))
+    with _client(sup) as c:                                  # the same endpoint serves again
+        assert len(c.acquire(1)) == 1
