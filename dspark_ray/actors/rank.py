@@ -8,6 +8,7 @@ both at once (the collectives' handshake: gloo's rendezvous, later the push coll
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -50,7 +51,7 @@ class RankWorker:
         self.reader = None
         self._thread: threading.Thread | None = None
         self._stop = False
-        self.faults = None
+        self.step_ms: collections.deque[float] = collections.deque(maxlen=2000)   # engine time per step
 
     # -- start-up --------------------------------------------------------------------------------------------------
     def load(self) -> dict:
@@ -115,8 +116,10 @@ class RankWorker:
             batch = M.decode_batch(view)              # copies what it needs: the view dies at complete()
             self.engine.reset_slots(batch.resets)
             status, payload = M.STATUS_OK, b""
+            t0 = time.perf_counter()
             try:
                 outs = self.engine.step(M.to_step_entries(batch, width))
+                self.step_ms.append((time.perf_counter() - t0) * 1e3)
                 if self.rank == 0:
                     payload = M.encode(M.RankReply(M.to_rank_results(outs)))
             except StepFailed as e:
@@ -131,6 +134,7 @@ class RankWorker:
     def status(self) -> dict:
         st = self.engine.status() if self.engine else {"rank": self.rank, "loading": self.progress()}
         st["pid"] = os.getpid()
+        st["recent_step_ms"] = list(self.step_ms)
         st["env"] = {k: os.environ.get(k) for k in SAFE_ENV}
         return st
 

@@ -1,0 +1,135 @@
+"""STEP latency over TCP loopback against the in-process step for the same inputs: the overhead of the front-end,
+the shared-memory ring and the transport. Also the ring's own round trip.
+
+Deploys one pair on a local Ray (tiny preset on CPU; `--preset full` with GPUs), runs the demo client's kind of
+rounds (1 request, `--rows` fresh rows per round, n_out 5), and times the same entries through an in-process
+emulated pair (both ranks in this process, each on its own thread; on a CPU host they share one interpreter lock, so
+this is slower than the deployed pair's two processes) and reads rank 0's own engine time per step from the
+deployment: the service's overhead is the TCP round trip minus that.
+Prints one JSON object (p50 / p99 / min in ms, config, device, commit).
+
+    .venv/bin/python bench/step_latency.py [--rounds 60] [--out bench/results/step_latency_cpu.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def summary(xs):
+    return {"p50_ms": round(statistics.median(xs), 3), "p99_ms": round(pct(xs, 0.99), 3),
+            "min_ms": round(min(xs), 3), "n": len(xs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--rows", type=int, default=3)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+
+    import logging
+
+    import numpy as np
+    import ray
+    import torch
+
+    from dspark_ray import workload
+    from dspark_ray.actors.placement import deploy, teardown
+    from dspark_ray.actors.rank import PairSpec
+    from dspark_ray.cli import resolve_checkpoint
+    from dspark_ray.client import DrafterClient
+    from dspark_ray.contract import Code, make_entry
+    from dspark_ray.engine import RankEngine, StepEntry
+    from dspark_ray.modes import make_emulated, run_pair
+    from dspark_ray.weights.loader import Checkpoint
+
+    torch.set_num_threads(1)
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    device = "cuda" if gpu else "cpu"
+    ckpt = resolve_checkpoint(a.preset, None, device=device)
+    ck = Checkpoint(ckpt)
+    cfg = ck.config
+    g = torch.Generator().manual_seed(0)
+    entries = []
+    pos = 0
+    for r in range(a.rounds):
+        n = 8 if r == 0 else a.rows
+        entries.append(StepEntry(slot=0, seed=int(torch.randint(0, cfg.vocab_size, (1,), generator=g)), n_out=5,
+                                 start=pos, token_ids=torch.randint(0, cfg.vocab_size, (n,), generator=g),
+                                 taps=workload.make_taps(cfg, n, g)))
+        pos += n
+
+    # In-process: the emulated pair (two threads), same entries.
+    d0, d1 = make_emulated(cfg, ckpt=ck)
+    e0, e1 = RankEngine(d0, 1, 0), RankEngine(d1, 1, 1)
+    inproc = []
+    for e in entries:
+        t0 = time.perf_counter()
+        run_pair(lambda: e0.step([e]), lambda: e1.step([e]))
+        inproc.append((time.perf_counter() - t0) * 1e3)
+
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
+             logging_level=logging.WARNING)
+    spec = PairSpec(checkpoint=ckpt, tp=2, n_slots=4, backend="push" if gpu else "gloo", device=device)
+    fe, endpoint = deploy(spec, name="bench")
+    host, port = endpoint.rsplit(":", 1)
+    tcp = []
+    with DrafterClient(host, int(port), timeout_s=60) as c:
+        c.hello(client="step_latency bench")
+        (gr,) = c.acquire(1)
+        for e in entries:
+            ent = make_entry(slot=gr.slot, generation=gr.generation, seed_token=e.seed, start_pos=e.start,
+                             token_ids=e.token_ids.numpy(), taps=e.taps.numpy(), n_out=5)
+            t0 = time.perf_counter()
+            (res,) = c.step([ent], deadline_ms=60_000)
+            tcp.append((time.perf_counter() - t0) * 1e3)
+            assert res.code == Code.OK, res.reason
+    rank_ms = ray.get(fe.status.remote())["ranks"][0]["recent_step_ms"]
+    teardown("bench")
+    ray.shutdown()
+
+    # The ring alone (2 readers, 1 KB), from its own bench.
+    ring = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "ring_roundtrip.py"),
+                           "--n", "2000", "--n-woken", "100"], capture_output=True, text=True)
+    ring_rows = [json.loads(line) for line in ring.stdout.splitlines() if line.startswith("{")]
+    skip = 3                                  # the first rounds warm caches on both sides
+    out = {
+        "bench": "step_latency",
+        "command": "python bench/step_latency.py " + " ".join(sys.argv[1:]),
+        "config": {"preset": a.preset, "tp": 2, "backend": spec.backend, "requests": 1, "rows_per_round": a.rows,
+                   "n_out": 5, "rounds": a.rounds},
+        "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or platform.machine(),
+        "host_cpus": os.cpu_count(),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip(),
+        "in_process_emulated_pair": summary(inproc[skip:]),
+        "rank0_engine_step": summary(rank_ms[skip:]),
+        "tcp_step": summary(tcp[skip:]),
+        # What the service adds around the ranks' own step: front-end checks, batching, ring, TCP, client.
+        "overhead_p50_ms": round(statistics.median(tcp[skip:]) - statistics.median(rank_ms[skip:]), 3),
+        "ring_roundtrip": ring_rows,
+    }
+    print(json.dumps(out, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+    del np
+
+
+if __name__ == "__main__":
+    main()
