@@ -1,0 +1,34 @@
+"""What a serving engine embeds: HELLO with the model identity it expects, one slot per live request, one STEP per
+decode round. Run against a running endpoint:  python examples/client.py HOST:PORT
+"""
+import sys
+
+import numpy as np
+
+from dspark_ray.client import DrafterClient
+from dspark_ray.contract import Code, make_entry
+
+host, port = sys.argv[1].rsplit(":", 1)
+with DrafterClient(host, int(port)) as c:
+    hello = c.hello(client="example engine")            # pass model_digest= / config_digest= / tp= to pin them
+    width = hello.limits.taps_width
+    (slot,) = c.acquire(1)
+    rng = np.random.default_rng(0)
+    pos, seed = 0, 1
+    for rnd in range(5):
+        rows = 8 if rnd == 0 else 3                       # the prompt tail, then the accepted rows of each round
+        taps = rng.standard_normal((rows, width)).astype(np.float16)   # the trunk's tap rows (stream means)
+        (res,) = c.step([make_entry(slot=slot.slot, generation=slot.generation, seed_token=seed, start_pos=pos,
+                                    token_ids=rng.integers(0, hello.limits.vocab_size, rows), taps=taps, n_out=5)],
+                        deadline_ms=50)
+        if res.code == Code.OK:
+            drafts = res.drafts_array()
+            print(f"round {rnd}: drafts {drafts.tolist()}, verify the first {res.confident_len}")
+            seed = int(drafts[0])
+        elif res.code in (Code.STALE_GENERATION, Code.INTERNAL):
+            slot = type(slot)(slot=slot.slot, generation=res.generation)   # resync: re-insert the context
+            pos = -rows
+        else:
+            print(f"round {rnd}: {Code(res.code).name} ({res.reason}): verify without drafts")
+        pos += rows
+    c.release([slot.slot])
