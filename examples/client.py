@@ -14,9 +14,9 @@ with DrafterClient(host, int(port)) as c:
     width = hello.limits.taps_width
     (slot,) = c.acquire(1)
     rng = np.random.default_rng(0)
-    pos, seed = 0, 1
+    pos, seed, fresh = 0, 1, True
     for rnd in range(5):
-        rows = 8 if rnd == 0 else 3                       # the prompt tail, then the accepted rows of each round
+        rows = 8 if fresh else 3                          # the prompt tail, then the accepted rows of each round
         taps = rng.standard_normal((rows, width)).astype(np.float16)   # the trunk's tap rows (stream means)
         (res,) = c.step([make_entry(slot=slot.slot, generation=slot.generation, seed_token=seed, start_pos=pos,
                                     token_ids=rng.integers(0, hello.limits.vocab_size, rows), taps=taps, n_out=5)],
@@ -24,11 +24,10 @@ with DrafterClient(host, int(port)) as c:
         if res.code == Code.OK:
             drafts = res.drafts_array()
             print(f"round {rnd}: drafts {drafts.tolist()}, verify the first {res.confident_len}")
-            seed = int(drafts[0])
+            seed, pos, fresh = int(drafts[0]), pos + rows, False
         elif res.code in (Code.STALE_GENERATION, Code.INTERNAL):
-            slot = type(slot)(slot=slot.slot, generation=res.generation)   # resync: re-insert the context
-            pos = -rows
+            # Resynced: quote the new generation and re-insert the context (a fresh slot may start anywhere).
+            slot, fresh = type(slot)(slot=slot.slot, generation=res.generation), True
         else:
             print(f"round {rnd}: {Code(res.code).name} ({res.reason}): verify without drafts")
-        pos += rows
     c.release([slot.slot])
