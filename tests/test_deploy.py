@@ -192,3 +192,16 @@ def test_a_closed_sessions_slots_are_free_again(pair):
     else:
         pytest.fail("slots of the closed session never came free")
     other.close()
+
+
+def test_a_step_larger_than_the_replay_limit_is_split(pair, cfg, ray_cluster):
+    taps = workload.make_taps(cfg, 2, torch.Generator().manual_seed(6)).numpy()
+    before = ray_cluster.get(pair[0].status.remote())["stats"]["batch_sizes"]
+    with client(pair) as c:
+        grants = c.acquire(6)
+        res = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=3 + i, token_ids=[1, 2], taps=taps)
+                      for i, g in enumerate(grants)], deadline_ms=60_000)
+        assert [r.code for r in res] == [Code.OK] * 6
+        c.release([g.slot for g in grants])
+    after = ray_cluster.get(pair[0].status.remote())["stats"]["batch_sizes"]
+    assert after[4] - before[4] >= 1 and sum(after) - sum(before) >= 2
