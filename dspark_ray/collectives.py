@@ -53,11 +53,15 @@ def combine_top2(a: Top2Part, b: Top2Part) -> Top2Part:
     return top1, top2, idx
 
 
-def reduce_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+def fold(parts: Sequence, combine=lambda a, b: a + b):
+    """Combine the ranks' payloads in rank order: P0 + P1 for sums, combine_max / combine_top2 for the argmax."""
     out = parts[0]
     for p in parts[1:]:
-        out = out + p
+        out = combine(out, p)
     return out
+
+
+
 
 
 class Collectives(ABC):
@@ -102,17 +106,11 @@ class LocalCollectives(Collectives):
 
     def max_exchange(self, parts):
         self.check_parts(parts)
-        out = parts[0]
-        for p in parts[1:]:
-            out = combine_max(out, p)
-        return out
+        return fold(parts, combine_max)
 
     def top2_exchange(self, parts):
         self.check_parts(parts)
-        out = parts[0]
-        for p in parts[1:]:
-            out = combine_top2(out, p)
-        return out
+        return fold(parts, combine_top2)
 
 
 class _Rendezvous:
@@ -159,19 +157,11 @@ class ThreadCollectives(Collectives):
 
     def max_exchange(self, parts):
         self.check_parts(parts)
-        got = self.rv.exchange(self.rank, parts[0])
-        out = got[0]
-        for p in got[1:]:
-            out = combine_max(out, p)
-        return out
+        return fold(self.rv.exchange(self.rank, parts[0]), combine_max)
 
     def top2_exchange(self, parts):
         self.check_parts(parts)
-        got = self.rv.exchange(self.rank, parts[0])
-        out = got[0]
-        for p in got[1:]:
-            out = combine_top2(out, p)
-        return out
+        return fold(self.rv.exchange(self.rank, parts[0]), combine_top2)
 
     def close(self) -> None:
         self.rv.barrier.abort()
@@ -242,20 +232,13 @@ class GlooCollectives(Collectives):
         self.check_parts(parts)
         m, i = parts[0]
         packed = torch.stack([m.double(), i.double()])        # fp32 and int < 2^53 travel exactly as fp64
-        g = self._gather(packed)
-        out = (g[0][0].float(), g[0][1].long())
-        for p in g[1:]:
-            out = combine_max(out, (p[0].float(), p[1].long()))
-        return out
+        return fold([(p[0].float(), p[1].long()) for p in self._gather(packed)], combine_max)
 
     def top2_exchange(self, parts):
         self.check_parts(parts)
         t1, t2, i = parts[0]
         g = self._gather(torch.stack([t1.double(), t2.double(), i.double()]))
-        out = (g[0][0].float(), g[0][1].float(), g[0][2].long())
-        for p in g[1:]:
-            out = combine_top2(out, (p[0].float(), p[1].float(), p[2].long()))
-        return out
+        return fold([(p[0].float(), p[1].float(), p[2].long()) for p in g], combine_top2)
 
     def close(self) -> None:
         if self._own_pg and self.dist.is_initialized():

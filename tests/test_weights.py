@@ -19,15 +19,8 @@ ST = "model.safetensors"
 
 
 @pytest.fixture(scope="session")
-def ckpt_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    synthesize(tiny(), d, seed=0)
-    return d
-
-
-@pytest.fixture(scope="session")
-def ckpt(ckpt_dir):
-    return Checkpoint(ckpt_dir)
+def ckpt_dir(tiny_ckpt):
+    return tiny_ckpt        # the session's tiny checkpoint (conftest); tests that change files copy it first
 
 
 def _copy(src, tmp_path, name="c"):
