@@ -112,6 +112,10 @@ class RankEngine:
         return {"position": st.position, "base": st.base, "generation": st.generation}
 
     # -- the step --------------------------------------------------------------------------------------------------
+    def _taps(self, e: StepEntry) -> torch.Tensor:
+        c = self.drafter.cfg
+        return e.taps if e.taps is not None else torch.zeros(0, c.n_taps * c.hidden_size, dtype=torch.float16)
+
     def check(self, e: StepEntry) -> str | None:
         d = self.drafter
         if not 0 <= e.slot < len(self.slots):
@@ -119,8 +123,7 @@ class RankEngine:
         why = d.check_draft(e.seed, e.n_out)
         if why:
             return why
-        taps = e.taps if e.taps is not None else torch.zeros(0, d.cfg.n_taps * d.cfg.hidden_size, dtype=torch.float16)
-        return d.check_insert(self.slots[e.slot], e.start, e.token_ids, taps, e.rollback_to)
+        return d.check_insert(self.slots[e.slot], e.start, e.token_ids, self._taps(e), e.rollback_to)
 
     def step(self, entries: list[StepEntry]) -> list[EntryOut]:
         """Run one batch: refuse bad entries alone, apply rollbacks and inserts, draft the rest in one batch."""
@@ -145,9 +148,7 @@ class RankEngine:
             self._hook("start")
             for i in good:
                 e = entries[i]
-                taps = e.taps if e.taps is not None else torch.zeros(
-                    0, self.drafter.cfg.n_taps * self.drafter.cfg.hidden_size, dtype=torch.float16)
-                self.drafter.insert(self.slots[e.slot], e.start, e.token_ids, taps, e.rollback_to)
+                self.drafter.insert(self.slots[e.slot], e.start, e.token_ids, self._taps(e), e.rollback_to)
             if good:
                 n_out = max(entries[i].n_out for i in good)
                 margins = any(entries[i].want_margins for i in good)

@@ -49,7 +49,7 @@ def read_rank(ckpt, layout: Layout, rank: int, device="cpu", shared: Weights | N
     return out
 
 
-def _rank_weights(cfg, layout, ranks, full, ckpt, device) -> list[Weights]:
+def _rank_weights(layout, ranks, full, ckpt, device) -> list[Weights]:
     if full is not None:
         return [shard_weights(full, layout, r) for r in ranks]
     out: list[Weights] = []
@@ -65,7 +65,7 @@ def make_drafter(cfg: DrafterConfig, mode: str, *, full: Weights | None = None, 
         raise ValueError(f"mode {mode!r}: choose one of tp1, split, solo, pair (emulated: make_emulated)")
     layout = Layout(cfg, 1 if mode == "tp1" else 2)
     ranks = [0, 1] if mode == "split" else [rank]
-    shards = _rank_weights(cfg, layout, ranks, full, ckpt, device)
+    shards = _rank_weights(layout, ranks, full, ckpt, device)
     if coll is None:
         if mode == "pair":
             raise ValueError("mode 'pair' needs the collectives that meet the peer")
@@ -78,7 +78,7 @@ def make_emulated(cfg: DrafterConfig, *, full: Weights | None = None, ckpt=None,
     """The emulated pair: rank 0's and rank 1's drafters, meeting through in-process collectives. Drive them with
     `run_pair` (each rank on its own thread, as each has its own process in the real pair)."""
     layout = Layout(cfg, 2)
-    shards = _rank_weights(cfg, layout, [0, 1], full, ckpt, device)
+    shards = _rank_weights(layout, [0, 1], full, ckpt, device)
     colls = ThreadCollectives.pair(timeout_s)
     return [Drafter(cfg, [shards[r]], [layout.vocab_range(r)[0]], colls[r], **kw) for r in (0, 1)]
 
