@@ -86,6 +86,10 @@ class Collectives(ABC):
     @abstractmethod
     def top2_exchange(self, parts: Sequence[Top2Part]) -> Top2Part: ...
 
+    def check(self) -> None:
+        """Raise CollectiveError if a collective of the step failed. Backends whose collectives run asynchronously
+        on a device (push) read their error word here, once per step; the host backends raise inline."""
+
     def close(self) -> None:
         pass
 

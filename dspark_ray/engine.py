@@ -82,6 +82,9 @@ class _CountingCollectives(Collectives):
     def top2_exchange(self, parts):
         return self._call(self.inner.top2_exchange, parts)
 
+    def check(self):
+        self.inner.check()
+
     def close(self):
         self.inner.close()
 
@@ -161,6 +164,7 @@ class RankEngine:
                         OK, "", res.drafts[j, :k], conf,
                         res.margins[j, :k] if entries[i].want_margins else None,
                         int(confident_prefix(conf, self.drafter.head.threshold)))
+            self.coll.check()           # a device-side collective failure surfaces here, before any answer leaves
             done = True
             self._hook("end")
         except Exception as e:
