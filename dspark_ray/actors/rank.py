@@ -39,6 +39,19 @@ class PairSpec:
     torch_threads: int = 1
 
 
+def connect_push(rank: int, layout, gloo, timeout_s: float):
+    """The NVLink push collectives of one rank: build (compiles and preloads every kernel), swap CUDA IPC handles
+    with the peer over the gloo group, map the peer's state and prove the mapping with a nonce handshake."""
+    import torch.distributed as dist
+
+    from ..kernels.push import PushCollectives
+    pc = PushCollectives(rank, timeout_s=min(timeout_s, 2.0), peer_id_range=layout.vocab_range(1 - rank))
+    handles: list = [None, None]
+    dist.all_gather_object(handles, pc.export_handle().to_dict(), group=gloo.group)
+    pc.connect(handles[1 - rank], barrier=lambda: dist.barrier(group=gloo.group))
+    return pc
+
+
 class RankWorker:
     def __init__(self, spec: PairSpec | dict, rank: int):
         self.spec = spec if isinstance(spec, PairSpec) else PairSpec(**spec)
@@ -78,19 +91,22 @@ class RankWorker:
         return self.loaded, self.total
 
     def connect(self, init_method: str | None) -> str:
-        """Meet the peer (both ranks call this at once) and build the engine."""
+        """Meet the peer (both ranks call this at once) and build the engine. The two ranks of a pair always form
+        one gloo group: the CPU pair's data path, and the start-up handshake channel of the push collectives
+        (their CUDA IPC handles travel through it, never per-step data)."""
         from ..collectives import GlooCollectives, LocalCollectives
         from ..model.drafter import Drafter
         cfg = self.ckpt.config
         if self.spec.tp == 1:
             coll = LocalCollectives(1)
-        elif self.spec.backend == "gloo":
-            coll = GlooCollectives(self.rank, 2, init_method=init_method, timeout_s=self.spec.collective_timeout_s)
-        elif self.spec.backend == "push":
-            from ..kernels.push import PushCollectives    # GPU only; wired with the push collectives issue
-            coll = PushCollectives.connect(self.rank, init_method, timeout_s=self.spec.collective_timeout_s)
         else:
-            raise ValueError(f"backend {self.spec.backend!r}: choose gloo or push")
+            gloo = GlooCollectives(self.rank, 2, init_method=init_method, timeout_s=self.spec.collective_timeout_s)
+            if self.spec.backend == "gloo":
+                coll = gloo
+            elif self.spec.backend == "push":
+                coll = connect_push(self.rank, self.layout, gloo, self.spec.collective_timeout_s)
+            else:
+                raise ValueError(f"backend {self.spec.backend!r}: choose gloo or push")
         drafter = Drafter(cfg, [self.weights], [self.layout.vocab_range(self.rank)[0]], coll)
         self.engine = RankEngine(drafter, self.spec.n_slots, self.rank)
         log.info("rank %d: connected through %s", self.rank, coll.describe())
