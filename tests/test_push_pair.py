@@ -25,8 +25,8 @@ def _rank(rank: int, ckpt_dir: str, port: int, out: str, n_rounds: int) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)            # each rank sees only its own card, as under Ray
     import torch.distributed as dist
 
-    from dspark_ray.actors.rank import connect_push
     from dspark_ray.collectives import GlooCollectives
+    from dspark_ray.kernels.push import connect_over
     from dspark_ray.model.layout import Layout
     from dspark_ray.modes import make_drafter
     from dspark_ray.weights.loader import Checkpoint
@@ -35,7 +35,7 @@ def _rank(rank: int, ckpt_dir: str, port: int, out: str, n_rounds: int) -> None:
     ck = Checkpoint(ckpt_dir)
     cfg = ck.config
     gloo = GlooCollectives(rank, 2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=120)
-    pc = connect_push(rank, Layout(cfg, 2), gloo, 2.0)
+    pc = connect_over(gloo.group, rank, Layout(cfg, 2).vocab_range(1 - rank), 2.0)
     d = make_drafter(cfg, "pair", ckpt=ck, rank=rank, coll=pc, device="cuda")
     rec = parity.replay(d, _rounds(cfg, n_rounds))
     pc.check()

@@ -39,19 +39,6 @@ class PairSpec:
     torch_threads: int = 1
 
 
-def connect_push(rank: int, layout, gloo, timeout_s: float):
-    """The NVLink push collectives of one rank: build (compiles and preloads every kernel), swap CUDA IPC handles
-    with the peer over the gloo group, map the peer's state and prove the mapping with a nonce handshake."""
-    import torch.distributed as dist
-
-    from ..kernels.push import PushCollectives
-    pc = PushCollectives(rank, timeout_s=min(timeout_s, 2.0), peer_id_range=layout.vocab_range(1 - rank))
-    handles: list = [None, None]
-    dist.all_gather_object(handles, pc.export_handle().to_dict(), group=gloo.group)
-    pc.connect(handles[1 - rank], barrier=lambda: dist.barrier(group=gloo.group))
-    return pc
-
-
 class RankWorker:
     def __init__(self, spec: PairSpec | dict, rank: int):
         self.spec = spec if isinstance(spec, PairSpec) else PairSpec(**spec)
@@ -104,7 +91,9 @@ class RankWorker:
             if self.spec.backend == "gloo":
                 coll = gloo
             elif self.spec.backend == "push":
-                coll = connect_push(self.rank, self.layout, gloo, self.spec.collective_timeout_s)
+                from ..kernels.push import connect_over
+                coll = connect_over(gloo.group, self.rank, self.layout.vocab_range(1 - self.rank),
+                                    self.spec.collective_timeout_s)
             else:
                 raise ValueError(f"backend {self.spec.backend!r}: choose gloo or push")
         drafter = Drafter(cfg, [self.weights], [self.layout.vocab_range(self.rank)[0]], coll)

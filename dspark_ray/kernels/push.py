@@ -553,3 +553,15 @@ def make_single_card_pair(device: int | None = None, **kw) -> tuple[PushCollecti
     b = PushCollectives(1, device=device, **kw)
     a.connect_local(b)
     return a, b
+
+
+def connect_over(group, rank: int, peer_id_range: tuple[int, int], timeout_s: float = 2.0) -> PushCollectives:
+    """One rank of a pair in its own process: build (compiles and preloads every kernel), swap CUDA IPC handles
+    with the peer over an existing torch.distributed group (gloo: start-up only, never per-step data), map the
+    peer's state and prove the mapping with the nonce handshake."""
+    import torch.distributed as dist
+    pc = PushCollectives(rank, timeout_s=min(timeout_s, 2.0), peer_id_range=peer_id_range)
+    handles: list = [None, None]
+    dist.all_gather_object(handles, pc.export_handle().to_dict(), group=group)
+    pc.connect(handles[1 - rank], barrier=lambda: dist.barrier(group=group))
+    return pc
