@@ -18,16 +18,11 @@ Gather = Callable[[torch.Tensor], list]
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Exact equality of the bits (signed zeros included), which torch.equal is not for NaN. One exception: two
-    NaNs are equal whatever their payloads. IEEE 754 leaves the payload of NaN + NaN to the implementation, and on
-    the H200 torch's add and the push kernel's add returned different quiet NaNs for 16 such words of the NaN-pair
-    cases (2026-11-29), while every non-NaN word was exact. Both ranks still hold the same bits there: each adds
-    P0 + P1 with the same instruction in the same operand order."""
+    """Exact equality of the bits (NaN payloads and signed zeros included), which torch.equal is not for NaN."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.dtype == torch.float32:
-        same = a.view(torch.int32) == b.view(torch.int32)
-        return bool((same | (torch.isnan(a) & torch.isnan(b))).all())
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
     return torch.equal(a, b)
 
 
