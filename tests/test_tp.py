@@ -169,3 +169,34 @@ def test_a_scaled_ffn_partial_is_caught_against_the_split_reference(cfg, full_we
     print("\nrank 1 FFN partial x 1.001 vs split:", ag.summary())
     assert not ag.noise_ok and ag.noise_mean > 0
     assert all(not m["near_tie"] for m in ag.mismatches)
+
+
+def test_solo_rank_runs_alone_on_half_the_weights_with_local_stand_ins(cfg, full_weights):
+    solo = make_drafter(cfg, "solo", full=full_weights, rank=1)
+    tp1 = make_drafter(cfg, "tp1", full=full_weights)
+    assert solo.coll.name == "solo" and solo.coll.local_ranks == (1,)
+    assert solo.head.shards[0].head.shape[0] == cfg.vocab_size - vocab_split(cfg.vocab_size)
+    assert solo.head.shards[0].start == vocab_split(cfg.vocab_size)
+    st = solo.new_slot()
+    solo.insert(st, 0, torch.arange(6), workload.make_taps(cfg, 6, torch.Generator().manual_seed(0)))
+    out = solo.draft([st], [7], 5, want_margins=True)
+    # Its drafts come from its own vocab slice only; the numbers are a stand-in's, not the pair's.
+    assert bool((out.drafts >= vocab_split(cfg.vocab_size)).all())
+    assert sum(t.numel() for n, t in solo.head.shards[0].__dict__.items() if isinstance(t, torch.Tensor)) < \
+        sum(t.numel() for n, t in tp1.head.shards[0].__dict__.items() if isinstance(t, torch.Tensor))
+
+
+def test_layout_cli_reports_each_ranks_bytes_from_the_table(capsys):
+    import json
+
+    from dspark_ray.cli import main
+    from dspark_ray.weights.inventory import tensor_specs
+    total = sum(s.nbytes for s in tensor_specs(full()).values())
+    main(["layout", "--preset", "full", "--tp", "1", "--json"])
+    one = json.loads(capsys.readouterr().out)
+    assert sum(r["bytes"][0] for r in one["rows"]) == total
+    main(["layout", "--preset", "full", "--tp", "2", "--json"])
+    two = json.loads(capsys.readouterr().out)
+    head = next(r for r in two["rows"] if r["item"] == "head")
+    assert head["bytes"] == [64768 * 5120 * 2, (129280 - 64768) * 5120 * 2]
+    assert sum(r["bytes"][0] for r in two["rows"]) < 0.6 * total
