@@ -160,7 +160,8 @@ def test_dead_hung_or_timed_out_rank_fails_closed_and_restarts_the_pair(sup, ray
 
 def test_a_dead_front_end_is_restarted_and_recreates_its_pair(sup, ray_cluster):
     fe = sup[0]
-    pids = [r["pid"] for r in _status(ray_cluster, fe)["ranks"]]
+    before = _status(ray_cluster, fe)
+    pids = [r["pid"] for r in before["ranks"]]
     ray_cluster.kill(fe, no_restart=False)
     t0 = time.monotonic()
     while True:
@@ -174,5 +175,6 @@ def test_a_dead_front_end_is_restarted_and_recreates_its_pair(sup, ray_cluster):
             pytest.fail("the front-end did not come back")
         time.sleep(0.5)
     assert all(p not in pids for p in (x["pid"] for x in st["ranks"]))
+    assert st["worker_generation"] > before["worker_generation"]
     with _client(sup) as c:                                  # the same endpoint serves again
         assert len(c.acquire(1)) == 1

@@ -221,6 +221,8 @@ def frontend_actor_class():
                 # Ray restarted this front-end after it died: whatever is left of the old pair is killed (by
                 # name, in start) and a new pair is brought up on the same endpoint.
                 log.warning("front-end %s was restarted by Ray: recreating its pair", name)
+                # The old generation died with the old process; a clock-based one is still new to every client.
+                self.service.worker_generation = int(time.time())
                 import threading
                 threading.Thread(target=self.start, name="dspark-recover", daemon=True).start()
 
