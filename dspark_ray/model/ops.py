@@ -72,16 +72,14 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return x[0]
 
 
-# fp32, transposed (K, N) copies of the weights, made once: the tree GEMM reads them every call.
-_wt_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
 def _weight_t(w: torch.Tensor) -> torch.Tensor:
-    hit = _wt_cache.get(id(w))
-    if hit is None or hit[0] is not w:
-        hit = (w, w.float().t().contiguous())
-        _wt_cache[id(w)] = hit
-    return hit[1]
+    """The fp32, transposed (K, N) copy of a weight that the tree GEMM reads, made once and kept on the weight
+    itself, so it lives exactly as long as the weight does."""
+    wt = getattr(w, "_dspark_wt", None)
+    if wt is None:
+        wt = w.float().t().contiguous()
+        w._dspark_wt = wt
+    return wt
 
 
 def linear_tree(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
