@@ -173,7 +173,6 @@ def _spawn_pair(target, cfg, isolate):
 
 
 def worker(rank, port, q, cfg):
-    import numpy as np
     import torch
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -7,7 +7,6 @@ import random
 import threading
 import time
 
-import pytest
 
 from dspark_ray.actors.placement import teardown
 from dspark_ray.client import DrafterClient

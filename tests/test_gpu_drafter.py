@@ -7,7 +7,6 @@ CPU drafter's bits; the test asserts exactly that, entry by entry, over the tiny
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dspark_ray import parity, workload
 from dspark_ray.modes import make_drafter, make_emulated, run_pair

@@ -3,7 +3,6 @@ split reference, and agreement with the plain one-GEMM reference."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 
 import pytest
 import torch

@@ -405,7 +405,6 @@ def sc_exhaustion(v):
     """Forced near-exhaustion: epochs 0xFFFFFFFE and 0xFFFFFFFF are exact; the next launch fails closed with
     bit 16 on both ranks without touching the peer's receive buffer; the host refuses a replay past the end."""
     from ..collectives import CollectiveError
-    from .peer_state import Layout
     v.reset_pair()
     v.pc._debug_force_epoch(0xFFFFFFFD)
     v.barrier()

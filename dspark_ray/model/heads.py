@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..collectives import Collectives
-from .ops import F32, f16, linear, sigmoid
+from .ops import f16, linear, sigmoid
 
 
 @dataclass
@@ -56,7 +56,6 @@ class DraftHead:
     def __call__(self, normed: torch.Tensor, prenorm: torch.Tensor, seeds: torch.Tensor, n_out: int,
                  want_margins: bool, keep_logits: bool = False) -> HeadOut:
         """normed (bsz, B, h) fp16 final-norm output; prenorm (bsz, B, h) fp32 HyperHead output; seeds (bsz,)."""
-        bsz = normed.shape[0]
         lg = [linear(normed[:, :n_out], s.head).float() for s in self.shards]      # only the rows we draft
         prev = seeds.to(torch.int64)
         drafts, margins, embs, logits = [], [], [], []
