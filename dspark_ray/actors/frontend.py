@@ -44,8 +44,12 @@ class PairManager:
     def _actor_options(self, r: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         opts = dict(self.rank_resources)
-        opts["runtime_env"] = {"env_vars": {**SAFE_ENV, "OMP_NUM_THREADS": str(self.spec.torch_threads),
-                                            "PYTHONUNBUFFERED": "1"}}
+        env = {**SAFE_ENV, "OMP_NUM_THREADS": str(self.spec.torch_threads), "PYTHONUNBUFFERED": "1"}
+        if self.spec.device.startswith("cuda"):
+            # Load every kernel at start-up: a lazy module load can synchronize the context and deadlock against
+            # a collective spinning on the same card (CUDA programming guide, lazy loading).
+            env["CUDA_MODULE_LOADING"] = "EAGER"
+        opts["runtime_env"] = {"env_vars": env}
         opts["max_restarts"] = 0         # the front-end restarts the pair as a whole, never one rank alone
         opts["name"], opts["namespace"] = self.rank_name(r), "dspark"     # found again by a restarted front-end
         if self.pg is not None:

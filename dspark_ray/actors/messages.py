@@ -81,9 +81,9 @@ def to_rank_results(outs: list[EntryOut]) -> list[RankResult]:
         if o.drafts is None:
             res.append(RankResult(o.code, o.reason, b"", b"", b"", 0))
             continue
-        res.append(RankResult(
-            o.code, o.reason, o.drafts.to(torch.int32).numpy().tobytes(),
-            o.confidences.to(torch.float32).numpy().tobytes(),
-            o.margins.to(torch.float32).numpy().tobytes() if o.margins is not None else b"",
+        res.append(RankResult(           # .cpu(): on a GPU rank the outputs live on the card (one small D2H each)
+            o.code, o.reason, o.drafts.to(torch.int32).cpu().numpy().tobytes(),
+            o.confidences.to(torch.float32).cpu().numpy().tobytes(),
+            o.margins.to(torch.float32).cpu().numpy().tobytes() if o.margins is not None else b"",
             o.confident_len))
     return res
