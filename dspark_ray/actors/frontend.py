@@ -34,7 +34,8 @@ class PairManager:
         self.spec, self.pg, self.name = spec, pg, name
         self.rank_bundles = rank_bundles or list(range(spec.tp))
         self.rank_resources = rank_resources or {"num_cpus": 0.5}
-        self.ring = StepRing.create(f"dspark-{name}", n_readers=spec.tp, slot_bytes=1 << 20, n_slots=4)
+        self.ring = StepRing.create(f"dspark-{name}", n_readers=spec.tp, slot_bytes=1 << 20, n_slots=4,
+                                    spin_us=spec.spin_us)
         self.ranks: list = []
         self.progress_cb = None
         # Hung-step bound: a collective's own timeout plus slack, so a timed-out collective reports itself

@@ -37,6 +37,16 @@ class PairSpec:
     collective_timeout_s: float = 10.0
     step_timeout_s: float | None = None    # the watchdog's bound on one step; None: 2 x collective timeout + 5 s
     torch_threads: int = 1
+    # How long a ring party spins before it sleeps on its doorbell. A sleeping party costs a wake-up (~0.3 ms
+    # measured on the 2-core CPU machine, bench/ring_roundtrip.py); a GPU host has cores to spare, so its ranks
+    # and front-end spin through the gap between back-to-back steps. None: 50 us on CPU, 2 ms on GPU.
+    ring_spin_us: float | None = None
+
+    @property
+    def spin_us(self) -> float:
+        if self.ring_spin_us is not None:
+            return self.ring_spin_us
+        return 2000.0 if self.device.startswith("cuda") else 50.0
 
 
 class RankWorker:
