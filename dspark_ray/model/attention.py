@@ -43,40 +43,47 @@ class Attention:
         return torch.cat((x[..., :dn], tail), dim=-1)
 
     # -- the draft block -------------------------------------------------------------------------------------------
-    def __call__(self, a: torch.Tensor, p0: list[int], hist: list[torch.Tensor], block: int) -> torch.Tensor:
-        """a (bsz*B, h) fp16, rows of request r at positions p0[r] + j; hist[r] (n_r, D) fp16 main-kv window.
-        Returns this shard's fp32 partial of the wo_b output (bsz*B, h)."""
+    def __call__(self, a: torch.Tensor, p0: torch.Tensor, window: torch.Tensor, valid: torch.Tensor,
+                 block: int) -> torch.Tensor:
+        """a (bsz*B, h) fp16, rows of request r at positions p0[r] + j (p0 an int64 tensor on a's device);
+        window (bsz, W, D) fp16: the main-kv rows of positions p0-W .. p0-1, of which `valid` (bsz, W) marks those
+        the slot holds (a partial window masks its oldest rows). Returns this shard's fp32 partial of the wo_b
+        output (bsz*B, h).
+
+        Every request attends over the same fixed layout [W window rows ; B block rows] (non-causal, V = K), masked
+        rows taking exactly zero probability mass: no shape depends on the data, so the step has no host sync and
+        can be captured in a CUDA graph, and the pinned summation order is the same for every request."""
         H, D = self.n_heads, self.D
         n = a.shape[0]
-        pos = torch.tensor([p + j for p in p0 for j in range(block)], dtype=torch.int64, device=a.device)
+        bsz = n // block
+        pos = (p0[:, None] + torch.arange(block, device=a.device)).flatten()
         q = linear(rms_norm(linear(a, self.wq_a), self.q_norm, self.eps), self.wq_b).reshape(n, H, D)
-        q = self._rope_tail(head_norm(q, None, self.eps), pos)
-        kv = self.kv_rows(a, pos)
-        outs = []
-        for r, p in enumerate(p0):
-            rows = slice(r * block, (r + 1) * block)
-            keys = torch.cat((hist[r], kv[rows]), dim=0)           # (hist + B, D), V = K, non-causal
-            outs.append(self._attend(q[rows], keys, self.rope.cos_sin(pos[rows])))
-        o = torch.cat(outs, dim=0)                                  # (n, H, D) fp16
+        q = self._rope_tail(head_norm(q, None, self.eps), pos).reshape(bsz, block, H, D)
+        kv = self.kv_rows(a, pos).reshape(bsz, block, D)
+        keys = torch.cat((torch.where(valid[..., None], window, torch.zeros_like(window)), kv), dim=1)
+        mask = torch.cat((valid, torch.ones(bsz, block, dtype=torch.bool, device=a.device)), dim=1)
+        cos, sin = self.rope.cos_sin(pos)
+        o = self._attend(q, keys, mask, cos.reshape(bsz, block, -1), sin.reshape(bsz, block, -1))
         # Grouped output: group g holds heads [g*hpg, (g+1)*hpg), concatenated in head order.
         u = o.reshape(n, self.n_groups, self.hpg * D)
-        z = torch.cat([linear(u[:, g], self.wo_a[g]) for g in range(self.n_groups)],
-                      dim=-1)
+        z = torch.cat([linear(u[:, g], self.wo_a[g]) for g in range(self.n_groups)], dim=-1)
         return linear(z, self.wo_b, out_dtype=F32)
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, cs) -> torch.Tensor:
-        """Softmax with sink over one request's keys; q (B, H, D), keys (m, D) -> (B, H, D) fp16 after de-rotation.
-        fp32 scores; one max over the keys and the sink; fp32 denominator from unrounded exponentials; exponentials
-        rounded to fp16 for the PV product (exllamav3's rounding points)."""
-        kf = keys.float()
-        s = tree_sum(q.float()[:, :, None, :] * kf[None, None, :, :]) * self.scale     # (B, H, m)
-        sink = self.sink[None, :]                                                        # (1, H)
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """Softmax with sink; q (bsz, B, H, D), keys (bsz, m, D), mask (bsz, m) -> (bsz, B, H, D) fp16 after
+        de-rotation. fp32 scores; one max over the unmasked keys and the sink; fp32 denominator from unrounded
+        exponentials; exponentials rounded to fp16 for the PV product (exllamav3's rounding points). A masked key
+        scores -inf, so its exponential is exactly 0 and it adds exact zeros to both sums."""
+        kf = keys.float()[:, None, None, :, :]                                            # (bsz, 1, 1, m, D)
+        s = tree_sum(q.float()[:, :, :, None, :] * kf) * self.scale                       # (bsz, B, H, m)
+        s = torch.where(mask[:, None, None, :], s, torch.full_like(s, -torch.inf))
+        sink = self.sink                                                                  # (H,)
         mu = torch.maximum(s.amax(dim=-1), sink)
         e = exp(s - mu[..., None])
         den = exp(sink - mu) + tree_sum(e)
-        pv = tree_sum(f16(e).float()[..., None] * kf[None, None, :, :], dim=-2)        # (B, H, D)
+        pv = tree_sum(f16(e).float()[..., None] * kf, dim=-2)                             # (bsz, B, H, D)
         o = pv / den[..., None]
         dn = self.D - self.rd
-        cos, sin = cs
-        tail = Rope.rotate(o[..., dn:], cos[:, None, :], sin[:, None, :], inverse=True)
+        tail = Rope.rotate(o[..., dn:], cos[:, :, None, :], sin[:, :, None, :], inverse=True)
         return f16(torch.cat((o[..., :dn], tail), dim=-1))

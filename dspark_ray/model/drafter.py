@@ -57,10 +57,10 @@ class _Block:
                                 limit=cfg.swiglu_limit)
                         for w in shards]
 
-    def __call__(self, x, p0, hist, block, coll: Collectives):
+    def __call__(self, x, p0, window, valid, block, coll: Collectives):
         c, post, comb = self.hc_attn.collapse(x)
         a = rms_norm(c, self.attn_norm, self.eps)
-        y = coll.all_reduce([attn(a, p0, hist, block) for attn in self.attn])
+        y = coll.all_reduce([attn(a, p0, window, valid, block) for attn in self.attn])
         x = HcSite.expand(x, y, post, comb)
         c, post, comb = self.hc_ffn.collapse(x)
         f = rms_norm(c, self.ffn_norm, self.eps)
@@ -133,9 +133,13 @@ class Drafter:
         n = taps.shape[0]
         if n == 0:
             return
-        x = rms_norm(linear(taps.to(self.device), self.main_proj), self.main_norm, self.cfg.rms_norm_eps)
-        pos = torch.arange(start, start + n, device=self.device)
-        state.write(start, [b.attn[0].kv_rows(x, pos) for b in self.blocks])
+        state.write(start, self.context_rows(taps.to(self.device), torch.arange(start, start + n, device=self.device)))
+
+    def context_rows(self, taps: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
+        """The context insert's math, tensors only (capturable): taps (n, n_taps*h) fp16 at positions pos (n,) ->
+        one main-kv row block (n, D) per drafter block."""
+        x = rms_norm(linear(taps, self.main_proj), self.main_norm, self.cfg.rms_norm_eps)
+        return [b.attn[0].kv_rows(x, pos) for b in self.blocks]
 
     # -- draft forward + head (spec 3b, 3c, 3d) --------------------------------------------------------------------
     def check_draft(self, seed: int, n_out: int) -> str | None:
@@ -155,15 +159,30 @@ class Drafter:
             why = self.check_draft(s, n_out)
             if why:
                 raise DraftInputError(why)
-        B, bsz = c.block_size, len(states)
-        ids = torch.full((bsz, B), c.dspark_noise_token_id, dtype=torch.int64, device=self.device)
-        ids[:, 0] = torch.tensor(seeds, dtype=torch.int64, device=self.device)
+        dev = self.device
+        windows, valid = [], None
+        for n in range(c.n_blocks):
+            win = [s.window_rows(n) for s in states]
+            windows.append(torch.stack([w for w, _ in win]))
+            valid = torch.stack([v for _, v in win])
+        return self.forward(torch.tensor(seeds, dtype=torch.int64, device=dev),
+                            torch.tensor([s.position for s in states], dtype=torch.int64, device=dev),
+                            windows, valid, n_out, want_margins, debug)
+
+    def forward(self, seeds: torch.Tensor, p0: torch.Tensor, windows: list[torch.Tensor], valid: torch.Tensor,
+                n_out: int, want_margins: bool = False, debug: bool = False) -> DraftOut:
+        """The draft step's math, tensors only: no shape depends on the data and nothing syncs with the host, so a
+        GPU engine can capture it in a CUDA graph over static input buffers. seeds, p0 (bsz,) int64; windows: per
+        block (bsz, W, D) fp16; valid (bsz, W) bool (see `Attention.__call__`)."""
+        c = self.cfg
+        B, bsz = c.block_size, seeds.shape[0]
+        ids = torch.full((bsz, B), c.dspark_noise_token_id, dtype=torch.int64, device=seeds.device)
+        ids[:, 0] = seeds
         e = self.embed[ids.flatten()].float()                               # bf16 -> fp32 is exact
         x = e[:, None, :].expand(-1, c.hc_mult, -1).contiguous()           # (bsz*B, M, h) fp32 streams
-        p0 = [s.position for s in states]
         self.last_experts = []
         for n, blk in enumerate(self.blocks):
-            x, experts = blk(x, p0, [s.history(n) for s in states], B, self.coll)
+            x, experts = blk(x, p0, windows[n], valid, B, self.coll)
             self.last_experts.append(experts)
         prenorm = self.hyper_head(x)                                        # (bsz*B, h) fp32
         normed = rms_norm(prenorm, self.final_norm, c.rms_norm_eps)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import F32, f16, linear, softplus, swiglu, tree_sum
+from .ops import F32, f16, linear, linear_rows, softplus, swiglu, tree_sum
 
 
 class Router:
@@ -37,25 +37,29 @@ class Router:
 
 
 class Experts:
-    """Routed experts + shared expert of one block (possibly a channel slice of each)."""
+    """Routed experts + shared expert of one block (possibly a channel slice of each).
+
+    The routed experts are stacked (E, ...) and each (row, choice) pair runs its expert's weights gathered by
+    index: no shape depends on the routing, so the step has no host sync (capturable in a CUDA graph). Per row
+    the routed outputs are added in ascending expert id, as exllamav3's dense path does."""
 
     def __init__(self, w1: list[torch.Tensor], w3: list[torch.Tensor], w2: list[torch.Tensor],
                  shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, limit: float):
-        self.w1, self.w3, self.w2, self.shared, self.limit = w1, w3, w2, shared, limit
-
-    def _mlp(self, f: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        act = swiglu(linear(f, w1), linear(f, w3), self.limit)
-        return linear(act, w2, out_dtype=F32)
+        self.w1, self.w3, self.w2 = torch.stack(w1), torch.stack(w3), torch.stack(w2)   # (E, I, h) / (E, h, I)
+        self.shared, self.limit = shared, limit
 
     def __call__(self, f: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """f (n, h) fp16; returns the fp32 partial (n, h) = sum_k w_k d_{e_k} (ascending expert id) + shared."""
-        n = f.shape[0]
-        routed = torch.zeros(n, self.w2[0].shape[0], dtype=F32, device=f.device)
-        wf = weights.float()
-        for e in torch.unique(experts).tolist():                         # ascending expert id
-            hit = experts == e                                           # (n, k): at most one True per row
-            rows = hit.any(dim=1).nonzero().flatten()
-            d = self._mlp(f[rows], self.w1[e], self.w3[e], self.w2[e])   # row-invariant: only the hit rows
-            we = (wf * hit).sum(dim=1)[rows]                             # the one weight of e per row (exact)
-            routed[rows] = routed[rows] + we[:, None] * d
-        return routed + self._mlp(f, *self.shared)
+        n, k = experts.shape
+        order = torch.argsort(experts, dim=1, stable=True)              # ascending expert id per row
+        e = torch.gather(experts, 1, order).flatten()
+        w = torch.gather(weights, 1, order).float()
+        fr = f.repeat_interleave(k, dim=0)                               # row r's input once per choice
+        act = swiglu(f16(linear_rows(fr, self.w1[e])), f16(linear_rows(fr, self.w3[e])), self.limit)
+        d = linear_rows(act, self.w2[e]).reshape(n, k, -1)
+        routed = torch.zeros(n, d.shape[-1], dtype=F32, device=f.device)
+        for j in range(k):
+            routed = routed + w[:, j, None] * d[:, j]
+        s1, s3, s2 = self.shared
+        shared = linear(swiglu(linear(f, s1), linear(f, s3), self.limit), s2, out_dtype=F32)
+        return routed + shared

@@ -97,6 +97,18 @@ def linear_tree(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.reshape(*lead, n)
 
 
+def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 result of a per-row linear: out[m] = x[m] @ w[m].T, x (M, K), w (M, N, K) (each row its own weight,
+    e.g. its routed expert gathered by index). Same exact products and the same `tree_sum` order over K as
+    `linear_tree`, so a row's result equals what `linear_tree(x[m], w[m])` gives, bit for bit."""
+    m, k = x.shape
+    n = w.shape[1]
+    budget = _CHUNK_BYTES if x.device.type == "cpu" else 16 * _CHUNK_BYTES
+    step = max(1, budget // max(1, n * k * 4))
+    outs = [tree_sum(x[c:c + step, None, :].float() * w[c:c + step].float()) for c in range(0, m, step)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 _matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = linear_tree
 
 

@@ -87,9 +87,17 @@ class SlotState(SlotCursor):
         self.kv = torch.zeros(n_blocks, self.capacity, head_dim, dtype=torch.float16, device=device)
 
     def history(self, block: int) -> torch.Tensor:
+        """The rows the draft reads (the last hist_len before p0), oldest first."""
         n = self.hist_len()
         idx = torch.arange(self.position - n, self.position, device=self.kv.device) % self.capacity
         return self.kv[block, idx]
+
+    def window_rows(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed-size window the draft attends over: rows of positions p0-W .. p0-1 (W, D), and which of them
+        the slot holds (W,) bool. Rows not held are masked (their contents are whatever the ring has)."""
+        t = torch.arange(self.position - self.window, self.position, device=self.kv.device)
+        valid = t >= (self.position - self.hist_len())
+        return self.kv[block, t % self.capacity], valid
 
     def write(self, start: int, rows_per_block: list[torch.Tensor]) -> None:
         n = rows_per_block[0].shape[0]
