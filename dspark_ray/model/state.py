@@ -30,11 +30,6 @@ class SlotCursor:
     def fresh(self) -> bool:
         return self.base < 0
 
-    @property
-    def oldest(self) -> int:
-        """Lowest position whose row is still held."""
-        return max(self.base, self.position - self.capacity)
-
     def hist_len(self) -> int:
         """History rows the draft reads: the last W before p0, fewer when the slot holds fewer (partial window)."""
         return 0 if self.fresh else min(self.window, self.position - self.base)
@@ -85,12 +80,6 @@ class SlotState(SlotCursor):
     def __init__(self, n_blocks: int, window: int, max_rows: int, head_dim: int, device="cpu"):
         super().__init__(window, max_rows)
         self.kv = torch.zeros(n_blocks, self.capacity, head_dim, dtype=torch.float16, device=device)
-
-    def history(self, block: int) -> torch.Tensor:
-        """The rows the draft reads (the last hist_len before p0), oldest first."""
-        n = self.hist_len()
-        idx = torch.arange(self.position - n, self.position, device=self.kv.device) % self.capacity
-        return self.kv[block, idx]
 
     def window_rows(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The fixed-size window the draft attends over: rows of positions p0-W .. p0-1 (W, D), and which of them
