@@ -58,3 +58,29 @@ def test_graph_replay_equals_eager_bit_for_bit(cfg, ckpt, margins):
                 assert torch.equal(getattr(out, k), getattr(eager, k)), k
             if margins:
                 assert torch.equal(out.margins, eager.margins)
+
+
+def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt):
+    from dspark_ray.graphs import GraphSet
+    d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda")
+    gs = GraphSet(d)
+    gs.capture()
+    print(f"\n{len(gs.draft_graphs)} draft + {len(gs.insert_graphs)} insert graphs captured in "
+          f"{gs.capture_seconds:.2f} s, {gs.graph_bytes / 2**20:.1f} MiB")
+    pool = _slots(d, cfg, [6, 11, 3, 20], 11)
+    for bsz in range(1, 5):
+        states = pool[:bsz]
+        seeds = [5 + 37 * r for r in range(bsz)]
+        for n_out in range(1, cfg.block_size + 1):
+            for margins in (False, True):
+                got = gs.draft(states, seeds, n_out, margins)
+                want = d.draft(states, seeds, n_out, margins)
+                assert torch.equal(got.drafts, want.drafts), (bsz, n_out, margins)
+                assert torch.equal(got.confidences, want.confidences), (bsz, n_out, margins)
+                if margins:
+                    assert torch.equal(got.margins, want.margins)
+    for n in (1, 6, 8, 9, 77, 128):
+        taps = workload.make_taps(cfg, n, torch.Generator().manual_seed(n)).cuda()
+        pos = torch.arange(1000, 1000 + n, device="cuda")
+        for a, b in zip(gs.context_rows(taps, pos), d.context_rows(taps, pos)):
+            assert torch.equal(a, b), n
