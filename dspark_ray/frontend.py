@@ -1,7 +1,7 @@
 """The front-end's logic as a plain class: sessions, slots, contract checks, batching, and the failure policy.
 
-`FrontEnd` (the Ray actor in `actors/frontend.py`) is a thin shell around `StepService`; tests drive this class
-with real ranks behind a `Pair`, or with the in-process `LocalPair`.
+`FrontEnd` (the Ray actor in `actors/frontend.py`) is a thin shell around `StepService`; the ranks sit behind a
+`Pair` (`actors.frontend.PairManager`: the step ring and the rank actors).
 
 Per STEP, nothing reaches a rank before every field was checked: stateless rules (contract.validate_entries),
 then the slot's owner, generation and cursor (position gap, rollback depth) here. Valid entries go to one
@@ -58,7 +58,6 @@ class _Slot:
 
 @dataclass
 class _Pending:
-    session: int
     index: int
     entry: C.Entry
     deadline_ns: int
@@ -134,8 +133,7 @@ class StepService(C.StepHandler):
             done = []
             for i in msg.slots:
                 if 0 <= i < len(self.slots) and self.slots[i].owner == session:
-                    self.slots[i].owner = None
-                    self._resync(i)
+                    self._free(i)
                     done.append(i)
         return C.ReleaseReply(released=done)
 
@@ -143,10 +141,14 @@ class StepService(C.StepHandler):
         with self.lock:
             held = [i for i, s in enumerate(self.slots) if s.owner == session]
             for i in held:
-                self.slots[i].owner = None
-                self._resync(i)
+                self._free(i)
             self.sessions.pop(session, None)
         log.info("session %d closed, %d slots freed", session, len(held))
+
+    def _free(self, i: int) -> None:
+        """Give slot i back (release, closed session); its context goes with it. Caller holds the lock."""
+        self.slots[i].owner = None
+        self._resync(i)
 
     def _resync(self, i: int) -> None:
         """Forget slot i's context everywhere: bump its generation, reset the cursor here and the rows on the
@@ -178,7 +180,7 @@ class StepService(C.StepHandler):
             for k, (e, why) in enumerate(zip(msg.entries, reasons)):
                 results[k] = self._admit(session, e, why)
                 if results[k] is None:
-                    p = _Pending(session, k, e, deadline)
+                    p = _Pending(k, e, deadline)
                     self.slots[e.slot].busy = True
                     pend.append(p)
         for p in pend:
@@ -211,13 +213,7 @@ class StepService(C.StepHandler):
                                   f"re-insert its context", gen)
         if slot.busy:
             return C.error_result(C.Code.BAD_ENTRY, f"slot {e.slot}: an earlier entry is still running", gen)
-        cur = slot.cursor
-        if e.rollback_to >= 0:
-            w = cur.check_rollback(e.rollback_to)
-            if w:
-                self.stats["bad_entry"] += 1
-                return C.error_result(C.Code.BAD_ENTRY, f"slot {e.slot}: {w}", gen)
-        w = cur.check_insert(e.start_pos, e.rows, e.rollback_to)
+        w = slot.cursor.check_entry(e.start_pos, e.rows, e.rollback_to)
         if w:
             self.stats["bad_entry"] += 1
             return C.error_result(C.Code.BAD_ENTRY, f"slot {e.slot}: {w}", gen)

@@ -96,10 +96,10 @@ class GraphSet:
         h[:bsz] = torch.tensor(seeds)
         h[R:R + bsz] = torch.tensor([s.position for s in states])
         for r, s in enumerate(states):           # the window's valid flags, from the host-side cursor (no D2H)
-            h[2 * R + r * W: 2 * R + (r + 1) * W] = (torch.arange(W) >= W - s.hist_len()).to(torch.int64)
+            h[2 * R + r * W: 2 * R + (r + 1) * W] = s.window_valid().to(torch.int64)
         self.packed.copy_(h, non_blocking=True)
-        for n, buf in enumerate(self.windows):
-            buf[:bsz].copy_(torch.stack([s.window_rows(n)[0] for s in states]))
+        for buf, win in zip(self.windows, self.d.window_inputs(states)[0]):
+            buf[:bsz].copy_(win)
         g, out = self.draft_graphs[(bsz, n_out, want_margins)]
         g.replay()
         return out

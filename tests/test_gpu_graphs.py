@@ -21,11 +21,7 @@ def _slots(d, cfg, rows, seed):
 
 
 def _inputs(d, states, seeds):
-    windows, valid = [], None
-    for n in range(d.cfg.n_blocks):
-        win = [s.window_rows(n) for s in states]
-        windows.append(torch.stack([w for w, _ in win]))
-        valid = torch.stack([v for _, v in win])
+    windows, valid = d.window_inputs(states)
     return (torch.tensor(seeds, device="cuda"), torch.tensor([s.position for s in states], device="cuda"),
             windows, valid)
 

@@ -106,10 +106,6 @@ class Drafter:
                      rollback_to: int = -1) -> str | None:
         """Every check of an insert (after an optional rollback), without touching the state."""
         c = self.cfg
-        if rollback_to >= 0:
-            why = state.check_rollback(rollback_to)
-            if why:
-                return why
         n = token_ids.shape[0]
         width = c.n_taps * c.hidden_size
         if taps.dim() != 2 or taps.shape != (n, width):
@@ -121,7 +117,7 @@ class Drafter:
         if n and (int(token_ids.min()) < 0 or int(token_ids.max()) >= c.vocab_size):
             bad = token_ids[(token_ids < 0) | (token_ids >= c.vocab_size)][0]
             return f"token id {int(bad)} outside [0, {c.vocab_size})"
-        return state.check_insert(start, n, rollback_to)
+        return state.check_entry(start, n, rollback_to)
 
     def insert(self, state: SlotState, start: int, token_ids: torch.Tensor, taps: torch.Tensor,
                rollback_to: int = -1) -> None:
@@ -154,20 +150,20 @@ class Drafter:
               debug: bool = False) -> DraftOut:
         """Draft n_out tokens for each slot, seeds at p0 = each slot's position. Row i of the block predicts
         position p0 + i + 1; drafts for n_out = k are the first k of n_out = B (the loop never looks ahead)."""
-        c = self.cfg
         for s in seeds:
             why = self.check_draft(s, n_out)
             if why:
                 raise DraftInputError(why)
         dev = self.device
-        windows, valid = [], None
-        for n in range(c.n_blocks):
-            win = [s.window_rows(n) for s in states]
-            windows.append(torch.stack([w for w, _ in win]))
-            valid = torch.stack([v for _, v in win])
+        windows, valid = self.window_inputs(states)
         return self.forward(torch.tensor(seeds, dtype=torch.int64, device=dev),
                             torch.tensor([s.position for s in states], dtype=torch.int64, device=dev),
                             windows, valid, n_out, want_margins, debug)
+
+    def window_inputs(self, states: list[SlotState]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The slots' attention windows as `forward` takes them: per block (bsz, W, D), and valid (bsz, W)."""
+        windows = [torch.stack([s.window_rows(n)[0] for s in states]) for n in range(self.cfg.n_blocks)]
+        return windows, torch.stack([s.window_valid(self.device) for s in states])
 
     def forward(self, seeds: torch.Tensor, p0: torch.Tensor, windows: list[torch.Tensor], valid: torch.Tensor,
                 n_out: int, want_margins: bool = False, debug: bool = False) -> DraftOut:

@@ -34,6 +34,10 @@ class SlotCursor:
         """History rows the draft reads: the last W before p0, fewer when the slot holds fewer (partial window)."""
         return 0 if self.fresh else min(self.window, self.position - self.base)
 
+    def window_valid(self, device="cpu") -> torch.Tensor:
+        """Which of the W window rows (positions p0-W .. p0-1) the slot holds: the newest hist_len."""
+        return torch.arange(self.window, device=device) >= self.window - self.hist_len()
+
     # -- checks first, so a refused request leaves the state untouched -------------------------------------------
     def check_rollback(self, q: int) -> str | None:
         if q > self.position:
@@ -57,6 +61,14 @@ class SlotCursor:
         if n > 0 and not fresh_after and start != pos_after:
             return f"position gap: insert starts at {start}, slot position is {pos_after}"
         return None
+
+    def check_entry(self, start: int, n: int, rollback_to: int = -1) -> str | None:
+        """Every cursor rule of one entry: its optional rollback, then its insert of n rows at `start`."""
+        if rollback_to >= 0:
+            why = self.check_rollback(rollback_to)
+            if why:
+                return why
+        return self.check_insert(start, n, rollback_to)
 
     # -- mutations -----------------------------------------------------------------------------------------------
     def rollback(self, q: int) -> None:
@@ -85,8 +97,7 @@ class SlotState(SlotCursor):
         """The fixed-size window the draft attends over: rows of positions p0-W .. p0-1 (W, D), and which of them
         the slot holds (W,) bool. Rows not held are masked (their contents are whatever the ring has)."""
         t = torch.arange(self.position - self.window, self.position, device=self.kv.device)
-        valid = t >= (self.position - self.hist_len())
-        return self.kv[block, t % self.capacity], valid
+        return self.kv[block, t % self.capacity], self.window_valid(self.kv.device)
 
     def write(self, start: int, rows_per_block: list[torch.Tensor]) -> None:
         n = rows_per_block[0].shape[0]
