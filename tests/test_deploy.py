@@ -32,6 +32,20 @@ def client(pair, **hello):
     return c
 
 
+def acquire_when_free(c, n, seconds=5.0):
+    """Acquire n slots, retrying while slots of closed sessions are still being freed (the server frees them when
+    it sees the connection close, asynchronously to the client)."""
+    import time
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return c.acquire(n)
+        except ClientError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def to_entry(e, slot, gen, **over):
     kw = dict(slot=slot, generation=gen, seed_token=e.seed, start_pos=e.start, token_ids=e.token_ids.numpy(),
               taps=e.taps.numpy(), rollback_to=e.rollback_to, n_out=e.n_out, want_margins=e.want_margins)
@@ -64,7 +78,7 @@ def test_rounds_over_the_wire_equal_the_in_process_reference_bit_for_bit(pair, c
     rounds = workload.rounds(cfg, seed=3, n_requests=2, n_rounds=40, far_start=2000)
     ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 2)
     with client(pair) as c:
-        grants = c.acquire(2)
+        grants = acquire_when_free(c, 2)
         for batch in rounds:
             want = ref.step(batch)
             got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)],
@@ -84,7 +98,7 @@ def test_n_out_prefix_over_the_wire(pair, cfg):
     outs = {}
     with client(pair) as c:
         for n_out in (5, 2):
-            (g,) = c.acquire(1)
+            (g,) = acquire_when_free(c, 1)
             (r,) = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=9, token_ids=np.arange(7),
                                       taps=taps, n_out=n_out, want_margins=True)])
             outs[n_out] = r
@@ -97,7 +111,7 @@ def test_n_out_prefix_over_the_wire(pair, cfg):
 def test_bad_entry_fails_alone_and_stale_generation_is_refused(pair, cfg):
     taps = workload.make_taps(cfg, 3, torch.Generator().manual_seed(2)).numpy()
     with client(pair) as c:
-        a, b = c.acquire(2)
+        a, b = acquire_when_free(c, 2)
         good = make_entry(slot=a.slot, generation=a.generation, seed_token=5, token_ids=[1, 2, 3], taps=taps)
         bad = make_entry(slot=b.slot, generation=b.generation, seed_token=cfg.vocab_size + 7, token_ids=[1, 2, 3],
                          taps=taps)
@@ -116,7 +130,7 @@ def test_bad_entry_fails_alone_and_stale_generation_is_refused(pair, cfg):
 def test_bad_frames_close_only_their_own_connection(pair, cfg):
     taps = workload.make_taps(cfg, 2, torch.Generator().manual_seed(4)).numpy()
     with client(pair) as c:
-        (g,) = c.acquire(1)
+        (g,) = acquire_when_free(c, 1)
         pos = 0
         for junk in (b"\x00" * 64, b"DSPK" + b"\xff" * 20, struct.pack("<4sHHHHQI", b"DSPK", 1, 7, 0, 0, 1, 1 << 31)):
             s = socket.create_connection((pair[1], pair[2]), timeout=10)
@@ -141,7 +155,7 @@ def test_concurrent_clients_are_batched_and_get_the_same_bits_as_alone(pair, cfg
 
     def worker(i):
         with client(pair) as c:
-            (g,) = c.acquire(1)
+            (g,) = acquire_when_free(c, 1)
             out = []
             for batch in rounds:
                 barrier.wait(30)
@@ -166,7 +180,7 @@ def test_concurrent_clients_are_batched_and_get_the_same_bits_as_alone(pair, cfg
 def test_a_step_past_its_deadline_answers_deadline(pair, cfg):
     taps = workload.make_taps(cfg, 2, torch.Generator().manual_seed(5)).numpy()
     with client(pair) as c:
-        (g,) = c.acquire(1)
+        (g,) = acquire_when_free(c, 1)
         r = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=1, token_ids=[1, 2], taps=taps)],
                    deadline_ms=1e-6)
         assert r[0].code == Code.DEADLINE
@@ -175,29 +189,15 @@ def test_a_step_past_its_deadline_answers_deadline(pair, cfg):
         assert r[0].code == Code.OK
 
 
-def _acquire_all_within(c, n, seconds=5.0):
-    """Acquire n slots, retrying while slots of closed sessions are still being freed (the server frees them when
-    it sees the connection close, asynchronously to the client)."""
-    import time
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            return c.acquire(n)
-        except ClientError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
 def test_a_closed_sessions_slots_are_free_again(pair):
     c = client(pair)
-    assert len(_acquire_all_within(c, 8)) == 8       # earlier tests' sessions may still be closing
+    assert len(acquire_when_free(c, 8)) == 8       # earlier tests' sessions may still be closing
     other = client(pair)
     with pytest.raises(ClientError):
         other.acquire(1)
     c.close()
     try:
-        assert len(_acquire_all_within(other, 8)) == 8
+        assert len(acquire_when_free(other, 8)) == 8
     except ClientError:
         pytest.fail("slots of the closed session never came free")
     other.close()
@@ -207,7 +207,7 @@ def test_a_step_larger_than_the_replay_limit_is_split(pair, cfg, ray_cluster):
     taps = workload.make_taps(cfg, 2, torch.Generator().manual_seed(6)).numpy()
     before = ray_cluster.get(pair[0].status.remote())["stats"]["batch_sizes"]
     with client(pair) as c:
-        grants = c.acquire(6)
+        grants = acquire_when_free(c, 6)
         res = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=3 + i, token_ids=[1, 2], taps=taps)
                       for i, g in enumerate(grants)], deadline_ms=60_000)
         assert [r.code for r in res] == [Code.OK] * 6
