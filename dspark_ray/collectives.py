@@ -18,8 +18,10 @@ start-up decision (`make_collectives`), never an `if` on the hot path.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -66,8 +68,17 @@ def reduce_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     return fold(parts)
 
 
+@dataclass
+class CaptureInfo:
+    n_collectives: int = 0          # how many collectives a captured graph holds (push keeps its epoch book by it)
+
+
 class Collectives(ABC):
     """One way for the ranks of a pair to meet. `local_ranks` are the ranks whose partials this process passes."""
+
+    # Whether a CUDA graph may record these collectives: pure device ops (tp1, split, solo) and the push kernels
+    # can; host-side meetings (gloo, the emulated pair's threads) cannot.
+    capturable: bool = False
 
     name: str = "?"
     world_size: int = 1
@@ -96,10 +107,23 @@ class Collectives(ABC):
     def describe(self) -> str:
         return f"{self.name} (world {self.world_size}, local ranks {list(self.local_ranks)})"
 
+    @contextlib.contextmanager
+    def graph_capture(self):
+        """Wrap a torch.cuda.graph capture of a step (push counts the collectives recorded)."""
+        if not self.capturable:
+            raise CollectiveError(f"{self.name} collectives cannot be captured in a CUDA graph")
+        yield CaptureInfo()
+
+    def replay(self, graph, n_collectives: int) -> None:
+        """Replay a graph captured under graph_capture() (push checks and advances its epoch book first)."""
+        graph.replay()
+
 
 class LocalCollectives(Collectives):
     """Every shard of the group is in the caller's hands: `tp1` (one unsplit rank), or the split reference (one
     caller computing both ranks' partials and adding them in rank order, as the pair does)."""
+
+    capturable = True
 
     def __init__(self, world_size: int):
         self.world_size = world_size
@@ -178,6 +202,7 @@ class SoloCollectives(Collectives):
     wins). The numbers are not the pair's; the compute time is one rank's share, which is what `solo` measures."""
 
     name = "solo"
+    capturable = True
 
     def __init__(self, rank: int = 0):
         self.world_size = 2

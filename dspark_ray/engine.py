@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .collectives import CollectiveError, Collectives
-from .model.drafter import Drafter
+from .model.drafter import DraftOut, Drafter
 from .model.heads import confident_prefix
 from .model.state import SlotState
 
@@ -88,13 +88,40 @@ class _CountingCollectives(Collectives):
     def close(self):
         self.inner.close()
 
+    @property
+    def capturable(self):
+        return self.inner.capturable
+
+    def graph_capture(self):
+        return self.inner.graph_capture()
+
+    def replay(self, graph, n_collectives):
+        # A graph's collectives run inside the replay: the fault hook fires before it (a rank held here leaves its
+        # peer waiting on the device), and the count says whether the sequence had started when a failure struck.
+        if self.fault is not None and n_collectives:
+            self.fault(self.count)
+        self.inner.replay(graph, n_collectives)
+        self.count += n_collectives
+
+    def describe(self):
+        return self.inner.describe()
+
 
 class RankEngine:
-    def __init__(self, drafter: Drafter, n_slots: int, rank: int = 0):
+    """`graphs=True` (CUDA only) captures the rank's CUDA graph set (`graphs.GraphSet`) at construction and runs
+    every step through it; the eager path gives the same bits and serves batches the set does not cover."""
+
+    def __init__(self, drafter: Drafter, n_slots: int, rank: int = 0, graphs: bool = False,
+                 progress=None):
         self.drafter, self.rank = drafter, rank
         self.coll = _CountingCollectives(drafter.coll)
         drafter.coll = self.coll
         drafter.head.coll = self.coll
+        self.graphs = None
+        if graphs:
+            from .graphs import GraphSet
+            self.graphs = GraphSet(drafter)
+            self.graphs.capture(progress)
         self.slots: list[SlotState] = [drafter.new_slot() for _ in range(n_slots)]
         self.broken: str | None = None
         self.steps = 0
@@ -149,14 +176,23 @@ class RankEngine:
         done = False       # every collective of the step has completed
         try:
             self._hook("start")
+            rows_fn = self.graphs.context_rows if self.graphs else None
             for i in good:
                 e = entries[i]
-                self.drafter.insert(self.slots[e.slot], e.start, e.token_ids, self._taps(e), e.rollback_to)
+                self.drafter.insert(self.slots[e.slot], e.start, e.token_ids, self._taps(e), e.rollback_to,
+                                    rows_fn=rows_fn)
             if good:
                 n_out = max(entries[i].n_out for i in good)
                 margins = any(entries[i].want_margins for i in good)
-                res = self.drafter.draft([self.slots[entries[i].slot] for i in good],
-                                         [entries[i].seed for i in good], n_out, margins)
+                states = [self.slots[entries[i].slot] for i in good]
+                seeds = [entries[i].seed for i in good]
+                if self.graphs and len(good) <= self.graphs.max_requests:
+                    res = self.graphs.draft(states, seeds, n_out, margins)
+                    res = DraftOut(drafts=res.drafts.clone(), confidences=res.confidences.clone(),   # the graph's
+                                   confident_len=res.confident_len,                          # buffers are reused
+                                   margins=res.margins.clone() if margins else None, logits=None)
+                else:
+                    res = self.drafter.draft(states, seeds, n_out, margins)
                 for j, i in enumerate(good):
                     k = entries[i].n_out
                     conf = res.confidences[j, :k]
@@ -185,6 +221,10 @@ class RankEngine:
             self.fault_hook(phase)
 
     def status(self) -> dict:
-        return {"rank": self.rank, "steps": self.steps, "failed_steps": self.failed_steps,
-                "broken": self.broken, "last_error": self.last_error, "collectives": self.coll.describe(),
-                "time": time.time()}
+        st = {"rank": self.rank, "steps": self.steps, "failed_steps": self.failed_steps,
+              "broken": self.broken, "last_error": self.last_error, "collectives": self.coll.describe(),
+              "time": time.time()}
+        if self.graphs:
+            st["graphs"] = {"count": self.graphs.n_graphs, "capture_s": round(self.graphs.capture_seconds, 3),
+                            "bytes": self.graphs.graph_bytes}
+        return st

@@ -7,6 +7,8 @@
 | `collective_timeout` | sleeps inside its first collective past the collective timeout (both sides fail)  |
 | `stall`              | sleeps `seconds` inside the step (the front-end's watchdog must fire)             |
 | `kill`               | the process exits at once (a dead rank actor)                                     |
+| `flag_never_raised`  | push only: the rank's all-reduce never raises its flag / sends its payload to the   |
+|                      | peer (a lost store): the peer's bounded wait fires, the error bits reach both ranks |
 
 `count` bounds how many steps the fault fires on (default: every step until cleared with kind None).
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 
-KINDS = ("raise", "raise_early", "collective_timeout", "stall", "kill")
+KINDS = ("raise", "raise_early", "collective_timeout", "stall", "kill", "flag_never_raised")
 
 
 class InjectedFault(RuntimeError):
@@ -27,6 +29,9 @@ def install(worker, kind: str | None, count: int | None = None, seconds: float =
     eng = worker.engine
     eng.fault_hook = None
     eng.coll.fault = None
+    push = getattr(eng.coll.inner, "name", "") == "push"
+    if push and not eng.coll.inner.poisoned:
+        eng.coll.inner.set_lost_flag(None)
     if kind is None:
         return f"rank {worker.rank}: faults cleared"
     if kind not in KINDS:
@@ -39,6 +44,11 @@ def install(worker, kind: str | None, count: int | None = None, seconds: float =
         left[0] -= 1
         return True
 
+    if kind == "flag_never_raised":
+        if not push:
+            raise ValueError("fault flag_never_raised needs the push collectives (backend push)")
+        eng.coll.inner.set_lost_flag(0)                 # block 0 of every all-reduce, eager and graph replays
+        return f"rank {worker.rank}: fault {kind} armed (until cleared or the pair restarts)"
     if kind == "kill":
         eng.fault_hook = lambda phase: os._exit(17) if phase == "start" and fire() else None
     elif kind == "stall":

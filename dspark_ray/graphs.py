@@ -5,6 +5,12 @@ Replaying a graph runs the very kernels the eager path runs (`Drafter.forward`, 
 gives the eager bits; a bucket with more rows than the request needs pads with rows whose results are dropped (every
 dense layer is row-invariant, so a real row's bits do not depend on the padding). The scalar inputs of a step
 (seeds, p0, window masks) live in one int64 device buffer filled by one host-to-device copy per step.
+
+Collectives are recorded through `coll.graph_capture()` and replayed through `coll.replay(graph, n)`: the push
+backend keeps its epoch book that way (each replay advances the device epochs by the graph's collective count), and
+a backend that cannot be captured (gloo, the emulated pair's threads) refuses at capture time. Both ranks of a pair
+build the same set in the same order, so their warm-up collectives pair up and their graphs hold the same
+collective sequence.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ class GraphSet:
     def __init__(self, drafter: Drafter, max_requests: int = 4, n_outs: tuple[int, ...] | None = None,
                  insert_buckets: tuple[int, ...] = INSERT_BUCKETS):
         self.d = drafter
+        self.coll = drafter.coll
         c = drafter.cfg
         dev = drafter.device
         self.max_requests = max_requests
@@ -36,8 +43,8 @@ class GraphSet:
         self.windows = [torch.zeros(R, W, D, dtype=torch.float16, device=dev) for _ in range(c.n_blocks)]
         self.taps = torch.zeros(max(insert_buckets), c.n_taps * c.hidden_size, dtype=torch.float16, device=dev)
         self.pos = torch.zeros(max(insert_buckets), dtype=torch.int64, device=dev)
-        self.draft_graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, DraftOut]] = {}
-        self.insert_graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]] = {}
+        self.draft_graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, DraftOut, int]] = {}
+        self.insert_graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], int]] = {}
         self.pool = None
         self.capture_seconds = 0.0
         self.graph_bytes = 0
@@ -66,25 +73,32 @@ class GraphSet:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         for b, k, m in keys:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                out = self.d.forward(*self._views(b), k, m)
-            self.pool = self.pool or g.pool()
-            self.draft_graphs[(b, k, m)] = (g, out)
+            g, out, n = self._capture(lambda: self.d.forward(*self._views(b), k, m))
+            self.draft_graphs[(b, k, m)] = (g, out, n)
             done += 1
             if progress:
                 progress(done, total)
-        for n in self.insert_buckets:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                rows = self.d.context_rows(self.taps[:n], self.pos[:n])
-            self.insert_graphs[n] = (g, rows)
+        for rows in self.insert_buckets:
+            g, out, n = self._capture(lambda: self.d.context_rows(self.taps[:rows], self.pos[:rows]))
+            self.insert_graphs[rows] = (g, out, n)
             done += 1
             if progress:
                 progress(done, total)
         torch.cuda.synchronize()
         self.capture_seconds = time.monotonic() - t0
         self.graph_bytes = max(0, free0 - torch.cuda.mem_get_info()[0])
+
+    def _capture(self, fn):
+        g = torch.cuda.CUDAGraph()
+        with self.coll.graph_capture() as info:
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+                out = fn()
+        self.pool = self.pool or g.pool()
+        return g, out, info.n_collectives
+
+    @property
+    def n_graphs(self) -> int:
+        return len(self.draft_graphs) + len(self.insert_graphs)
 
     # -- replays -----------------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -100,17 +114,22 @@ class GraphSet:
         self.packed.copy_(h, non_blocking=True)
         for buf, win in zip(self.windows, self.d.window_inputs(states)[0]):
             buf[:bsz].copy_(win)
-        g, out = self.draft_graphs[(bsz, n_out, want_margins)]
-        g.replay()
+        g, out, n = self.draft_graphs[(bsz, n_out, want_margins)]
+        self.coll.replay(g, n)
         return out
 
     @torch.inference_mode()
     def context_rows(self, taps: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
-        """The graph twin of `Drafter.context_rows` for n <= 128 rows: the smallest bucket that holds them."""
+        """The graph twin of `Drafter.context_rows`: rows go in chunks of the largest bucket, each chunk through the
+        smallest bucket that holds it (a row's kv depends on that row alone, so chunking changes no bit)."""
+        top = self.insert_buckets[-1]
+        if taps.shape[0] > top:
+            parts = [self.context_rows(taps[i:i + top], pos[i:i + top]) for i in range(0, taps.shape[0], top)]
+            return [torch.cat(blk) for blk in zip(*parts)]
         n = taps.shape[0]
         bucket = next(b for b in self.insert_buckets if b >= n)
         self.taps[:n].copy_(taps, non_blocking=True)
         self.pos[:n].copy_(pos, non_blocking=True)
-        g, rows = self.insert_graphs[bucket]
-        g.replay()
-        return [r[:n] for r in rows]
+        g, rows, k = self.insert_graphs[bucket]
+        self.coll.replay(g, k)
+        return [r[:n].clone() for r in rows]

@@ -55,6 +55,25 @@ def replay(d: Drafter, rounds: list[list[StepEntry]]) -> list[list[EntryRecord]]
     return out
 
 
+def replay_engine(eng, rounds: list[list[StepEntry]]) -> list[list[EntryRecord]]:
+    """The same rounds through a `RankEngine` (graphs or eager): drafts, confidences, and margins where the entry
+    asked for them (empty otherwise); no logits or head input (a graph keeps no debug outputs)."""
+    out = []
+    none = torch.empty(0)
+    for batch in rounds:
+        res = eng.step(batch)
+        out.append([EntryRecord(r.drafts.cpu(), r.confidences.cpu(),
+                                r.margins.cpu() if r.margins is not None else none, none, none) for r in res])
+    return out
+
+
+def as_engine_records(recs: list[list[EntryRecord]], rounds: list[list[StepEntry]]) -> list[list[EntryRecord]]:
+    """`replay` records cut to what `replay_engine` keeps, for a bit-for-bit comparison of the two."""
+    none = torch.empty(0)
+    return [[EntryRecord(r.drafts.cpu(), r.confidences.cpu(), r.margins.cpu() if e.want_margins else none, none,
+                         none) for r, e in zip(rb, b)] for rb, b in zip(recs, rounds)]
+
+
 def assert_identical(a: list[list[EntryRecord]], b: list[list[EntryRecord]], what: str = "") -> None:
     """Every field of every entry equal bit for bit (torch.equal), with the first difference named."""
     assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} rounds"
@@ -68,11 +87,12 @@ def assert_identical(a: list[list[EntryRecord]], b: list[list[EntryRecord]], wha
 @contextlib.contextmanager
 def native_matmul():
     """Run the drafter with the library GEMM (one BLAS call, its own reduction order): the plain tp1 reference."""
-    ops.set_matmul(lambda x, w: x.float() @ w.float().t())
+    saved = ops.current_matmul()
+    ops.set_matmul(lambda x, w: x.float() @ w.float().t(), mode="native")
     try:
         yield
     finally:
-        ops.set_matmul(ops.linear_tree)
+        ops.set_matmul(*saved)
 
 
 def fp16_step(x: float) -> float:

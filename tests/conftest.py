@@ -53,19 +53,28 @@ def ray_cluster():
     import logging
 
     import ray
-    ray.init(num_cpus=2, include_dashboard=False, namespace="dspark", log_to_driver=False,
+    # The CPU machine's 2 cores; a GPU host gives the pair's bundles ({GPU 1, CPU 1} x 2 + the front-end's) room.
+    cpus = 2 if PAIR_BACKEND == "gloo" else max(4, min(8, os.cpu_count() or 4))
+    ray.init(num_cpus=cpus, include_dashboard=False, namespace="dspark", log_to_driver=False,
              logging_level=logging.WARNING)
     yield ray
     ray.shutdown()
+
+
+# DSPARK_TEST_PAIR=push (on a two-card GPU host) runs the Ray deployment tests on the real pair: one card per rank,
+# the NVLink push collectives, CUDA graphs, and the exact matmul (so the in-process CPU reference still matches bit
+# for bit). Default: gloo ranks on the CPU.
+PAIR_BACKEND = os.environ.get("DSPARK_TEST_PAIR", "gloo")
 
 
 def deploy_pair(ray_cluster, ckpt_dir, name, **kw):
     """Deploy a tiny pair on the shared cluster; returns (front-end handle, host, port)."""
     from dspark_ray.actors.placement import deploy
     from dspark_ray.actors.rank import PairSpec
+    gpu = dict(backend="push", device="cuda", matmul="exact") if PAIR_BACKEND == "push" else {}
     spec = PairSpec(checkpoint=str(ckpt_dir), tp=kw.pop("tp", 2), n_slots=kw.pop("n_slots", 8),
                     collective_timeout_s=kw.pop("collective_timeout_s", 3.0),
-                    step_timeout_s=kw.pop("step_timeout_s", None))
+                    step_timeout_s=kw.pop("step_timeout_s", None), **gpu)
     fe, endpoint = deploy(spec, name=name, **kw)
     host, port = endpoint.rsplit(":", 1)
     return fe, host, int(port)

@@ -56,7 +56,19 @@ def test_graph_replay_equals_eager_bit_for_bit(cfg, ckpt, margins):
                 assert torch.equal(out.margins, eager.margins)
 
 
-def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt):
+@pytest.fixture(params=["exact", "fast"])
+def matmul(request):
+    from dspark_ray.kernels.gemm import use_matmul
+    from dspark_ray.model import ops
+    saved = ops.current_matmul()
+    use_matmul(request.param)
+    yield request.param
+    ops.set_matmul(*saved)
+
+
+def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt, matmul):
+    """Every graph equals the eager step; every batch bucket gives each request its one-request answer; drafts
+    for n_out = k are the first k of n_out = B; inserts of any row count (chunked past 128) equal eager rows."""
     from dspark_ray.graphs import GraphSet
     d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda")
     gs = GraphSet(d)
@@ -64,6 +76,12 @@ def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt):
     print(f"\n{len(gs.draft_graphs)} draft + {len(gs.insert_graphs)} insert graphs captured in "
           f"{gs.capture_seconds:.2f} s, {gs.graph_bytes / 2**20:.1f} MiB")
     pool = _slots(d, cfg, [6, 11, 3, 20], 11)
+    alone = {}
+    for r, st in enumerate(pool):
+        for margins in (False, True):
+            out = gs.draft([st], [5 + 37 * r], cfg.block_size, margins)
+            alone[(r, margins)] = (out.drafts.clone(), out.confidences.clone(),
+                                   out.margins.clone() if margins else None)
     for bsz in range(1, 5):
         states = pool[:bsz]
         seeds = [5 + 37 * r for r in range(bsz)]
@@ -75,7 +93,13 @@ def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt):
                 assert torch.equal(got.confidences, want.confidences), (bsz, n_out, margins)
                 if margins:
                     assert torch.equal(got.margins, want.margins)
-    for n in (1, 6, 8, 9, 77, 128):
+                for r in range(bsz):          # batch invariance and the n_out prefix property, bit for bit
+                    a = alone[(r, margins)]
+                    assert torch.equal(got.drafts[r], a[0][0, :n_out]), (bsz, n_out, margins, r)
+                    assert torch.equal(got.confidences[r], a[1][0, :n_out]), (bsz, n_out, margins, r)
+                    if margins:
+                        assert torch.equal(got.margins[r], a[2][0, :n_out]), (bsz, n_out, margins, r)
+    for n in (1, 6, 8, 9, 77, 128, 200):
         taps = workload.make_taps(cfg, n, torch.Generator().manual_seed(n)).cuda()
         pos = torch.arange(1000, 1000 + n, device="cuda")
         for a, b in zip(gs.context_rows(taps, pos), d.context_rows(taps, pos)):

@@ -18,7 +18,7 @@ from dspark_ray.contract import Code, make_entry
 from dspark_ray.engine import RankEngine, StepEntry
 from dspark_ray.modes import make_drafter
 
-from conftest import deploy_pair
+from conftest import PAIR_BACKEND, deploy_pair
 
 STEP_TIMEOUT = 4.0
 
@@ -130,8 +130,10 @@ def test_restart_happens_at_the_threshold_and_not_before(sup, ray_cluster, cfg):
         assert q.step().code == Code.OK and q.step().code == Code.OK     # ... and drafts equal the reference
 
 
-@pytest.mark.parametrize("kind", ["kill", "stall", "collective_timeout"])
+@pytest.mark.parametrize("kind", ["kill", "stall", "collective_timeout", "flag_never_raised"])
 def test_dead_hung_or_timed_out_rank_fails_closed_and_restarts_the_pair(sup, ray_cluster, cfg, kind):
+    if kind == "flag_never_raised" and PAIR_BACKEND != "push":
+        pytest.skip("a never-raised peer flag needs the push collectives (DSPARK_TEST_PAIR=push on two cards)")
     fe, _, _, ref = sup
     before = _status(ray_cluster, fe)
     pids = [r["pid"] for r in before["ranks"]]
@@ -144,7 +146,7 @@ def test_dead_hung_or_timed_out_rank_fails_closed_and_restarts_the_pair(sup, ray
         took = time.monotonic() - t0
         assert r.code == Code.INTERNAL, r.reason
         assert took < STEP_TIMEOUT + 2.0, took
-        want = {"kill": "dead", "stall": "hung", "collective_timeout": "broken"}[kind]
+        want = {"kill": "dead", "stall": "hung", "collective_timeout": "broken", "flag_never_raised": "broken"}[kind]
         assert f"({want})" in r.reason, r.reason
         st = _wait_serving(ray_cluster, fe)
         assert st["supervisor"]["restarts"] == before["supervisor"]["restarts"] + 1

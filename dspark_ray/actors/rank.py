@@ -41,6 +41,11 @@ class PairSpec:
     # measured on the 2-core CPU machine, bench/ring_roundtrip.py); a GPU host has cores to spare, so its ranks
     # and front-end spin through the gap between back-to-back steps. None: 50 us on CPU, 2 ms on GPU.
     ring_spin_us: float | None = None
+    # The GPU engine: CUDA graphs of the step (None: on when the device is CUDA) and the matmul kernels ("auto":
+    # the batch-invariant cuBLAS / Triton kernels on CUDA, the exact tree on CPU; "exact" everywhere for a CPU
+    # reference to compare against bit for bit).
+    graphs: bool | None = None
+    matmul: str = "auto"
 
     @property
     def spin_us(self) -> float:
@@ -69,6 +74,10 @@ class RankWorker:
         from ..modes import read_rank
         from ..weights.loader import Checkpoint
         t0 = time.time()
+        if self.spec.device.startswith("cuda") or self.spec.matmul != "auto":
+            from ..kernels.gemm import describe_matmul, use_matmul
+            use_matmul(self.spec.matmul)
+            log.info("rank %d: matmul %s", self.rank, describe_matmul())
         ck = Checkpoint(self.spec.checkpoint)
         self.ckpt = ck
         self.total = len(ck.names())
@@ -107,8 +116,15 @@ class RankWorker:
             else:
                 raise ValueError(f"backend {self.spec.backend!r}: choose gloo or push")
         drafter = Drafter(cfg, [self.weights], [self.layout.vocab_range(self.rank)[0]], coll)
-        self.engine = RankEngine(drafter, self.spec.n_slots, self.rank)
-        log.info("rank %d: connected through %s", self.rank, coll.describe())
+        cuda = self.spec.device.startswith("cuda")
+        graphs = cuda if self.spec.graphs is None else (self.spec.graphs and cuda)
+
+        def progress(done, total):
+            if done == total or done % 10 == 0:
+                log.info("rank %d: captured %d / %d graphs", self.rank, done, total)
+        self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress)
+        log.info("rank %d: connected through %s%s", self.rank, coll.describe(),
+                 f"; {self.engine.status()['graphs']}" if graphs else "")
         return coll.describe()
 
     def serve(self, ring_handle) -> None:

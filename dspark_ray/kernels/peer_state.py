@@ -76,6 +76,7 @@ class Layout:
     OFF_ERR = 16
     OFF_ERR_EPOCH = 20
     OFF_HELLO = 24
+    OFF_DBG_SKIP = 32       # fault injection: (block + 1) whose all-reduce flag / payload is never sent; 0 = none
     OFF_FLAGS = 256
 
     def __post_init__(self):
@@ -117,7 +118,7 @@ class Layout:
             "PUSH_MAXB": self.maxb, "PUSH_MAXX": self.maxx, "PUSH_RECV4": self.words // 4,
             "OFF_EPOCH": self.OFF_EPOCH, "OFF_DONE": self.OFF_DONE, "OFF_LASTN": self.OFF_LASTN,
             "OFF_ERR": self.OFF_ERR, "OFF_ERR_EPOCH": self.OFF_ERR_EPOCH, "OFF_HELLO": self.OFF_HELLO,
-            "OFF_FLAGS": self.OFF_FLAGS, "OFF_ACKS": self.off_acks, "OFF_XRECV": self.off_xrecv,
+            "OFF_DBG_SKIP": self.OFF_DBG_SKIP, "OFF_FLAGS": self.OFF_FLAGS, "OFF_ACKS": self.off_acks, "OFF_XRECV": self.off_xrecv,
             "OFF_RECV": self.off_recv,
         }
         return "".join(f"#define {k} {v}\n" for k, v in d.items())

@@ -33,6 +33,7 @@
 #define OFF_ERR 16
 #define OFF_ERR_EPOCH 20
 #define OFF_HELLO 24
+#define OFF_DBG_SKIP 32
 #define OFF_FLAGS 256
 #define OFF_ACKS 2304
 #define OFF_XRECV 4096
@@ -336,12 +337,19 @@ __device__ __forceinline__ void fill_nan(float* out, Part q) {
 
 // ---------------------------------------------------------------------------------------------------------------
 // all-reduce, flag protocol (the default): out = P0 + P1 in fp32, identical bits on both ranks.
-// n < 0: preload launch (returns at once). dbg_skip_block: a block index whose flag is never raised (tests only).
+// n < 0: preload launch (returns at once). dbg_skip_block: a block index whose flag is never raised (tests only);
+// -1 defers to the device word OFF_DBG_SKIP (block + 1, 0 = none), which graph replays read too (fault injection).
+
+__device__ __forceinline__ int skip_block(const u8* my, int dbg_skip_block) {
+  return dbg_skip_block >= 0 ? dbg_skip_block : (int)(*(volatile const u32*)(my + OFF_DBG_SKIP)) - 1;
+}
+
 
 extern "C" __global__ void __launch_bounds__(1024)
 push_all_reduce(const float* __restrict__ x, float* __restrict__ out, int n, int rank, u8* my, u8* peer,
                 u64 timeout_ns, int dbg_skip_block, int strict, float one, u32 nan_rule) {
   if (n < 0) return;
+  const int skip = skip_block(my, dbg_skip_block);
   u32 e;
   u64 t0;
   bool ok = begin(my, peer, timeout_ns, e, t0);
@@ -356,7 +364,7 @@ push_all_reduce(const float* __restrict__ x, float* __restrict__ out, int n, int
     __shared__ int s_ok;
     if (threadIdx.x == 0) {
       const u64 want = shape_word(KIND_AR, gridDim.x, (u32)n) | e;
-      if ((int)blockIdx.x != dbg_skip_block) st_release_u64(flag_at(peer, p, blockIdx.x), want);
+      if ((int)blockIdx.x != skip) st_release_u64(flag_at(peer, p, blockIdx.x), want);
       s_ok = wait_flag(my, peer, flag_at(my, p, blockIdx.x), want, e, t0, timeout_ns);
     }
     __syncthreads();
@@ -395,6 +403,7 @@ extern "C" __global__ void __launch_bounds__(1024)
 push_all_reduce_lamport(const float* __restrict__ x, float* __restrict__ out, int n, int rank, u8* my, u8* peer,
                         u64 timeout_ns, int dbg_skip_block, int strict, float one, u32 nan_rule) {
   if (n < 0) return;
+  const int skip = skip_block(my, dbg_skip_block);
   u32 e;
   u64 t0;
   bool ok = begin(my, peer, timeout_ns, e, t0);
@@ -404,7 +413,7 @@ push_all_reduce_lamport(const float* __restrict__ x, float* __restrict__ out, in
   if (ok) {
     float4* pr = recv_at(peer, p);
     const u64 header = shape_word(KIND_AR_LAMPORT, gridDim.x, n) | e;
-    if ((int)blockIdx.x != dbg_skip_block) {
+    if ((int)blockIdx.x != skip) {
       if (threadIdx.x == 0) st_relaxed_u64(flag_at(peer, p, blockIdx.x), header);   // first: it arrives first
       for (int i = q.beg + threadIdx.x; i < q.end; i += blockDim.x) {
         float4 v = x4[i];

@@ -27,10 +27,9 @@ import contextlib
 import os
 import secrets
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..collectives import CollectiveError, Collectives, MaxPart, Top2Part
+from ..collectives import CaptureInfo, CollectiveError, Collectives, MaxPart, Top2Part
 from .ipc import PeerHandle, HANDLE_VERSION, check_peer_handle, close_ipc_handle, export_ipc_handle, \
     open_ipc_handle, this_host, this_pid
 from .peer_state import MAXB, HostGuard, Layout, PeerState, describe_error_word, process_poison
@@ -111,15 +110,11 @@ def exchange_threads(n_rows: int) -> int:
     return max(32, (n_rows + 31) // 32 * 32)
 
 
-@dataclass
-class CaptureInfo:
-    n_collectives: int = 0
-
-
 class PushCollectives(Collectives):
     """One rank of an NVLink pair meeting the other through push kernels over CUDA IPC peer memory."""
 
     name = "push"
+    capturable = True
 
     def __init__(self, rank: int, *, max_words: int = DEFAULT_MAX_WORDS, timeout_s: float | None = None,
                  allreduce: str = "flag", exchange: str = "tagged",
@@ -378,6 +373,12 @@ class PushCollectives(Collectives):
             self._streams[ptr] = cs
             if self.check_each:
                 self.check_error()
+
+    def set_lost_flag(self, block: int | None) -> None:
+        """Fault injection: from now on block `block` of every all-reduce of this rank never sends its flag /
+        payload (None: back to normal). A device word, so graph replays obey it too; a reset clears it."""
+        self.guard.refuse_if_poisoned("fault injection")
+        self.state.write_u32(Layout.OFF_DBG_SKIP, [0 if block is None else block + 1])
 
     # --- graphs ------------------------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -103,13 +103,27 @@ def rand_exchange(seed, rank, n, device, top2):
 
 
 def _check(name, got, want, errors):
+    """Appends one line per output part whose bits differ: how many words (compared as bits, so equal NaNs are
+    equal) and the first few (index, got, want) in hex."""
     from .reference import same_bits
     got = got if isinstance(got, tuple) else (got,)
     want = want if isinstance(want, tuple) else (want,)
     for k, (a, b) in enumerate(zip(got, want)):
-        if not same_bits(a, b):
-            errors.append(f"{name} part {k}: {int((a.view(-1) != b.view(-1)).sum()) if a.shape == b.shape else 'shape'}"
-                          f" mismatches")
+        if same_bits(a, b):
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            errors.append(f"{name} part {k}: shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}")
+            continue
+        ai, bi = (t.reshape(-1).view(torch_int_of(t)).cpu() for t in (a, b))
+        bad = (ai != bi).nonzero().flatten()
+        words = ", ".join(f"[{i}] {int(ai[i]) & 0xFFFFFFFF:08x} vs {int(bi[i]) & 0xFFFFFFFF:08x}"
+                          for i in bad[:6].tolist())
+        errors.append(f"{name} part {k}: {bad.numel()} words differ: {words}")
+
+
+def torch_int_of(t):
+    import torch
+    return {torch.float32: torch.int32, torch.int64: torch.int64}.get(t.dtype, torch.int32)
 
 
 def _set_ranges(v, pc=None):

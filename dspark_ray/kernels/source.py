@@ -1,11 +1,18 @@
 """The push kernels' CUDA source and its run-time compilation (CuPy RawModule / NVRTC).
 
 The source lives in `push.cu` beside this file; the layout constants are prepended from `peer_state.Layout`, so the
-Python side and the kernels cannot disagree on an offset. CuPy caches the compiled module on disk (keyed by the
-source), so the second rank of a pair loads what the first compiled.
+Python side and the kernels cannot disagree on an offset.
+
+Compiled with NVRTC directly (through CuPy's wrapper), not with `cupy.RawModule`: RawModule appends `-ftz=true`
+after the caller's options, which flushes denormal inputs and results to zero (measured on the H200: FADD / FFMA of
+-0 and the smallest denormal gave +0 where torch's add gives the denormal). The sum must be torch's, denormals
+included, so the kernels are built with `-ftz=false`. The cubin is cached on disk, keyed by the source, options and
+architecture, so the second rank of a pair loads what the first compiled.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 from pathlib import Path
 
 from .peer_state import Layout
@@ -22,8 +29,27 @@ def kernel_source(layout: Layout, extra_defines: dict[str, int] | None = None) -
     return head + _SRC.read_text()
 
 
+def _cache_dir() -> Path:
+    return Path(os.environ.get("DSPARK_KERNEL_CACHE", Path.home() / ".cache" / "dspark_ray" / "kernels"))
+
+
 def compile_module(layout: Layout, extra_defines: dict[str, int] | None = None):
-    """Compile (or load from CuPy's cache) and return {kernel name: cupy RawKernel}. Needs CUDA and CuPy."""
+    """Compile (or load from the disk cache) and return {kernel name: cupy Function}. Needs CUDA and CuPy."""
     import cupy as cp
-    mod = cp.RawModule(code=kernel_source(layout, extra_defines), options=COMPILE_OPTIONS)
+    from cupy.cuda import compiler
+    src = kernel_source(layout, extra_defines)
+    cc = cp.cuda.Device().compute_capability
+    key = hashlib.sha256(f"{src}\0{COMPILE_OPTIONS}\0{cc}\0{compiler._get_nvrtc_version()}".encode()).hexdigest()
+    path = _cache_dir() / f"push-{key[:24]}.bin"
+    if path.is_file():
+        binary = path.read_bytes()
+    else:
+        binary, _ = compiler.compile_using_nvrtc(src, COMPILE_OPTIONS, filename="push.cu")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(binary if isinstance(binary, bytes) else binary.encode())
+        os.replace(tmp, path)               # atomic: the peer rank never reads a half-written file
+        binary = path.read_bytes()
+    mod = cp.cuda.function.Module()
+    mod.load(binary)
     return {name: mod.get_function(name) for name in KERNELS}

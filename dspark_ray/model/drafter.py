@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function as stage     # names the step's stages for bench/draft_step.py's profile
 
 from ..collectives import Collectives, LocalCollectives
 from ..config import DrafterConfig
@@ -58,15 +59,25 @@ class _Block:
                         for w in shards]
 
     def __call__(self, x, p0, window, valid, block, coll: Collectives):
-        c, post, comb = self.hc_attn.collapse(x)
-        a = rms_norm(c, self.attn_norm, self.eps)
-        y = coll.all_reduce([attn(a, p0, window, valid, block) for attn in self.attn])
-        x = HcSite.expand(x, y, post, comb)
-        c, post, comb = self.hc_ffn.collapse(x)
-        f = rms_norm(c, self.ffn_norm, self.eps)
-        experts, weights = self.router(f)
-        y = coll.all_reduce([ex(f, experts, weights) for ex in self.experts])
-        return HcSite.expand(x, y, post, comb), experts
+        with stage("dspark.mhc_norm"):
+            c, post, comb = self.hc_attn.collapse(x)
+            a = rms_norm(c, self.attn_norm, self.eps)
+        with stage("dspark.attention"):
+            parts = [attn(a, p0, window, valid, block) for attn in self.attn]
+        with stage("dspark.all_reduce"):
+            y = coll.all_reduce(parts)
+        with stage("dspark.mhc_norm"):
+            x = HcSite.expand(x, y, post, comb)
+            c, post, comb = self.hc_ffn.collapse(x)
+            f = rms_norm(c, self.ffn_norm, self.eps)
+        with stage("dspark.routing"):
+            experts, weights = self.router(f)
+        with stage("dspark.experts"):
+            parts = [ex(f, experts, weights) for ex in self.experts]
+        with stage("dspark.all_reduce"):
+            y = coll.all_reduce(parts)
+        with stage("dspark.mhc_norm"):
+            return HcSite.expand(x, y, post, comb), experts
 
 
 class Drafter:
@@ -120,7 +131,9 @@ class Drafter:
         return state.check_entry(start, n, rollback_to)
 
     def insert(self, state: SlotState, start: int, token_ids: torch.Tensor, taps: torch.Tensor,
-               rollback_to: int = -1) -> None:
+               rollback_to: int = -1, rows_fn=None) -> None:
+        """Check, roll back, compute the rows' main-kv (through `rows_fn`, e.g. a graph set's twin of
+        `context_rows`, else eagerly) and write them into the slot."""
         why = self.check_insert(state, start, token_ids, taps, rollback_to)
         if why:
             raise DraftInputError(why)
@@ -129,7 +142,8 @@ class Drafter:
         n = taps.shape[0]
         if n == 0:
             return
-        state.write(start, self.context_rows(taps.to(self.device), torch.arange(start, start + n, device=self.device)))
+        rows = (rows_fn or self.context_rows)(taps.to(self.device), torch.arange(start, start + n, device=self.device))
+        state.write(start, rows)
 
     def context_rows(self, taps: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
         """The context insert's math, tensors only (capturable): taps (n, n_taps*h) fp16 at positions pos (n,) ->
@@ -180,8 +194,10 @@ class Drafter:
         for n, blk in enumerate(self.blocks):
             x, experts = blk(x, p0, windows[n], valid, B, self.coll)
             self.last_experts.append(experts)
-        prenorm = self.hyper_head(x)                                        # (bsz*B, h) fp32
-        normed = rms_norm(prenorm, self.final_norm, c.rms_norm_eps)
-        out = self.head(normed.reshape(bsz, B, -1), prenorm.reshape(bsz, B, -1),
-                        ids[:, 0], n_out, want_margins, keep_logits=debug)
+        with stage("dspark.mhc_norm"):
+            prenorm = self.hyper_head(x)                                    # (bsz*B, h) fp32
+            normed = rms_norm(prenorm, self.final_norm, c.rms_norm_eps)
+        with stage("dspark.head"):
+            out = self.head(normed.reshape(bsz, B, -1), prenorm.reshape(bsz, B, -1),
+                            ids[:, 0], n_out, want_margins, keep_logits=debug)
         return DraftOut(**vars(out), normed=normed.reshape(bsz, B, -1) if debug else None)

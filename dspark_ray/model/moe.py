@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import F32, f16, linear, linear_rows, softplus, swiglu, tree_sum
+from .ops import F32, f16, linear, linear_indexed, softplus, swiglu, tree_sum
 
 
 class Router:
@@ -55,8 +55,8 @@ class Experts:
         e = torch.gather(experts, 1, order).flatten()
         w = torch.gather(weights, 1, order).float()
         fr = f.repeat_interleave(k, dim=0)                               # row r's input once per choice
-        act = swiglu(f16(linear_rows(fr, self.w1[e])), f16(linear_rows(fr, self.w3[e])), self.limit)
-        d = linear_rows(act, self.w2[e]).reshape(n, k, -1)
+        act = swiglu(f16(linear_indexed(fr, self.w1, e)), f16(linear_indexed(fr, self.w3, e)), self.limit)
+        d = linear_indexed(act, self.w2, e).reshape(n, k, -1)
         routed = torch.zeros(n, d.shape[-1], dtype=F32, device=f.device)
         for j in range(k):
             routed = routed + w[:, j, None] * d[:, j]

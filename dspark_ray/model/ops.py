@@ -109,13 +109,36 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def linear_indexed_tree(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """fp32 result of out[p] = x[p] @ w[idx[p]].T: x (P, K), w stacked (E, N, K), idx (P,) int64 (each row its
+    routed expert). The reference form: the experts gathered by index, then `linear_rows`."""
+    return linear_rows(x, w[idx])
+
+
 _matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = linear_tree
+_matmul_indexed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = linear_indexed_tree
+MATMUL_MODE = "exact"
 
 
-def set_matmul(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-    """Install the fp32-accumulating matmul used by every dense layer (a start-up decision)."""
-    global _matmul
+def set_matmul(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+               indexed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+               mode: str = "custom") -> None:
+    """Install the fp32-accumulating matmuls used by every dense layer and by the routed experts (a start-up
+    decision of the process: `kernels.gemm.use_matmul` picks between the exact tree and the GPU kernels)."""
+    global _matmul, _matmul_indexed, MATMUL_MODE
     _matmul = fn
+    _matmul_indexed = indexed or linear_indexed_tree
+    MATMUL_MODE = mode
+
+
+def current_matmul() -> tuple:
+    """(dense, indexed, mode) as installed: `set_matmul(*current_matmul())` restores them."""
+    return _matmul, _matmul_indexed, MATMUL_MODE
+
+
+def linear_indexed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """fp32 (P, N): row p times its own weight w[idx[p]] (E, N, K stacked), through the installed kernel."""
+    return _matmul_indexed(x, w, idx)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = F16,

@@ -1,0 +1,340 @@
+"""The draft step on the GPU, one card (tp1) vs the NVLink pair (tp2) vs one rank alone (solo), full preset.
+
+One command gives every figure (GPU only; two cards for tp2):
+
+    python bench/draft_step.py --preset full --ckpt /tmp/full --out bench/results/draft_step_h200x2.json \
+        --md bench/results/draft_step_h200x2.md
+
+It synthesizes the checkpoint on the device when `--ckpt` does not hold one, then per mode captures the rank's
+CUDA graph set (`graphs.GraphSet`, batch-invariant kernels of `kernels/gemm.py`) and times graph replays: p50 / p99
+/ min over `--replays` for every (requests, n_out) of seed 000's tables, each timed with CUDA events around the
+input upload and the replay (as the engine runs a step). The pair's step time of one replay is the smaller of the
+two ranks' times: the rank that arrived last never waits for its peer, so its time is the step's critical path
+(the other's includes the host skew between the ranks' launches). Also: the context insert (1-6, 20, 128 rows,
+taps uploaded from the host), per-card memory, distinct experts read per step, the byte bound (bytes one step
+reads / 4.2 TB/s), and a profile of the stages at 1 request (kernel time under the drafter's `dspark.*` ranges).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SEED000 = ((1, 5), (1, 4), (2, 5), (2, 4), (3, 5), (3, 4), (4, 5), (4, 4))
+INSERT_ROWS = (1, 2, 3, 4, 5, 6, 20, 128)
+HBM_TBPS = 4.2         # what cuBLAS reached on these shapes (../shared/probes/gemm_bw.py)
+
+
+def log(msg: str) -> None:
+    print(f"[draft_step {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def stats(ms: list[float]) -> dict:
+    s = sorted(ms)
+    return {"p50_ms": round(statistics.median(s), 4), "p99_ms": round(s[min(len(s) - 1, int(0.99 * len(s)))], 4),
+            "min_ms": round(s[0], 4), "n": len(s)}
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def ensure_checkpoint(preset: str, path: str) -> None:
+    from dspark_ray.config import preset as make
+    from dspark_ray.weights.synth import synthesize
+    if (Path(path) / "manifest.json").is_file():
+        return
+    t0 = time.time()
+    log(f"synthesizing the {preset} preset into {path} on the GPU")
+    synthesize(make(preset), path, device="cuda", progress=False)
+    log(f"synthesized in {time.time() - t0:.1f} s")
+
+
+def _slots(d, cfg, n, rows, start):
+    """n slots, each holding `rows` context rows at [start, start + rows): full windows."""
+    from dspark_ray import workload
+    out = []
+    for i in range(n):
+        st = d.new_slot()
+        g = torch.Generator().manual_seed(100 + i)
+        d.insert(st, start, torch.randint(0, cfg.vocab_size, (rows,), generator=g), workload.make_taps(cfg, rows, g))
+        out.append(st)
+    return out
+
+
+def weight_bytes(weights: dict) -> tuple[int, int, int]:
+    """(dense bytes read every step, bytes of one routed expert, resident bytes) of one rank's shard. Tables read
+    by row (embeddings) count as nothing; routed experts count per expert read."""
+    dense = expert = total = 0
+    for name, t in weights.items():
+        b = t.numel() * t.element_size()
+        total += b
+        if ".ffn.experts.0." in name:
+            expert += b
+        elif ".ffn.experts." in name or name.endswith("embed.weight") or "markov_w1" in name:
+            continue
+        else:
+            dense += b
+    return dense, expert, total
+
+
+def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None) -> dict:
+    """Capture and time one mode in this process (pair: one rank; its peer runs the same code)."""
+    from dspark_ray.collectives import LocalCollectives, SoloCollectives
+    from dspark_ray.graphs import GraphSet
+    from dspark_ray.kernels.gemm import describe_matmul, use_matmul
+    from dspark_ray.model.drafter import Drafter
+    from dspark_ray.model.layout import Layout
+    from dspark_ray.modes import read_rank
+    from dspark_ray.weights.loader import Checkpoint
+    use_matmul(args.matmul)
+    ck = Checkpoint(args.ckpt)
+    cfg = ck.config
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    layout = Layout(cfg, 1 if mode == "tp1" else 2)
+    weights = read_rank(ck, layout, rank, "cuda")
+    coll = coll or (LocalCollectives(1) if mode == "tp1" else SoloCollectives(rank))
+    d = Drafter(cfg, [weights], [layout.vocab_range(rank)[0]], coll)
+    dense, expert_b, resident = weight_bytes(weights)
+    log(f"{mode} rank {rank}: loaded {resident / 2**30:.2f} GiB in {time.time() - t0:.1f} s ({describe_matmul()})")
+    gs = GraphSet(d)
+    gs.capture(lambda k, n: log(f"{mode} rank {rank}: captured {k}/{n}") if k % 15 == 0 or k == n else None)
+    log(f"{mode} rank {rank}: {gs.n_graphs} graphs in {gs.capture_seconds:.2f} s, {gs.graph_bytes / 2**20:.0f} MiB")
+    states = _slots(d, cfg, 4, cfg.sliding_window + 32, args.start)
+    res = {"mode": mode, "rank": rank, "capture_s": round(gs.capture_seconds, 3),
+           "graph_mib": round(gs.graph_bytes / 2**20, 1), "resident_gib": round(resident / 2**30, 3),
+           "dense_bytes_per_step": dense, "expert_bytes": expert_b, "draft": {}, "insert": {}, "experts": {}}
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    for bsz, n_out in SEED000:
+        seeds = [17 + 1000 * r for r in range(bsz)]
+        d.draft(states[:bsz], seeds, n_out)                      # eager once: routing of this input
+        distinct = sum(int(torch.unique(e).numel()) for e in d.last_experts)
+        pairs = sum(int(e.numel()) for e in d.last_experts)
+        res["experts"][f"{bsz},{n_out}"] = {"distinct": distinct, "pairs": pairs}
+        times = []
+        for i in range(args.warmup + args.replays):
+            if barrier:
+                barrier()
+            ev[0].record()
+            gs.draft(states[:bsz], seeds, n_out, False)
+            ev[1].record()
+            ev[1].synchronize()
+            if i >= args.warmup:
+                times.append(ev[0].elapsed_time(ev[1]))
+        if share:                       # the pair: per replay, the rank that arrived last saw the critical path
+            both = share(times)
+            res["draft"][f"{bsz},{n_out}"] = stats([min(a, b) for a, b in zip(*both)]) | {
+                "rank0_p50_ms": stats(both[0])["p50_ms"], "rank1_p50_ms": stats(both[1])["p50_ms"]}
+        else:
+            res["draft"][f"{bsz},{n_out}"] = stats(times)
+        read = dense + distinct * expert_b
+        res["draft"][f"{bsz},{n_out}"]["bytes_read"] = read
+        res["draft"][f"{bsz},{n_out}"]["byte_bound_ms"] = round(read / (HBM_TBPS * 1e12) * 1e3, 4)
+        log(f"{mode} rank {rank}: {bsz} req n_out {n_out}: p50 {res['draft'][f'{bsz},{n_out}']['p50_ms']:.3f} ms")
+    from dspark_ray import workload
+    st = d.new_slot()
+    for rows in INSERT_ROWS:
+        g = torch.Generator().manual_seed(rows)
+        taps = workload.make_taps(cfg, rows, g)
+        ids = torch.randint(0, cfg.vocab_size, (rows,), generator=g)
+        times = []
+        for i in range(args.warmup + args.replays // 3):
+            st.reset()
+            if barrier:
+                barrier()
+            ev[0].record()
+            d.insert(st, 0, ids, taps, rows_fn=gs.context_rows)      # the taps' upload + the replay + the write
+            ev[1].record()
+            ev[1].synchronize()
+            if i >= args.warmup:
+                times.append(ev[0].elapsed_time(ev[1]))
+        res["insert"][str(rows)] = stats(times)
+    res["profile_1req"] = profile(d, states, args)
+    free, total = torch.cuda.mem_get_info()
+    res["memory"] = {"peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+                     "card_used_gib": round((total - free) / 2**30, 3)}
+    return res
+
+
+def profile(d, states, args) -> dict:
+    """Kernel time per stage at 1 request, n_out 5 (eager, under torch.profiler; kernels of each `dspark.*` range)."""
+    from torch.profiler import ProfilerActivity
+    seeds = [17]
+    for _ in range(3):
+        d.draft(states[:1], seeds, 5)
+    torch.cuda.synchronize()
+    n = 10
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            d.draft(states[:1], seeds, 5)
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if e.key.startswith("dspark."):
+            dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            out[e.key[len("dspark."):]] = round(dev / n, 1)             # us per step
+    return out
+
+
+# --- the pair: two processes, one card each ---------------------------------------------------------------------
+
+def _pair_rank(rank: int, port: int, args, q) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    import torch.distributed as dist
+
+    from dspark_ray.collectives import GlooCollectives
+    from dspark_ray.kernels.push import connect_over
+    from dspark_ray.model.layout import Layout
+    from dspark_ray.weights.loader import Checkpoint
+    try:
+        torch.cuda.set_device(0)
+        cfg = Checkpoint(args.ckpt).config
+        gloo = GlooCollectives(rank, 2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=600)
+        pc = connect_over(gloo.group, rank, Layout(cfg, 2).vocab_range(1 - rank), 2.0)
+
+        def share(obj):
+            out = [None, None]
+            dist.all_gather_object(out, obj, group=gloo.group)
+            return out
+        res = run_mode("pair", args, rank, pc, barrier=lambda: dist.barrier(group=gloo.group), share=share)
+        pc.check_error()
+        res["collectives"] = pc.describe()
+        q.put((rank, res))
+    except BaseException as e:       # noqa: BLE001 - reported to the parent
+        import traceback
+        q.put((rank, {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-4000:]}))
+
+
+def run_pair(args) -> dict:
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ps = [ctx.Process(target=_pair_rank, args=(r, port, args, q)) for r in (0, 1)]
+    for p in ps:
+        p.start()
+    got = dict(q.get(timeout=args.pair_timeout) for _ in ps)
+    for p in ps:
+        p.join(60)
+    for r in (0, 1):
+        if "error" in got[r]:
+            raise RuntimeError(f"pair rank {r}: {got[r]['error']}\n{got[r]['tb']}")
+    return {"rank0": got[0], "rank1": got[1]}
+
+
+def summary(out: dict) -> dict:
+    """Ratios at each (requests, n_out): pair / one card, collectives share = (pair - solo) / pair, pair / bytes."""
+    rows = {}
+    for bsz, n_out in SEED000:
+        k = f"{bsz},{n_out}"
+        tp1 = out["tp1"]["draft"][k]["p50_ms"] if "tp1" in out else None
+        solo = out["solo"]["draft"][k]["p50_ms"] if "solo" in out else None
+        pr = out["pair"]["rank0"]["draft"][k] if "pair" in out else None
+        row = {"tp1_ms": tp1, "solo_ms": solo, "pair_ms": pr["p50_ms"] if pr else None}
+        if pr and tp1:
+            row["pair_over_tp1"] = round(pr["p50_ms"] / tp1, 3)
+        if pr and solo:
+            row["collectives_share"] = round((pr["p50_ms"] - solo) / pr["p50_ms"], 3)
+        if pr:
+            row["pair_over_byte_bound"] = round(pr["p50_ms"] / pr["byte_bound_ms"], 2)
+        if "tp1" in out:
+            row["tp1_byte_bound_ms"] = out["tp1"]["draft"][k]["byte_bound_ms"]
+        rows[k] = row
+    return rows
+
+
+def markdown(out: dict) -> str:
+    lines = [f"# Draft step, {out['preset']} preset, {out['device']} (commit {out['commit']})", "",
+             f"Command: `{out['command']}`", "",
+             "Graph replay incl. the input upload, p50 over "
+             f"{out['replays']} replays (ms). Pair = per replay the smaller of the two ranks' times.", "",
+             "| requests, n_out | one card (tp1) | pair (tp2) | pair / one card | solo rank | collectives share "
+             "| pair / byte bound | distinct experts (pair rank 0) |", "|---|---|---|---|---|---|---|---|"]
+    for k, r in out["summary"].items():
+        ex = out.get("pair", {}).get("rank0", {}).get("experts", {}).get(k, {}).get("distinct", "")
+        lines.append(f"| {k} | {r.get('tp1_ms')} | {r.get('pair_ms')} | {r.get('pair_over_tp1', '')} | "
+                     f"{r.get('solo_ms')} | {r.get('collectives_share', '')} | {r.get('pair_over_byte_bound', '')} "
+                     f"| {ex} |")
+    lines += ["", "Context insert (taps uploaded from the host + replay + slot write), p50 ms:", "",
+              "| rows | " + " | ".join(m for m in ("tp1", "solo", "pair") if m in out) + " |",
+              "|---|" + "---|" * sum(m in out for m in ("tp1", "solo", "pair"))]
+    for rows in INSERT_ROWS:
+        vals = []
+        for m in ("tp1", "solo", "pair"):
+            if m in out:
+                src = out[m]["rank0"] if m == "pair" else out[m]
+                vals.append(str(src["insert"][str(rows)]["p50_ms"]))
+        lines.append(f"| {rows} | " + " | ".join(vals) + " |")
+    lines += ["", "Kernel time per stage at 1 request, n_out 5 (us, eager under the profiler):", ""]
+    for m in ("tp1", "solo", "pair"):
+        if m in out:
+            src = out[m]["rank0"] if m == "pair" else out[m]
+            lines.append(f"- {m}: " + ", ".join(f"{k} {v}" for k, v in sorted(src["profile_1req"].items(),
+                                                                               key=lambda kv: -kv[1])))
+    lines += ["", "Memory per card: " + "; ".join(
+        f"{m} {(out[m]['rank0'] if m == 'pair' else out[m])['memory']['card_used_gib']} GiB used, graphs "
+        f"{(out[m]['rank0'] if m == 'pair' else out[m])['graph_mib']} MiB" for m in ("tp1", "solo", "pair") if m in out)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="full")
+    ap.add_argument("--ckpt", default="/tmp/dspark_full")
+    ap.add_argument("--modes", default="tp1,solo,pair", help="comma list of tp1, solo, pair")
+    ap.add_argument("--replays", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--start", type=int, default=5000, help="position of the slots' context rows")
+    ap.add_argument("--matmul", default="fast", help="fast (batch-invariant GPU kernels) or exact")
+    ap.add_argument("--pair-timeout", type=float, default=540)
+    ap.add_argument("--out")
+    ap.add_argument("--md")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/draft_step.py needs CUDA", file=sys.stderr)
+        return 2
+    ensure_checkpoint(args.preset, args.ckpt)
+    out = {"bench": "draft_step", "preset": args.preset, "device": torch.cuda.get_device_name(0),
+           "cards": torch.cuda.device_count(), "commit": commit(), "replays": args.replays,
+           "command": "python bench/draft_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
+           "torch": torch.__version__}
+    modes = args.modes.split(",")
+    for m in modes:
+        if m == "pair":
+            if torch.cuda.device_count() < 2:
+                log("pair skipped: needs two cards")
+                continue
+            out["pair"] = run_pair(args)
+        else:
+            out[m] = run_mode(m, args)
+            torch.cuda.empty_cache()
+    out["summary"] = summary(out)
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.md:
+        Path(args.md).write_text(markdown(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

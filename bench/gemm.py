@@ -1,0 +1,159 @@
+"""The fast-path matmuls of `dspark_ray.kernels.gemm` against what a library would do, at the full model's draft
+shapes (rank 0 of a tp2 pair), all inside CUDA graphs.
+
+* dense: `padded_linear` (cuBLAS, always 32 rows) vs plain `torch.mm(x, w.t(), out_dtype=fp32)` at the true row
+  count (cuBLAS's own choice, not batch invariant), for M = 5, 10, 15, 20 rows.
+* experts: `indexed_linear` (Triton, each pair reads its own expert) vs gather + bmm
+  (`torch.bmm(x[:, None], w[idx].transpose(1, 2))`), E = 128 experts of (1152, 5120), P = 3 * M pairs, random idx.
+
+Method (as bench/collectives.py): each op captured --calls times back to back in one graph; a replay is timed with
+CUDA events around g.replay(); per-call time = replay time / calls; p50 / p99 / min over --replays replays, after 5
+warm-up replays. Consecutive calls of a dense shape cycle through enough copies of the weight (>= 256 MB in all) that
+each call reads its weight from HBM, not L2, as the drafter does (each layer's weights are read once per step).
+Effective TB/s = weight bytes read per call / p50 (experts: the distinct experts of idx).
+
+    python bench/gemm.py --out bench/results/gemm_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+# (name, N, K) of the dense weights one rank holds (tp2 halves where the layer is split).
+DENSE = [("main_proj", 5120, 15360), ("wq_a", 1280, 5120), ("wq_b", 16384, 1280), ("wkv", 512, 5120),
+         ("wo_b", 5120, 4096), ("shared_w1", 1152, 5120), ("shared_w2", 5120, 1152), ("head", 64640, 5120)]
+EXPERTS = (128, 1152, 5120)          # E, N, K: one rank's half of a routed expert's w1 / w3
+TOP_K = 3
+COLD_BYTES = 256 << 20
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def stats(ts):
+    ts = sorted(ts)
+    return {"p50_us": round(statistics.median(ts), 2), "p99_us": round(ts[min(len(ts) - 1, int(0.99 * len(ts)))], 2),
+            "min_us": round(ts[0], 2)}
+
+
+def graph_time(torch, fns, calls, replays):
+    """Capture fns[i % len(fns)]() for i < calls in one graph; per-call microseconds of each timed replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):                      # warm-up off capture (Triton compiles, cuBLAS handles)
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    for _ in range(5):
+        g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(replays):
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1000.0 / calls)
+    del g
+    return ts
+
+
+def entry(kind, name, m, n, k, wbytes, ours, base, extra=None):
+    e = {"kind": kind, "name": name, "rows": m, "N": n, "K": k, "weight_mb": round(wbytes / 1e6, 2),
+         "fast": stats(ours), "baseline": stats(base)}
+    e["ratio_p50"] = round(e["fast"]["p50_us"] / e["baseline"]["p50_us"], 3)
+    e["fast_tbs"] = round(wbytes / (e["fast"]["p50_us"] * 1e-6) / 1e12, 3)
+    e["baseline_tbs"] = round(wbytes / (e["baseline"]["p50_us"] * 1e-6) / 1e12, 3)
+    e.update(extra or {})
+    return e
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="5,10,15,20", help="draft row counts M (comma separated)")
+    ap.add_argument("--calls", type=int, default=20, help="calls captured per graph")
+    ap.add_argument("--replays", type=int, default=200, help="timed replays per entry")
+    ap.add_argument("--only", choices=["dense", "experts"], help="run one half only")
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args()
+
+    import torch
+    from dspark_ray.kernels import gemm
+    if not torch.cuda.is_available():
+        sys.exit("bench/gemm.py needs CUDA")
+    pinned = gemm.pin_determinism()                 # before the first cuBLAS call of the process
+    dev = torch.device("cuda")
+    rows_list = [int(r) for r in args.rows.split(",")]
+    f32 = torch.float32
+    rows = []
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    if args.only in (None, "dense"):
+        for name, n, k in DENSE:
+            wbytes = n * k * 2
+            copies = max(1, min(args.calls, -(-COLD_BYTES // wbytes)))
+            ws = [(torch.randn(n, k, device=dev, generator=gen) / k ** 0.5).half() for _ in range(copies)]
+            for m in rows_list:
+                x = torch.randn(m, k, device=dev, generator=gen).half()
+                ours = graph_time(torch, [lambda w=w: gemm.padded_linear(x, w) for w in ws], args.calls, args.replays)
+                base = graph_time(torch, [lambda w=w: torch.mm(x, w.t(), out_dtype=f32) for w in ws],
+                                  args.calls, args.replays)
+                full = gemm.padded_linear(x, ws[0])
+                inv = bool(torch.equal(gemm.padded_linear(x[:1], ws[0]), full[:1]))
+                rows.append(entry("dense", name, m, n, k, wbytes, ours, base,
+                                  {"weight_copies": copies, "row0_alone_equal": inv}))
+                r = rows[-1]
+                print(f"dense {name:10s} M={m:3d} N={n:6d} K={k:6d}  fast {r['fast']['p50_us']:8.1f} us "
+                      f"({r['fast_tbs']:.2f} TB/s)  cublas {r['baseline']['p50_us']:8.1f} us  "
+                      f"ratio {r['ratio_p50']:.2f}", file=sys.stderr, flush=True)
+            del ws
+            torch.cuda.empty_cache()
+
+    if args.only in (None, "experts"):
+        e_, n, k = EXPERTS
+        w = (torch.randn(e_, n, k, device=dev, generator=gen) / k ** 0.5).half()
+        for m in rows_list:
+            p = TOP_K * m
+            x = torch.randn(p, k, device=dev, generator=gen).half()
+            idx = torch.randint(0, e_, (p,), device=dev, generator=gen)
+            distinct = int(torch.unique(idx).numel())
+            wbytes = distinct * n * k * 2
+            ours = graph_time(torch, [lambda: gemm.indexed_linear(x, w, idx)], args.calls, args.replays)
+            base = graph_time(torch, [lambda: torch.bmm(x[:, None], w[idx].transpose(1, 2))],
+                              args.calls, args.replays)
+            ref = gemm.indexed_linear_reference(x, w, idx)
+            err = (gemm.indexed_linear(x, w, idx).double() - ref.double()).abs().max().item()
+            rows.append(entry("experts", "routed_w1", m, n, k, wbytes, ours, base,
+                              {"E": e_, "pairs": p, "distinct_experts": distinct, "max_abs_err_vs_fp64": err}))
+            r = rows[-1]
+            print(f"experts P={p:3d} distinct={distinct:3d}  fast {r['fast']['p50_us']:8.1f} us "
+                  f"({r['fast_tbs']:.2f} TB/s)  gather+bmm {r['baseline']['p50_us']:8.1f} us  "
+                  f"ratio {r['ratio_p50']:.2f}", file=sys.stderr, flush=True)
+
+    result = {"bench": "gemm", "device": torch.cuda.get_device_name(), "commit": commit(),
+              "torch": torch.__version__, "calls_per_graph": args.calls, "replays": args.replays,
+              "pad_rows": gemm.PAD_ROWS, "matmul": gemm.describe_matmul(), "pinned": pinned, "rows": rows}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
