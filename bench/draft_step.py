@@ -57,7 +57,8 @@ def commit() -> str:
 def ensure_checkpoint(preset: str, path: str) -> None:
     from dspark_ray.config import preset as make
     from dspark_ray.weights.synth import synthesize
-    if (Path(path) / "manifest.json").is_file():
+    from dspark_ray.weights.manifest import MANIFEST_NAME
+    if (Path(path) / MANIFEST_NAME).is_file():
         return
     t0 = time.time()
     log(f"synthesizing the {preset} preset into {path} on the GPU")
