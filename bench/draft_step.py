@@ -327,14 +327,17 @@ def main(argv=None) -> int:
         else:
             out[m] = run_mode(m, args)
             torch.cuda.empty_cache()
-    out["summary"] = summary(out)
-    text = json.dumps(out, indent=1)
-    print(text)
+        out["summary"] = summary(out)
+        write(out, args)                    # after every mode: a run cut short still leaves what it measured
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+def write(out: dict, args) -> None:
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     if args.md:
         Path(args.md).write_text(markdown(out))
-    return 0
 
 
 if __name__ == "__main__":
