@@ -113,6 +113,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     coll = coll or (LocalCollectives(1) if mode == "tp1" else SoloCollectives(rank))
     d = Drafter(cfg, [weights], [layout.vocab_range(rank)[0]], coll)
     dense, expert_b, resident = weight_bytes(weights)
+    del weights             # the drafter holds what it uses (the routed experts stacked, the per-expert tensors freed)
     log(f"{mode} rank {rank}: loaded {resident / 2**30:.2f} GiB in {time.time() - t0:.1f} s ({describe_matmul()})")
     gs = GraphSet(d)
     gs.capture(lambda k, n: log(f"{mode} rank {rank}: captured {k}/{n}") if k % 15 == 0 or k == n else None)

@@ -116,6 +116,7 @@ class RankWorker:
             else:
                 raise ValueError(f"backend {self.spec.backend!r}: choose gloo or push")
         drafter = Drafter(cfg, [self.weights], [self.layout.vocab_range(self.rank)[0]], coll)
+        self.weights = None          # the drafter holds what it uses (routed experts stacked: the originals go)
         cuda = self.spec.device.startswith("cuda")
         graphs = cuda if self.spec.graphs is None else (self.spec.graphs and cuda)
 
