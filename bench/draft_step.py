@@ -73,7 +73,9 @@ def _slots(d, cfg, n, rows, start):
     for i in range(n):
         st = d.new_slot()
         g = torch.Generator().manual_seed(100 + i)
-        d.insert(st, start, torch.randint(0, cfg.vocab_size, (rows,), generator=g), workload.make_taps(cfg, rows, g))
+        ids, taps = torch.randint(0, cfg.vocab_size, (rows,), generator=g), workload.make_taps(cfg, rows, g)
+        for c in range(0, rows, 128):                               # an insert takes at most 128 rows
+            d.insert(st, start + c, ids[c:c + 128], taps[c:c + 128])
         out.append(st)
     return out
 

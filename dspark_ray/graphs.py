@@ -40,6 +40,7 @@ class GraphSet:
         # One packed int64 buffer: seeds (R), p0 (R), window-valid flags (R*W). One upload per step.
         self.packed = torch.zeros(2 * R + R * W, dtype=torch.int64, device=dev)
         self.host = torch.zeros_like(self.packed, device="cpu").pin_memory()
+        self.uploaded = torch.cuda.Event()         # marks when the pinned buffer's last upload is done
         self.windows = [torch.zeros(R, W, D, dtype=torch.float16, device=dev) for _ in range(c.n_blocks)]
         self.taps = torch.zeros(max(insert_buckets), c.n_taps * c.hidden_size, dtype=torch.float16, device=dev)
         self.pos = torch.zeros(max(insert_buckets), dtype=torch.int64, device=dev)
@@ -106,12 +107,14 @@ class GraphSet:
         """The graph twin of `Drafter.draft` (inputs already checked): fill the static buffers, replay."""
         bsz, R, W = len(states), self.max_requests, self.d.cfg.sliding_window
         h = self.host
+        self.uploaded.synchronize()        # the last step's upload has left the pinned buffer before we rewrite it
         h.zero_()
         h[:bsz] = torch.tensor(seeds)
         h[R:R + bsz] = torch.tensor([s.position for s in states])
         for r, s in enumerate(states):           # the window's valid flags, from the host-side cursor (no D2H)
             h[2 * R + r * W: 2 * R + (r + 1) * W] = s.window_valid().to(torch.int64)
         self.packed.copy_(h, non_blocking=True)
+        self.uploaded.record()
         for buf, win in zip(self.windows, self.d.window_inputs(states)[0]):
             buf[:bsz].copy_(win)
         g, out, n = self.draft_graphs[(bsz, n_out, want_margins)]

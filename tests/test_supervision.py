@@ -166,10 +166,10 @@ def test_a_dead_front_end_is_restarted_and_recreates_its_pair(sup, ray_cluster):
     pids = [r["pid"] for r in before["ranks"]]
     ray_cluster.kill(fe, no_restart=False)
     t0 = time.monotonic()
-    while True:
+    while True:         # the restarted front-end answers once Ray has rebuilt it; its pair comes up after that
         try:
-            st = _wait_serving(ray_cluster, fe, timeout=5)
-            if st["endpoint"]:
+            st = _status(ray_cluster, fe)
+            if st["endpoint"] and not st["unavailable"] and not st["supervisor"]["restarting"]:
                 break
         except Exception:
             pass
