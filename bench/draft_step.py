@@ -200,6 +200,7 @@ def profile(d, states, args) -> dict:
 
 def _pair_rank(rank: int, port: int, args, q) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    torch.set_num_threads(1)       # as the rank actors: two processes of all-core OpenMP pools stall each other
     import torch.distributed as dist
 
     from dspark_ray.collectives import GlooCollectives
@@ -315,6 +316,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench/draft_step.py needs CUDA", file=sys.stderr)
         return 2
+    torch.set_num_threads(1)
     ensure_checkpoint(args.preset, args.ckpt)
     out = {"bench": "draft_step", "preset": args.preset, "device": torch.cuda.get_device_name(0),
            "cards": torch.cuda.device_count(), "commit": commit(), "replays": args.replays,

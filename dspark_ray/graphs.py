@@ -62,6 +62,8 @@ class GraphSet:
         """Capture every graph (warm-up on a side stream first: kernels loaded, caches built, no lazy loading
         inside a capture)."""
         t0 = time.monotonic()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()     # cached free blocks would hide the graphs' memory from the device-level count
         free0 = torch.cuda.mem_get_info()[0]
         keys = [(b, k, m) for b in range(1, self.max_requests + 1) for k in self.n_outs for m in (False, True)]
         total, done = len(keys) + len(self.insert_buckets), 0
