@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .collectives import CollectiveError, Collectives
-from .model.drafter import DraftOut, Drafter
+from .model.drafter import Drafter
 from .model.heads import confident_prefix
 from .model.state import SlotState
 
@@ -188,9 +188,6 @@ class RankEngine:
                 seeds = [entries[i].seed for i in good]
                 if self.graphs and len(good) <= self.graphs.max_requests:
                     res = self.graphs.draft(states, seeds, n_out, margins)
-                    res = DraftOut(drafts=res.drafts.clone(), confidences=res.confidences.clone(),   # the graph's
-                                   confident_len=res.confident_len,                          # buffers are reused
-                                   margins=res.margins.clone() if margins else None, logits=None)
                 else:
                     res = self.drafter.draft(states, seeds, n_out, margins)
                 for j, i in enumerate(good):

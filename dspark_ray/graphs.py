@@ -106,7 +106,8 @@ class GraphSet:
     # -- replays -----------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def draft(self, states: list[SlotState], seeds: list[int], n_out: int, want_margins: bool) -> DraftOut:
-        """The graph twin of `Drafter.draft` (inputs already checked): fill the static buffers, replay."""
+        """The graph twin of `Drafter.draft` (inputs already checked): fill the static buffers, replay, and return
+        copies (the graph's output buffers are rewritten by the next replay)."""
         bsz, R, W = len(states), self.max_requests, self.d.cfg.sliding_window
         h = self.host
         self.uploaded.synchronize()        # the last step's upload has left the pinned buffer before we rewrite it
@@ -121,7 +122,7 @@ class GraphSet:
             buf[:bsz].copy_(win)
         g, out, n = self.draft_graphs[(bsz, n_out, want_margins)]
         self.coll.replay(g, n)
-        return out
+        return DraftOut(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(out).items()})
 
     @torch.inference_mode()
     def context_rows(self, taps: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:

@@ -118,8 +118,8 @@ class Layout:
             "PUSH_MAXB": self.maxb, "PUSH_MAXX": self.maxx, "PUSH_RECV4": self.words // 4,
             "OFF_EPOCH": self.OFF_EPOCH, "OFF_DONE": self.OFF_DONE, "OFF_LASTN": self.OFF_LASTN,
             "OFF_ERR": self.OFF_ERR, "OFF_ERR_EPOCH": self.OFF_ERR_EPOCH, "OFF_HELLO": self.OFF_HELLO,
-            "OFF_DBG_SKIP": self.OFF_DBG_SKIP, "OFF_FLAGS": self.OFF_FLAGS, "OFF_ACKS": self.off_acks, "OFF_XRECV": self.off_xrecv,
-            "OFF_RECV": self.off_recv,
+            "OFF_DBG_SKIP": self.OFF_DBG_SKIP, "OFF_FLAGS": self.OFF_FLAGS, "OFF_ACKS": self.off_acks,
+            "OFF_XRECV": self.off_xrecv, "OFF_RECV": self.off_recv,
         }
         return "".join(f"#define {k} {v}\n" for k, v in d.items())
 

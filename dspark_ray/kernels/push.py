@@ -464,14 +464,18 @@ class PushCollectives(Collectives):
                     events.append((sp, ev))
             deadline = time.monotonic() + limit
             for sp, ev in events:
-                while not ev.done:
-                    if time.monotonic() > deadline:
-                        self._poison(f"drain: stream {sp:#x} still busy after {limit:.3g} s")
-                    time.sleep(0.0001)
+                self._await(ev, deadline, f"drain: stream {sp:#x} still busy after {limit:.3g} s")
         except CollectiveError:
             raise
         except Exception as e:
             self._poison(f"drain failed: {e}")
+
+    def _await(self, ev, deadline: float, why: str) -> None:
+        """Poll a CuPy event until it has run; past `deadline` (time.monotonic) the rank is poisoned with `why`."""
+        while not ev.done:
+            if time.monotonic() > deadline:
+                self._poison(why)
+            time.sleep(0.0001)
 
     def cancel(self, timeout_s: float = 1.0) -> None:
         """Raise ERR_CANCELLED here and at the peer from the pre-created cancel stream: a collective parked on any
@@ -485,11 +489,7 @@ class PushCollectives(Collectives):
                     self.k["push_cancel"]((1,), (1,), (np.uint64(self.state.ptr), np.uint64(self.peer_ptr)))
                 ev = self._cp.cuda.Event(disable_timing=True)
                 ev.record(self.cancel_stream)
-            deadline = time.monotonic() + timeout_s
-            while not ev.done:
-                if time.monotonic() > deadline:
-                    self._poison(f"cancel kernel did not run within {timeout_s} s")
-                time.sleep(0.0001)
+            self._await(ev, time.monotonic() + timeout_s, f"cancel kernel did not run within {timeout_s} s")
         except CollectiveError:
             raise
         except Exception as e:

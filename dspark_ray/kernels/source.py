@@ -1,4 +1,4 @@
-"""The push kernels' CUDA source and its run-time compilation (CuPy RawModule / NVRTC).
+"""The push kernels' CUDA source and its run-time compilation (NVRTC, through CuPy's wrapper).
 
 The source lives in `push.cu` beside this file; the layout constants are prepended from `peer_state.Layout`, so the
 Python side and the kernels cannot disagree on an offset.
@@ -45,11 +45,11 @@ def compile_module(layout: Layout, extra_defines: dict[str, int] | None = None):
         binary = path.read_bytes()
     else:
         binary, _ = compiler.compile_using_nvrtc(src, COMPILE_OPTIONS, filename="push.cu")
+        binary = binary if isinstance(binary, bytes) else binary.encode()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(binary if isinstance(binary, bytes) else binary.encode())
+        tmp.write_bytes(binary)
         os.replace(tmp, path)               # atomic: the peer rank never reads a half-written file
-        binary = path.read_bytes()
     mod = cp.cuda.function.Module()
     mod.load(binary)
     return {name: mod.get_function(name) for name in KERNELS}
