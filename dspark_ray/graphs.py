@@ -70,9 +70,10 @@ class GraphSet:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for b, k, m in keys[:2]:
+            for b, k, m in keys:         # every shape once: a kernel specialised by shape compiles here, not in capture
                 self.d.forward(*self._views(b), k, m)
-            self.d.context_rows(self.taps[:self.insert_buckets[0]], self.pos[:self.insert_buckets[0]])
+            for rows in self.insert_buckets:
+                self.d.context_rows(self.taps[:rows], self.pos[:rows])
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         for b, k, m in keys:

@@ -122,11 +122,12 @@ def test_use_matmul_round_trip():
     saved = ops.current_matmul()
     try:
         assert gemm.use_matmul("fast") == "fast"
-        dense, indexed, mode = ops.current_matmul()
+        dense, indexed, mode, fused = ops.current_matmul()
         assert (dense, indexed, mode) == (gemm.padded_linear, gemm.indexed_linear, "fast")
+        assert "attend" in fused and ops.fused("mhc_collapse_norm") is not None
         assert "mode=fast" in gemm.describe_matmul() and "pad_rows=32" in gemm.describe_matmul()
         assert gemm.use_matmul("exact") == "exact"
-        assert ops.current_matmul() == (ops.linear_tree, ops.linear_indexed_tree, "exact")
+        assert ops.current_matmul() == (ops.linear_tree, ops.linear_indexed_tree, "exact", {})
         assert gemm.use_matmul("auto") == ("fast" if torch.cuda.is_available() else "exact")
         with pytest.raises(ValueError):
             gemm.use_matmul("fastest")

@@ -38,7 +38,6 @@ NUM_WARPS = 4
 
 _PINNED: dict = {}
 _MM_OUT_DTYPE: dict = {}        # device type -> whether torch.mm(..., out_dtype=fp32) runs there (not on CPU)
-_KERNEL = None
 
 
 def pin_determinism() -> dict:
@@ -84,76 +83,58 @@ def _mm_f32(xc: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(xc.float(), w32.t())
 
 
+def _padded_rows(x2: torch.Tensor, lead: tuple = ()) -> tuple[torch.Tensor, int]:
+    """x2's rows copied into a fresh (*lead, chunks * PAD_ROWS, K) fp16 buffer. The pad rows are left as they
+    are: a GEMM's output row depends only on its own input row, so whatever they hold never reaches a real row,
+    and skipping the zero fill saves a kernel per linear."""
+    m, k = x2.shape[-2], x2.shape[-1]
+    chunks = -(-m // PAD_ROWS)
+    xp = torch.empty((*lead, chunks * PAD_ROWS, k), dtype=torch.float16, device=x2.device)
+    xp[..., :m, :].copy_(x2)                          # fp16 values: the conversion is exact
+    return xp, chunks
+
+
 def padded_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Batch-invariant fp32 x @ w.T: x (..., K) fp16-valued, w (N, K) fp16 -> fp32 (..., N).
 
-    Rows go through cuBLAS in chunks of exactly PAD_ROWS (the last zero-padded), so every GEMM has the same shape
-    and runs the same kernel whatever the batch. The rows are copied into a fresh zeroed buffer (never a view of
-    x): each chunk then starts at an aligned address, since pointer alignment is also an input of the heuristic.
+    Rows go through cuBLAS in chunks of exactly PAD_ROWS (the last padded), so every GEMM has the same shape
+    and runs the same kernel whatever the batch. The rows are copied into a fresh buffer (never a view of x):
+    each chunk then starts at an aligned address, since pointer alignment is also an input of the heuristic.
     No host sync, and the shapes depend only on x's shape (safe inside CUDA graph capture)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n = x2.shape[0], w.shape[0]
     if m == 0:
         return torch.empty((*lead, n), dtype=torch.float32, device=x.device)
-    chunks = -(-m // PAD_ROWS)
-    xp = torch.zeros((chunks * PAD_ROWS, k), dtype=torch.float16, device=x.device)
-    xp[:m].copy_(x2)                                  # fp16 values: the conversion is exact
+    xp, chunks = _padded_rows(x2)
     outs = [_mm_f32(xp[c * PAD_ROWS:(c + 1) * PAD_ROWS], w) for c in range(chunks)]
     out = outs[0] if chunks == 1 else torch.cat(outs)
     return out[:m].reshape(*lead, n)
 
 
-def _kernel():
-    """Build the Triton kernel on first use (triton is imported lazily: the CPU service never needs it)."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def indexed_kernel(x_ptr, w_ptr, idx_ptr, out_ptr, N, K,
-                       sxp, sxk, swe, swn, swk, sop, son,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # One program per (row p, block of N): the row's reduction never sees another row (batch invariant), and
-        # its order over K (BLOCK_K chunks in sequence, each a fixed tl.sum tree) depends only on the config.
-        p = tl.program_id(0)
-        nb = tl.program_id(1)
-        e = tl.load(idx_ptr + p).to(tl.int64)          # int64: e * swe exceeds 2^31 for large expert stacks
-        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        w_rows = w_ptr + e * swe + offs_n[:, None] * swn
-        x_row = x_ptr + p.to(tl.int64) * sxp
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_mask = offs_k < K
-            xk = tl.load(x_row + offs_k * sxk, mask=k_mask, other=0.0).to(tl.float32)
-            wt = tl.load(w_rows + offs_k[None, :] * swk, mask=n_mask[:, None] & k_mask[None, :],
-                         other=0.0).to(tl.float32)
-            acc += tl.sum(wt * xk[None, :], axis=1)      # fp16 x fp16 products are exact in fp32
-        tl.store(out_ptr + p.to(tl.int64) * sop + offs_n * son, acc, mask=n_mask)
-
-    _KERNEL = (triton, indexed_kernel)
-    return _KERNEL
+def padded_grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp16 (n, G * R): group g of x (n, G, K) times rows [g*R, (g+1)*R) of w (G * R, K), one batched GEMM of a
+    fixed (G, PAD_ROWS, K) x (G, K, R) shape per chunk of rows (the attention's grouped wo_a, in one launch
+    instead of G). Falls back to one `padded_linear` per group where torch has no fp32-output bmm."""
+    n, g, k = x.shape
+    r = w.shape[0] // g
+    wg = w.view(g, r, k)
+    if n == 0 or not x.is_cuda:
+        return torch.cat([ops.f16(padded_linear(x[:, i], wg[i])) for i in range(g)], dim=-1)
+    xp, chunks = _padded_rows(x.transpose(0, 1), (g,))
+    outs = [torch.bmm(xp[:, c * PAD_ROWS:(c + 1) * PAD_ROWS], wg.transpose(1, 2), out_dtype=torch.float32)
+            for c in range(chunks)]
+    out = outs[0] if chunks == 1 else torch.cat(outs, dim=1)      # (G, rows, R)
+    return out[:, :n].transpose(0, 1).to(torch.float16).reshape(n, g * r)
 
 
 def indexed_linear(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """fp32 (P, N): out[p] = x[p] @ w[idx[p]].T. x (P, K) fp16-valued, w (E, N, K) fp16, idx (P,) int64 on the
-    device. Batch invariant; reads each pair's expert in place (no gather). No host sync."""
-    p, k = x.shape
-    n = w.shape[1]
-    out = torch.empty((p, n), dtype=torch.float32, device=x.device)
-    if p == 0:
-        return out
-    triton, kernel = _kernel()
-    x = x.to(torch.float16).contiguous()
-    idx = idx.contiguous()
-    grid = (p, triton.cdiv(n, BLOCK_N))
-    kernel[grid](x, w, idx, out, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
-                 out.stride(0), out.stride(1), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
-    return out
+    device. Batch invariant; reads each pair's expert in place (no gather). No host sync. The Triton kernel lives
+    with the other expert kernels in `kernels/fused.py` (imported here lazily: the CPU service never needs
+    triton)."""
+    from .fused import indexed_linear as kernel
+    return kernel(x, w, idx)
 
 
 def indexed_linear_reference(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -162,15 +143,18 @@ def indexed_linear_reference(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor
 
 
 def use_matmul(mode: str) -> str:
-    """Install the matmuls of `model.ops`: "exact" (the tree sum), "fast" (these kernels; pins determinism
-    first), "auto" (fast with CUDA, else exact). A start-up choice; returns the mode installed."""
+    """Install the kernels of `model.ops`: "exact" (the reference: tree-sum matmuls, op chains), "fast" (these
+    matmuls and the fused kernels of `kernels/fused.py`; pins determinism first), "auto" (fast with CUDA, else
+    exact). A start-up choice; returns the mode installed."""
     if mode == "auto":
         mode = "fast" if torch.cuda.is_available() else "exact"
     if mode == "exact":
         ops.set_matmul(ops.linear_tree, ops.linear_indexed_tree, mode="exact")
     elif mode == "fast":
         pin_determinism()
-        ops.set_matmul(padded_linear, indexed_linear, mode="fast")
+        from . import fused             # imports triton: only the fast path needs it
+        ops.set_matmul(padded_linear, indexed_linear, mode="fast",
+                       fused_table={**fused.TABLE, "linear_grouped": padded_grouped_linear})
     else:
         raise ValueError(f"matmul mode must be exact, fast or auto, not {mode!r}")
     return mode
@@ -180,5 +164,6 @@ def describe_matmul() -> str:
     """One line for the start-up log."""
     mode = ops.current_matmul()[2]
     pinned = ",".join(f"{k}={v}" for k, v in _PINNED.items()) or "none"
+    fused = ",".join(sorted(ops.current_matmul()[3])) or "none"
     return (f"matmul mode={mode} pad_rows={PAD_ROWS} triton(BLOCK_N={BLOCK_N},BLOCK_K={BLOCK_K},"
-            f"num_warps={NUM_WARPS}) pinned[{pinned}]")
+            f"num_warps={NUM_WARPS}) fused[{fused}] pinned[{pinned}]")

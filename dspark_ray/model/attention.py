@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
 from .ops import F32, Rope, exp, f16, fp8_fake_quant, head_norm, linear, rms_norm, tree_sum
 
 
@@ -22,17 +23,26 @@ class Attention:
         self.n_heads = self.wq_b.shape[0] // head_dim            # local heads
         self.n_groups = self.n_heads // heads_per_group
         # wo_a is one 2-D tensor; group g uses rows [g*Ro, (g+1)*Ro). Views made once (the GEMM caches by tensor).
+        self.wo_a_all = w["wo_a"].contiguous()          # one (G * Ro, K) matrix for the grouped GEMM
         self.wo_a = [w["wo_a"][g * o_lora_rank:(g + 1) * o_lora_rank] for g in range(self.n_groups)]
         self.scale = torch.tensor(head_dim ** -0.5, dtype=F32)
+        self.scale_f = float(self.scale)            # the same fp32 value, for kernels (read once, not per call)
         self.rope, self.fp8_kv = rope, fp8_kv
 
     # -- the kv row: used for the context insert (main-kv rows) and for the block's own kv ----------------------
     def kv_rows(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x (n, h) fp16 -> kv (n, D) fp16: wkv, weighted RMS norm over all D dims, RoPE on the last rd dims."""
-        kv = self._rope_tail(head_norm(linear(x, self.wkv), self.kv_norm, self.eps), pos)
+        kv = self._norm_rope(linear(x, self.wkv), self.kv_norm, pos)
         if self.fp8_kv:       # DeepSeek's reference quantizes the kv nope part; exllamav3 only on request
             kv = torch.cat((fp8_fake_quant(kv[:, :self.D - self.rd]), kv[:, self.D - self.rd:]), dim=-1)
         return kv
+
+    def _norm_rope(self, x: torch.Tensor, w: torch.Tensor | None, pos: torch.Tensor) -> torch.Tensor:
+        """head_norm over each D-row of x (n, ..., D), then RoPE on its tail at positions pos (n,)."""
+        k = ops.fused("head_norm_rope")
+        if k is not None:
+            return k(x, w, self.eps, pos, self.rope.inv_freq, self.rd)
+        return self._rope_tail(head_norm(x, w, self.eps), pos)
 
     def _rope_tail(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rotate dims [Dn, D) of x (n, ..., D) at positions pos (n,) in fp32 and round them to fp16."""
@@ -58,15 +68,23 @@ class Attention:
         bsz = n // block
         pos = (p0[:, None] + torch.arange(block, device=a.device)).flatten()
         q = linear(rms_norm(linear(a, self.wq_a), self.q_norm, self.eps), self.wq_b).reshape(n, H, D)
-        q = self._rope_tail(head_norm(q, None, self.eps), pos).reshape(bsz, block, H, D)
+        q = self._norm_rope(q, None, pos).reshape(bsz, block, H, D)
         kv = self.kv_rows(a, pos).reshape(bsz, block, D)
-        keys = torch.cat((torch.where(valid[..., None], window, torch.zeros_like(window)), kv), dim=1)
-        mask = torch.cat((valid, torch.ones(bsz, block, dtype=torch.bool, device=a.device)), dim=1)
-        cos, sin = self.rope.cos_sin(pos)
-        o = self._attend(q, keys, mask, cos.reshape(bsz, block, -1), sin.reshape(bsz, block, -1))
+        fused_attend = ops.fused("attend")
+        if fused_attend is not None:
+            o = fused_attend(q, window, valid, kv, self.sink, self.scale_f, pos, self.rope.inv_freq, self.rd)
+        else:
+            keys = torch.cat((torch.where(valid[..., None], window, torch.zeros_like(window)), kv), dim=1)
+            mask = torch.cat((valid, torch.ones(bsz, block, dtype=torch.bool, device=a.device)), dim=1)
+            cos, sin = self.rope.cos_sin(pos)
+            o = self._attend(q, keys, mask, cos.reshape(bsz, block, -1), sin.reshape(bsz, block, -1))
         # Grouped output: group g holds heads [g*hpg, (g+1)*hpg), concatenated in head order.
         u = o.reshape(n, self.n_groups, self.hpg * D)
-        z = torch.cat([linear(u[:, g], self.wo_a[g]) for g in range(self.n_groups)], dim=-1)
+        grouped = ops.fused("linear_grouped")
+        if grouped is not None:
+            z = grouped(u, self.wo_a_all)
+        else:
+            z = torch.cat([linear(u[:, g], self.wo_a[g]) for g in range(self.n_groups)], dim=-1)
         return linear(z, self.wo_b, out_dtype=F32)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor,

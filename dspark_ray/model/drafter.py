@@ -41,7 +41,6 @@ class _Block:
         self.hc_attn = HcSite(w0[p + "hc_attn_fn"], w0[p + "hc_attn_base"], w0[p + "hc_attn_scale"], **hc)
         self.hc_ffn = HcSite(w0[p + "hc_ffn_fn"], w0[p + "hc_ffn_base"], w0[p + "hc_ffn_scale"], **hc)
         self.attn_norm, self.ffn_norm = w0[p + "attn_norm.weight"], w0[p + "ffn_norm.weight"]
-        self.eps = cfg.rms_norm_eps
         self.attn = [Attention({k: w[p + "attn." + k + ("" if k == "attn_sink" else ".weight")]
                                 for k in ("wq_a", "q_norm", "wq_b", "wkv", "kv_norm", "wo_a", "wo_b", "attn_sink")},
                                head_dim=cfg.head_dim, rope_dim=cfg.qk_rope_head_dim, o_lora_rank=cfg.o_lora_rank,
@@ -60,16 +59,14 @@ class _Block:
 
     def __call__(self, x, p0, window, valid, block, coll: Collectives):
         with stage("dspark.mhc_norm"):
-            c, post, comb = self.hc_attn.collapse(x)
-            a = rms_norm(c, self.attn_norm, self.eps)
+            a, post, comb = self.hc_attn.collapse_norm(x, self.attn_norm)
         with stage("dspark.attention"):
             parts = [attn(a, p0, window, valid, block) for attn in self.attn]
         with stage("dspark.all_reduce"):
             y = coll.all_reduce(parts)
         with stage("dspark.mhc_norm"):
             x = HcSite.expand(x, y, post, comb)
-            c, post, comb = self.hc_ffn.collapse(x)
-            f = rms_norm(c, self.ffn_norm, self.eps)
+            f, post, comb = self.hc_ffn.collapse_norm(x, self.ffn_norm)
         with stage("dspark.routing"):
             experts, weights = self.router(f)
         with stage("dspark.experts"):
@@ -195,8 +192,7 @@ class Drafter:
             x, experts = blk(x, p0, windows[n], valid, B, self.coll)
             self.last_experts.append(experts)
         with stage("dspark.mhc_norm"):
-            prenorm = self.hyper_head(x)                                    # (bsz*B, h) fp32
-            normed = rms_norm(prenorm, self.final_norm, c.rms_norm_eps)
+            prenorm, normed = self.hyper_head.with_norm(x, self.final_norm)  # (bsz*B, h) fp32, fp16
         with stage("dspark.head"):
             out = self.head(normed.reshape(bsz, B, -1), prenorm.reshape(bsz, B, -1),
                             ids[:, 0], n_out, want_margins, keep_logits=debug)

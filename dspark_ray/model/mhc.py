@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .ops import exp, f16, rsqrt, sigmoid, tree_sum
+from . import ops
+from .ops import exp, f16, rms_norm, rsqrt, sigmoid, tree_sum
 
 
 def _mix_logits(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,9 +61,21 @@ class HcSite:
         comb = sinkhorn(s, self.iters, self.hc_eps)
         return f16(_weighted_streams(x, pre)), post, comb
 
+    def collapse_norm(self, x: torch.Tensor, norm_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`collapse`, then the sublayer's RMS norm of c: (normed (rows, h) fp16, post, comb)."""
+        k = ops.fused("mhc_collapse_norm")
+        if k is not None:
+            return k(x, self.fn, self.base, self.scale, norm_w, iters=self.iters, hc_eps=self.hc_eps,
+                     norm_eps=self.norm_eps)
+        c, post, comb = self.collapse(x)
+        return rms_norm(c, norm_w, self.norm_eps), post, comb
+
     @staticmethod
     def expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """X[:, k] <- post_k * y + sum_i comb[i, k] * X[:, i] (comb indexed [source i, destination k])."""
+        k = ops.fused("mhc_expand")
+        if k is not None:
+            return k(x, y, post, comb)
         out = []
         for k in range(x.shape[1]):
             acc = post[:, k, None] * y
@@ -84,3 +97,11 @@ class HyperHead:
         v = _mix_logits(x, self.fn, self.norm_eps)
         pre = sigmoid(v * self.scale[0] + self.base) + self.hc_eps
         return _weighted_streams(x, pre)
+
+    def with_norm(self, x: torch.Tensor, norm_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exit state and its final RMS norm: (prenorm (rows, h) fp32, normed (rows, h) fp16)."""
+        k = ops.fused("hyper_head_norm")
+        if k is not None:
+            return k(x, self.fn, self.base, self.scale, norm_w, hc_eps=self.hc_eps, norm_eps=self.norm_eps)
+        prenorm = self(x)
+        return prenorm, rms_norm(prenorm, norm_w, self.norm_eps)

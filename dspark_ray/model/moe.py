@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import ops
 from .ops import F32, f16, linear, linear_indexed, softplus, swiglu, tree_sum
 
 
@@ -19,10 +20,17 @@ class Router:
         # Selection bias only (noaux_tc): mean-centred, then fp16. Centring leaves the choice unchanged up to rounding.
         self.bsel = f16(b - tree_sum(b) / b.numel()).float()
         self.top_k, self.scaling = top_k, torch.tensor(scaling, dtype=F32)
+        self.scaling_f = float(self.scaling)        # the same fp32 value, for kernels
 
     def __call__(self, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """f (n, h) fp16 -> (experts (n, k) int64 in selection order, weights (n, k) fp16)."""
-        lg = linear(f, self.gate)                                        # fp16 router logits
+        return self.select(linear(f, self.gate))
+
+    def select(self, lg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k and weights from the fp16 router logits lg (n, E)."""
+        k = ops.fused("route")
+        if k is not None:
+            return k(lg, self.bsel, self.top_k, self.scaling_f)
         sc = torch.sqrt(softplus(lg.float()))       # sqrt is correctly rounded everywhere
         key = sc + self.bsel
         key = torch.where(torch.isnan(key), torch.full_like(key, -torch.inf), key)
@@ -50,16 +58,20 @@ class Experts:
 
     def __call__(self, f: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """f (n, h) fp16; returns the fp32 partial (n, h) = sum_k w_k d_{e_k} (ascending expert id) + shared."""
+        s1, s3, s2 = self.shared
+        shared = linear(swiglu(linear(f, s1, out_dtype=F32), linear(f, s3, out_dtype=F32), self.limit), s2,
+                        out_dtype=F32)
+        act_k, out_k = ops.fused("expert_act"), ops.fused("expert_out")
+        if act_k is not None and out_k is not None:
+            return out_k(act_k(f, self.w1, self.w3, experts, self.limit), self.w2, experts, weights, shared)
         n, k = experts.shape
         order = torch.argsort(experts, dim=1, stable=True)              # ascending expert id per row
         e = torch.gather(experts, 1, order).flatten()
         w = torch.gather(weights, 1, order).float()
         fr = f.repeat_interleave(k, dim=0)                               # row r's input once per choice
-        act = swiglu(f16(linear_indexed(fr, self.w1, e)), f16(linear_indexed(fr, self.w3, e)), self.limit)
+        act = swiglu(linear_indexed(fr, self.w1, e), linear_indexed(fr, self.w3, e), self.limit)
         d = linear_indexed(act, self.w2, e).reshape(n, k, -1)
         routed = torch.zeros(n, d.shape[-1], dtype=F32, device=f.device)
         for j in range(k):
             routed = routed + w[:, j, None] * d[:, j]
-        s1, s3, s2 = self.shared
-        shared = linear(swiglu(linear(f, s1), linear(f, s3), self.limit), s2, out_dtype=F32)
         return routed + shared

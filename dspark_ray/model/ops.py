@@ -118,22 +118,33 @@ def linear_indexed_tree(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> 
 _matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = linear_tree
 _matmul_indexed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = linear_indexed_tree
 MATMUL_MODE = "exact"
+# Fused kernels by name (`kernels/fused.py`), each a one-launch twin of a chain of the reference ops here and in
+# the model modules, which use it when installed. Empty: the reference chains (the exact path).
+_fused: dict[str, Callable] = {}
 
 
 def set_matmul(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                indexed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-               mode: str = "custom") -> None:
-    """Install the fp32-accumulating matmuls used by every dense layer and by the routed experts (a start-up
-    decision of the process: `kernels.gemm.use_matmul` picks between the exact tree and the GPU kernels)."""
+               mode: str = "custom", fused_table: dict[str, Callable] | None = None) -> None:
+    """Install the fp32-accumulating matmuls used by every dense layer and by the routed experts, and the fused
+    kernels (a start-up decision of the process: `kernels.gemm.use_matmul` picks between the exact reference
+    and the GPU kernels)."""
     global _matmul, _matmul_indexed, MATMUL_MODE
     _matmul = fn
     _matmul_indexed = indexed or linear_indexed_tree
     MATMUL_MODE = mode
+    _fused.clear()
+    _fused.update(fused_table or {})
 
 
 def current_matmul() -> tuple:
-    """(dense, indexed, mode) as installed: `set_matmul(*current_matmul())` restores them."""
-    return _matmul, _matmul_indexed, MATMUL_MODE
+    """(dense, indexed, mode, fused table) as installed: `set_matmul(*current_matmul())` restores them."""
+    return _matmul, _matmul_indexed, MATMUL_MODE, dict(_fused)
+
+
+def fused(name: str) -> Callable | None:
+    """The installed fused kernel `name`, or None (use the reference chain)."""
+    return _fused.get(name)
 
 
 def linear_indexed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -153,6 +164,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = F16,
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Block RMSNorm: y = (x * w) * rsqrt(mean(x^2) + eps) entirely in fp32, output fp16 (spec section 4).
     x is fp16 or fp32; w is bf16 (kept) or fp16, read exactly as fp32."""
+    if "rms_norm" in _fused:
+        return _fused["rms_norm"](x, w, eps)
     xf = x.float()
     r = rsqrt(tree_sum(xf * xf) / xf.shape[-1] + eps)
     return f16((xf * w.float()) * r[..., None])
@@ -210,13 +223,16 @@ def silu_f16(g: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
-    """Clamped SwiGLU in exllamav3's order: f16(min(silu(g), L) * clamp(u, -L, L)), fp16 in and out.
+    """Clamped SwiGLU in exllamav3's order: f16(min(silu(g), L) * clamp(u, -L, L)). g and u are the projections,
+    fp16 or their fp32 accumulators (rounded to fp16 first: the projections' rounding point); fp16 out.
 
     We follow exllamav3 rather than DeepSeek's reference (silu(min(g, L))): exllamav3 is the implementation our
     spec was checked against bit for bit on drafts (spec section 10), and the two differ only where g > L, by at
     most L * (1 - sigmoid(L)) in the gate factor. limit == 0 disables both clamps."""
-    s = silu_f16(g).float()
-    uf = u.float()
+    if "swiglu" in _fused:
+        return _fused["swiglu"](g, u, limit)
+    s = silu_f16(f16(g)).float()
+    uf = f16(u).float()
     if limit > 0:
         s = torch.clamp(s, max=limit)
         uf = torch.clamp(uf, -limit, limit)

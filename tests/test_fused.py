@@ -1,0 +1,229 @@
+"""The fused kernels of `kernels/fused.py` against the reference chains they replace.
+
+* Exact where the kernel has no reduction of its own: mhc_expand, swiglu, route, and the expert kernels (equal to
+  the unfused fast path built from `indexed_linear`), bit for bit, edge values included.
+* Close where the kernel reduces in its own order (norms, mHC mixes and Sinkhorn, RoPE'd head norms, attention).
+* Batch invariant: every row (request) alone gives its bits in the batch.
+* The tiny drafter on the fast path drafts what the exact path drafts, and a request alone equals it batched.
+
+On CPU the checks run under Triton's interpreter in a subprocess (TRITON_INTERPRET must not leak into the other
+tests); with CUDA they run on the card (`gpu` marker)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _alone_equals_batch(fn, n):
+    """fn(rows) for rows = one index range; True when each row alone equals its rows of the whole batch."""
+    full = fn(slice(0, n))
+    return all(all(torch.equal(a, b[i:i + 1]) for a, b in zip(fn(slice(i, i + 1)), full)) for i in range(n))
+
+
+def kernel_checks(dev: str) -> dict:
+    """Every per-kernel check on `dev`; returns name -> result (bools must be True, floats small)."""
+    from dspark_ray.kernels import fused, gemm
+    from dspark_ray.model import mhc, moe, ops
+    from dspark_ray.model.attention import Attention
+    from dspark_ray.model.ops import Rope, f16, head_norm
+    saved = ops.current_matmul()
+    ops.set_matmul(*saved[:3], fused_table={})          # the reference chains, whatever the caller installed
+    g = torch.Generator().manual_seed(0)
+
+    def rn(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g) * s).to(dev)
+
+    res = {}
+    R, h, eps = 3, 192, 1e-6
+    x = rn(R, 4, h)
+    fn, base, scale = rn(24, 4 * h, s=0.05), rn(24, s=0.1), torch.tensor([0.5, 0.7, 0.9], device=dev)
+    nw = (1 + rn(h, s=0.1)).bfloat16()
+    site = mhc.HcSite(fn, base, scale, m=4, iters=20, hc_eps=1e-6, norm_eps=eps)
+    n1, p1, c1 = fused.mhc_collapse_norm(x, fn, base, scale, nw, iters=20, hc_eps=1e-6, norm_eps=eps)
+    c, p, cb = site.collapse(x)
+    res["collapse_normed"] = _rel(n1, ops.rms_norm(c, nw, eps))
+    res["collapse_post"], res["collapse_comb"] = _rel(p1, p), _rel(c1, cb)
+    res["collapse_alone"] = _alone_equals_batch(
+        lambda s: fused.mhc_collapse_norm(x[s], fn, base, scale, nw, iters=20, hc_eps=1e-6, norm_eps=eps), R)
+    y = rn(R, h)
+    res["expand_exact"] = torch.equal(fused.mhc_expand(x, y, p, cb), mhc.HcSite.expand(x, y, p, cb))
+    hh = mhc.HyperHead(fn[:4], base[:4], scale[:1], hc_eps=1e-6, norm_eps=eps)
+    pr1, no1 = fused.hyper_head_norm(x, fn[:4], base[:4], scale[:1], nw, hc_eps=1e-6, norm_eps=eps)
+    pr0 = hh(x)
+    res["hyper_prenorm"], res["hyper_normed"] = _rel(pr1, pr0), _rel(no1, ops.rms_norm(pr0, nw, eps))
+    xr = rn(5, 1100).half()
+    res["rms_norm"] = _rel(fused.rms_norm(xr, nw.repeat(6)[:1100], eps), ops.rms_norm(xr, nw.repeat(6)[:1100], eps))
+
+    # SwiGLU: edge values (inf, nan, huge, tiny, negative zero) with and without the clamp, fp32 and fp16 inputs.
+    gg = torch.cat([rn(500, s=6.0), torch.tensor([float("inf"), -float("inf"), float("nan"), 70000.0, -70000.0,
+                                                  1e-8, -0.0, 0.0, 11.5, -11.5], device=dev)])
+    uu = torch.cat([rn(500, s=6.0), torch.tensor([1.0, 2.0, 3.0, float("nan"), -0.0, float("inf"), 5.0, -5.0,
+                                                  20.0, -20.0], device=dev)])
+    for lim in (0.0, 10.0):
+        for dt in (torch.float32, torch.float16):
+            a, b = fused.swiglu(gg.to(dt), uu.to(dt), lim), ops.swiglu(f16(gg), f16(uu), lim)
+            res[f"swiglu_exact_{lim}_{dt}"] = torch.equal(a.isnan(), b.isnan()) and torch.equal(
+                torch.nan_to_num(a), torch.nan_to_num(b))
+
+    # Router: random logits with planted ties, NaN and -inf; selection order and weights exact.
+    E = 40
+    lg = rn(9, E, s=3.0).half()
+    lg[1, 5] = lg[1, 9] = lg[1].max() + 1      # a tie: the lower id first
+    lg[2, 3] = float("nan")
+    lg[3, :] = -float("inf")                      # all equal keys
+    lg[4, 7] = 30.0                               # softplus threshold branch
+    lg[5, :] = -25.0                              # log1p(tiny)
+    bias = rn(E, s=0.3)
+    router = moe.Router(torch.zeros(E, 8, device=dev).half(), bias, top_k=3, scaling=1.5)
+    r0, w0 = router.select(lg)
+    r1, w1 = fused.route(lg, router.bsel, 3, router.scaling_f)
+    res["route_exact"] = torch.equal(r0, r1) and torch.equal(w0, w1)
+    res["route_alone"] = _alone_equals_batch(lambda s: fused.route(lg[s], router.bsel, 3, router.scaling_f), 9)
+
+    # Experts: the fused pair == the unfused fast path (indexed_linear + swiglu + ascending weighted sum + shared).
+    n, kc, hid, inter, ne = 4, 3, 96, 80, 6
+    f = rn(n, hid).half()
+    w1e, w3e = rn(ne, inter, hid, s=hid ** -0.5).half(), rn(ne, inter, hid, s=hid ** -0.5).half()
+    w2e = rn(ne, hid, inter, s=inter ** -0.5).half()
+    experts = torch.stack([torch.randperm(ne, generator=g)[:kc] for _ in range(n)]).to(dev)
+    weights = rn(n, kc).half()
+    shared = rn(n, hid)
+    act = fused.expert_act(f, w1e, w3e, experts, 10.0)
+    e_flat, fr = experts.flatten(), f.repeat_interleave(kc, dim=0)
+    act0 = ops.swiglu(gemm.indexed_linear(fr, w1e, e_flat), gemm.indexed_linear(fr, w3e, e_flat), 10.0)
+    res["expert_act_exact"] = torch.equal(act, act0)
+    out = fused.expert_out(act, w2e, experts, weights, shared)
+    order = torch.argsort(experts, dim=1, stable=True)
+    d = gemm.indexed_linear(act, w2e, e_flat).reshape(n, kc, -1)
+    ref = torch.zeros(n, hid, device=dev)
+    for j in range(kc):
+        ref = ref + torch.gather(weights, 1, order)[:, j, None].float() * d[torch.arange(n), order[:, j]]
+    res["expert_out_exact"] = torch.equal(out, ref + shared)
+    res["experts_alone"] = _alone_equals_batch(
+        lambda s: (fused.expert_out(fused.expert_act(f[s], w1e, w3e, experts[s], 10.0), w2e, experts[s],
+                                    weights[s], shared[s]),), n)
+
+    # Head norm + RoPE (q heads without weight; kv row with a bf16 and an fp16 weight), near position 900,000.
+    D, rd, H, B, W, bsz = 128, 64, 4, 5, 8, 2
+    rope = Rope(rd, 10000.0, dev)
+    pos = torch.tensor([900_000 + j for j in range(B)] + [7 + j for j in range(B)], device=dev)
+    att = Attention.__new__(Attention)
+    att.D, att.rd, att.eps, att.rope = D, rd, eps, rope
+    q_in = rn(bsz * B, H, D).half()
+    ref_q = att._rope_tail(head_norm(q_in, None, eps), pos)
+    res["head_norm_rope_q"] = _rel(fused.head_norm_rope(q_in, None, eps, pos, rope.inv_freq, rd), ref_q)
+    kv_in = rn(bsz * B, D).half()
+    for w in ((1 + rn(D, s=0.1)).bfloat16(), (1 + rn(D, s=0.1)).half()):
+        res[f"head_norm_rope_kv_{w.dtype}"] = _rel(fused.head_norm_rope(kv_in, w, eps, pos, rope.inv_freq, rd),
+                                                   att._rope_tail(head_norm(kv_in, w, eps), pos))
+
+    # Attention: a partial window (request 1 holds 3 of 8 rows); the rows it does not hold are NaN and must not leak.
+    sink, scale_f = rn(H), float(torch.tensor(D ** -0.5, dtype=torch.float32))
+    att.sink, att.scale = sink, torch.tensor(D ** -0.5, dtype=torch.float32)
+    q = ref_q.reshape(bsz, B, H, D)
+    window, kv = rn(bsz, W, D).half(), rn(bsz, B, D).half()
+    valid = torch.ones(bsz, W, dtype=torch.bool, device=dev)
+    valid[1, :5] = False
+    keys = torch.cat((torch.where(valid[..., None], window, torch.zeros_like(window)), kv), dim=1)
+    mask = torch.cat((valid, torch.ones(bsz, B, dtype=torch.bool, device=dev)), dim=1)
+    cos, sin = rope.cos_sin(pos)
+    o0 = att._attend(q, keys, mask, cos.reshape(bsz, B, -1), sin.reshape(bsz, B, -1))
+    window[1, :5] = float("nan")
+    o1 = fused.attend(q, window, valid, kv, sink, scale_f, pos, rope.inv_freq, rd)
+    res["attend"] = _rel(o1, o0)
+    res["attend_finite"] = bool(torch.isfinite(o1).all())
+    res["attend_alone"] = all(torch.equal(
+        fused.attend(q[i:i + 1], window[i:i + 1], valid[i:i + 1], kv[i:i + 1], sink, scale_f,
+                     pos[i * B:(i + 1) * B], rope.inv_freq, rd), o1[i:i + 1]) for i in range(bsz))
+    ops.set_matmul(*saved)
+    return res
+
+
+def drafter_checks(ckpt_dir: str, dev: str) -> dict:
+    """The tiny drafter, exact path vs fast path (matmuls and fused kernels), two requests at different p0."""
+    from dspark_ray.config import load_config
+    from dspark_ray.kernels.gemm import use_matmul
+    from dspark_ray.model import ops
+    from dspark_ray.modes import make_drafter
+    from dspark_ray.weights.loader import Checkpoint
+    saved = ops.current_matmul()
+    cfg = load_config(ckpt_dir)
+    d = make_drafter(cfg, "tp1", ckpt=Checkpoint(ckpt_dir), device=dev)
+    states = [d.new_slot(), d.new_slot()]
+    g = torch.Generator().manual_seed(1)
+    for i, s in enumerate(states):
+        n = 6 + 7 * i                                   # request 0 holds a partial window, request 1 a full one
+        d.insert(s, 3, torch.randint(0, cfg.vocab_size, (n,), generator=g).to(dev),
+                 torch.randn(n, cfg.n_taps * cfg.hidden_size, generator=g).half().to(dev))
+    use_matmul("exact")
+    ref = d.draft(states, [5, 9], 5, want_margins=True, debug=True)
+    use_matmul("fast")
+    out = d.draft(states, [5, 9], 5, want_margins=True, debug=True)
+    one = d.draft(states[1:], [9], 5, want_margins=True, debug=True)
+    ops.set_matmul(*saved)
+    return {"drafts_equal": torch.equal(ref.drafts, out.drafts), "logits": _rel(out.logits, ref.logits),
+            "alone": torch.equal(one.logits[0], out.logits[1]) and torch.equal(one.drafts[0], out.drafts[1])}
+
+
+def _assert_kernels(res: dict) -> None:
+    tol = {"collapse_normed": 2e-3, "collapse_post": 1e-6, "collapse_comb": 1e-5, "hyper_prenorm": 1e-6,
+           "hyper_normed": 2e-3, "rms_norm": 2e-3, "head_norm_rope_q": 2e-3, "attend": 2e-3}
+    for name, v in res.items():
+        if isinstance(v, bool):
+            assert v, name
+        else:
+            assert v <= tol.get(name, 2e-3), (name, v)
+
+
+def _interpreted(code: str) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(ROOT, "tests"), env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available() or not HAS_TRITON,
+                              reason="the interpreter stand-in (CUDA present: the gpu tests run the kernels)")
+
+
+@cpu_only
+def test_fused_kernels_interpreter_cpu():
+    _assert_kernels(_interpreted("import json, test_fused; print(json.dumps(test_fused.kernel_checks('cpu')))"))
+
+
+@cpu_only
+def test_fast_path_drafter_interpreter_cpu(tiny_ckpt):
+    res = _interpreted(f"import json, test_fused; print(json.dumps(test_fused.drafter_checks({str(tiny_ckpt)!r}, "
+                       f"'cpu')))")
+    assert res["drafts_equal"] and res["alone"], res
+    assert res["logits"] < 1e-2, res
+
+
+@pytest.mark.gpu
+def test_fused_kernels_gpu():
+    res = kernel_checks("cuda")
+    print(json.dumps(res))
+    _assert_kernels(res)
+
+
+@pytest.mark.gpu
+def test_fast_path_drafter_gpu(tiny_ckpt):
+    res = drafter_checks(str(tiny_ckpt), "cuda")
+    print(json.dumps(res))
+    assert res["drafts_equal"] and res["alone"], res
+    assert res["logits"] < 1e-2, res
