@@ -81,15 +81,17 @@ def _slots(d, cfg, n, rows, start):
 
 
 def weight_bytes(weights: dict) -> tuple[int, int, int]:
-    """(dense bytes read every step, bytes of one routed expert, resident bytes) of one rank's shard. Tables read
-    by row (embeddings) count as nothing; routed experts count per expert read."""
+    """(dense bytes read every step, bytes of one routed expert of one block, resident bytes) of one rank's shard.
+    Tables read by row (embeddings) count as nothing, main_proj (read by the context insert only) too; routed
+    experts count per (block, expert) read."""
     dense = expert = total = 0
     for name, t in weights.items():
         b = t.numel() * t.element_size()
         total += b
-        if ".ffn.experts.0." in name:
+        if name.startswith("mtp.0.ffn.experts.0."):
             expert += b
-        elif ".ffn.experts." in name or name.endswith("embed.weight") or "markov_w1" in name:
+        elif (".ffn.experts." in name or name.endswith("embed.weight") or "markov_w1" in name
+              or "main_proj" in name):
             continue
         else:
             dense += b
@@ -170,6 +172,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
                 times.append(ev[0].elapsed_time(ev[1]))
         res["insert"][str(rows)] = stats(times)
     res["profile_1req"] = profile(d, states, args)
+    res["graph_kernels_1req"] = graph_kernels(gs, states)
     free, total = torch.cuda.mem_get_info()
     res["memory"] = {"peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
                      "card_used_gib": round((total - free) / 2**30, 3)}
@@ -194,6 +197,24 @@ def profile(d, states, args) -> dict:
             dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
             out[e.key[len("dspark."):]] = round(dev / n, 1)             # us per step
     return out
+
+
+def graph_kernels(gs, states, n: int = 10, top: int = 15) -> dict:
+    """What one graph replay at 1 request, n_out 5 runs: kernels per step, their summed time, the top kernels."""
+    from torch.profiler import ProfilerActivity
+    for _ in range(3):
+        gs.draft(states[:1], [17], 5, False)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            gs.draft(states[:1], [17], 5, False)
+        torch.cuda.synchronize()
+    rows = [(e.key, (getattr(e, "device_time_total", None) or e.cuda_time_total) / n, e.count / n)
+            for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    rows = [r for r in rows if r[1] > 0]
+    rows.sort(key=lambda r: -r[1])
+    return {"kernels_per_step": round(sum(r[2] for r in rows)), "kernel_us_per_step": round(sum(r[1] for r in rows), 1),
+            "top": [{"kernel": k[:90], "us": round(t, 1), "count": round(c, 1)} for k, t, c in rows[:top]]}
 
 
 # --- the pair: two processes, one card each ---------------------------------------------------------------------
@@ -294,6 +315,14 @@ def markdown(out: dict) -> str:
             src = out[m]["rank0"] if m == "pair" else out[m]
             lines.append(f"- {m}: " + ", ".join(f"{k} {v}" for k, v in sorted(src["profile_1req"].items(),
                                                                                key=lambda kv: -kv[1])))
+    lines += ["", "One graph replay at 1 request, n_out 5 (under the profiler): kernels, summed kernel time, top kernels:",
+              ""]
+    for m in ("tp1", "solo", "pair"):
+        if m in out:
+            g = (out[m]["rank0"] if m == "pair" else out[m]).get("graph_kernels_1req")
+            if g:
+                lines.append(f"- {m}: {g['kernels_per_step']} kernels, {g['kernel_us_per_step']} us; "
+                             + ", ".join(f"{t['kernel'][:40]} {t['us']} us x{t['count']}" for t in g["top"][:8]))
     lines += ["", "Memory per card: " + "; ".join(
         f"{m} {(out[m]['rank0'] if m == 'pair' else out[m])['memory']['card_used_gib']} GiB used, graphs "
         f"{(out[m]['rank0'] if m == 'pair' else out[m])['graph_mib']} MiB" for m in ("tp1", "solo", "pair") if m in out)]

@@ -1,8 +1,8 @@
 """The fused kernels of `kernels/fused.py` against the reference chains they replace.
 
-* Exact where the kernel has no reduction of its own: mhc_expand, swiglu, route, and the expert kernels (equal to
-  the unfused fast path built from `indexed_linear`), bit for bit, edge values included.
-* Close where the kernel reduces in its own order (norms, mHC mixes and Sinkhorn, RoPE'd head norms, attention).
+* Exact where the kernel has no reduction of its own: mhc_expand, swiglu, route, bit for bit, edge values included.
+* Close where the kernel reduces in its own order (norms, mHC mixes and Sinkhorn, RoPE'd head norms, attention,
+  the grouped experts).
 * Batch invariant: every row (request) alone gives its bits in the batch.
 * The tiny drafter on the fast path drafts what the exact path drafts, and a request alone equals it batched.
 
@@ -94,28 +94,32 @@ def kernel_checks(dev: str) -> dict:
     res["route_exact"] = torch.equal(r0, r1) and torch.equal(w0, w1)
     res["route_alone"] = _alone_equals_batch(lambda s: fused.route(lg[s], router.bsel, 3, router.scaling_f), 9)
 
-    # Experts: the fused pair == the unfused fast path (indexed_linear + swiglu + ascending weighted sum + shared).
-    n, kc, hid, inter, ne = 4, 3, 96, 80, 6
-    f = rn(n, hid).half()
-    w1e, w3e = rn(ne, inter, hid, s=hid ** -0.5).half(), rn(ne, inter, hid, s=hid ** -0.5).half()
-    w2e = rn(ne, hid, inter, s=inter ** -0.5).half()
-    experts = torch.stack([torch.randperm(ne, generator=g)[:kc] for _ in range(n)]).to(dev)
-    weights = rn(n, kc).half()
-    shared = rn(n, hid)
-    act = fused.expert_act(f, w1e, w3e, experts, 10.0)
-    e_flat, fr = experts.flatten(), f.repeat_interleave(kc, dim=0)
-    act0 = ops.swiglu(gemm.indexed_linear(fr, w1e, e_flat), gemm.indexed_linear(fr, w3e, e_flat), 10.0)
-    res["expert_act_exact"] = torch.equal(act, act0)
-    out = fused.expert_out(act, w2e, experts, weights, shared)
-    order = torch.argsort(experts, dim=1, stable=True)
-    d = gemm.indexed_linear(act, w2e, e_flat).reshape(n, kc, -1)
-    ref = torch.zeros(n, hid, device=dev)
-    for j in range(kc):
-        ref = ref + torch.gather(weights, 1, order)[:, j, None].float() * d[torch.arange(n), order[:, j]]
-    res["expert_out_exact"] = torch.equal(out, ref + shared)
-    res["experts_alone"] = _alone_equals_batch(
-        lambda s: (fused.expert_out(fused.expert_act(f[s], w1e, w3e, experts[s], 10.0), w2e, experts[s],
-                                    weights[s], shared[s]),), n)
+    # Experts, grouped by expert: close to the per-pair reference, every row alone equals its batched bits (rows
+    # share experts here), and more pairs than one pass of the kernel takes (GROUP_BM) on a few experts.
+    for n, ne in ((4, 6), (30, 4)):
+        kc, hid, inter = 3, 96, 80
+        f = rn(n, hid).half()
+        w1e, w3e = rn(ne, inter, hid, s=hid ** -0.5).half(), rn(ne, inter, hid, s=hid ** -0.5).half()
+        w2e = rn(ne, hid, inter, s=inter ** -0.5).half()
+        experts = torch.stack([torch.randperm(ne, generator=g)[:kc] for _ in range(n)]).to(dev)
+        weights = rn(n, kc).half()
+        shared = rn(n, hid)
+        e_flat, fr = experts.flatten(), f.repeat_interleave(kc, dim=0)
+        act = fused.expert_act(f, w1e, w3e, experts, 10.0)
+        act0 = ops.swiglu(gemm.indexed_linear(fr, w1e, e_flat), gemm.indexed_linear(fr, w3e, e_flat), 10.0)
+        res[f"expert_act_{n}"] = _rel(act, act0)
+        out = fused.expert_out(act, w2e, experts, weights, shared)
+        order = torch.argsort(experts, dim=1, stable=True)
+        d = gemm.indexed_linear(act, w2e, e_flat).reshape(n, kc, -1)
+        ref = torch.zeros(n, hid, device=dev)
+        for j in range(kc):
+            ref = ref + torch.gather(weights, 1, order)[:, j, None].float() * d[torch.arange(n), order[:, j]]
+        res[f"expert_out_{n}"] = _rel(out, ref + shared)
+        res[f"experts_alone_{n}"] = _alone_equals_batch(
+            lambda s: (fused.expert_out(fused.expert_act(f[s], w1e, w3e, experts[s], 10.0), w2e, experts[s],
+                                        weights[s], shared[s]),), min(n, 6))
+        res[f"experts_repeat_{n}"] = torch.equal(out, fused.expert_out(
+            fused.expert_act(f, w1e, w3e, experts, 10.0), w2e, experts, weights, shared))
 
     # Head norm + RoPE (q heads without weight; kv row with a bf16 and an fp16 weight), near position 900,000.
     D, rd, H, B, W, bsz = 128, 64, 4, 5, 8, 2
@@ -149,6 +153,32 @@ def kernel_checks(dev: str) -> dict:
     res["attend_alone"] = all(torch.equal(
         fused.attend(q[i:i + 1], window[i:i + 1], valid[i:i + 1], kv[i:i + 1], sink, scale_f,
                      pos[i * B:(i + 1) * B], rope.inv_freq, rd), o1[i:i + 1]) for i in range(bsz))
+    # The Markov head loop on two vocabulary shards: a tie planted across the shard boundary (ids 250 and 300 the
+    # largest logits, equal), a NaN logit (id 10), margins and kept logits.
+    from dspark_ray.collectives import LocalCollectives
+    from dspark_ray.model.heads import DraftHead, VocabShard
+    V, r, hd_ = 512, 32, 64
+    head_w, w2 = rn(V, hd_, s=hd_ ** -0.5).half(), rn(V, r, s=r ** -0.5).half()
+    b2, w1 = rn(V, s=0.1).half(), rn(V, r).bfloat16()
+    head_w[250] = head_w[300] = head_w[250] * 4
+    w2[250] = w2[300] = w2[250]
+    b2[250] = b2[300] = 3.0
+    b2[10] = float("nan")
+    dh = DraftHead([VocabShard(head_w[:256], w2[:256], b2[:256], 0), VocabShard(head_w[256:], w2[256:], b2[256:], 256)],
+                   w1, rn(1, hd_ + r, s=0.1).half(), None, LocalCollectives(2))
+    normed, prenorm, seeds = rn(3, 5, hd_).half(), rn(3, 5, hd_), torch.tensor([1, 250, 300], device=dev)
+    ref = dh(normed, prenorm, seeds, 5, True, keep_logits=True)
+    ops.set_matmul(*saved[:3], fused_table={"markov_step": fused.markov_step})
+    out = dh(normed, prenorm, seeds, 5, True, keep_logits=True)
+    res["markov_drafts_equal"] = torch.equal(out.drafts, ref.drafts)
+    res["markov_tie_to_lower_id"] = bool((out.drafts == 250).any()) and not bool((out.drafts == 300).any())
+    res["markov_nan_never_wins"] = not bool((out.drafts == 10).any())
+    res["markov_margins"] = _rel(out.margins, ref.margins)
+    res["markov_logits"] = _rel(torch.nan_to_num(out.logits, posinf=0, neginf=0), torch.nan_to_num(ref.logits, posinf=0, neginf=0))
+    res["markov_logits_nan_kept"] = torch.equal(out.logits.isnan(), ref.logits.isnan())
+    res["markov_confidences"] = _rel(out.confidences, ref.confidences)
+    one = dh(normed[1:2], prenorm[1:2], seeds[1:2], 5, True, keep_logits=True)
+    res["markov_alone"] = torch.equal(one.drafts[0], out.drafts[1]) and torch.equal(one.margins[0], out.margins[1])
     ops.set_matmul(*saved)
     return res
 

@@ -183,7 +183,7 @@ def _mix(x: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
     rows, L = x.shape[0], x.shape[1] * x.shape[2]
     n_out = fn.shape[0]
     v = torch.empty((rows, n_out + 1), dtype=F32, device=x.device)
-    _mhc_mix_kernel[(rows, n_out + 1)](x, _fn16(fn), v, L, n_out, BLOCK=1024, num_warps=4, **_OPTS)
+    _mhc_mix_kernel[(rows, n_out + 1)](x, _fn16(fn), v, L, n_out, BLOCK=4096, num_warps=8, **_OPTS)
     return v
 
 
@@ -198,7 +198,7 @@ def mhc_collapse_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     post = torch.empty((rows, m), dtype=F32, device=x.device)
     comb = torch.empty((rows, m, m), dtype=F32, device=x.device)
     _mhc_combine_kernel[(rows,)](x, v, base, scale, norm_w, normed, normed, post, comb, h, m * h, fn.shape[0],
-                                 hc_eps, norm_eps, iters, HEAD=False, BLOCK=1024, num_warps=4, **_OPTS)
+                                 hc_eps, norm_eps, iters, HEAD=False, BLOCK=2048, num_warps=8, **_OPTS)
     return normed, post, comb
 
 
@@ -211,7 +211,7 @@ def hyper_head_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     normed = torch.empty((rows, h), dtype=F16, device=x.device)
     prenorm = torch.empty((rows, h), dtype=F32, device=x.device)
     _mhc_combine_kernel[(rows,)](x, v, base, scale, norm_w, normed, prenorm, prenorm, prenorm, h, m * h,
-                                 fn.shape[0], hc_eps, norm_eps, 1, HEAD=True, BLOCK=1024, num_warps=4, **_OPTS)
+                                 fn.shape[0], hc_eps, norm_eps, 1, HEAD=True, BLOCK=2048, num_warps=8, **_OPTS)
     return prenorm, normed
 
 
@@ -307,52 +307,61 @@ def head_norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, pos: tor
 @triton.jit
 def _attend_kernel(q_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_freq_ptr, out_ptr, scale,
                    NH, BLK, W,
-                   D: tl.constexpr, RD: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+                   D: tl.constexpr, RD: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, BB: tl.constexpr,
+                   BD: tl.constexpr):
     """Program (request b, block of BM query rows of the request's BLK*NH (row j, head h) pairs): scores against
-    the request's [W window rows ; BLK block rows] (V = K), sink softmax with fp64 exponentials, exponentials
-    rounded to fp16 for PV, de-rotation of the RoPE tail. tl.dot takes the products (fp16 x fp16, fp32 sums)."""
+    the W window rows and the BLK block rows (V = K; the two sets read from their own buffers, row-contiguous so
+    the loads vectorise), sink softmax with fp64 exponentials, exponentials rounded to fp16 for PV, de-rotation
+    of the RoPE tail. tl.dot takes the products (fp16 x fp16, fp32 sums)."""
     b = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     row_ok = rows < BLK * NH
     j = rows // NH
     hd = rows % NH
     q_rows = q_ptr + (b * BLK * NH + rows.to(tl.int64)) * D
-    k = tl.arange(0, BK)
-    in_win = k < W
-    in_blk = (k >= W) & (k < W + BLK)
-    k_ok = in_blk | (in_win & (tl.load(valid_ptr + b * W + k, mask=in_win, other=0) != 0))
-    k_rows = tl.where(in_win, win_ptr + (b * W + k) * D, kv_ptr + (b * BLK + (k - W)) * D)
-    s = tl.zeros((BM, BK), dtype=tl.float32)
-    for d0 in tl.static_range(0, D, BD):
+    kw = tl.arange(0, BW)
+    w_ok = (kw < W) & (tl.load(valid_ptr + b * W + kw, mask=kw < W, other=0) != 0)
+    kb = tl.arange(0, BB)
+    b_ok = kb < BLK
+    win_rows = win_ptr + (b * W + kw) * D
+    blk_rows = kv_ptr + (b * BLK + kb) * D
+    sw = tl.zeros((BM, BW), dtype=tl.float32)
+    sb = tl.zeros((BM, BB), dtype=tl.float32)
+    for d0 in range(0, D, BD):             # a runtime loop: Triton pipelines its loads (num_stages)
         dd = d0 + tl.arange(0, BD)
         qt = tl.load(q_rows[:, None] + dd[None, :], mask=row_ok[:, None], other=0.0)
-        kt = tl.load(k_rows[:, None] + dd[None, :], mask=k_ok[:, None], other=0.0)
-        s += tl.dot(qt, tl.trans(kt))
-    s = s * scale
-    s = tl.where(k_ok[None, :], s, float("-inf"))
+        kwt = tl.load(win_rows[:, None] + dd[None, :], mask=w_ok[:, None], other=0.0)
+        kbt = tl.load(blk_rows[:, None] + dd[None, :], mask=b_ok[:, None], other=0.0)
+        sw = tl.dot(qt, tl.trans(kwt), sw)
+        sb = tl.dot(qt, tl.trans(kbt), sb)
+    sw = tl.where(w_ok[None, :], sw * scale, float("-inf"))
+    sb = tl.where(b_ok[None, :], sb * scale, float("-inf"))
     sink = tl.load(sink_ptr + hd, mask=row_ok, other=0.0)
-    mu = tl.maximum(tl.max(s, axis=1), sink)
-    e = _exp64(s - mu[:, None])
-    den = _exp64(sink - mu) + tl.sum(e, axis=1)
-    p16 = e.to(tl.float16)
+    mu = tl.maximum(tl.maximum(tl.max(sw, axis=1), tl.max(sb, axis=1)), sink)
+    ew = _exp64(sw - mu[:, None])
+    eb = _exp64(sb - mu[:, None])
+    den = _exp64(sink - mu) + (tl.sum(ew, axis=1) + tl.sum(eb, axis=1))
+    pw = ew.to(tl.float16)
+    pb = eb.to(tl.float16)
     o_rows = out_ptr + (b * BLK * NH + rows.to(tl.int64)) * D
     DN: tl.constexpr = D - RD
-    for d0 in tl.static_range(0, DN, BD):
+    for d0 in range(0, DN, BD):
         dd = d0 + tl.arange(0, BD)
-        kt = tl.load(k_rows[:, None] + dd[None, :], mask=k_ok[:, None], other=0.0)
-        o = tl.math.div_rn(tl.dot(p16, kt), den[:, None])
+        kwt = tl.load(win_rows[:, None] + dd[None, :], mask=w_ok[:, None], other=0.0)
+        kbt = tl.load(blk_rows[:, None] + dd[None, :], mask=b_ok[:, None], other=0.0)
+        o = tl.math.div_rn(tl.dot(pb, kbt, tl.dot(pw, kwt)), den[:, None])
         tl.store(o_rows[:, None] + dd[None, :], o.to(tl.float16), mask=row_ok[:, None])
+    dt = DN + tl.arange(0, RD)
+    kwt = tl.load(win_rows[:, None] + dt[None, :], mask=w_ok[:, None], other=0.0)
+    kbt = tl.load(blk_rows[:, None] + dt[None, :], mask=b_ok[:, None], other=0.0)
+    ot = tl.math.div_rn(tl.dot(pb, kbt, tl.dot(pw, kwt)), den[:, None])           # (BM, RD), pairs interleaved
+    oe, oo = tl.split(tl.reshape(ot, (BM, RD // 2, 2)))
     i = tl.arange(0, RD // 2)
-    ev = DN + 2 * i
-    ke = tl.load(k_rows[:, None] + ev[None, :], mask=k_ok[:, None], other=0.0)
-    ko = tl.load(k_rows[:, None] + ev[None, :] + 1, mask=k_ok[:, None], other=0.0)
-    oe = tl.math.div_rn(tl.dot(p16, ke), den[:, None])
-    oo = tl.math.div_rn(tl.dot(p16, ko), den[:, None])
     ang = tl.load(pos_ptr + b * BLK + j, mask=row_ok, other=0).to(tl.float32)[:, None] * tl.load(inv_freq_ptr + i)[None, :]
     cos = tl.cos(ang.to(tl.float64)).to(tl.float32)
     sin = tl.sin(ang.to(tl.float64)).to(tl.float32)
-    tl.store(o_rows[:, None] + ev[None, :], (oe * cos + oo * sin).to(tl.float16), mask=row_ok[:, None])
-    tl.store(o_rows[:, None] + ev[None, :] + 1, (oo * cos - oe * sin).to(tl.float16), mask=row_ok[:, None])
+    y = tl.reshape(tl.join(oe * cos + oo * sin, oo * cos - oe * sin), (BM, RD))
+    tl.store(o_rows[:, None] + dt[None, :], y.to(tl.float16), mask=row_ok[:, None])
 
 
 def attend(q: torch.Tensor, window: torch.Tensor, valid: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor,
@@ -362,12 +371,16 @@ def attend(q: torch.Tensor, window: torch.Tensor, valid: torch.Tensor, kv: torch
     bsz, blk, nh, D = q.shape
     W = window.shape[1]
     out = torch.empty_like(q)
-    bm = 16
+    bm, bd = 16, 64
+    if (D - rope_dim) % bd:
+        raise ValueError(f"attend: head_dim - rope_dim = {D - rope_dim} must be a multiple of {bd}")
     grid = (bsz, triton.cdiv(blk * nh, bm))
-    _attend_kernel[grid](q.contiguous(), window.contiguous(), valid.to(torch.int8).contiguous(), kv.contiguous(),
+    # bool -> uint8 is a view (no kernel)
+    vb = valid.contiguous().view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8).contiguous()
+    _attend_kernel[grid](q.contiguous(), window.contiguous(), vb, kv.contiguous(),
                          sink, pos.contiguous(), inv_freq, out, scale, nh, blk, W,
-                         D=D, RD=rope_dim, BM=bm, BK=triton.next_power_of_2(W + blk), BD=64, num_warps=4,
-                         **_OPTS)
+                         D=D, RD=rope_dim, BM=bm, BW=max(16, triton.next_power_of_2(W)),
+                         BB=max(16, triton.next_power_of_2(blk)), BD=bd, num_warps=4, num_stages=3, **_OPTS)
     return out
 
 
@@ -437,40 +450,69 @@ def _indexed_kernel(x_ptr, w_ptr, idx_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _expert_act_kernel(x_ptr, w1_ptr, w3_ptr, idx_ptr, out_ptr, N, K, KC, limit,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """act[p] = swiglu(x[p // KC] @ w1[e].T, x[p // KC] @ w3[e].T), e = idx[p]: both projections of a
-    (row, choice) pair and the activation in one launch (the same dots as `_indexed_kernel`)."""
-    p = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    e = tl.load(idx_ptr + p).to(tl.int64)
-    x_row = x_ptr + (p // KC) * K
-    g = _expert_dot(x_row, w1_ptr + (e * N + offs_n) * K, K, n_mask, BLOCK_N, BLOCK_K)
-    u = _expert_dot(x_row, w3_ptr + (e * N + offs_n) * K, K, n_mask, BLOCK_N, BLOCK_K)
-    tl.store(out_ptr + p * N + offs_n, _swiglu_math(g, u, limit), mask=n_mask)
+def _grouped_expert_kernel(x_ptr, w1_ptr, w3_ptr, idx_ptr, out_ptr, P, N, K, X_DIV, limit,
+                           GATED: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Routed experts, grouped: program (pair p, block of N) works only when p is the first pair routed to its
+    expert; it then takes every pair of that expert (up to BM per pass) through one read of the expert's weights.
+    Pair t reads input row t // X_DIV. GATED: out[t] = swiglu(x W1^T, x W3^T) fp16, else out[t] = x W1^T fp32.
+
+    Each pair's row is its own row of a tl.dot: the products and the accumulation order of an output element
+    depend only on that row and the weights, not on which other pairs share the tile or where in the tile it
+    sits (batch invariant; tested alone against batched)."""
+    p = tl.program_id(0)
+    e = tl.load(idx_ptr + p)
+    first = P
+    for c0 in range(0, P, BM):
+        t = c0 + tl.arange(0, BM)
+        ids = tl.load(idx_ptr + t, mask=t < P, other=-1)
+        first = tl.minimum(first, tl.min(tl.where(ids == e, t, P), axis=0))
+    if first == p:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        w_rows = (e.to(tl.int64) * N + offs_n) * K
+        for c0 in range(p, P, BM):
+            t = c0 + tl.arange(0, BM)
+            ok = (t < P) & (tl.load(idx_ptr + t, mask=t < P, other=-1) == e)
+            if tl.max(ok.to(tl.int32), axis=0) > 0:
+                x_rows = x_ptr + (t // X_DIV).to(tl.int64) * K
+                acc1 = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+                acc3 = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    kk = k0 + tl.arange(0, BLOCK_K)
+                    k_ok = kk < K
+                    xk = tl.load(x_rows[:, None] + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+                    w1 = tl.load(w1_ptr + w_rows[None, :] + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                                 other=0.0)
+                    acc1 = tl.dot(xk, w1, acc1)
+                    if GATED:
+                        w3 = tl.load(w3_ptr + w_rows[None, :] + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                                     other=0.0)
+                        acc3 = tl.dot(xk, w3, acc3)
+                dst = out_ptr + t.to(tl.int64)[:, None] * N + offs_n[None, :]
+                if GATED:
+                    tl.store(dst, _swiglu_math(acc1, acc3, limit), mask=ok[:, None] & n_ok[None, :])
+                else:
+                    tl.store(dst, acc1, mask=ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _expert_out_kernel(act_ptr, w2_ptr, idx_ptr, wt_ptr, shared_ptr, out_ptr, N, K,
-                       KC: tl.constexpr, KCP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[r] = sum_j w_j * (act[r*KC + j] @ w2[e_j].T) over the row's choices in ascending expert id (as
-    `Experts`), then + shared[r]."""
+def _expert_combine_kernel(d_ptr, idx_ptr, wt_ptr, shared_ptr, out_ptr, H,
+                           KC: tl.constexpr, KCP: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r] = sum_j w_j * d[r*KC + j] over the row's choices in ascending expert id (as `Experts`), + shared."""
     r = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < H
     jj = tl.arange(0, KCP)
     ids = tl.load(idx_ptr + r * KC + jj, mask=jj < KC, other=2147483647)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for _ in tl.static_range(KC):
         e = tl.min(ids, axis=0)
         j = tl.min(tl.where(ids == e, jj, KCP), axis=0)        # the choice holding the lowest remaining id
         ids = tl.where(jj == j, 2147483647, ids)
-        d = _expert_dot(act_ptr + (r * KC + j) * K, w2_ptr + (e.to(tl.int64) * N + offs_n) * K, K, n_mask,
-                        BLOCK_N, BLOCK_K)
+        d = tl.load(d_ptr + (r * KC + j) * H + offs, mask=m, other=0.0)
         acc = acc + tl.load(wt_ptr + r * KC + j).to(tl.float32) * d
-    acc = acc + tl.load(shared_ptr + r * N + offs_n, mask=n_mask, other=0.0)
-    tl.store(out_ptr + r * N + offs_n, acc, mask=n_mask)
+    acc = acc + tl.load(shared_ptr + r * H + offs, mask=m, other=0.0)
+    tl.store(out_ptr + r * H + offs, acc, mask=m)
 
 
 # Fixed blocking of every expert kernel (no autotune: see the module docstring).
@@ -489,30 +531,40 @@ def indexed_linear(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch
     return out
 
 
+GROUP_BM = 64      # pairs of one expert per pass (a graph step has at most 4 x 5 rows x top-3 = 60 pairs)
+
+
+def _grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, experts: torch.Tensor, x_div: int,
+             limit: float) -> torch.Tensor:
+    p = experts.numel()
+    n, k = w1.shape[1], w1.shape[2]
+    gated = w3 is not None
+    out = torch.empty((p, n), dtype=F16 if gated else F32, device=x.device)
+    if p:
+        _grouped_expert_kernel[(p, triton.cdiv(n, EXPERT_BLOCK_N))](
+            x.to(F16).contiguous(), w1, w3 if gated else w1, experts.contiguous(), out, p, n, k, x_div,
+            float(limit), GATED=gated, BM=GROUP_BM, BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K,
+            num_warps=EXPERT_WARPS, **_OPTS)
+    return out
+
+
 def expert_act(f: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, experts: torch.Tensor,
                limit: float) -> torch.Tensor:
-    """fp16 (n*k, I): the SwiGLU activation of each (row, choice) pair, f (n, h) fp16, experts (n, k)."""
-    n, kc = experts.shape
-    inter, h = w1.shape[1], w1.shape[2]
-    out = torch.empty((n * kc, inter), dtype=F16, device=f.device)
-    if n:
-        _expert_act_kernel[(n * kc, triton.cdiv(inter, EXPERT_BLOCK_N))](
-            f.to(F16).contiguous(), w1, w3, experts.contiguous(), out, inter, h, kc, float(limit),
-            BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K, num_warps=EXPERT_WARPS, **_OPTS)
-    return out
+    """fp16 (n*k, I): the SwiGLU activation of each (row, choice) pair; f (n, h) fp16, experts (n, k)."""
+    return _grouped(f, w1, w3, experts, experts.shape[1], limit)
 
 
 def expert_out(act: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                shared: torch.Tensor) -> torch.Tensor:
     """fp32 (n, h): the weighted routed outputs (ascending expert id) plus the shared expert's `shared`."""
     n, kc = experts.shape
-    h, inter = w2.shape[1], w2.shape[2]
+    h = w2.shape[1]
+    d = _grouped(act, w2, None, experts, 1, 0.0)
     out = torch.empty((n, h), dtype=F32, device=act.device)
     if n:
-        _expert_out_kernel[(n, triton.cdiv(h, EXPERT_BLOCK_N))](
-            act.contiguous(), w2, experts.contiguous(), weights.contiguous(), shared.contiguous(), out, h, inter,
-            KC=kc, KCP=triton.next_power_of_2(kc), BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K,
-            num_warps=EXPERT_WARPS, **_OPTS)
+        _expert_combine_kernel[(n, triton.cdiv(h, 1024))](
+            d, experts.contiguous(), weights.contiguous(), shared.contiguous(), out, h,
+            KC=kc, KCP=triton.next_power_of_2(kc), BLOCK=1024, num_warps=4, **_OPTS)
     return out
 
 
@@ -564,7 +616,85 @@ def route(lg: torch.Tensor, bsel: torch.Tensor, top_k: int, scaling: float) -> t
     return experts, weights
 
 
+# ------------------------------------------------------------------------------------------------------ head
+
+@triton.jit
+def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_ptr, logits_ptr, part_ptr,
+                           V, NB, R: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr, KEEP: tl.constexpr):
+    """Program (request b, block of BV vocab rows) of one Markov step: me = f16(markov_w1[prev[b]]);
+    l = lg[b, step] + f16(markov_w2 me + b2), NaN -> -inf; the block's (max, first argmax, runner-up)."""
+    b = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    r = tl.arange(0, R)
+    me = tl.load(w1_ptr + tl.load(prev_ptr + b) * R + r).to(tl.float16)
+    if nb == 0:
+        tl.store(me_ptr + b * R + r, me)
+    v = nb * BV + tl.arange(0, BV)
+    ok = v < V
+    w2 = tl.load(w2_ptr + v.to(tl.int64)[:, None] * R + r[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    y = tl.sum(w2 * me.to(tl.float32)[None, :], axis=1)
+    if HAS_BIAS:
+        y = y + tl.load(b2_ptr + v, mask=ok, other=0.0).to(tl.float32)
+    l = tl.load(lg_ptr + b * lg_row + v, mask=ok, other=0.0).to(tl.float32) + y.to(tl.float16).to(tl.float32)
+    if KEEP:
+        tl.store(logits_ptr + b * V + v, l, mask=ok)
+    l = tl.where((l != l) | ~ok, float("-inf"), l)
+    m1 = tl.max(l, axis=0)
+    i1 = tl.min(tl.where(l == m1, v, 2147483647), axis=0)
+    m2 = tl.max(tl.where(v == i1, float("-inf"), l), axis=0)
+    base = part_ptr + (b * NB + nb) * 3
+    tl.store(base, m1)
+    tl.store(base + 1, i1.to(tl.float32))         # < 2^24: exact in fp32
+    tl.store(base + 2, m2)
+
+
+@triton.jit
+def _markov_top_kernel(part_ptr, top1_ptr, top2_ptr, idx_ptr, NB, start, NBP: tl.constexpr):
+    """Per request: the blocks' partials -> (max, first argmax + start, runner-up). Blocks are in vocabulary
+    order, so the lowest block holding the max holds the first argmax."""
+    b = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, NBP)
+    ok = k < NB
+    base = part_ptr + (b * NB + k) * 3
+    m1 = tl.load(base, mask=ok, other=float("-inf"))
+    i1 = tl.load(base + 1, mask=ok, other=0.0)
+    m2 = tl.load(base + 2, mask=ok, other=float("-inf"))
+    best = tl.max(m1, axis=0)
+    win = tl.min(tl.where(ok & (m1 == best), k, NBP), axis=0)
+    tl.store(top1_ptr + b, best)
+    tl.store(top2_ptr + b, tl.max(tl.where(k == win, m2, m1), axis=0))
+    tl.store(idx_ptr + b, tl.sum(tl.where(k == win, i1, 0.0), axis=0).to(tl.int64) + start)
+
+
+MARKOV_BV = 128
+
+
+def markov_step(lg: torch.Tensor, step: int, prev: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                b2: torch.Tensor | None, start: int, keep_logits: bool):
+    """One step of the Markov loop on one vocabulary shard: lg (bsz, n_out, V) fp16 / fp32 trunk logits,
+    prev (bsz,) the previous tokens -> (me (bsz, r) fp16, top1 (bsz,) fp32, top2 (bsz,) fp32, global argmax
+    (bsz,) int64, logits (bsz, V) fp32 or None). Ties go to the lower id; a NaN logit never wins."""
+    bsz, _, V = lg.shape
+    R = w2.shape[1]
+    dev = lg.device
+    nb = triton.cdiv(V, MARKOV_BV)
+    me = torch.empty((bsz, R), dtype=F16, device=dev)
+    logits = torch.empty((bsz, V), dtype=F32, device=dev) if keep_logits else me
+    part = torch.empty((bsz, nb, 3), dtype=F32, device=dev)
+    top1 = torch.empty(bsz, dtype=F32, device=dev)
+    top2 = torch.empty(bsz, dtype=F32, device=dev)
+    idx = torch.empty(bsz, dtype=torch.int64, device=dev)
+    lg_s = lg[:, step]
+    _markov_partial_kernel[(bsz, nb)](lg_s, lg.stride(0), prev.contiguous(), w1, w2, w2 if b2 is None else b2, me,
+                                      logits, part, V, nb, R=R, BV=MARKOV_BV, HAS_BIAS=b2 is not None,
+                                      KEEP=keep_logits, num_warps=8, **_OPTS)
+    _markov_top_kernel[(bsz,)](part, top1, top2, idx, nb, start, NBP=triton.next_power_of_2(nb), num_warps=8,
+                               **_OPTS)
+    return me, top1, top2, idx, (logits if keep_logits else None)
+
+
 TABLE = {
+    "markov_step": markov_step,
     "route": route,
     "expert_act": expert_act,
     "expert_out": expert_out,

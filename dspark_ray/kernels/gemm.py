@@ -112,20 +112,34 @@ def padded_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out[:m].reshape(*lead, n)
 
 
+def padded_linear_f16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`padded_linear` rounded to fp16 by cuBLAS's epilogue (fp32 accumulation, one rounding), which saves the
+    separate conversion kernel. The same fixed shape per chunk, so the same batch invariance."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m, n = x2.shape[0], w.shape[0]
+    if m == 0 or not x.is_cuda:
+        return ops.f16(padded_linear(x, w))
+    xp, chunks = _padded_rows(x2)
+    outs = [torch.mm(xp[c * PAD_ROWS:(c + 1) * PAD_ROWS], w.t()) for c in range(chunks)]
+    out = outs[0] if chunks == 1 else torch.cat(outs)
+    return out[:m].reshape(*lead, n)
+
+
 def padded_grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """fp16 (n, G * R): group g of x (n, G, K) times rows [g*R, (g+1)*R) of w (G * R, K), one batched GEMM of a
     fixed (G, PAD_ROWS, K) x (G, K, R) shape per chunk of rows (the attention's grouped wo_a, in one launch
-    instead of G). Falls back to one `padded_linear` per group where torch has no fp32-output bmm."""
+    instead of G; fp32 accumulation, one rounding to fp16 in the epilogue). Off CUDA: one `padded_linear` per
+    group."""
     n, g, k = x.shape
     r = w.shape[0] // g
     wg = w.view(g, r, k)
     if n == 0 or not x.is_cuda:
         return torch.cat([ops.f16(padded_linear(x[:, i], wg[i])) for i in range(g)], dim=-1)
     xp, chunks = _padded_rows(x.transpose(0, 1), (g,))
-    outs = [torch.bmm(xp[:, c * PAD_ROWS:(c + 1) * PAD_ROWS], wg.transpose(1, 2), out_dtype=torch.float32)
-            for c in range(chunks)]
-    out = outs[0] if chunks == 1 else torch.cat(outs, dim=1)      # (G, rows, R)
-    return out[:, :n].transpose(0, 1).to(torch.float16).reshape(n, g * r)
+    outs = [torch.bmm(xp[:, c * PAD_ROWS:(c + 1) * PAD_ROWS], wg.transpose(1, 2)) for c in range(chunks)]
+    out = outs[0] if chunks == 1 else torch.cat(outs, dim=1)      # (G, rows, R) fp16 (fp32 accumulation)
+    return out[:, :n].transpose(0, 1).reshape(n, g * r)
 
 
 def indexed_linear(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -154,7 +168,8 @@ def use_matmul(mode: str) -> str:
         pin_determinism()
         from . import fused             # imports triton: only the fast path needs it
         ops.set_matmul(padded_linear, indexed_linear, mode="fast",
-                       fused_table={**fused.TABLE, "linear_grouped": padded_grouped_linear})
+                       fused_table={**fused.TABLE, "linear_grouped": padded_grouped_linear,
+                                    "linear_f16": padded_linear_f16})
     else:
         raise ValueError(f"matmul mode must be exact, fast or auto, not {mode!r}")
     return mode

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..collectives import Collectives
+from . import ops
 from .ops import f16, linear, sigmoid
 
 
@@ -56,9 +57,29 @@ class DraftHead:
     def __call__(self, normed: torch.Tensor, prenorm: torch.Tensor, seeds: torch.Tensor, n_out: int,
                  want_margins: bool, keep_logits: bool = False) -> HeadOut:
         """normed (bsz, B, h) fp16 final-norm output; prenorm (bsz, B, h) fp32 HyperHead output; seeds (bsz,)."""
-        lg = [linear(normed[:, :n_out], s.head).float() for s in self.shards]      # only the rows we draft
-        prev = seeds.to(torch.int64)
         drafts, margins, embs, logits = [], [], [], []
+        step = ops.fused("markov_step")
+        if step is None:
+            lg = [linear(normed[:, :n_out], s.head).float() for s in self.shards]      # only the rows we draft
+            self._loop(lg, seeds.to(torch.int64), n_out, want_margins, keep_logits, drafts, margins, embs, logits)
+        else:
+            lg = [linear(normed[:, :n_out], s.head) for s in self.shards]
+            self._fused_loop(step, lg, seeds.to(torch.int64), n_out, want_margins, keep_logits, drafts, margins,
+                             embs, logits)
+        # Confidence of row i from [f16(prenorm_i) ; markov embedding of the token that predicted d_{i+1}].
+        ci = torch.cat((f16(prenorm[:, :n_out]), torch.stack(embs, dim=1)), dim=-1)
+        c = linear(ci, self.conf_w, bias=self.conf_b)[..., 0]
+        conf = sigmoid(c.float())
+        return HeadOut(
+            drafts=torch.stack(drafts, dim=1),
+            confidences=conf,
+            confident_len=confident_prefix(conf, self.threshold),
+            margins=torch.stack(margins, dim=1) if want_margins else None,
+            logits=torch.stack(logits, dim=1) if keep_logits else None,
+        )
+
+    def _loop(self, lg, prev, n_out, want_margins, keep_logits, drafts, margins, embs, logits):
+        """The sequential Markov loop: each draft feeds the next step's Markov embedding."""
         for i in range(n_out):
             me = f16(self.markov_w1[prev])                                          # (bsz, r) bf16 -> fp16
             embs.append(me)
@@ -73,14 +94,19 @@ class DraftHead:
             else:
                 _, prev = self.coll.max_exchange([_local_top(l, s.start, False) for l, s in zip(ls, self.shards)])
             drafts.append(prev)
-        # Confidence of row i from [f16(prenorm_i) ; markov embedding of the token that predicted d_{i+1}].
-        ci = torch.cat((f16(prenorm[:, :n_out]), torch.stack(embs, dim=1)), dim=-1)
-        c = linear(ci, self.conf_w, bias=self.conf_b)[..., 0]
-        conf = sigmoid(c.float())
-        return HeadOut(
-            drafts=torch.stack(drafts, dim=1),
-            confidences=conf,
-            confident_len=confident_prefix(conf, self.threshold),
-            margins=torch.stack(margins, dim=1) if want_margins else None,
-            logits=torch.stack(logits, dim=1) if keep_logits else None,
-        )
+
+    def _fused_loop(self, step, lg, prev, n_out, want_margins, keep_logits, drafts, margins, embs, logits):
+        """The Markov loop through the fused `markov_step` kernel: the same picks as the reference loop (the
+        Markov GEMV in the kernel's own order), the shards' local tops meeting in the same exchanges."""
+        for i in range(n_out):
+            outs = [step(lg[k], i, prev, self.markov_w1, s.markov_w2, s.markov_b2, s.start, keep_logits)
+                    for k, s in enumerate(self.shards)]
+            embs.append(outs[0][0])
+            if keep_logits:
+                logits.append(torch.cat([o[4] for o in outs], dim=-1))
+            if want_margins:
+                top1, top2, prev = self.coll.top2_exchange([(o[1], o[2], o[3]) for o in outs])
+                margins.append(top1 - top2)
+            else:
+                _, prev = self.coll.max_exchange([(o[1], o[3]) for o in outs])
+            drafts.append(prev)

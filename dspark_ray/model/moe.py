@@ -59,8 +59,7 @@ class Experts:
     def __call__(self, f: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """f (n, h) fp16; returns the fp32 partial (n, h) = sum_k w_k d_{e_k} (ascending expert id) + shared."""
         s1, s3, s2 = self.shared
-        shared = linear(swiglu(linear(f, s1, out_dtype=F32), linear(f, s3, out_dtype=F32), self.limit), s2,
-                        out_dtype=F32)
+        shared = linear(swiglu(linear(f, s1), linear(f, s3), self.limit), s2, out_dtype=F32)
         act_k, out_k = ops.fused("expert_act"), ops.fused("expert_out")
         if act_k is not None and out_k is not None:
             return out_k(act_k(f, self.w1, self.w3, experts, self.limit), self.w2, experts, weights, shared)

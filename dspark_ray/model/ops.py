@@ -155,6 +155,8 @@ def linear_indexed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = F16,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """Linear(W, x) = x @ W.T of fp16-valued operands, fp32 accumulation, one rounding to `out_dtype`."""
+    if bias is None and out_dtype == F16 and "linear_f16" in _fused:
+        return _fused["linear_f16"](x, w)
     y = _matmul(x, w)
     if bias is not None:
         y = y + bias.float()
