@@ -119,8 +119,9 @@ class GraphSet:
             h[2 * R + r * W: 2 * R + (r + 1) * W] = s.window_valid().to(torch.int64)
         self.packed.copy_(h, non_blocking=True)
         self.uploaded.record()
-        for buf, win in zip(self.windows, self.d.window_inputs(states)[0]):
-            buf[:bsz].copy_(win)
+        for n, buf in enumerate(self.windows):
+            for r, s in enumerate(states):
+                s.copy_window(n, buf[r])
         g, out, n = self.draft_graphs[(bsz, n_out, want_margins)]
         self.coll.replay(g, n)
         return DraftOut(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(out).items()})

@@ -280,3 +280,16 @@ def test_bad_entry_fails_alone_in_a_batch(cfg, ckpt):
     assert eng.slots[1].fresh            # nothing inserted for the refused entry
     ref = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), 3).step([good])[0]
     assert torch.equal(outs[0].drafts, ref.drafts)
+
+
+def test_copy_window_equals_the_indexed_window_across_the_ring_wrap():
+    from dspark_ray.model.state import SlotState
+    st = SlotState(2, 8, 16, 4)
+    st.kv.copy_(torch.randn(st.kv.shape).half())
+    st.advance(0, 3)
+    for pos in [3, 8, 9, 23, 24, 25, 30, 1000]:              # partial window, exact fill, wrap at every offset
+        st.position = pos
+        for b in range(2):
+            out = torch.full((8, 4), float("nan"), dtype=torch.float16)
+            st.copy_window(b, out)
+            assert torch.equal(out, st.window_rows(b)[0]), (pos, b)

@@ -99,6 +99,15 @@ class SlotState(SlotCursor):
         t = torch.arange(self.position - self.window, self.position, device=self.kv.device)
         return self.kv[block, t % self.capacity], self.window_valid(self.kv.device)
 
+    def copy_window(self, block: int, dst: torch.Tensor) -> None:
+        """dst (W, D) <- `window_rows(block)[0]`: the window is at most two runs of the ring, so two slice copies
+        do it (no index kernels: the graph engine's per-step input path)."""
+        a = (self.position - self.window) % self.capacity
+        k = min(self.window, self.capacity - a)
+        dst[:k].copy_(self.kv[block, a:a + k])
+        if k < self.window:
+            dst[k:].copy_(self.kv[block, :self.window - k])
+
     def write(self, start: int, rows_per_block: list[torch.Tensor]) -> None:
         n = rows_per_block[0].shape[0]
         if n == 0:
