@@ -79,6 +79,14 @@ def kernel_checks(dev: str) -> dict:
             res[f"swiglu_exact_{lim}_{dt}"] = torch.equal(a.isnan(), b.isnan()) and torch.equal(
                 torch.nan_to_num(a), torch.nan_to_num(b))
 
+    # The small-linear kernel: two row blocks (rows 32+ in the second), fp32 and fp16 outputs, rows alone.
+    xl, wl = rn(40, 300).half(), rn(70, 300, s=300 ** -0.5).half()
+    ref = xl.double() @ wl.double().t()
+    lin = fused.rows_linear(xl, wl)
+    res["rows_linear"] = _rel(lin, ref)
+    res["rows_linear_f16"] = _rel(fused.rows_linear(xl, wl, torch.float16), ref)
+    res["rows_linear_alone"] = all(torch.equal(fused.rows_linear(xl[i:i + 1], wl), lin[i:i + 1]) for i in (0, 7, 33, 39))
+
     # Router: random logits with planted ties, NaN and -inf; selection order and weights exact.
     E = 40
     lg = rn(9, E, s=3.0).half()

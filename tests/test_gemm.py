@@ -161,8 +161,11 @@ def _graph_of(fn):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["cublas", "triton"])
 @pytest.mark.parametrize("k,n", [(300, 96), (5120, 1152), (1152, 5120)])
-def test_padded_linear_gpu(k, n):
+def test_padded_linear_gpu(k, n, path, monkeypatch):
+    """Both paths of the dense linear: cuBLAS on padded chunks and the one-launch Triton kernel for small weights."""
+    monkeypatch.setattr(gemm, "SMALL_WEIGHT_BYTES", 0 if path == "cublas" else 1 << 40)
     gemm.pin_determinism()
     x, w = _dense(64, k, n, seed=k + n, device="cuda")
     full = gemm.padded_linear(x, w)
@@ -181,6 +184,9 @@ def test_padded_linear_gpu(k, n):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, full[:20])
+    f16 = gemm.padded_linear_f16(x, w)                       # the fp16 twin: one rounding of (nearly) the same sums
+    assert f16.dtype == torch.float16 and (f16.float() - full).abs().max() <= full.abs().max() * 2 ** -10
+    assert torch.equal(gemm.padded_linear_f16(x[5:9], w), f16[5:9])
 
 
 @pytest.mark.gpu

@@ -421,6 +421,50 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     return out
 
 
+# ------------------------------------------------------------------------------------------------ small linears
+
+@triton.jit
+def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, OUT_F16: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr):
+    """out (M, N) = x (M, K) @ w (N, K).T, fp32 accumulation: program (block of BN outputs, block of BM rows).
+    Each row is its own row of a tl.dot of a fixed tile shape, so its bits never depend on the other rows."""
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    c_ok = cols < N
+    r_ok = rows < M
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        k_ok = kk < K
+        xt = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                     other=0.0).to(tl.float16)
+        wt = tl.load(w_ptr + cols.to(tl.int64)[None, :] * K + kk[:, None], mask=k_ok[:, None] & c_ok[None, :],
+                     other=0.0)
+        acc = tl.dot(xt, wt, acc)
+    dst = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    if OUT_F16:
+        tl.store(dst, acc.to(tl.float16), mask=r_ok[:, None] & c_ok[None, :])
+    else:
+        tl.store(dst, acc, mask=r_ok[:, None] & c_ok[None, :])
+
+
+ROWS_BM, ROWS_BN, ROWS_BK = 32, 16, 128
+
+
+def rows_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = F32) -> torch.Tensor:
+    """x (..., K) fp16-valued @ w (N, K).T -> out_dtype (..., N), one launch reading x in place: the small
+    linears of the step, where cuBLAS's padded call costs a pad copy, the GEMM and a split-K reduce."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m, n = x2.shape[0], w.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m:
+        _rows_linear_kernel[(triton.cdiv(n, ROWS_BN), triton.cdiv(m, ROWS_BM))](
+            x2, w.contiguous(), out, m, n, k, OUT_F16=out_dtype == F16, BM=ROWS_BM, BN=ROWS_BN, BK=ROWS_BK,
+            num_warps=4, num_stages=4, **_OPTS)
+    return out.reshape(*lead, n)
+
+
 # ------------------------------------------------------------------------------------------------ routed experts
 
 @triton.jit

@@ -30,6 +30,12 @@ import torch
 from ..model import ops
 
 PAD_ROWS = 32
+# Weights up to this size go through `fused.rows_linear` on a GPU (one launch, the input read in place) instead of
+# cuBLAS on padded chunks. A property of the weight, never of the batch. Off (0): measured on the H200 pair with
+# 32 MiB (every linear of a block but wq_b / wo_a / wo_b), the kernel's fixed 16-wide output tiles ran 12.5 us a call
+# and the step was no faster (pair 1.43 ms, one card 1.93 ms against 1.81; bench/results/gpu/README.md). Kept, and
+# tested on both paths, for tuning.
+SMALL_WEIGHT_BYTES = 0
 # Fixed Triton config. No autotune: autotuning picks the fastest config by timing in each process, so the
 # reduction blocking, and with it the bits, would depend on the process and the load of the card.
 BLOCK_N = 64
@@ -94,13 +100,21 @@ def _padded_rows(x2: torch.Tensor, lead: tuple = ()) -> tuple[torch.Tensor, int]
     return xp, chunks
 
 
+def _small(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return x.is_cuda and w.numel() * w.element_size() <= SMALL_WEIGHT_BYTES
+
+
 def padded_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Batch-invariant fp32 x @ w.T: x (..., K) fp16-valued, w (N, K) fp16 -> fp32 (..., N).
 
     Rows go through cuBLAS in chunks of exactly PAD_ROWS (the last padded), so every GEMM has the same shape
     and runs the same kernel whatever the batch. The rows are copied into a fresh buffer (never a view of x):
     each chunk then starts at an aligned address, since pointer alignment is also an input of the heuristic.
-    No host sync, and the shapes depend only on x's shape (safe inside CUDA graph capture)."""
+    No host sync, and the shapes depend only on x's shape (safe inside CUDA graph capture). Small weights on a
+    GPU take `fused.rows_linear` instead (see SMALL_WEIGHT_BYTES)."""
+    if _small(x, w):
+        from .fused import rows_linear
+        return rows_linear(x, w, torch.float32)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n = x2.shape[0], w.shape[0]
@@ -115,6 +129,9 @@ def padded_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def padded_linear_f16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`padded_linear` rounded to fp16 by cuBLAS's epilogue (fp32 accumulation, one rounding), which saves the
     separate conversion kernel. The same fixed shape per chunk, so the same batch invariance."""
+    if _small(x, w):
+        from .fused import rows_linear
+        return rows_linear(x, w, torch.float16)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n = x2.shape[0], w.shape[0]
