@@ -1,0 +1,138 @@
+"""Fused attention kernels: head norm + RoPE of the q heads and the kv row, and the sink attention over the
+window and block rows (`model/attention.py`)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_ops import F16, LAUNCH_OPTS, apply_head_weight, exp64, norm_scale
+
+
+@triton.jit
+def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, out_ptr, NH, eps,
+                           D: tl.constexpr, RD: tl.constexpr, W_MODE: tl.constexpr):
+    """One program per (row, head): `ops.head_norm` over D, then RoPE on the last RD dims (interleaved pairs)
+    at the row's position, as `Attention._rope_tail` does (rotate the fp16 values in fp32, round once)."""
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // NH
+    base = x_ptr + pid * D
+    d = tl.arange(0, D)
+    x = tl.load(base + d).to(tl.float32)
+    rn = norm_scale(tl.sum(x * x, axis=0), tl.full((), D, tl.float32), eps)
+    w = 1.0
+    if W_MODE != 0:
+        w = tl.load(w_ptr + d).to(tl.float32)
+    y = apply_head_weight(x * rn, w, W_MODE)
+    DN: tl.constexpr = D - RD
+    tl.store(out_ptr + pid * D + d, y, mask=d < DN)
+    i = tl.arange(0, RD // 2)
+    ev = DN + 2 * i
+    xe = tl.load(base + ev).to(tl.float32)
+    xo = tl.load(base + ev + 1).to(tl.float32)
+    we = 1.0
+    wo = 1.0
+    if W_MODE != 0:
+        we = tl.load(w_ptr + ev).to(tl.float32)
+        wo = tl.load(w_ptr + ev + 1).to(tl.float32)
+    ye = apply_head_weight(xe * rn, we, W_MODE).to(tl.float32)
+    yo = apply_head_weight(xo * rn, wo, W_MODE).to(tl.float32)
+    ang = tl.load(pos_ptr + row).to(tl.float32) * tl.load(inv_freq_ptr + i)
+    cos = tl.cos(ang.to(tl.float64)).to(tl.float32)
+    sin = tl.sin(ang.to(tl.float64)).to(tl.float32)
+    tl.store(out_ptr + pid * D + ev, (ye * cos - yo * sin).to(tl.float16))
+    tl.store(out_ptr + pid * D + ev + 1, (yo * cos + ye * sin).to(tl.float16))
+
+
+def head_norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, pos: torch.Tensor,
+                   inv_freq: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """x (n, ..., D) fp16 heads (or the kv row) -> head_norm, then RoPE on the last rope_dim dims at pos (n,)."""
+    n, D = x.shape[0], x.shape[-1]
+    x3 = x.reshape(n, -1, D).contiguous()
+    nh = x3.shape[1]
+    out = torch.empty(x3.shape, dtype=F16, device=x.device)
+    mode = 0 if w is None else (1 if w.dtype == F16 else 2)
+    if n:
+        _head_norm_rope_kernel[(n * nh,)](x3, x3 if w is None else w, pos.contiguous(), inv_freq, out, nh, eps,
+                                          D=D, RD=rope_dim, W_MODE=mode, num_warps=4, **LAUNCH_OPTS)
+    return out.reshape(x.shape)
+
+
+@triton.jit
+def _attend_kernel(q_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_freq_ptr, out_ptr, scale,
+                   NH, BLK, W,
+                   D: tl.constexpr, RD: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, BB: tl.constexpr,
+                   BD: tl.constexpr):
+    """Program (request b, block of BM query rows of the request's BLK*NH (row j, head h) pairs): scores against
+    the W window rows and the BLK block rows (V = K; the two sets read from their own buffers, row-contiguous so
+    the loads vectorise), sink softmax with fp64 exponentials, exponentials rounded to fp16 for PV, de-rotation
+    of the RoPE tail. tl.dot takes the products (fp16 x fp16, fp32 sums)."""
+    b = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    row_ok = rows < BLK * NH
+    j = rows // NH
+    hd = rows % NH
+    q_rows = q_ptr + (b * BLK * NH + rows.to(tl.int64)) * D
+    kw = tl.arange(0, BW)
+    w_ok = (kw < W) & (tl.load(valid_ptr + b * W + kw, mask=kw < W, other=0) != 0)
+    kb = tl.arange(0, BB)
+    b_ok = kb < BLK
+    win_rows = win_ptr + (b * W + kw) * D
+    blk_rows = kv_ptr + (b * BLK + kb) * D
+    sw = tl.zeros((BM, BW), dtype=tl.float32)
+    sb = tl.zeros((BM, BB), dtype=tl.float32)
+    for d0 in range(0, D, BD):             # a runtime loop: Triton pipelines its loads (num_stages)
+        dd = d0 + tl.arange(0, BD)
+        qt = tl.load(q_rows[:, None] + dd[None, :], mask=row_ok[:, None], other=0.0)
+        kwt = tl.load(win_rows[:, None] + dd[None, :], mask=w_ok[:, None], other=0.0)
+        kbt = tl.load(blk_rows[:, None] + dd[None, :], mask=b_ok[:, None], other=0.0)
+        sw = tl.dot(qt, tl.trans(kwt), sw)
+        sb = tl.dot(qt, tl.trans(kbt), sb)
+    sw = tl.where(w_ok[None, :], sw * scale, float("-inf"))
+    sb = tl.where(b_ok[None, :], sb * scale, float("-inf"))
+    sink = tl.load(sink_ptr + hd, mask=row_ok, other=0.0)
+    mu = tl.maximum(tl.maximum(tl.max(sw, axis=1), tl.max(sb, axis=1)), sink)
+    ew = exp64(sw - mu[:, None])
+    eb = exp64(sb - mu[:, None])
+    den = exp64(sink - mu) + (tl.sum(ew, axis=1) + tl.sum(eb, axis=1))
+    pw = ew.to(tl.float16)
+    pb = eb.to(tl.float16)
+    o_rows = out_ptr + (b * BLK * NH + rows.to(tl.int64)) * D
+    DN: tl.constexpr = D - RD
+    for d0 in range(0, DN, BD):
+        dd = d0 + tl.arange(0, BD)
+        kwt = tl.load(win_rows[:, None] + dd[None, :], mask=w_ok[:, None], other=0.0)
+        kbt = tl.load(blk_rows[:, None] + dd[None, :], mask=b_ok[:, None], other=0.0)
+        o = tl.math.div_rn(tl.dot(pb, kbt, tl.dot(pw, kwt)), den[:, None])
+        tl.store(o_rows[:, None] + dd[None, :], o.to(tl.float16), mask=row_ok[:, None])
+    dt = DN + tl.arange(0, RD)
+    kwt = tl.load(win_rows[:, None] + dt[None, :], mask=w_ok[:, None], other=0.0)
+    kbt = tl.load(blk_rows[:, None] + dt[None, :], mask=b_ok[:, None], other=0.0)
+    ot = tl.math.div_rn(tl.dot(pb, kbt, tl.dot(pw, kwt)), den[:, None])           # (BM, RD), pairs interleaved
+    oe, oo = tl.split(tl.reshape(ot, (BM, RD // 2, 2)))
+    i = tl.arange(0, RD // 2)
+    ang = tl.load(pos_ptr + b * BLK + j, mask=row_ok, other=0).to(tl.float32)[:, None] * tl.load(inv_freq_ptr + i)[None, :]
+    cos = tl.cos(ang.to(tl.float64)).to(tl.float32)
+    sin = tl.sin(ang.to(tl.float64)).to(tl.float32)
+    y = tl.reshape(tl.join(oe * cos + oo * sin, oo * cos - oe * sin), (BM, RD))
+    tl.store(o_rows[:, None] + dt[None, :], y.to(tl.float16), mask=row_ok[:, None])
+
+
+def attend(q: torch.Tensor, window: torch.Tensor, valid: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor,
+           scale: float, pos: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """`Attention._attend` on the unconcatenated keys: q (bsz, B, H, D) fp16, window (bsz, W, D) fp16 with valid
+    (bsz, W), kv (bsz, B, D) fp16 the block's own rows, pos (bsz*B,) -> o (bsz, B, H, D) fp16."""
+    bsz, blk, nh, D = q.shape
+    W = window.shape[1]
+    out = torch.empty_like(q)
+    bm, bd = 16, 64
+    if (D - rope_dim) % bd:
+        raise ValueError(f"attend: head_dim - rope_dim = {D - rope_dim} must be a multiple of {bd}")
+    grid = (bsz, triton.cdiv(blk * nh, bm))
+    # bool -> uint8 is a view (no kernel)
+    vb = valid.contiguous().view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8).contiguous()
+    _attend_kernel[grid](q.contiguous(), window.contiguous(), vb, kv.contiguous(),
+                         sink, pos.contiguous(), inv_freq, out, scale, nh, blk, W,
+                         D=D, RD=rope_dim, BM=bm, BW=max(16, triton.next_power_of_2(W)),
+                         BB=max(16, triton.next_power_of_2(blk)), BD=bd, num_warps=4, num_stages=3, **LAUNCH_OPTS)
+    return out

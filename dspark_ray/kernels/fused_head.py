@@ -1,0 +1,83 @@
+"""Fused head kernels: one step of the Markov loop on a vocabulary shard (`model/heads.py`)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_ops import F16, F32, LAUNCH_OPTS
+
+
+@triton.jit
+def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_ptr, logits_ptr, part_ptr,
+                           V, NB, R: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr, KEEP: tl.constexpr):
+    """Program (request b, block of BV vocab rows) of one Markov step: me = f16(markov_w1[prev[b]]);
+    l = lg[b, step] + f16(markov_w2 me + b2), NaN -> -inf; the block's (max, first argmax, runner-up)."""
+    b = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    r = tl.arange(0, R)
+    me = tl.load(w1_ptr + tl.load(prev_ptr + b) * R + r).to(tl.float16)
+    if nb == 0:
+        tl.store(me_ptr + b * R + r, me)
+    v = nb * BV + tl.arange(0, BV)
+    ok = v < V
+    w2 = tl.load(w2_ptr + v.to(tl.int64)[:, None] * R + r[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    y = tl.sum(w2 * me.to(tl.float32)[None, :], axis=1)
+    if HAS_BIAS:
+        y = y + tl.load(b2_ptr + v, mask=ok, other=0.0).to(tl.float32)
+    l = tl.load(lg_ptr + b * lg_row + v, mask=ok, other=0.0).to(tl.float32) + y.to(tl.float16).to(tl.float32)
+    if KEEP:
+        tl.store(logits_ptr + b * V + v, l, mask=ok)
+    l = tl.where((l != l) | ~ok, float("-inf"), l)
+    m1 = tl.max(l, axis=0)
+    i1 = tl.min(tl.where(l == m1, v, 2147483647), axis=0)
+    m2 = tl.max(tl.where(v == i1, float("-inf"), l), axis=0)
+    base = part_ptr + (b * NB + nb) * 3
+    tl.store(base, m1)
+    tl.store(base + 1, i1.to(tl.float32))         # < 2^24: exact in fp32
+    tl.store(base + 2, m2)
+
+
+@triton.jit
+def _markov_top_kernel(part_ptr, top1_ptr, top2_ptr, idx_ptr, NB, start, NBP: tl.constexpr):
+    """Per request: the blocks' partials -> (max, first argmax + start, runner-up). Blocks are in vocabulary
+    order, so the lowest block holding the max holds the first argmax."""
+    b = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, NBP)
+    ok = k < NB
+    base = part_ptr + (b * NB + k) * 3
+    m1 = tl.load(base, mask=ok, other=float("-inf"))
+    i1 = tl.load(base + 1, mask=ok, other=0.0)
+    m2 = tl.load(base + 2, mask=ok, other=float("-inf"))
+    best = tl.max(m1, axis=0)
+    win = tl.min(tl.where(ok & (m1 == best), k, NBP), axis=0)
+    tl.store(top1_ptr + b, best)
+    tl.store(top2_ptr + b, tl.max(tl.where(k == win, m2, m1), axis=0))
+    tl.store(idx_ptr + b, tl.sum(tl.where(k == win, i1, 0.0), axis=0).to(tl.int64) + start)
+
+
+MARKOV_BV = 128
+
+
+def markov_step(lg: torch.Tensor, step: int, prev: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                b2: torch.Tensor | None, start: int, keep_logits: bool):
+    """One step of the Markov loop on one vocabulary shard: lg (bsz, n_out, V) fp16 / fp32 trunk logits,
+    prev (bsz,) the previous tokens -> (me (bsz, r) fp16, top1 (bsz,) fp32, top2 (bsz,) fp32, global argmax
+    (bsz,) int64, logits (bsz, V) fp32 or None). Ties go to the lower id; a NaN logit never wins."""
+    bsz, _, V = lg.shape
+    R = w2.shape[1]
+    dev = lg.device
+    nb = triton.cdiv(V, MARKOV_BV)
+    me = torch.empty((bsz, R), dtype=F16, device=dev)
+    logits = torch.empty((bsz, V), dtype=F32, device=dev) if keep_logits else me
+    part = torch.empty((bsz, nb, 3), dtype=F32, device=dev)
+    top1 = torch.empty(bsz, dtype=F32, device=dev)
+    top2 = torch.empty(bsz, dtype=F32, device=dev)
+    idx = torch.empty(bsz, dtype=torch.int64, device=dev)
+    lg_s = lg[:, step]
+    _markov_partial_kernel[(bsz, nb)](lg_s, lg.stride(0), prev.contiguous(), w1, w2, w2 if b2 is None else b2, me,
+                                      logits, part, V, nb, R=R, BV=MARKOV_BV, HAS_BIAS=b2 is not None,
+                                      KEEP=keep_logits, num_warps=8, **LAUNCH_OPTS)
+    _markov_top_kernel[(bsz,)](part, top1, top2, idx, nb, start, NBP=triton.next_power_of_2(nb), num_warps=8,
+                               **LAUNCH_OPTS)
+    return me, top1, top2, idx, (logits if keep_logits else None)

@@ -1,0 +1,164 @@
+"""Fused mHC kernels: the mix dots, the collapse (pre / post / Sinkhorn / c) with the sublayer's RMS norm, the
+HyperHead, the expand (`model/mhc.py`)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_ops import F16, F32, LAUNCH_OPTS, norm_scale, rsqrt64, sigmoid64, exp64
+
+
+@triton.jit
+def _mhc_mix_kernel(x_ptr, fn_ptr, out_ptr, L, N_OUT, BLOCK: tl.constexpr):
+    """Program (row, o): o < N_OUT: dot(X_row, fn16[o]); o == N_OUT: sum(X_row^2). X_row is the row's M*h streams."""
+    r = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1)
+    is_sq = o == N_OUT
+    oc = tl.minimum(o, N_OUT - 1).to(tl.int64)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, L, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        m = offs < L
+        x = tl.load(x_ptr + r * L + offs, mask=m, other=0.0)
+        f = tl.load(fn_ptr + oc * L + offs, mask=m, other=0.0).to(tl.float32)
+        acc += x * tl.where(is_sq, x, f)
+    tl.store(out_ptr + r * (N_OUT + 1) + o, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _weighted_streams(xr, H, offs, m, p0, p1, p2, p3):
+    """c = sum_k pre_k X_k on one chunk of h, k in order, no FMA (`mhc._weighted_streams`)."""
+    c = p0 * tl.load(xr + offs, mask=m, other=0.0)
+    c = c + p1 * tl.load(xr + H + offs, mask=m, other=0.0)
+    c = c + p2 * tl.load(xr + 2 * H + offs, mask=m, other=0.0)
+    return c + p3 * tl.load(xr + 3 * H + offs, mask=m, other=0.0)
+
+
+@triton.jit
+def _mhc_combine_kernel(x_ptr, v_ptr, base_ptr, scale_ptr, w_ptr, norm_out_ptr, pre_out_ptr, post_ptr, comb_ptr,
+                        H, L, N_OUT, hc_eps, norm_eps, iters,
+                        HEAD: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per row: logits -> pre / post / Sinkhorn comb, c = sum_k pre_k X_k, then the RMS norm of c.
+    HEAD (the HyperHead): only pre; c stays fp32 and is also written out (the head's pre-norm state)."""
+    r = tl.program_id(0).to(tl.int64)
+    L1 = N_OUT + 1
+    rho = rsqrt64(tl.math.div_rn(tl.load(v_ptr + r * L1 + N_OUT), L.to(tl.float32)) + norm_eps)
+    i4 = tl.arange(0, 4)
+    s0 = tl.load(scale_ptr)
+    pre = sigmoid64((tl.load(v_ptr + r * L1 + i4) * rho) * s0 + tl.load(base_ptr + i4)) + hc_eps
+    if not HEAD:
+        s1 = tl.load(scale_ptr + 1)
+        s2 = tl.load(scale_ptr + 2)
+        post = 2.0 * sigmoid64((tl.load(v_ptr + r * L1 + 4 + i4) * rho) * s1 + tl.load(base_ptr + 4 + i4))
+        ij = i4[:, None] * 4 + i4[None, :]                        # [source a, destination b]
+        s = (tl.load(v_ptr + r * L1 + 8 + ij) * rho) * s2 + tl.load(base_ptr + 8 + ij)
+        e = exp64(s - tl.max(s, axis=1)[:, None])
+        p = tl.math.div_rn(e, tl.sum(e, axis=1)[:, None]) + hc_eps
+        p = tl.math.div_rn(p, tl.sum(p, axis=0)[None, :] + hc_eps)
+        for _ in range(iters - 1):
+            p = tl.math.div_rn(p, tl.sum(p, axis=1)[:, None] + hc_eps)
+            p = tl.math.div_rn(p, tl.sum(p, axis=0)[None, :] + hc_eps)
+        tl.store(post_ptr + r * 4 + i4, post)
+        tl.store(comb_ptr + r * 16 + ij, p)
+    p0 = tl.sum(tl.where(i4 == 0, pre, 0.0), axis=0)
+    p1 = tl.sum(tl.where(i4 == 1, pre, 0.0), axis=0)
+    p2 = tl.sum(tl.where(i4 == 2, pre, 0.0), axis=0)
+    p3 = tl.sum(tl.where(i4 == 3, pre, 0.0), axis=0)
+    xr = x_ptr + r * 4 * H
+    # Pass 1: c and its sum of squares. Pass 2 recomputes c (same ops, same bits) rather than re-reading it, so no
+    # program reads what another thread of it wrote.
+    ss = tl.zeros((BLOCK,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK):
+        offs = h0 + tl.arange(0, BLOCK)
+        m = offs < H
+        c = _weighted_streams(xr, H, offs, m, p0, p1, p2, p3)
+        if HEAD:
+            tl.store(pre_out_ptr + r * H + offs, c, mask=m)
+        else:
+            c = c.to(tl.float16).to(tl.float32)
+        ss += c * c
+    rn = norm_scale(tl.sum(ss, axis=0), H.to(tl.float32), norm_eps)
+    for h0 in range(0, H, BLOCK):
+        offs = h0 + tl.arange(0, BLOCK)
+        m = offs < H
+        c = _weighted_streams(xr, H, offs, m, p0, p1, p2, p3)
+        if not HEAD:
+            c = c.to(tl.float16).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(norm_out_ptr + r * H + offs, ((c * w) * rn).to(tl.float16), mask=m)
+
+
+@triton.jit
+def _mhc_expand_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, H, BLOCK: tl.constexpr):
+    """X'[k] = post_k * y + sum_i comb[i, k] * X[i], i in order, no FMA: the reference's exact bits."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < H
+    xr = x_ptr + r * 4 * H
+    x0 = tl.load(xr + offs, mask=m)
+    x1 = tl.load(xr + H + offs, mask=m)
+    x2 = tl.load(xr + 2 * H + offs, mask=m)
+    x3 = tl.load(xr + 3 * H + offs, mask=m)
+    y = tl.load(y_ptr + r * H + offs, mask=m)
+    for k in tl.static_range(4):
+        acc = tl.load(post_ptr + r * 4 + k) * y
+        acc = acc + tl.load(comb_ptr + r * 16 + k) * x0
+        acc = acc + tl.load(comb_ptr + r * 16 + 4 + k) * x1
+        acc = acc + tl.load(comb_ptr + r * 16 + 8 + k) * x2
+        acc = acc + tl.load(comb_ptr + r * 16 + 12 + k) * x3
+        tl.store(out_ptr + r * 4 * H + k * H + offs, acc, mask=m)
+
+
+def _fn16(fn: torch.Tensor) -> torch.Tensor:
+    """The mixing rows rounded to fp16 (the reference's rounding point), made once per weight."""
+    t = getattr(fn, "_dspark_fn16", None)
+    if t is None:
+        t = fn.to(F16).contiguous()
+        fn._dspark_fn16 = t
+    return t
+
+
+def _mix(x: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    rows, L = x.shape[0], x.shape[1] * x.shape[2]
+    n_out = fn.shape[0]
+    v = torch.empty((rows, n_out + 1), dtype=F32, device=x.device)
+    _mhc_mix_kernel[(rows, n_out + 1)](x, _fn16(fn), v, L, n_out, BLOCK=4096, num_warps=8, **LAUNCH_OPTS)
+    return v
+
+
+def mhc_collapse_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                      norm_w: torch.Tensor, *, iters: int, hc_eps: float, norm_eps: float):
+    """`HcSite.collapse` followed by `rms_norm(c, norm_w)`: x (rows, 4, h) fp32 -> (normed (rows, h) fp16,
+    post (rows, 4), comb (rows, 4, 4))."""
+    x = x.contiguous()
+    rows, m, h = x.shape
+    v = _mix(x, fn)
+    normed = torch.empty((rows, h), dtype=F16, device=x.device)
+    post = torch.empty((rows, m), dtype=F32, device=x.device)
+    comb = torch.empty((rows, m, m), dtype=F32, device=x.device)
+    _mhc_combine_kernel[(rows,)](x, v, base, scale, norm_w, normed, normed, post, comb, h, m * h, fn.shape[0],
+                                 hc_eps, norm_eps, iters, HEAD=False, BLOCK=2048, num_warps=8, **LAUNCH_OPTS)
+    return normed, post, comb
+
+
+def hyper_head_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                    norm_w: torch.Tensor, *, hc_eps: float, norm_eps: float):
+    """`HyperHead` then the final `rms_norm`: x (rows, 4, h) -> (prenorm (rows, h) fp32, normed (rows, h) fp16)."""
+    x = x.contiguous()
+    rows, m, h = x.shape
+    v = _mix(x, fn)
+    normed = torch.empty((rows, h), dtype=F16, device=x.device)
+    prenorm = torch.empty((rows, h), dtype=F32, device=x.device)
+    _mhc_combine_kernel[(rows,)](x, v, base, scale, norm_w, normed, prenorm, prenorm, prenorm, h, m * h,
+                                 fn.shape[0], hc_eps, norm_eps, 1, HEAD=True, BLOCK=2048, num_warps=8, **LAUNCH_OPTS)
+    return prenorm, normed
+
+
+def mhc_expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    x, y = x.contiguous(), y.contiguous()
+    rows, m, h = x.shape
+    out = torch.empty_like(x)
+    _mhc_expand_kernel[(rows, triton.cdiv(h, 1024))](x, y, post.contiguous(), comb.contiguous(), out, h,
+                                                     BLOCK=1024, num_warps=4, **LAUNCH_OPTS)
+    return out

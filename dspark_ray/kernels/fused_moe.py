@@ -1,0 +1,220 @@
+"""Fused MoE kernels: SwiGLU, the router's top-k, the routed experts (per pair and grouped by expert)
+(`model/moe.py`)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_ops import F16, F32, LAUNCH_OPTS, swiglu_math
+from .gemm import BLOCK_K, BLOCK_N, NUM_WARPS
+
+
+@triton.jit(do_not_specialize=["N"])
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, limit, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    g = tl.load(g_ptr + offs, mask=m, other=0.0)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0)
+    tl.store(out_ptr + offs, swiglu_math(g, u, limit), mask=m)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """g, u: the gate / up projections (fp32 accumulators or fp16), same shape -> fp16 activation."""
+    g, u = g.contiguous(), u.contiguous()
+    out = torch.empty(g.shape, dtype=F16, device=g.device)
+    n = g.numel()
+    if n:
+        _swiglu_kernel[(triton.cdiv(n, 1024),)](g, u, out, n, float(limit), BLOCK=1024, num_warps=4, **LAUNCH_OPTS)
+    return out
+
+
+@triton.jit
+def _expert_dot(x_row, w_rows, K, n_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 (BLOCK_N,) = W[rows] @ x over K: BLOCK_K chunks in sequence, each a fixed tl.sum tree. One row, one
+    expert: no other row takes part (batch invariant). Shared by every indexed kernel, so they agree bit for bit."""
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        xk = tl.load(x_row + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        wt = tl.load(w_rows[:, None] + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                     other=0.0).to(tl.float32)
+        acc += tl.sum(wt * xk[None, :], axis=1)      # fp16 x fp16 products are exact in fp32
+    return acc
+
+
+@triton.jit
+def _indexed_kernel(x_ptr, w_ptr, idx_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[p] = x[p] @ w[idx[p]].T, one program per (row p, block of N); reads the expert in place."""
+    p = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    e = tl.load(idx_ptr + p).to(tl.int64)          # int64: e * N * K exceeds 2^31 for large expert stacks
+    acc = _expert_dot(x_ptr + p * K, w_ptr + (e * N + offs_n) * K, K, n_mask, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + p * N + offs_n, acc, mask=n_mask)
+
+
+@triton.jit
+def _grouped_expert_kernel(x_ptr, w1_ptr, w3_ptr, idx_ptr, out_ptr, P, N, K, X_DIV, limit,
+                           GATED: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Routed experts, grouped: program (pair p, block of N) works only when p is the first pair routed to its
+    expert; it then takes every pair of that expert (up to BM per pass) through one read of the expert's weights.
+    Pair t reads input row t // X_DIV. GATED: out[t] = swiglu(x W1^T, x W3^T) fp16, else out[t] = x W1^T fp32.
+
+    Each pair's row is its own row of a tl.dot: the products and the accumulation order of an output element
+    depend only on that row and the weights, not on which other pairs share the tile or where in the tile it
+    sits (batch invariant; tested alone against batched)."""
+    p = tl.program_id(0)
+    e = tl.load(idx_ptr + p)
+    first = P
+    for c0 in range(0, P, BM):
+        t = c0 + tl.arange(0, BM)
+        ids = tl.load(idx_ptr + t, mask=t < P, other=-1)
+        first = tl.minimum(first, tl.min(tl.where(ids == e, t, P), axis=0))
+    if first == p:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        w_rows = (e.to(tl.int64) * N + offs_n) * K
+        for c0 in range(p, P, BM):
+            t = c0 + tl.arange(0, BM)
+            ok = (t < P) & (tl.load(idx_ptr + t, mask=t < P, other=-1) == e)
+            if tl.max(ok.to(tl.int32), axis=0) > 0:
+                x_rows = x_ptr + (t // X_DIV).to(tl.int64) * K
+                acc1 = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+                acc3 = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    kk = k0 + tl.arange(0, BLOCK_K)
+                    k_ok = kk < K
+                    xk = tl.load(x_rows[:, None] + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+                    w1 = tl.load(w1_ptr + w_rows[None, :] + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                                 other=0.0)
+                    acc1 = tl.dot(xk, w1, acc1)
+                    if GATED:
+                        w3 = tl.load(w3_ptr + w_rows[None, :] + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                                     other=0.0)
+                        acc3 = tl.dot(xk, w3, acc3)
+                dst = out_ptr + t.to(tl.int64)[:, None] * N + offs_n[None, :]
+                if GATED:
+                    tl.store(dst, swiglu_math(acc1, acc3, limit), mask=ok[:, None] & n_ok[None, :])
+                else:
+                    tl.store(dst, acc1, mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _expert_combine_kernel(d_ptr, idx_ptr, wt_ptr, shared_ptr, out_ptr, H,
+                           KC: tl.constexpr, KCP: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r] = sum_j w_j * d[r*KC + j] over the row's choices in ascending expert id (as `Experts`), + shared."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < H
+    jj = tl.arange(0, KCP)
+    ids = tl.load(idx_ptr + r * KC + jj, mask=jj < KC, other=2147483647)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for _ in tl.static_range(KC):
+        e = tl.min(ids, axis=0)
+        j = tl.min(tl.where(ids == e, jj, KCP), axis=0)        # the choice holding the lowest remaining id
+        ids = tl.where(jj == j, 2147483647, ids)
+        d = tl.load(d_ptr + (r * KC + j) * H + offs, mask=m, other=0.0)
+        acc = acc + tl.load(wt_ptr + r * KC + j).to(tl.float32) * d
+    acc = acc + tl.load(shared_ptr + r * H + offs, mask=m, other=0.0)
+    tl.store(out_ptr + r * H + offs, acc, mask=m)
+
+
+# Fixed blocking of every expert kernel (no autotune: see the module docstring).
+EXPERT_BLOCK_N, EXPERT_BLOCK_K, EXPERT_WARPS = BLOCK_N, BLOCK_K, NUM_WARPS
+
+
+def indexed_linear(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """fp32 (P, N): out[p] = x[p] @ w[idx[p]].T. x (P, K) fp16-valued, w (E, N, K) fp16 contiguous, idx (P,)."""
+    p, k = x.shape
+    n = w.shape[1]
+    out = torch.empty((p, n), dtype=F32, device=x.device)
+    if p:
+        _indexed_kernel[(p, triton.cdiv(n, EXPERT_BLOCK_N))](
+            x.to(F16).contiguous(), w.contiguous(), idx.contiguous(), out, n, k,
+            BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K, num_warps=EXPERT_WARPS, **LAUNCH_OPTS)
+    return out
+
+
+GROUP_BM = 64      # pairs of one expert per pass (a graph step has at most 4 x 5 rows x top-3 = 60 pairs)
+
+
+def _grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, experts: torch.Tensor, x_div: int,
+             limit: float) -> torch.Tensor:
+    p = experts.numel()
+    n, k = w1.shape[1], w1.shape[2]
+    gated = w3 is not None
+    out = torch.empty((p, n), dtype=F16 if gated else F32, device=x.device)
+    if p:
+        _grouped_expert_kernel[(p, triton.cdiv(n, EXPERT_BLOCK_N))](
+            x.to(F16).contiguous(), w1, w3 if gated else w1, experts.contiguous(), out, p, n, k, x_div,
+            float(limit), GATED=gated, BM=GROUP_BM, BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K,
+            num_warps=EXPERT_WARPS, **LAUNCH_OPTS)
+    return out
+
+
+def expert_act(f: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, experts: torch.Tensor,
+               limit: float) -> torch.Tensor:
+    """fp16 (n*k, I): the SwiGLU activation of each (row, choice) pair; f (n, h) fp16, experts (n, k)."""
+    return _grouped(f, w1, w3, experts, experts.shape[1], limit)
+
+
+def expert_out(act: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+               shared: torch.Tensor) -> torch.Tensor:
+    """fp32 (n, h): the weighted routed outputs (ascending expert id) plus the shared expert's `shared`."""
+    n, kc = experts.shape
+    h = w2.shape[1]
+    d = _grouped(act, w2, None, experts, 1, 0.0)
+    out = torch.empty((n, h), dtype=F32, device=act.device)
+    if n:
+        _expert_combine_kernel[(n, triton.cdiv(h, 1024))](
+            d, experts.contiguous(), weights.contiguous(), shared.contiguous(), out, h,
+            KC=kc, KCP=triton.next_power_of_2(kc), BLOCK=1024, num_warps=4, **LAUNCH_OPTS)
+    return out
+
+
+@triton.jit
+def _route_kernel(lg_ptr, bsel_ptr, experts_ptr, weights_ptr, E, scaling,
+                  TOPK: tl.constexpr, EP: tl.constexpr):
+    """`Router` on one row of fp16 logits: sc = sqrt(softplus(l)) (fp64 softplus), key = sc + bias (NaN -> -inf),
+    top-k by key with ties to the lower id (the stable sort's order), weights f16(sc * scaling / (sum + 1e-20))
+    with the sum in selection order."""
+    r = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, EP)
+    ok = e < E
+    l = tl.load(lg_ptr + r * E + e, mask=ok, other=0.0).to(tl.float64)
+    y = tl.exp(l)
+    u = 1.0 + y
+    lp = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))      # log1p(y) to a few fp64 ulps (Goldberg)
+    sp = tl.where(l > 20.0, l, lp).to(tl.float32)
+    sc = tl.sqrt_rn(sp)
+    key = sc + tl.load(bsel_ptr + e, mask=ok, other=0.0)
+    key = tl.where(key != key, float("-inf"), key)
+    taken = ~ok
+    den = 0.0
+    for t in tl.static_range(TOPK):
+        best = tl.max(tl.where(taken, float("-inf"), key), axis=0)
+        pick = tl.min(tl.where((key == best) & ~taken, e, EP), axis=0)
+        taken = taken | (e == pick)
+        tl.store(experts_ptr + r * TOPK + t, pick.to(tl.int64))
+        c = tl.sum(tl.where(e == pick, sc, 0.0), axis=0)
+        if t == 0:
+            den = c
+        else:
+            den = den + c
+    for t in tl.static_range(TOPK):
+        pick = tl.load(experts_ptr + r * TOPK + t)
+        c = tl.sum(tl.where(e == pick, sc, 0.0), axis=0)
+        tl.store(weights_ptr + r * TOPK + t, tl.math.div_rn(c * scaling, den + 1e-20).to(tl.float16))
+
+
+def route(lg: torch.Tensor, bsel: torch.Tensor, top_k: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """lg (n, E) fp16 router logits -> (experts (n, k) int64 in selection order, weights (n, k) fp16)."""
+    n, E = lg.shape
+    experts = torch.empty((n, top_k), dtype=torch.int64, device=lg.device)
+    weights = torch.empty((n, top_k), dtype=F16, device=lg.device)
+    if n:
+        _route_kernel[(n,)](lg.contiguous(), bsel, experts, weights, E, float(scaling), TOPK=top_k,
+                            EP=triton.next_power_of_2(E), num_warps=4, **LAUNCH_OPTS)
+    return experts, weights

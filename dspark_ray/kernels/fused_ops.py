@@ -1,0 +1,140 @@
+"""Shared pieces of the fused kernels (`kernels/fused.py`): fp64-evaluated transcendentals rounded once to fp32,
+the norm scale, the head-norm weight rule, the SwiGLU math, the launch options; and the two kernels of
+`model/ops.py`: the RMS norm and the small-linear GEMM."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+F16, F32 = torch.float16, torch.float32
+# No FMA contraction: a * b + c rounds twice, as the reference's separate torch ops do.
+LAUNCH_OPTS = dict(enable_fp_fusion=False)
+
+
+# ----------------------------------------------------------------------------------------------- device helpers
+
+@triton.jit
+def rsqrt64(x):
+    """rsqrt in fp64, rounded once to fp32 (as `ops.rsqrt`)."""
+    return (1.0 / tl.sqrt(x.to(tl.float64))).to(tl.float32)      # sqrt.rn.f64, div.rn.f64
+
+
+@triton.jit
+def sigmoid64(x):
+    """sigmoid in fp64, rounded once to fp32 (as `ops.sigmoid`)."""
+    return (1.0 / (1.0 + tl.exp(-x.to(tl.float64)))).to(tl.float32)
+
+
+@triton.jit
+def exp64(x):
+    return tl.exp(x.to(tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def norm_scale(ss, n, eps):
+    """r = rsqrt(sum(x^2) / n + eps), as `ops.rms_norm` and `ops.head_norm` compute it (n: fp32)."""
+    return rsqrt64(tl.math.div_rn(ss, n) + eps)
+
+
+@triton.jit
+def apply_head_weight(xr, w, W_MODE: tl.constexpr):
+    """`ops.head_norm`'s weight rule on xr = x * r (fp32): 0 no weight, 1 fp16 weight (round xr first), 2 a
+    bf16 / fp32 weight (one rounding). Returns fp16."""
+    if W_MODE == 0:
+        return xr.to(tl.float16)
+    elif W_MODE == 1:
+        return (xr.to(tl.float16).to(tl.float32) * w).to(tl.float16)
+    else:
+        return (xr * w).to(tl.float16)
+
+
+
+@triton.jit
+def swiglu_math(g, u, limit):
+    """`ops.swiglu(f16(g), f16(u), limit)` elementwise: silu in fp16 steps (exp in fp64), clamps, one rounding."""
+    g = g.to(tl.float16).to(tl.float32)
+    u = u.to(tl.float16).to(tl.float32)
+    t = exp64(-g).to(tl.float16).to(tl.float32)
+    t = (1.0 + t).to(tl.float16).to(tl.float32)
+    rc = tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), t).to(tl.float16).to(tl.float32)
+    s = (g * rc).to(tl.float16).to(tl.float32)
+    if limit > 0:
+        s = tl.minimum(s, limit, propagate_nan=tl.PropagateNan.ALL)      # torch.clamp keeps a NaN
+        u = tl.minimum(tl.maximum(u, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                       propagate_nan=tl.PropagateNan.ALL)
+    return (s * u).to(tl.float16)
+
+
+
+# ------------------------------------------------------------------------------------------------ norms, RoPE
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, eps, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    ss = tl.zeros((BLOCK,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK):
+        offs = h0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + r * H + offs, mask=offs < H, other=0.0).to(tl.float32)
+        ss += x * x
+    rn = norm_scale(tl.sum(ss, axis=0), H.to(tl.float32), eps)
+    for h0 in range(0, H, BLOCK):
+        offs = h0 + tl.arange(0, BLOCK)
+        m = offs < H
+        x = tl.load(x_ptr + r * H + offs, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * H + offs, ((x * w) * rn).to(tl.float16), mask=m)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """`ops.rms_norm`: x (..., h) fp16 / fp32 -> fp16."""
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h).contiguous()
+    out = torch.empty(x2.shape, dtype=F16, device=x.device)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, w, out, h, eps, BLOCK=1024, num_warps=4, **LAUNCH_OPTS)
+    return out.reshape(x.shape)
+
+
+# ------------------------------------------------------------------------------------------------ small linears
+
+@triton.jit
+def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, OUT_F16: tl.constexpr, BM: tl.constexpr,
+                        BN: tl.constexpr, BK: tl.constexpr):
+    """out (M, N) = x (M, K) @ w (N, K).T, fp32 accumulation: program (block of BN outputs, block of BM rows).
+    Each row is its own row of a tl.dot of a fixed tile shape, so its bits never depend on the other rows."""
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    c_ok = cols < N
+    r_ok = rows < M
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        k_ok = kk < K
+        xt = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                     other=0.0).to(tl.float16)
+        wt = tl.load(w_ptr + cols.to(tl.int64)[None, :] * K + kk[:, None], mask=k_ok[:, None] & c_ok[None, :],
+                     other=0.0)
+        acc = tl.dot(xt, wt, acc)
+    dst = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    if OUT_F16:
+        tl.store(dst, acc.to(tl.float16), mask=r_ok[:, None] & c_ok[None, :])
+    else:
+        tl.store(dst, acc, mask=r_ok[:, None] & c_ok[None, :])
+
+
+ROWS_BM, ROWS_BN, ROWS_BK = 32, 16, 128
+
+
+def rows_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = F32) -> torch.Tensor:
+    """x (..., K) fp16-valued @ w (N, K).T -> out_dtype (..., N), one launch reading x in place: the small
+    linears of the step, where cuBLAS's padded call costs a pad copy, the GEMM and a split-K reduce."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m, n = x2.shape[0], w.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m:
+        _rows_linear_kernel[(triton.cdiv(n, ROWS_BN), triton.cdiv(m, ROWS_BM))](
+            x2, w.contiguous(), out, m, n, k, OUT_F16=out_dtype == F16, BM=ROWS_BM, BN=ROWS_BN, BK=ROWS_BK,
+            num_warps=4, num_stages=4, **LAUNCH_OPTS)
+    return out.reshape(*lead, n)
