@@ -7,8 +7,10 @@ process or the card of a given kind) with library-speed throughput:
 * `padded_linear` (dense layers): cuBLAS, always called with one (PAD_ROWS, N, K) shape. cuBLAS picks its
   algorithm by a deterministic heuristic of (shape, dtype, device, workspace, alignment), so fixing the shape
   fixes the kernel, and a GEMM kernel never mixes rows, so a row's result cannot depend on the batch.
-* `indexed_linear` (routed experts): a Triton kernel, one program per (row, N block), a fixed reduction order over
-  K, reading only the row's own expert (gathering `w[idx]` would copy up to 15 experts x 23.6 MB per matrix).
+* `indexed_linear` (routed experts, one (row, expert) pair at a time): a Triton kernel, one program per (row, N
+  block), a fixed reduction order over K, reading only the row's own expert (gathering `w[idx]` would copy up to
+  15 experts x 23.6 MB per matrix). The fast path's MoE runs the grouped kernels of `fused_moe` instead, which
+  read each expert once for all its pairs; this one stays as the ops-level indexed matmul and their reference.
 
 `pin_determinism` pins what could otherwise change bits between processes or cards. Nothing that picks kernels by
 timing (per card, per process, per run) may be on, since timings differ and so would the chosen kernel and its bits:
