@@ -106,6 +106,19 @@ def _small(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.is_cuda and w.numel() * w.element_size() <= SMALL_WEIGHT_BYTES
 
 
+def _padded_mm(x: torch.Tensor, w: torch.Tensor, mm, out_dtype: torch.dtype) -> torch.Tensor:
+    """x (..., K) @ w.T through `mm(chunk, w)` on chunks of exactly PAD_ROWS rows of a padded copy of x."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m, n = x2.shape[0], w.shape[0]
+    if m == 0:
+        return torch.empty((*lead, n), dtype=out_dtype, device=x.device)
+    xp, chunks = _padded_rows(x2)
+    outs = [mm(xp[c * PAD_ROWS:(c + 1) * PAD_ROWS], w) for c in range(chunks)]
+    out = outs[0] if chunks == 1 else torch.cat(outs)
+    return out[:m].reshape(*lead, n)
+
+
 def padded_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Batch-invariant fp32 x @ w.T: x (..., K) fp16-valued, w (N, K) fp16 -> fp32 (..., N).
 
@@ -117,15 +130,7 @@ def padded_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if _small(x, w):
         from .fused import rows_linear
         return rows_linear(x, w, torch.float32)
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    m, n = x2.shape[0], w.shape[0]
-    if m == 0:
-        return torch.empty((*lead, n), dtype=torch.float32, device=x.device)
-    xp, chunks = _padded_rows(x2)
-    outs = [_mm_f32(xp[c * PAD_ROWS:(c + 1) * PAD_ROWS], w) for c in range(chunks)]
-    out = outs[0] if chunks == 1 else torch.cat(outs)
-    return out[:m].reshape(*lead, n)
+    return _padded_mm(x, w, _mm_f32, torch.float32)
 
 
 def padded_linear_f16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -134,15 +139,9 @@ def padded_linear_f16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if _small(x, w):
         from .fused import rows_linear
         return rows_linear(x, w, torch.float16)
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    m, n = x2.shape[0], w.shape[0]
-    if m == 0 or not x.is_cuda:
+    if not x.is_cuda:
         return ops.f16(padded_linear(x, w))
-    xp, chunks = _padded_rows(x2)
-    outs = [torch.mm(xp[c * PAD_ROWS:(c + 1) * PAD_ROWS], w.t()) for c in range(chunks)]
-    out = outs[0] if chunks == 1 else torch.cat(outs)
-    return out[:m].reshape(*lead, n)
+    return _padded_mm(x, w, lambda xc, w: torch.mm(xc, w.t()), torch.float16)
 
 
 def padded_grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

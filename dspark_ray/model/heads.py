@@ -8,6 +8,7 @@ i.e. the lower shard). NaN policy: a NaN logit never wins (it is replaced by -in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -57,15 +58,26 @@ class DraftHead:
     def __call__(self, normed: torch.Tensor, prenorm: torch.Tensor, seeds: torch.Tensor, n_out: int,
                  want_margins: bool, keep_logits: bool = False) -> HeadOut:
         """normed (bsz, B, h) fp16 final-norm output; prenorm (bsz, B, h) fp32 HyperHead output; seeds (bsz,)."""
-        drafts, margins, embs, logits = [], [], [], []
-        step = ops.fused("markov_step")
-        if step is None:
+        fused_step = ops.fused("markov_step")
+        if fused_step is None:
             lg = [linear(normed[:, :n_out], s.head).float() for s in self.shards]      # only the rows we draft
-            self._loop(lg, seeds.to(torch.int64), n_out, want_margins, keep_logits, drafts, margins, embs, logits)
-        else:
+            step = self._step
+        else:                                     # the kernel reads the fp16 logits (one kernel pair per shard)
             lg = [linear(normed[:, :n_out], s.head) for s in self.shards]
-            self._fused_loop(step, lg, seeds.to(torch.int64), n_out, want_margins, keep_logits, drafts, margins,
-                             embs, logits)
+            step = partial(self._fused_step, fused_step)
+        prev = seeds.to(torch.int64)
+        drafts, margins, embs, logits = [], [], [], []
+        for i in range(n_out):                    # sequential: each draft feeds the next step's Markov embedding
+            me, tops, ls = step(lg, i, prev, want_margins, keep_logits)
+            embs.append(me)
+            if keep_logits:
+                logits.append(torch.cat(ls, dim=-1))
+            if want_margins:
+                top1, top2, prev = self.coll.top2_exchange(tops)
+                margins.append(top1 - top2)
+            else:
+                _, prev = self.coll.max_exchange(tops)
+            drafts.append(prev)
         # Confidence of row i from [f16(prenorm_i) ; markov embedding of the token that predicted d_{i+1}].
         ci = torch.cat((f16(prenorm[:, :n_out]), torch.stack(embs, dim=1)), dim=-1)
         c = linear(ci, self.conf_w, bias=self.conf_b)[..., 0]
@@ -78,35 +90,18 @@ class DraftHead:
             logits=torch.stack(logits, dim=1) if keep_logits else None,
         )
 
-    def _loop(self, lg, prev, n_out, want_margins, keep_logits, drafts, margins, embs, logits):
-        """The sequential Markov loop: each draft feeds the next step's Markov embedding."""
-        for i in range(n_out):
-            me = f16(self.markov_w1[prev])                                          # (bsz, r) bf16 -> fp16
-            embs.append(me)
-            ls = [lg[k][:, i] + linear(me, s.markov_w2, bias=s.markov_b2).float()
-                  for k, s in enumerate(self.shards)]
-            if keep_logits:
-                logits.append(torch.cat(ls, dim=-1))
-            if want_margins:
-                top1, top2, prev = self.coll.top2_exchange([_local_top(l, s.start, True)
-                                                            for l, s in zip(ls, self.shards)])
-                margins.append(top1 - top2)
-            else:
-                _, prev = self.coll.max_exchange([_local_top(l, s.start, False) for l, s in zip(ls, self.shards)])
-            drafts.append(prev)
+    def _step(self, lg, i, prev, want_top2: bool, keep_logits: bool):
+        """One Markov step in the reference ops: (me, each shard's local top, each shard's logits)."""
+        me = f16(self.markov_w1[prev])                                              # (bsz, r) bf16 -> fp16
+        ls = [lg[k][:, i] + linear(me, s.markov_w2, bias=s.markov_b2).float() for k, s in enumerate(self.shards)]
+        return me, [_local_top(l, s.start, want_top2) for l, s in zip(ls, self.shards)], ls
 
-    def _fused_loop(self, step, lg, prev, n_out, want_margins, keep_logits, drafts, margins, embs, logits):
-        """The Markov loop through the fused `markov_step` kernel: the same picks as the reference loop (the
-        Markov GEMV in the kernel's own order), the shards' local tops meeting in the same exchanges."""
-        for i in range(n_out):
-            outs = [step(lg[k], i, prev, self.markov_w1, s.markov_w2, s.markov_b2, s.start, keep_logits)
-                    for k, s in enumerate(self.shards)]
-            embs.append(outs[0][0])
-            if keep_logits:
-                logits.append(torch.cat([o[4] for o in outs], dim=-1))
-            if want_margins:
-                top1, top2, prev = self.coll.top2_exchange([(o[1], o[2], o[3]) for o in outs])
-                margins.append(top1 - top2)
-            else:
-                _, prev = self.coll.max_exchange([(o[1], o[3]) for o in outs])
-            drafts.append(prev)
+    def _fused_step(self, kernel, lg, i, prev, want_top2: bool, keep_logits: bool):
+        """The same step through the fused `markov_step` kernel (its Markov GEMV in the kernel's own order)."""
+        tops, ls, me = [], [], None
+        for k, s in enumerate(self.shards):
+            me, top1, top2, idx, l = kernel(lg[k], i, prev, self.markov_w1, s.markov_w2, s.markov_b2, s.start,
+                                            keep_logits)
+            tops.append((top1, top2, idx) if want_top2 else (top1, idx))
+            ls.append(l)
+        return me, tops, ls
