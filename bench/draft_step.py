@@ -11,7 +11,7 @@ CUDA graph set (`graphs.GraphSet`, batch-invariant kernels of `kernels/gemm.py`)
 input upload and the replay (as the engine runs a step). The pair's step time of one replay is the smaller of the
 two ranks' times: the rank that arrived last never waits for its peer, so its time is the step's critical path
 (the other's includes the host skew between the ranks' launches). Also: the context insert (1-6, 20, 128 rows,
-taps uploaded from the host), per-card memory, distinct experts read per step, the byte bound (bytes one step
+taps uploaded from the host), a STEP's whole engine work (insert + draft), per-card memory, distinct experts read per step, the byte bound (bytes one step
 reads / 4.2 TB/s), and a profile of the stages at 1 request (kernel time under the drafter's `dspark.*` ranges).
 """
 from __future__ import annotations
@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 SEED000 = ((1, 5), (1, 4), (2, 5), (2, 4), (3, 5), (3, 4), (4, 5), (4, 4))
 INSERT_ROWS = (1, 2, 3, 4, 5, 6, 20, 128)
+STEP_ROWS = (1, 3, 6)                  # a STEP at 1 request, n_out 5: these rows inserted, then the draft
 HBM_TBPS = 4.2         # what cuBLAS reached on these shapes (../shared/probes/gemm_bw.py)
 
 
@@ -66,16 +67,15 @@ def ensure_checkpoint(preset: str, path: str) -> None:
     log(f"synthesized in {time.time() - t0:.1f} s")
 
 
-def _slots(d, cfg, n, rows, start):
-    """n slots, each holding `rows` context rows at [start, start + rows): full windows."""
+def _slots(gs, cfg, n, rows, start):
+    """The first n slots of the graph set, each holding `rows` context rows at [start, start + rows): full
+    windows (inserted through the insert graphs)."""
     from dspark_ray import workload
     out = []
     for i in range(n):
-        st = d.new_slot()
+        st = gs.slots[i]
         g = torch.Generator().manual_seed(100 + i)
-        ids, taps = torch.randint(0, cfg.vocab_size, (rows,), generator=g), workload.make_taps(cfg, rows, g)
-        for c in range(0, rows, 128):                               # an insert takes at most 128 rows
-            d.insert(st, start + c, ids[c:c + 128], taps[c:c + 128])
+        gs.run([(st, start, workload.make_taps(cfg, rows, g))], [], [], 1, False)
         out.append(st)
     return out
 
@@ -119,13 +119,14 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     dense, expert_b, resident = weight_bytes(weights)
     del weights             # the drafter holds what it uses (the routed experts stacked, the per-expert tensors freed)
     log(f"{mode} rank {rank}: loaded {resident / 2**30:.2f} GiB in {time.time() - t0:.1f} s ({describe_matmul()})")
-    gs = GraphSet(d)
+    gs = GraphSet(d, n_slots=5)
     gs.capture(lambda k, n: log(f"{mode} rank {rank}: captured {k}/{n}") if k % 15 == 0 or k == n else None)
     log(f"{mode} rank {rank}: {gs.n_graphs} graphs in {gs.capture_seconds:.2f} s, {gs.graph_bytes / 2**20:.0f} MiB")
-    states = _slots(d, cfg, 4, cfg.sliding_window + 32, args.start)
+    states = _slots(gs, cfg, 4, cfg.sliding_window + 32, args.start)
     res = {"mode": mode, "rank": rank, "capture_s": round(gs.capture_seconds, 3),
            "graph_mib": round(gs.graph_bytes / 2**20, 1), "resident_gib": round(resident / 2**30, 3),
-           "dense_bytes_per_step": dense, "expert_bytes": expert_b, "draft": {}, "insert": {}, "experts": {}}
+           "dense_bytes_per_step": dense, "expert_bytes": expert_b, "draft": {}, "insert": {}, "step": {},
+           "experts": {}}
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     for bsz, n_out in SEED000:
         seeds = [17 + 1000 * r for r in range(bsz)]
@@ -138,7 +139,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
             if barrier:
                 barrier()
             ev[0].record()
-            gs.draft(states[:bsz], seeds, n_out, False)
+            gs.run([], states[:bsz], seeds, n_out, False)
             ev[1].record()
             ev[1].synchronize()
             if i >= args.warmup:
@@ -154,23 +155,36 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
         res["draft"][f"{bsz},{n_out}"]["byte_bound_ms"] = round(read / (HBM_TBPS * 1e12) * 1e3, 4)
         log(f"{mode} rank {rank}: {bsz} req n_out {n_out}: p50 {res['draft'][f'{bsz},{n_out}']['p50_ms']:.3f} ms")
     from dspark_ray import workload
-    st = d.new_slot()
-    for rows in INSERT_ROWS:
-        g = torch.Generator().manual_seed(rows)
-        taps = workload.make_taps(cfg, rows, g)
-        ids = torch.randint(0, cfg.vocab_size, (rows,), generator=g)
+
+    def timed(fn, n):
         times = []
-        for i in range(args.warmup + args.replays // 3):
-            st.reset()
+        for i in range(args.warmup + n):
             if barrier:
                 barrier()
             ev[0].record()
-            d.insert(st, 0, ids, taps, rows_fn=gs.context_rows)      # the taps' upload + the replay + the write
+            fn()
             ev[1].record()
             ev[1].synchronize()
             if i >= args.warmup:
                 times.append(ev[0].elapsed_time(ev[1]))
-        res["insert"][str(rows)] = stats(times)
+        return stats(times)
+
+    st = gs.slots[4]
+    for rows in INSERT_ROWS:             # the taps' upload + the insert replay (rows scattered into the pool)
+        taps = workload.make_taps(cfg, rows, torch.Generator().manual_seed(rows))
+
+        def insert():
+            st.reset()
+            gs.run([(st, 0, taps)], [], [], 1, False)
+        res["insert"][str(rows)] = timed(insert, args.replays // 3)
+    top = states[0].position
+    for rows in STEP_ROWS:               # a STEP's engine work: one upload, the insert replay, the draft replay, one D2H
+        taps = workload.make_taps(cfg, rows, torch.Generator().manual_seed(rows))
+
+        def step():
+            states[0].rollback(top - rows)
+            gs.run([(states[0], top - rows, taps)], states[:1], [17], 5, False)
+        res["step"][str(rows)] = timed(step, args.replays)
     res["profile_1req"] = profile(d, states, args)
     res["graph_kernels_1req"] = graph_kernels(gs, states)
     free, total = torch.cuda.mem_get_info()
@@ -203,11 +217,11 @@ def graph_kernels(gs, states, n: int = 10, top: int = 15) -> dict:
     """What one graph replay at 1 request, n_out 5 runs: kernels per step, their summed time, the top kernels."""
     from torch.profiler import ProfilerActivity
     for _ in range(3):
-        gs.draft(states[:1], [17], 5, False)
+        gs.run([], states[:1], [17], 5, False)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
-            gs.draft(states[:1], [17], 5, False)
+            gs.run([], states[:1], [17], 5, False)
         torch.cuda.synchronize()
     rows = [(e.key, (getattr(e, "device_time_total", None) or e.cuda_time_total) / n, e.count / n)
             for e in prof.key_averages() if e.device_type.name == "CUDA"]
@@ -299,16 +313,16 @@ def markdown(out: dict) -> str:
         lines.append(f"| {k} | {r.get('tp1_ms')} | {r.get('pair_ms')} | {r.get('pair_over_tp1', '')} | "
                      f"{r.get('solo_ms')} | {r.get('collectives_share', '')} | {r.get('pair_over_byte_bound', '')} "
                      f"| {ex} |")
-    lines += ["", "Context insert (taps uploaded from the host + replay + slot write), p50 ms:", "",
-              "| rows | " + " | ".join(m for m in ("tp1", "solo", "pair") if m in out) + " |",
-              "|---|" + "---|" * sum(m in out for m in ("tp1", "solo", "pair"))]
-    for rows in INSERT_ROWS:
-        vals = []
-        for m in ("tp1", "solo", "pair"):
-            if m in out:
-                src = out[m]["rank0"] if m == "pair" else out[m]
-                vals.append(str(src["insert"][str(rows)]["p50_ms"]))
-        lines.append(f"| {rows} | " + " | ".join(vals) + " |")
+    modes = [m for m in ("tp1", "solo", "pair") if m in out]
+    for title, key, row_counts in (
+            ("Context insert alone (the taps' upload + the insert replay, rows scattered into the slot pool), p50 ms:",
+             "insert", INSERT_ROWS),
+            ("A STEP's engine work at 1 request, n_out 5 (`GraphSet.run`: one upload, the insert replay, the draft "
+             "replay, one download), p50 ms:", "step", STEP_ROWS)):
+        lines += ["", title, "", "| rows | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+        for rows in row_counts:
+            vals = [str((out[m]["rank0"] if m == "pair" else out[m])[key][str(rows)]["p50_ms"]) for m in modes]
+            lines.append(f"| {rows} | " + " | ".join(vals) + " |")
     lines += ["", "Kernel time per stage at 1 request, n_out 5 (us, eager under the profiler):", ""]
     for m in ("tp1", "solo", "pair"):
         if m in out:

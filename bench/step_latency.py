@@ -102,7 +102,8 @@ def main() -> None:
             (res,) = c.step([ent], deadline_ms=60_000)
             tcp.append((time.perf_counter() - t0) * 1e3)
             assert res.code == Code.OK, res.reason
-    rank_ms = ray.get(fe.status.remote())["ranks"][0]["recent_step_ms"]
+    st = ray.get(fe.status.remote())
+    rank_ms = st["ranks"][0]["recent_step_ms"]
     teardown("bench")
     ray.shutdown()
 
@@ -125,6 +126,17 @@ def main() -> None:
         "tcp_step": summary(tcp[skip:]),
         # What the service adds around the ranks' own step: front-end checks, batching, ring, TCP, client.
         "overhead_p50_ms": round(statistics.median(tcp[skip:]) - statistics.median(rank_ms[skip:]), 3),
+        # Where a round trip goes, outside in (p50 of each layer's own clock; the differences are each layer's
+        # share): the client's round trip > the front-end's STEP (frame received -> reply built) > one batch on
+        # the pair (ring publish -> both completions) > each rank's engine step (checks + the step's work) > the
+        # step's work alone (GraphSet.run on a GPU rank: upload, insert and draft replays, download).
+        "layers": {
+            "tcp_round_trip": summary(tcp[skip:]),
+            "frontend_step": summary(st["recent"]["step_ms"][skip:]),
+            "pair_run": summary(st["recent"]["pair_run_ms"][skip:]),
+            **{f"rank{r}_engine_step": summary(st["ranks"][r]["recent_step_ms"][skip:]) for r in range(2)},
+            **{f"rank{r}_step_work": summary(st["ranks"][r]["recent_run_ms"][skip:]) for r in range(2)},
+        },
         "ring_roundtrip": ring_rows,
     }
     print(json.dumps(out, indent=1))

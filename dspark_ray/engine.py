@@ -11,6 +11,7 @@ step fails, the latch stays open.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -120,11 +121,14 @@ class RankEngine:
         self.graphs = None
         if graphs:
             from .graphs import GraphSet
-            self.graphs = GraphSet(drafter)
+            self.graphs = GraphSet(drafter, n_slots)
             self.graphs.capture(progress)
-        self.slots: list[SlotState] = [drafter.new_slot() for _ in range(n_slots)]
+            self.slots: list[SlotState] = self.graphs.slots     # the rings live in the graph set's pool
+        else:
+            self.slots = [drafter.new_slot() for _ in range(n_slots)]
         self.broken: str | None = None
         self.steps = 0
+        self.run_ms: collections.deque[float] = collections.deque(maxlen=2000)   # inserts + draft of each step
         self.failed_steps = 0
         self.last_error = ""
         self.fault_hook = None          # callable(phase: str) -> None, set by the fault injector (off by default)
@@ -176,20 +180,10 @@ class RankEngine:
         done = False       # every collective of the step has completed
         try:
             self._hook("start")
-            rows_fn = self.graphs.context_rows if self.graphs else None
-            for i in good:
-                e = entries[i]
-                self.drafter.insert(self.slots[e.slot], e.start, e.token_ids, self._taps(e), e.rollback_to,
-                                    rows_fn=rows_fn)
             if good:
-                n_out = max(entries[i].n_out for i in good)
-                margins = any(entries[i].want_margins for i in good)
-                states = [self.slots[entries[i].slot] for i in good]
-                seeds = [entries[i].seed for i in good]
-                if self.graphs and len(good) <= self.graphs.max_requests:
-                    res = self.graphs.draft(states, seeds, n_out, margins)
-                else:
-                    res = self.drafter.draft(states, seeds, n_out, margins)
+                t0 = time.perf_counter()
+                res = self._run(entries, good)
+                self.run_ms.append((time.perf_counter() - t0) * 1e3)
                 for j, i in enumerate(good):
                     k = entries[i].n_out
                     conf = res.confidences[j, :k]
@@ -213,6 +207,31 @@ class RankEngine:
             raise StepFailed(self.last_error) from e
         return outs  # type: ignore[return-value]
 
+    def _run(self, entries: list[StepEntry], good: list[int]):
+        """Rollbacks and inserts of the checked entries, then one batched draft. The graph engine takes every
+        insert and the draft in back-to-back replays (no host work between them); the eager path inserts entry by
+        entry. A batch wider than the graph set drafts eagerly over the same slots."""
+        n_out = max(entries[i].n_out for i in good)
+        margins = any(entries[i].want_margins for i in good)
+        states = [self.slots[entries[i].slot] for i in good]
+        seeds = [entries[i].seed for i in good]
+        if self.graphs is None:
+            for i in good:
+                e = entries[i]
+                self.drafter.insert(self.slots[e.slot], e.start, e.token_ids, self._taps(e), e.rollback_to)
+            return self.drafter.draft(states, seeds, n_out, margins)
+        inserts = []
+        for i in good:
+            e = entries[i]
+            if e.rollback_to >= 0:
+                self.slots[e.slot].rollback(e.rollback_to)
+            if e.taps is not None and e.taps.shape[0]:
+                inserts.append((self.slots[e.slot], e.start, e.taps))
+        if len(good) <= self.graphs.max_requests:
+            return self.graphs.run(inserts, states, seeds, n_out, margins)
+        self.graphs.run(inserts, [], [], n_out, margins)
+        return self.drafter.draft(states, seeds, n_out, margins)
+
     def _hook(self, phase: str) -> None:
         if self.fault_hook is not None:
             self.fault_hook(phase)
@@ -220,7 +239,7 @@ class RankEngine:
     def status(self) -> dict:
         st = {"rank": self.rank, "steps": self.steps, "failed_steps": self.failed_steps,
               "broken": self.broken, "last_error": self.last_error, "collectives": self.coll.describe(),
-              "time": time.time()}
+              "time": time.time(), "recent_run_ms": list(self.run_ms)}
         if self.graphs:
             st["graphs"] = {"count": self.graphs.n_graphs, "capture_s": round(self.graphs.capture_seconds, 3),
                             "bytes": self.graphs.graph_bytes}

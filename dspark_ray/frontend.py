@@ -4,16 +4,17 @@
 `Pair` (`actors.frontend.PairManager`: the step ring and the rank actors).
 
 Per STEP, nothing reaches a rank before every field was checked: stateless rules (contract.validate_entries),
-then the slot's owner, generation and cursor (position gap, rollback depth) here. Valid entries go to one
-dispatcher thread, which merges entries of concurrent clients into one batch of up to `max_entries_per_replay`
-while the ranks are busy, and sends a lone entry at once when they are idle. An entry still queued when its
-STEP's deadline passes answers DEADLINE and never runs, so its slot is unchanged.
+then the slot's owner, generation and cursor (position gap, rollback depth) here. Valid entries join one queue.
+The STEP's own thread runs the batch when the pair is idle (no thread hand-off on the idle path: each one costs a
+wake-up of tens of microseconds); while a batch runs, other callers' entries wait in the queue, and the next
+caller to find the pair free takes every queued entry (up to `max_entries_per_replay`) into one batch. An entry
+still queued when its STEP's deadline passes answers DEADLINE and never runs, so its slot is unchanged.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -73,17 +74,18 @@ class StepService(C.StepHandler):
         self.sessions: dict[int, dict] = {}
         self._ids = itertools.count(1)
         self.lock = threading.Lock()
-        self.queue: queue.Queue[_Pending | None] = queue.Queue()
+        self.queue: collections.deque[_Pending] = collections.deque()
+        self._turn = threading.Condition()         # guards the queue and `_running`; notified when a batch ends
+        self._running = False                      # a batch is on the pair
         self.pending_resets: set[int] = set()
         self.worker_generation = 0
         self.unavailable: str | None = None if pair is not None else "starting"
         self.on_failure = on_failure
         self.stats = {"steps": 0, "entries": 0, "batches": 0, "deadline": 0, "internal": 0, "bad_entry": 0,
                       "stale": 0, "unavailable": 0, "batch_sizes": [0] * (limits.max_entries_per_replay + 1)}
+        self.timings = {"step_ms": collections.deque(maxlen=2000),        # STEP received -> reply built
+                        "pair_run_ms": collections.deque(maxlen=2000)}    # one batch on the pair (ring included)
         self.last_errors: list[str] = []
-        self._stop = False
-        self._dispatcher = threading.Thread(target=self._dispatch_loop, name="dspark-dispatch", daemon=True)
-        self._dispatcher.start()
 
     # -- sessions --------------------------------------------------------------------------------------------------
     def open_session(self, peer: str) -> int:
@@ -183,14 +185,12 @@ class StepService(C.StepHandler):
                     p = _Pending(k, e, deadline)
                     self.slots[e.slot].busy = True
                     pend.append(p)
+        with self._turn:
+            self.queue.extend(pend)
         for p in pend:
-            self.queue.put(p)
-        for p in pend:
-            # The dispatcher answers every queued entry (DEADLINE if it expires before it runs); the bound here
-            # only guards against a dispatcher that died.
-            if not p.done.wait(max(0.0, (deadline - time.monotonic_ns()) / 1e9) + 30.0):
-                p.result = C.error_result(C.Code.INTERNAL, "front-end dispatcher did not answer")
+            self._drive(p)
             results[p.index] = p.result
+        self.timings["step_ms"].append((time.monotonic_ns() - received_ns) / 1e6)
         return C.StepReply(results=results)  # type: ignore[arg-type]
 
     def _admit(self, session: int, e: C.Entry, why: str | None) -> C.EntryResult | None:
@@ -219,46 +219,47 @@ class StepService(C.StepHandler):
             return C.error_result(C.Code.BAD_ENTRY, f"slot {e.slot}: {w}", gen)
         return None
 
-    # -- the dispatcher --------------------------------------------------------------------------------------------
-    def _take_batch(self) -> list[_Pending]:
-        first = self.queue.get()
-        if first is None:
-            return []
-        batch, later, slots = [first], [], {first.entry.slot}
-        while len(batch) < self.limits.max_entries_per_replay:
+    # -- batches ---------------------------------------------------------------------------------------------------
+    def _drive(self, p: _Pending) -> None:
+        """Return once `p` is answered: run a batch on this thread whenever the pair is free, else wait for the
+        running batch to end (its caller may have taken `p` along)."""
+        while not p.done.is_set():
+            with self._turn:
+                while self._running and not p.done.is_set():
+                    self._turn.wait(1.0)
+                if p.done.is_set():
+                    return
+                self._running = True
+                batch = self._take_batch()
             try:
-                p = self.queue.get_nowait()
-            except queue.Empty:
-                break
-            if p is None:
-                self._stop = True
-                break
-            (later if p.entry.slot in slots else batch).append(p)
-            slots.add(p.entry.slot)
-        for p in later:                  # never reached: a slot has one entry in flight (checked at admission)
-            self.queue.put(p)
-        return batch
+                self._dispatch(batch)
+            finally:
+                with self._turn:
+                    self._running = False
+                    self._turn.notify_all()
 
-    def _dispatch_loop(self) -> None:
-        while not self._stop:
-            batch = self._take_batch()
-            if not batch:
-                continue
-            now = time.monotonic_ns()
-            live = []
-            for p in batch:
-                if now > p.deadline_ns:
-                    self.stats["deadline"] += 1
-                    self._finish(p, C.error_result(C.Code.DEADLINE, "deadline passed before the entry could run",
-                                                   self.slots[p.entry.slot].cursor.generation))
-                elif self.unavailable:
-                    self.stats["unavailable"] += 1
-                    self._finish(p, C.error_result(C.Code.UNAVAILABLE, f"pair unavailable: {self.unavailable}",
-                                                   self.slots[p.entry.slot].cursor.generation))
-                else:
-                    live.append(p)
-            if live:
-                self._run(live)
+    def _take_batch(self) -> list[_Pending]:
+        """Up to `max_entries_per_replay` queued entries, oldest first (caller holds `_turn`). A slot has at most
+        one entry in flight (checked at admission), so a batch never holds a slot twice."""
+        n = min(len(self.queue), self.limits.max_entries_per_replay)
+        return [self.queue.popleft() for _ in range(n)]
+
+    def _dispatch(self, batch: list[_Pending]) -> None:
+        now = time.monotonic_ns()
+        live = []
+        for p in batch:
+            if now > p.deadline_ns:
+                self.stats["deadline"] += 1
+                self._finish(p, C.error_result(C.Code.DEADLINE, "deadline passed before the entry could run",
+                                               self.slots[p.entry.slot].cursor.generation))
+            elif self.unavailable:
+                self.stats["unavailable"] += 1
+                self._finish(p, C.error_result(C.Code.UNAVAILABLE, f"pair unavailable: {self.unavailable}",
+                                               self.slots[p.entry.slot].cursor.generation))
+            else:
+                live.append(p)
+        if live:
+            self._run(live)
 
     def _run(self, live: list[_Pending]) -> None:
         with self.lock:
@@ -270,8 +271,10 @@ class StepService(C.StepHandler):
         self.stats["batches"] += 1
         self.stats["entries"] += len(live)
         self.stats["batch_sizes"][len(live)] += 1
+        t0 = time.monotonic_ns()
         try:
             results = self.pair.run(rb)
+            self.timings["pair_run_ms"].append((time.monotonic_ns() - t0) / 1e6)
         except PairFailure as f:
             self.stats["internal"] += len(live)
             msg = f"batch failed closed ({f.kind}): {f.reason}"
@@ -318,13 +321,12 @@ class StepService(C.StepHandler):
         p.done.set()
 
     def close(self) -> None:
-        self._stop = True
-        self.queue.put(None)
-        self._dispatcher.join(5)
+        """Nothing to stop: batches run on the callers' threads."""
 
     def status(self) -> dict:
         with self.lock:
             held = sum(s.owner is not None for s in self.slots)
         return {"worker_generation": self.worker_generation, "unavailable": self.unavailable,
                 "slots": {"capacity": len(self.slots), "held": held}, "sessions": len(self.sessions),
-                "stats": dict(self.stats), "last_errors": list(self.last_errors)}
+                "stats": dict(self.stats), "last_errors": list(self.last_errors),
+                "recent": {k: list(v) for k, v in self.timings.items()}}

@@ -1,10 +1,25 @@
 """CUDA graphs of one rank's step: the draft for every (requests 1..4) x (n_out 1..B) x (plain, margins) bucket and the
-context insert for row buckets up to 128, captured once at start-up over static input buffers.
+context insert for row buckets up to 128, captured once at start-up over static buffers.
+
+The set owns its slots: every slot's main-kv ring lives in one pool tensor (one spare slot takes the pad rows of
+an insert bucket), so a captured graph reads and writes any slot by index. A step's inputs travel in one pinned
+host buffer and one host-to-device copy:
+
+    int64  seeds, p0, slot (R each), ring rows of the window (R*W) | insert positions, slots, ring rows (T each)
+    bool   window-valid flags (R*W)
+    fp16   the insert's taps (T rows)
+
+(R = max requests, W = window, T = the largest insert bucket). The insert graph computes the rows' main-kv and
+scatters them into the pool; the draft graph gathers the windows from the pool, runs `Drafter.forward`, and packs
+drafts, confidences, margins and confident lengths into one fp64 tensor that comes back in one device-to-host copy
+(int64 ids and fp32 scores are exact in fp64). Nothing else runs on the host between the two replays.
 
 Replaying a graph runs the very kernels the eager path runs (`Drafter.forward`, `Drafter.context_rows`), so a replay
 gives the eager bits; a bucket with more rows than the request needs pads with rows whose results are dropped (every
-dense layer is row-invariant, so a real row's bits do not depend on the padding). The scalar inputs of a step
-(seeds, p0, window masks) live in one int64 device buffer filled by one host-to-device copy per step.
+dense layer is row-invariant, so a real row's bits do not depend on the padding).
+
+On a CPU (tests) the same buffers and functions run without capture, so the packing, gather and scatter are
+checked against the eager path in CI.
 
 Collectives are recorded through `coll.graph_capture()` and replayed through `coll.replay(graph, n)`: the push
 backend keeps its epoch book that way (each replay advances the device epochs by the graph's collective count), and
@@ -15,8 +30,10 @@ collective sequence.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .model.drafter import DraftOut, Drafter
@@ -25,119 +42,254 @@ from .model.state import SlotState
 INSERT_BUCKETS = (8, 16, 32, 64, 128)
 
 
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None     # None on a CPU: `fn` runs directly
+    fn: Callable[[], object]
+    out: object
+    n_collectives: int
+
+
+class _Inputs:
+    """The step's input buffer: one uint8 tensor on the device, its pinned host twin, and typed views of both."""
+
+    def __init__(self, R: int, W: int, T: int, width: int, device: torch.device):
+        sizes = {"seeds": R, "p0": R, "slot": R, "ring": R * W, "ins_pos": T, "ins_slot": T, "ins_ring": T}
+        self.off: dict[str, tuple[int, int]] = {}
+        o = 0
+        for k, n in sizes.items():
+            self.off[k] = (o, n)
+            o += 8 * n
+        self.off["valid"] = (o, R * W)
+        o += -(-R * W // 8) * 8
+        self.off["taps"] = (o, T * width)
+        self.width = width
+        self.nbytes = o + 2 * T * width
+        self.dev = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        cuda = device.type == "cuda"
+        self.host = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=cuda)
+        self.host_np = self.host.numpy()
+        self.uploaded = torch.cuda.Event() if cuda else None
+
+    def _view(self, buf, k):
+        o, n = self.off[k]
+        dtype = {"valid": torch.bool, "taps": torch.float16}.get(k, torch.int64)
+        return buf[o:o + n * (1 if dtype == torch.bool else 2 if dtype == torch.float16 else 8)].view(dtype)
+
+    def dev_view(self, k: str) -> torch.Tensor:
+        return self._view(self.dev, k)
+
+    def host_view(self, k: str) -> np.ndarray:
+        o, n = self.off[k]
+        dtype = {"valid": np.bool_, "taps": np.float16}.get(k, np.int64)
+        return self.host_np[o:o + n * np.dtype(dtype).itemsize].view(dtype)
+
+    def writable(self) -> None:
+        """Wait until the last upload has left the pinned buffer (its copy runs asynchronously)."""
+        if self.uploaded is not None:
+            self.uploaded.synchronize()
+
+    def upload(self, end: int) -> None:
+        """Copy bytes [0, end) to the device in one copy."""
+        self.dev[:end].copy_(self.host[:end], non_blocking=True)
+        if self.uploaded is not None:
+            self.uploaded.record()
+
+
 class GraphSet:
-    def __init__(self, drafter: Drafter, max_requests: int = 4, n_outs: tuple[int, ...] | None = None,
-                 insert_buckets: tuple[int, ...] = INSERT_BUCKETS):
+    def __init__(self, drafter: Drafter, n_slots: int = 16, max_requests: int = 4,
+                 n_outs: tuple[int, ...] | None = None, insert_buckets: tuple[int, ...] = INSERT_BUCKETS):
         self.d = drafter
         self.coll = drafter.coll
         c = drafter.cfg
         dev = drafter.device
+        self.cuda = dev.type == "cuda"
         self.max_requests = max_requests
         self.n_outs = n_outs or tuple(range(1, c.block_size + 1))
         self.insert_buckets = insert_buckets
-        W, D = c.sliding_window, c.head_dim
-        R = max_requests
-        # One packed int64 buffer: seeds (R), p0 (R), window-valid flags (R*W). One upload per step.
-        self.packed = torch.zeros(2 * R + R * W, dtype=torch.int64, device=dev)
-        self.host = torch.zeros_like(self.packed, device="cpu").pin_memory()
-        self.uploaded = torch.cuda.Event()         # marks when the pinned buffer's last upload is done
-        self.windows = [torch.zeros(R, W, D, dtype=torch.float16, device=dev) for _ in range(c.n_blocks)]
-        self.taps = torch.zeros(max(insert_buckets), c.n_taps * c.hidden_size, dtype=torch.float16, device=dev)
-        self.pos = torch.zeros(max(insert_buckets), dtype=torch.int64, device=dev)
-        self.draft_graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, DraftOut, int]] = {}
-        self.insert_graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[torch.Tensor], int]] = {}
-        self.pool = None
+        self.W = c.sliding_window
+        # Every slot's ring in one tensor; the last slot is the scratch that takes an insert bucket's pad rows.
+        proto = drafter.new_slot()
+        self.pool = torch.zeros((n_slots + 1,) + tuple(proto.kv.shape), dtype=torch.float16, device=dev)
+        self.capacity = proto.capacity
+        self.slots = [SlotState(c.n_blocks, self.W, proto.max_rows, c.head_dim, dev, kv=self.pool[i], index=i)
+                      for i in range(n_slots)]
+        self.scratch = n_slots
+        self.inp = _Inputs(max_requests, self.W, max(insert_buckets), c.n_taps * c.hidden_size, dev)
+        self.inp.host_view("ins_slot")[:] = self.scratch          # until a step says otherwise, rows go to scratch
+        self.inp.upload(self.inp.nbytes)
+        n_out_max = max(self.n_outs)
+        self.out_host = torch.zeros(max_requests * (3 * n_out_max + 1), dtype=torch.float64, pin_memory=self.cuda)
+        self.draft_graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self.insert_graphs: dict[int, _Graph] = {}
+        self.mempool = None
         self.capture_seconds = 0.0
         self.graph_bytes = 0
 
-    def _views(self, bsz: int):
-        R, W = self.max_requests, self.d.cfg.sliding_window
-        seeds = self.packed[:bsz]
-        p0 = self.packed[R:R + bsz]
-        valid = self.packed[2 * R:2 * R + bsz * W].view(bsz, W) != 0
-        return seeds, p0, [w[:bsz] for w in self.windows], valid
+    # -- what the graphs run -------------------------------------------------------------------------------------
+    def _draft_fn(self, bsz: int, n_out: int, margins: bool) -> torch.Tensor:
+        """Gather the windows from the pool, draft, pack the outputs: (bsz, n_out * (2 or 3) + 1) fp64."""
+        v = self.inp.dev_view
+        windows, valid = self._windows(bsz)
+        out = self.d.forward(v("seeds")[:bsz], v("p0")[:bsz], windows, valid, n_out, margins)
+        parts = [out.drafts, out.confidences] + ([out.margins] if margins else []) + [out.confident_len[:, None]]
+        return torch.cat([p.to(torch.float64) for p in parts], dim=1)
 
+    def _windows(self, bsz: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The staged requests' windows, per block (bsz, W, D), and their valid flags (bsz, W): what
+        `Drafter.window_inputs` gives for the same slots."""
+        v, W = self.inp.dev_view, self.W
+        slot, ring = v("slot")[:bsz], v("ring")[:bsz * W].view(bsz, W)
+        # pool (S, blocks, cap, D) -> (blocks, bsz, W, D): one gather for every block
+        windows = self.pool.permute(1, 0, 2, 3)[:, slot[:, None], ring]
+        return list(windows.unbind(0)), v("valid")[:bsz * W].view(bsz, W)
+
+    def _insert_fn(self, rows: int) -> None:
+        """The main-kv of `rows` tap rows, scattered into the pool at (slot, block, ring row)."""
+        v = self.inp.dev_view
+        taps = v("taps")[:rows * self.inp.width].view(rows, self.inp.width)
+        kv = self.d.context_rows(taps, v("ins_pos")[:rows])
+        slot, ring = v("ins_slot")[:rows], v("ins_ring")[:rows]
+        for b, r in enumerate(kv):
+            self.pool[slot, b, ring] = r
+        return None
+
+    # -- capture ---------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Capture every graph (warm-up on a side stream first: kernels loaded, caches built, no lazy loading
-        inside a capture)."""
+        inside a capture). On a CPU, only record the functions."""
         t0 = time.monotonic()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()     # cached free blocks would hide the graphs' memory from the device-level count
-        free0 = torch.cuda.mem_get_info()[0]
         keys = [(b, k, m) for b in range(1, self.max_requests + 1) for k in self.n_outs for m in (False, True)]
         total, done = len(keys) + len(self.insert_buckets), 0
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for b, k, m in keys:         # every shape once: a kernel specialised by shape compiles here, not in capture
-                self.d.forward(*self._views(b), k, m)
-            for rows in self.insert_buckets:
-                self.d.context_rows(self.taps[:rows], self.pos[:rows])
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        for b, k, m in keys:
-            g, out, n = self._capture(lambda: self.d.forward(*self._views(b), k, m))
-            self.draft_graphs[(b, k, m)] = (g, out, n)
+        fns = [(("draft", key), lambda key=key: self._draft_fn(*key)) for key in keys]
+        fns += [(("insert", rows), lambda rows=rows: self._insert_fn(rows)) for rows in self.insert_buckets]
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()     # cached free blocks would hide the graphs' memory from the device count
+            free0 = torch.cuda.mem_get_info()[0]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _, fn in fns:        # every shape once: a kernel specialised by shape compiles here
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+        for (kind, key), fn in fns:
+            g = self._capture(fn) if self.cuda else _Graph(None, fn, None, 0)
+            (self.draft_graphs if kind == "draft" else self.insert_graphs)[key] = g
             done += 1
             if progress:
                 progress(done, total)
-        for rows in self.insert_buckets:
-            g, out, n = self._capture(lambda: self.d.context_rows(self.taps[:rows], self.pos[:rows]))
-            self.insert_graphs[rows] = (g, out, n)
-            done += 1
-            if progress:
-                progress(done, total)
-        torch.cuda.synchronize()
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.graph_bytes = max(0, free0 - torch.cuda.mem_get_info()[0])
         self.capture_seconds = time.monotonic() - t0
-        self.graph_bytes = max(0, free0 - torch.cuda.mem_get_info()[0])
 
-    def _capture(self, fn):
+    def _capture(self, fn) -> _Graph:
         g = torch.cuda.CUDAGraph()
         with self.coll.graph_capture() as info:
-            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(g, pool=self.mempool, capture_error_mode="thread_local"):
                 out = fn()
-        self.pool = self.pool or g.pool()
-        return g, out, info.n_collectives
+        self.mempool = self.mempool or g.pool()
+        return _Graph(g, fn, out, info.n_collectives)
 
     @property
     def n_graphs(self) -> int:
         return len(self.draft_graphs) + len(self.insert_graphs)
 
-    # -- replays -----------------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def draft(self, states: list[SlotState], seeds: list[int], n_out: int, want_margins: bool) -> DraftOut:
-        """The graph twin of `Drafter.draft` (inputs already checked): fill the static buffers, replay, and return
-        copies (the graph's output buffers are rewritten by the next replay)."""
-        bsz, R, W = len(states), self.max_requests, self.d.cfg.sliding_window
-        h = self.host
-        self.uploaded.synchronize()        # the last step's upload has left the pinned buffer before we rewrite it
-        h.zero_()
-        h[:bsz] = torch.tensor(seeds)
-        h[R:R + bsz] = torch.tensor([s.position for s in states])
-        for r, s in enumerate(states):           # the window's valid flags, from the host-side cursor (no D2H)
-            h[2 * R + r * W: 2 * R + (r + 1) * W] = s.window_valid().to(torch.int64)
-        self.packed.copy_(h, non_blocking=True)
-        self.uploaded.record()
-        for n, buf in enumerate(self.windows):
-            for r, s in enumerate(states):
-                s.copy_window(n, buf[r])
-        g, out, n = self.draft_graphs[(bsz, n_out, want_margins)]
-        self.coll.replay(g, n)
-        return DraftOut(**{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in vars(out).items()})
+    def _replay(self, g: _Graph):
+        if g.graph is None:
+            return g.fn()
+        self.coll.replay(g.graph, g.n_collectives)
+        return g.out
+
+    # -- a step ----------------------------------------------------------------------------------------------------
+    def _stage_draft(self, states: list[SlotState], seeds: list[int]) -> None:
+        """Write the draft's scalars into the pinned buffer (numpy: no device work, no torch op per request)."""
+        h, W, cap = self.inp.host_view, self.W, self.capacity
+        back = np.arange(-W, 0)
+        seeds_h, p0_h, slot_h = h("seeds"), h("p0"), h("slot")
+        ring_h, valid_h = h("ring").reshape(-1, W), h("valid").reshape(-1, W)
+        for r, s in enumerate(states):
+            seeds_h[r], p0_h[r], slot_h[r] = seeds[r], s.position, s.index
+            ring_h[r] = (s.position + back) % cap
+            valid_h[r] = back >= -s.hist_len()
 
     @torch.inference_mode()
-    def context_rows(self, taps: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
-        """The graph twin of `Drafter.context_rows`: rows go in chunks of the largest bucket, each chunk through the
-        smallest bucket that holds it (a row's kv depends on that row alone, so chunking changes no bit)."""
+    def run(self, inserts: list[tuple[SlotState, int, torch.Tensor]], states: list[SlotState], seeds: list[int],
+            n_out: int, want_margins: bool) -> DraftOut | None:
+        """One step (inputs already checked, rollbacks applied): insert each (slot, start, taps (n, width) fp16)
+        into its slot, then draft for `states` (<= max_requests; none: inserts only). Returns the drafts on the
+        host."""
+        inp = self.inp
+        for s in states + [s for s, _, _ in inserts]:
+            if s.index < 0 or self.slots[s.index] is not s:
+                raise ValueError("GraphSet.run takes the set's own slots (GraphSet.slots)")
+        inp.writable()
+        chunks = list(self._chunks(inserts))
+        for s, start, taps in inserts:        # the draft reads the slots as they stand after the inserts
+            s.advance(start, taps.shape[0])
+        if states:
+            self._stage_draft(states, seeds)
+        for k, chunk in enumerate(chunks):
+            if k:
+                inp.writable()
+            self._replay(self.insert_graphs[self._stage_insert(chunk)])
+        if not chunks:
+            inp.upload(inp.off["taps"][0])
+        if not states:
+            return None
+        packed = self._replay(self.draft_graphs[(len(states), n_out, want_margins)])
+        return self._unpack(packed, n_out, want_margins)
+
+    def _chunks(self, inserts):
+        """The inserts' rows in chunks of at most the largest bucket, as runs (slot, first position, taps rows);
+        an entry may straddle two chunks (a row's kv depends on that row alone, so chunking changes no bit)."""
         top = self.insert_buckets[-1]
-        if taps.shape[0] > top:
-            parts = [self.context_rows(taps[i:i + top], pos[i:i + top]) for i in range(0, taps.shape[0], top)]
-            return [torch.cat(blk) for blk in zip(*parts)]
-        n = taps.shape[0]
-        bucket = next(b for b in self.insert_buckets if b >= n)
-        self.taps[:n].copy_(taps, non_blocking=True)
-        self.pos[:n].copy_(pos, non_blocking=True)
-        g, rows, k = self.insert_graphs[bucket]
-        self.coll.replay(g, k)
-        return [r[:n].clone() for r in rows]
+        chunk, used = [], 0
+        for s, start, taps in inserts:
+            t = taps.cpu().numpy()
+            i = 0
+            while i < t.shape[0]:
+                k = min(t.shape[0] - i, top - used)
+                chunk.append((s, start + i, t[i:i + k]))
+                used, i = used + k, i + k
+                if used == top:
+                    yield chunk
+                    chunk, used = [], 0
+        if chunk:
+            yield chunk
+
+    def _stage_insert(self, chunk) -> int:
+        """Write a chunk's positions, slots, ring rows and taps into the pinned buffer and upload it; returns the
+        smallest bucket that holds it (its pad rows go to the scratch slot)."""
+        h, inp = self.inp.host_view, self.inp
+        pos, slot, ring = h("ins_pos"), h("ins_slot"), h("ins_ring")
+        taps = h("taps").reshape(-1, inp.width)
+        at = 0
+        for s, p, t in chunk:
+            n = t.shape[0]
+            pos[at:at + n] = np.arange(p, p + n)
+            slot[at:at + n] = s.index
+            taps[at:at + n] = t
+            at += n
+        ring[:at] = pos[:at] % self.capacity
+        bucket = next(b for b in self.insert_buckets if b >= at)
+        pos[at:bucket], slot[at:bucket], ring[at:bucket] = 0, self.scratch, 0
+        inp.upload(inp.off["taps"][0] + 2 * at * inp.width)
+        return bucket
+
+    def _unpack(self, packed: torch.Tensor, n_out: int, want_margins: bool) -> DraftOut:
+        bsz = packed.shape[0]
+        host = self.out_host[:packed.numel()]
+        host.copy_(packed.reshape(-1), non_blocking=True)
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+        a = host.numpy().reshape(bsz, -1)
+        k = 2 + want_margins
+        return DraftOut(drafts=torch.from_numpy(a[:, :n_out].astype(np.int64)),
+                        confidences=torch.from_numpy(a[:, n_out:2 * n_out].astype(np.float32)),
+                        confident_len=torch.from_numpy(a[:, k * n_out].astype(np.int64)),
+                        margins=torch.from_numpy(a[:, 2 * n_out:3 * n_out].astype(np.float32)) if want_margins
+                        else None, logits=None)

@@ -282,14 +282,22 @@ def test_bad_entry_fails_alone_in_a_batch(cfg, ckpt):
     assert torch.equal(outs[0].drafts, ref.drafts)
 
 
-def test_copy_window_equals_the_indexed_window_across_the_ring_wrap():
-    from dspark_ray.model.state import SlotState
-    st = SlotState(2, 8, 16, 4)
-    st.kv.copy_(torch.randn(st.kv.shape).half())
-    st.advance(0, 3)
-    for pos in [3, 8, 9, 23, 24, 25, 30, 1000]:              # partial window, exact fill, wrap at every offset
-        st.position = pos
-        for b in range(2):
-            out = torch.full((8, 4), float("nan"), dtype=torch.float16)
-            st.copy_window(b, out)
-            assert torch.equal(out, st.window_rows(b)[0]), (pos, b)
+def test_graph_set_gathers_the_windows_of_drafter_window_inputs_across_the_ring_wrap(tp1, cfg):
+    """The graph engine's window gather (slot pool, ring rows staged by the host) == `Drafter.window_inputs`, for
+    partial windows, an exact fill and the wrap at every offset."""
+    from dspark_ray.graphs import GraphSet
+    gs = GraphSet(tp1, n_slots=3, n_outs=(1,), insert_buckets=(8,))
+    gs.pool.copy_(torch.randn(gs.pool.shape, generator=G().manual_seed(0)).half())
+    a, b = gs.slots[0], gs.slots[2]
+    a.advance(0, 3)
+    b.advance(1000, 40)
+    W = cfg.sliding_window
+    for pos in [3, W, W + 1, gs.capacity - 1, gs.capacity, gs.capacity + 1, 2 * gs.capacity + 5, 1000]:
+        a.position = pos
+        gs._stage_draft([a, b], [1, 2])
+        gs.inp.upload(gs.inp.off["taps"][0])
+        got, got_valid = gs._windows(2)
+        want, want_valid = tp1.window_inputs([a, b])
+        assert torch.equal(got_valid, want_valid), pos
+        for n in range(cfg.n_blocks):
+            assert torch.equal(got[n], want[n]), (pos, n)

@@ -87,26 +87,25 @@ class SlotCursor:
 
 
 class SlotState(SlotCursor):
-    """A slot on a rank: the cursor plus the main-kv ring of every drafter block."""
+    """A slot on a rank: the cursor plus the main-kv ring of every drafter block. `kv` may be handed in: the graph
+    engine keeps every slot's ring in one pool tensor (`graphs.GraphSet`), so a captured step can read and write
+    any slot by index; `index` is then the slot's row in that pool."""
 
-    def __init__(self, n_blocks: int, window: int, max_rows: int, head_dim: int, device="cpu"):
+    def __init__(self, n_blocks: int, window: int, max_rows: int, head_dim: int, device="cpu",
+                 kv: torch.Tensor | None = None, index: int = -1):
         super().__init__(window, max_rows)
-        self.kv = torch.zeros(n_blocks, self.capacity, head_dim, dtype=torch.float16, device=device)
+        shape = (n_blocks, self.capacity, head_dim)
+        if kv is None:
+            kv = torch.zeros(shape, dtype=torch.float16, device=device)
+        elif tuple(kv.shape) != shape or kv.dtype != torch.float16:
+            raise ValueError(f"slot kv {tuple(kv.shape)} {kv.dtype} != {shape} float16")
+        self.kv, self.index = kv, index
 
     def window_rows(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The fixed-size window the draft attends over: rows of positions p0-W .. p0-1 (W, D), and which of them
         the slot holds (W,) bool. Rows not held are masked (their contents are whatever the ring has)."""
         t = torch.arange(self.position - self.window, self.position, device=self.kv.device)
         return self.kv[block, t % self.capacity], self.window_valid(self.kv.device)
-
-    def copy_window(self, block: int, dst: torch.Tensor) -> None:
-        """dst (W, D) <- `window_rows(block)[0]`: the window is at most two runs of the ring, so two slice copies
-        do it (no index kernels: the graph engine's per-step input path)."""
-        a = (self.position - self.window) % self.capacity
-        k = min(self.window, self.capacity - a)
-        dst[:k].copy_(self.kv[block, a:a + k])
-        if k < self.window:
-            dst[k:].copy_(self.kv[block, :self.window - k])
 
     def write(self, start: int, rows_per_block: list[torch.Tensor]) -> None:
         n = rows_per_block[0].shape[0]

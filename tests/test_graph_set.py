@@ -1,0 +1,80 @@
+"""The graph engine's input path on a CPU: the graph set's functions run uncaptured over the same static buffers (one
+packed upload; windows gathered from the slot pool; inserts scattered into it, chunked and padded to buckets;
+outputs packed into one fp64 tensor), so CI checks them against the eager engine bit for bit. The captured replays
+are checked on the GPU (test_gpu_graphs.py)."""
+from __future__ import annotations
+
+import torch
+
+from dspark_ray import workload
+from dspark_ray.engine import BAD_ENTRY, OK, RankEngine, StepEntry
+from dspark_ray.modes import make_drafter
+
+N_SLOTS = 6
+
+
+def _engines(cfg, ckpt):
+    eager = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS)
+    graph = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
+    assert graph.graphs is not None and graph.graphs.n_graphs == 4 * cfg.block_size * 2 + 5
+    return eager, graph
+
+
+def _same_step(eager, graph, batch):
+    a, b = eager.step(batch), graph.step(batch)
+    for x, y in zip(a, b):
+        assert (x.code, x.reason, x.confident_len) == (y.code, y.reason, y.confident_len)
+        if x.code == OK:
+            assert torch.equal(x.drafts, y.drafts) and torch.equal(x.confidences, y.confidences)
+            assert (x.margins is None) == (y.margins is None)
+            if x.margins is not None:
+                assert torch.equal(x.margins, y.margins)
+    return b
+
+
+def _same_rings(eager, graph):
+    for s, (x, y) in enumerate(zip(eager.slots, graph.slots)):
+        assert (x.position, x.base) == (y.position, y.base), s
+        assert torch.equal(x.kv, y.kv), s         # rows never written are zero in both
+
+
+def test_graph_engine_equals_the_eager_engine_bit_for_bit(cfg, ckpt):
+    """Rounds of 3 requests (partial windows, a far start, rollbacks, every n_out, margins), then batches the
+    rounds do not cover: inserts of more than the largest bucket across two entries, a bad entry, and 5 requests
+    (wider than the graph set: drafted eagerly over the same pool)."""
+    eager, graph = _engines(cfg, ckpt)
+    for batch in workload.rounds(cfg, n_requests=3, n_rounds=10, far_start=900_000):
+        _same_step(eager, graph, batch)
+    _same_rings(eager, graph)
+    g = torch.Generator().manual_seed(3)
+    pos = [s.position for s in graph.slots]
+
+    def entry(slot, rows, **kw):
+        return StepEntry(slot=slot, seed=int(torch.randint(0, cfg.vocab_size, (1,), generator=g)), n_out=5,
+                         start=pos[slot], token_ids=torch.randint(0, cfg.vocab_size, (rows,), generator=g),
+                         taps=workload.make_taps(cfg, rows, g), **kw)
+
+    big = [entry(0, 100), entry(1, 90, want_margins=True), entry(3, 128)]   # 318 rows: three chunks
+    _same_step(eager, graph, big)
+    bad = entry(2, 4)
+    bad.taps[1, 7] = float("nan")
+    outs = _same_step(eager, graph, [entry(4, 2), bad])
+    assert outs[1].code == BAD_ENTRY and "inf or nan" in outs[1].reason
+    pos = [s.position for s in graph.slots]
+    _same_step(eager, graph, [entry(s, 1 + s) for s in range(5)])
+    _same_rings(eager, graph)
+    assert graph.slots[5].fresh and not graph.slots[5].kv.any()       # pad rows went to the scratch slot only
+
+
+def test_a_request_drafts_the_same_in_every_batch_bucket(cfg, ckpt):
+    """Batch invariance through the packed path: each request of a 4-request batch gets its one-request answer."""
+    _, graph = _engines(cfg, ckpt)
+    batch = [StepEntry(slot=s, seed=11 + s, n_out=5, start=0, token_ids=torch.arange(3 + 5 * s),
+                       taps=workload.make_taps(cfg, 3 + 5 * s, torch.Generator().manual_seed(s))) for s in range(4)]
+    alone = []
+    for e in batch:
+        alone.append(graph.step([e])[0])
+        graph.reset_slots([e.slot])
+    together = graph.step(batch)
+    for a, b in zip(alone, together):
+        assert torch.equal(a.drafts, b.drafts) and torch.equal(a.confidences, b.confidences)
