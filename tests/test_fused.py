@@ -67,6 +67,12 @@ def kernel_checks(dev: str) -> dict:
     res["hyper_prenorm"], res["hyper_normed"] = _rel(pr1, pr0), _rel(no1, ops.rms_norm(pr0, nw, eps))
     xr = rn(5, 1100).half()
     res["rms_norm"] = _rel(fused.rms_norm(xr, nw.repeat(6)[:1100], eps), ops.rms_norm(xr, nw.repeat(6)[:1100], eps))
+    wide = rn(5, 1792).half()          # a column slice of a wider GEMM output is read in place: the same bits
+    res["rms_norm_slice"] = torch.equal(fused.rms_norm(wide[:, :1100], nw.repeat(6)[:1100], eps),
+                                        fused.rms_norm(wide[:, :1100].contiguous(), nw.repeat(6)[:1100], eps))
+    gu = rn(7, 600, s=6.0)              # SwiGLU of the two halves of one GEMM output (the shared expert's w1 | w3)
+    res["swiglu_halves"] = torch.equal(fused.swiglu(gu[:, :300], gu[:, 300:], 10.0),
+                                       fused.swiglu(gu[:, :300].contiguous(), gu[:, 300:].contiguous(), 10.0))
 
     # SwiGLU: edge values (inf, nan, huge, tiny, negative zero) with and without the clamp, fp32 and fp16 inputs.
     gg = torch.cat([rn(500, s=6.0), torch.tensor([float("inf"), -float("inf"), float("nan"), 70000.0, -70000.0,
@@ -161,6 +167,28 @@ def kernel_checks(dev: str) -> dict:
     res["attend_alone"] = all(torch.equal(
         fused.attend(q[i:i + 1], window[i:i + 1], valid[i:i + 1], kv[i:i + 1], sink, scale_f,
                      pos[i * B:(i + 1) * B], rope.inv_freq, rd), o1[i:i + 1]) for i in range(bsz))
+    # attend on a larger layout: several row blocks (the last partial), key chunks and output-column chunks; a full
+    # window, a holey one (NaN in the rows not held), an empty one. Each request alone gives its bits of the batch.
+    D2, H2, W2, n2 = 256, 8, 40, 3
+    pos2 = torch.cat([torch.arange(B) + p for p in (50, 1000, 123_456)]).to(dev)
+    q2 = fused.head_norm_rope(rn(n2 * B, H2, D2).half(), None, eps, pos2, rope.inv_freq, rd).reshape(n2, B, H2, D2)
+    win2, kv2, sink2 = rn(n2, W2, D2, s=2.0).half(), rn(n2, B, D2, s=2.0).half(), rn(H2)
+    valid2 = torch.ones(n2, W2, dtype=torch.bool, device=dev)
+    valid2[1, torch.randperm(W2, generator=g)[:25].to(dev)] = False
+    valid2[2] = False
+    win2 = torch.where(valid2[..., None], win2, torch.full_like(win2, float("nan")))
+    args2 = (sink2, float(torch.tensor(D2 ** -0.5, dtype=torch.float32)))
+    s2 = fused.attend(q2, win2, valid2, kv2, *args2, pos2, rope.inv_freq, rd)
+    att2 = Attention.__new__(Attention)
+    att2.D, att2.rd, att2.rope, att2.sink, att2.scale = D2, rd, rope, sink2, torch.tensor(D2 ** -0.5)
+    keys2 = torch.cat((torch.where(valid2[..., None], win2, torch.zeros_like(win2)), kv2), dim=1)
+    mask2 = torch.cat((valid2, torch.ones(n2, B, dtype=torch.bool, device=dev)), dim=1)
+    cos2, sin2 = rope.cos_sin(pos2)
+    res["attend_wide"] = _rel(s2, att2._attend(q2, keys2, mask2, cos2.reshape(n2, B, -1), sin2.reshape(n2, B, -1)))
+    res["attend_wide_finite"] = bool(torch.isfinite(s2).all())
+    res["attend_wide_alone"] = all(torch.equal(
+        fused.attend(q2[i:i + 1], win2[i:i + 1], valid2[i:i + 1], kv2[i:i + 1], *args2, pos2[i * B:(i + 1) * B],
+                     rope.inv_freq, rd), s2[i:i + 1]) for i in range(n2))
     # The Markov head loop on two vocabulary shards: a tie planted across the shard boundary (ids 250 and 300 the
     # largest logits, equal), a NaN logit (id 10), margins and kept logits.
     from dspark_ray.collectives import LocalCollectives
@@ -219,7 +247,7 @@ def drafter_checks(ckpt_dir: str, dev: str) -> dict:
 
 def _assert_kernels(res: dict) -> None:
     tol = {"collapse_normed": 2e-3, "collapse_post": 1e-6, "collapse_comb": 1e-5, "hyper_prenorm": 1e-6,
-           "hyper_normed": 2e-3, "rms_norm": 2e-3, "head_norm_rope_q": 2e-3, "attend": 2e-3}
+           "hyper_normed": 2e-3, "rms_norm": 2e-3, "head_norm_rope_q": 2e-3, "attend": 2e-3, "attend_wide": 2e-3}
     for name, v in res.items():
         if isinstance(v, bool):
             assert v, name

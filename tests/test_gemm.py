@@ -187,6 +187,13 @@ def test_padded_linear_gpu(k, n, path, monkeypatch):
     f16 = gemm.padded_linear_f16(x, w)                       # the fp16 twin: one rounding of (nearly) the same sums
     assert f16.dtype == torch.float16 and (f16.float() - full).abs().max() <= full.abs().max() * 2 ** -10
     assert torch.equal(gemm.padded_linear_f16(x[5:9], w), f16[5:9])
+    buf = gemm.rows_empty(5, k, torch.float16, "cuda")      # read in place (no copy): the same kernel, the same bits
+    buf.copy_(x[:5])
+    odd = x.reshape(-1)[1:1 + 5 * k].view(5, k)              # 2 bytes past an aligned start: copied
+    assert gemm._in_place(buf, gemm.PAD_ROWS) and not gemm._in_place(odd, gemm.PAD_ROWS)
+    assert torch.equal(gemm.padded_linear(buf, w), full[:5])
+    assert torch.equal(gemm.padded_linear(odd, w), gemm.padded_linear(odd.clone(), w))
+    assert torch.equal(gemm.padded_linear_f16(buf, w), f16[:5])
 
 
 @pytest.mark.gpu

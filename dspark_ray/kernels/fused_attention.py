@@ -1,5 +1,10 @@
 """Fused attention kernels: head norm + RoPE of the q heads and the kv row, and the sink attention over the
-window and block rows (`model/attention.py`)."""
+window and block rows (`model/attention.py`) in two kernels (`attend`: the scores, then softmax + PV).
+
+Why two: at one request the step has only cdiv(B*H, 16) blocks of query rows; one program per block reading the
+whole window twice (QK, then PV) ran ~20 us a call on the H200 at the full size, latency bound. Spreading the
+keys (scores) and then the output columns (PV) over programs runs 7.5 us at 1 request (78 us at 64, where the
+one-pass kernel ran 79)."""
 from __future__ import annotations
 
 import torch
@@ -58,38 +63,72 @@ def head_norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, pos: tor
     return out.reshape(x.shape)
 
 
+# --------------------------------------------------------------------------------------- two-kernel attention
+
 @triton.jit
-def _attend_kernel(q_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_freq_ptr, out_ptr, scale,
-                   NH, BLK, W,
-                   D: tl.constexpr, RD: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, BB: tl.constexpr,
-                   BD: tl.constexpr):
-    """Program (request b, block of BM query rows of the request's BLK*NH (row j, head h) pairs): scores against
-    the W window rows and the BLK block rows (V = K; the two sets read from their own buffers, row-contiguous so
-    the loads vectorise), sink softmax with fp64 exponentials, exponentials rounded to fp16 for PV, de-rotation
-    of the RoPE tail. tl.dot takes the products (fp16 x fp16, fp32 sums)."""
+def _scores_tile(q_rows, row_ok, k_rows, k_ok, s_cols, scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 BD: tl.constexpr):
+    """Scores of BM query rows x BN key rows, times scale, -inf where the key is masked, stored at s_cols."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for d0 in range(0, D, BD):             # a runtime loop: Triton pipelines its loads (num_stages)
+        dd = d0 + tl.arange(0, BD)
+        qt = tl.load(q_rows[:, None] + dd[None, :], mask=row_ok[:, None], other=0.0)
+        kt = tl.load(k_rows[:, None] + dd[None, :], mask=k_ok[:, None], other=0.0)    # a masked row reads 0, no NaN
+        acc = tl.dot(qt, tl.trans(kt), acc)
+    tl.store(s_cols, tl.where(k_ok[None, :], acc * scale, float("-inf")), mask=row_ok[:, None])
+
+
+@triton.jit
+def _attend_scores_kernel(q_ptr, win_ptr, valid_ptr, kv_ptr, s_ptr, scale, NH, BLK, W,
+                          D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr, BB: tl.constexpr,
+                          BD: tl.constexpr):
+    """Program (request b, BM query rows of the request's B*H (row j, head h) pairs, BN keys of its [BW window ;
+    BB block] key columns; V = K): fp32 scores through tl.dot (fp16 x fp16, fp32 sums over D in BD chunks), times
+    scale, -inf where the key is masked (window row not held, padding), stored to the scratch s (bsz, B*H,
+    BW + BB). BN divides BW, so a chunk is all window or all block rows; each branch runs the whole tile on
+    pointers of its own (one key pointer chosen by the branch and loaded after it gave other last bits on the
+    H200: the operands reached the MMA another way)."""
+    b = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    row_ok = rows < BLK * NH
+    c0 = tl.program_id(2) * BN
+    q_rows = q_ptr + (b * BLK * NH + rows.to(tl.int64)) * D
+    s_cols = s_ptr + ((b * BLK * NH + rows.to(tl.int64)) * (BW + BB))[:, None] + (c0 + tl.arange(0, BN))[None, :]
+    if c0 < BW:
+        kw = c0 + tl.arange(0, BN)
+        w_ok = (kw < W) & (tl.load(valid_ptr + b * W + kw, mask=kw < W, other=0) != 0)
+        _scores_tile(q_rows, row_ok, win_ptr + (b * W + kw) * D, w_ok, s_cols, scale, D, BM, BN, BD)
+    else:
+        kb = c0 - BW + tl.arange(0, BN)
+        _scores_tile(q_rows, row_ok, kv_ptr + (b * BLK + kb) * D, kb < BLK, s_cols, scale, D, BM, BN, BD)
+
+
+@triton.jit
+def _attend_pv_kernel(s_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_freq_ptr, out_ptr,
+                      NH, BLK, W,
+                      D: tl.constexpr, RD: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, BB: tl.constexpr,
+                      BD: tl.constexpr):
+    """Program (request b, BM query rows, one chunk of output columns: BD of the D - RD plain dims, or, for the
+    last program of the row, the RD RoPE tail): the sink softmax over the rows' whole score rows (every column
+    chunk recomputes it: a few exponentials against a second read of the window) with fp64 exponentials, rounded
+    to fp16 for PV; PV for its columns through tl.dot; IEEE division by den; for the tail, the de-rotation of the
+    RoPE pairs. den is summed in the register layout of the loaded scores: forcing another layout (a dot of zeros)
+    cost more than the split saved."""
     b = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     row_ok = rows < BLK * NH
     j = rows // NH
     hd = rows % NH
-    q_rows = q_ptr + (b * BLK * NH + rows.to(tl.int64)) * D
     kw = tl.arange(0, BW)
     w_ok = (kw < W) & (tl.load(valid_ptr + b * W + kw, mask=kw < W, other=0) != 0)
     kb = tl.arange(0, BB)
     b_ok = kb < BLK
     win_rows = win_ptr + (b * W + kw) * D
     blk_rows = kv_ptr + (b * BLK + kb) * D
-    sw = tl.zeros((BM, BW), dtype=tl.float32)
-    sb = tl.zeros((BM, BB), dtype=tl.float32)
-    for d0 in range(0, D, BD):             # a runtime loop: Triton pipelines its loads (num_stages)
-        dd = d0 + tl.arange(0, BD)
-        qt = tl.load(q_rows[:, None] + dd[None, :], mask=row_ok[:, None], other=0.0)
-        kwt = tl.load(win_rows[:, None] + dd[None, :], mask=w_ok[:, None], other=0.0)
-        kbt = tl.load(blk_rows[:, None] + dd[None, :], mask=b_ok[:, None], other=0.0)
-        sw = tl.dot(qt, tl.trans(kwt), sw)
-        sb = tl.dot(qt, tl.trans(kbt), sb)
-    sw = tl.where(w_ok[None, :], sw * scale, float("-inf"))
-    sb = tl.where(b_ok[None, :], sb * scale, float("-inf"))
+    s_rows = s_ptr + (b * BLK * NH + rows.to(tl.int64)) * (BW + BB)
+    # masked keys already hold -inf; rows past B*H read -inf everywhere (mu = their sink: finite, never stored)
+    sw = tl.load(s_rows[:, None] + kw[None, :], mask=row_ok[:, None], other=float("-inf"))
+    sb = tl.load(s_rows[:, None] + (BW + kb)[None, :], mask=row_ok[:, None], other=float("-inf"))
     sink = tl.load(sink_ptr + hd, mask=row_ok, other=0.0)
     mu = tl.maximum(tl.maximum(tl.max(sw, axis=1), tl.max(sb, axis=1)), sink)
     ew = exp64(sw - mu[:, None])
@@ -99,40 +138,54 @@ def _attend_kernel(q_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_fre
     pb = eb.to(tl.float16)
     o_rows = out_ptr + (b * BLK * NH + rows.to(tl.int64)) * D
     DN: tl.constexpr = D - RD
-    for d0 in range(0, DN, BD):
+    d0 = tl.program_id(2) * BD
+    if d0 < DN:
         dd = d0 + tl.arange(0, BD)
         kwt = tl.load(win_rows[:, None] + dd[None, :], mask=w_ok[:, None], other=0.0)
         kbt = tl.load(blk_rows[:, None] + dd[None, :], mask=b_ok[:, None], other=0.0)
         o = tl.math.div_rn(tl.dot(pb, kbt, tl.dot(pw, kwt)), den[:, None])
         tl.store(o_rows[:, None] + dd[None, :], o.to(tl.float16), mask=row_ok[:, None])
-    dt = DN + tl.arange(0, RD)
-    kwt = tl.load(win_rows[:, None] + dt[None, :], mask=w_ok[:, None], other=0.0)
-    kbt = tl.load(blk_rows[:, None] + dt[None, :], mask=b_ok[:, None], other=0.0)
-    ot = tl.math.div_rn(tl.dot(pb, kbt, tl.dot(pw, kwt)), den[:, None])           # (BM, RD), pairs interleaved
-    oe, oo = tl.split(tl.reshape(ot, (BM, RD // 2, 2)))
-    i = tl.arange(0, RD // 2)
-    ang = tl.load(pos_ptr + b * BLK + j, mask=row_ok, other=0).to(tl.float32)[:, None] * tl.load(inv_freq_ptr + i)[None, :]
-    cos = tl.cos(ang.to(tl.float64)).to(tl.float32)
-    sin = tl.sin(ang.to(tl.float64)).to(tl.float32)
-    y = tl.reshape(tl.join(oe * cos + oo * sin, oo * cos - oe * sin), (BM, RD))
-    tl.store(o_rows[:, None] + dt[None, :], y.to(tl.float16), mask=row_ok[:, None])
+    else:
+        dt = DN + tl.arange(0, RD)
+        kwt = tl.load(win_rows[:, None] + dt[None, :], mask=w_ok[:, None], other=0.0)
+        kbt = tl.load(blk_rows[:, None] + dt[None, :], mask=b_ok[:, None], other=0.0)
+        ot = tl.math.div_rn(tl.dot(pb, kbt, tl.dot(pw, kwt)), den[:, None])       # (BM, RD), pairs interleaved
+        oe, oo = tl.split(tl.reshape(ot, (BM, RD // 2, 2)))
+        i = tl.arange(0, RD // 2)
+        ang = tl.load(pos_ptr + b * BLK + j, mask=row_ok, other=0).to(tl.float32)[:, None] * tl.load(inv_freq_ptr + i)[None, :]
+        cos = tl.cos(ang.to(tl.float64)).to(tl.float32)
+        sin = tl.sin(ang.to(tl.float64)).to(tl.float32)
+        y = tl.reshape(tl.join(oe * cos + oo * sin, oo * cos - oe * sin), (BM, RD))
+        tl.store(o_rows[:, None] + dt[None, :], y.to(tl.float16), mask=row_ok[:, None])
 
 
 def attend(q: torch.Tensor, window: torch.Tensor, valid: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor,
            scale: float, pos: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int) -> torch.Tensor:
     """`Attention._attend` on the unconcatenated keys: q (bsz, B, H, D) fp16, window (bsz, W, D) fp16 with valid
-    (bsz, W), kv (bsz, B, D) fp16 the block's own rows, pos (bsz*B,) -> o (bsz, B, H, D) fp16."""
+    (bsz, W), kv (bsz, B, D) fp16 the block's own rows, pos (bsz*B,) -> o (bsz, B, H, D) fp16.
+
+    Two kernels, for latency at few requests: the scores (programs over request x query rows x key chunks) to an
+    fp32 scratch, then softmax + PV (programs over request x query rows x output-column chunks). A request's
+    programs read only its own rows, so a request alone gives its bits in any batch. The scratch is a plain
+    allocation (fine under CUDA-graph capture: the graph's pool keeps it). num_warps 2 / 8 were the fastest of
+    those tried on the H200 at 1-16 requests (full model shapes)."""
     bsz, blk, nh, D = q.shape
     W = window.shape[1]
     out = torch.empty_like(q)
-    bm, bd = 16, 64
+    bm, bn, bd = 16, 16, 64
     if (D - rope_dim) % bd:
         raise ValueError(f"attend: head_dim - rope_dim = {D - rope_dim} must be a multiple of {bd}")
-    grid = (bsz, triton.cdiv(blk * nh, bm))
+    # the window and block key columns, each padded to a power of two (tl.dot sizes); both multiples of bn
+    bw, bb = max(bn, triton.next_power_of_2(W)), max(bn, triton.next_power_of_2(blk))
+    rows = triton.cdiv(blk * nh, bm)
+    scores = torch.empty((bsz, blk * nh, bw + bb), dtype=torch.float32, device=q.device)
     # bool -> uint8 is a view (no kernel)
     vb = valid.contiguous().view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8).contiguous()
-    _attend_kernel[grid](q.contiguous(), window.contiguous(), vb, kv.contiguous(),
-                         sink, pos.contiguous(), inv_freq, out, scale, nh, blk, W,
-                         D=D, RD=rope_dim, BM=bm, BW=max(16, triton.next_power_of_2(W)),
-                         BB=max(16, triton.next_power_of_2(blk)), BD=bd, num_warps=4, num_stages=3, **LAUNCH_OPTS)
+    qc, wc, kc = q.contiguous(), window.contiguous(), kv.contiguous()
+    _attend_scores_kernel[(bsz, rows, (bw + bb) // bn)](qc, wc, vb, kc, scores, scale, nh, blk, W,
+                                                        D=D, BM=bm, BN=bn, BW=bw, BB=bb, BD=bd,
+                                                        num_warps=2, num_stages=3, **LAUNCH_OPTS)
+    _attend_pv_kernel[(bsz, rows, (D - rope_dim) // bd + 1)](scores, wc, vb, kc, sink, pos.contiguous(), inv_freq,
+                                                             out, nh, blk, W, D=D, RD=rope_dim, BM=bm, BW=bw,
+                                                             BB=bb, BD=bd, num_warps=8, num_stages=3, **LAUNCH_OPTS)
     return out

@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_ops import F16, F32, LAUNCH_OPTS, norm_scale, rsqrt64, sigmoid64, exp64
+from .fused_ops import F16, F32, LAUNCH_OPTS, exp64, norm_scale, rsqrt64, sigmoid64
+from .gemm import rows_empty
 
 
 @triton.jit
@@ -134,7 +135,7 @@ def mhc_collapse_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     x = x.contiguous()
     rows, m, h = x.shape
     v = _mix(x, fn)
-    normed = torch.empty((rows, h), dtype=F16, device=x.device)
+    normed = rows_empty(rows, h, F16, x.device)
     post = torch.empty((rows, m), dtype=F32, device=x.device)
     comb = torch.empty((rows, m, m), dtype=F32, device=x.device)
     _mhc_combine_kernel[(rows,)](x, v, base, scale, norm_w, normed, normed, post, comb, h, m * h, fn.shape[0],
@@ -148,7 +149,7 @@ def hyper_head_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     x = x.contiguous()
     rows, m, h = x.shape
     v = _mix(x, fn)
-    normed = torch.empty((rows, h), dtype=F16, device=x.device)
+    normed = rows_empty(rows, h, F16, x.device)
     prenorm = torch.empty((rows, h), dtype=F32, device=x.device)
     _mhc_combine_kernel[(rows,)](x, v, base, scale, norm_w, normed, prenorm, prenorm, prenorm, h, m * h,
                                  fn.shape[0], hc_eps, norm_eps, 1, HEAD=True, BLOCK=2048, num_warps=8, **LAUNCH_OPTS)

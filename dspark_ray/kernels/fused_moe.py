@@ -6,27 +6,31 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_ops import F16, F32, LAUNCH_OPTS, swiglu_math
-from .gemm import BLOCK_K, BLOCK_N, NUM_WARPS
+from .fused_ops import F16, F32, LAUNCH_OPTS, rows_2d, swiglu_math
+from .gemm import BLOCK_K, BLOCK_N, NUM_WARPS, rows_empty
 
 
 @triton.jit(do_not_specialize=["N"])
-def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, limit, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, SG, SU, limit, BLOCK: tl.constexpr):
+    """Program (row, block of BLOCK columns); g and u rows SG / SU elements apart (halves of one GEMM output)."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
-    g = tl.load(g_ptr + offs, mask=m, other=0.0)
-    u = tl.load(u_ptr + offs, mask=m, other=0.0)
-    tl.store(out_ptr + offs, swiglu_math(g, u, limit), mask=m)
+    g = tl.load(g_ptr + r * SG + offs, mask=m, other=0.0)
+    u = tl.load(u_ptr + r * SU + offs, mask=m, other=0.0)
+    tl.store(out_ptr + r * N + offs, swiglu_math(g, u, limit), mask=m)
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
-    """g, u: the gate / up projections (fp32 accumulators or fp16), same shape -> fp16 activation."""
-    g, u = g.contiguous(), u.contiguous()
-    out = torch.empty(g.shape, dtype=F16, device=g.device)
-    n = g.numel()
-    if n:
-        _swiglu_kernel[(triton.cdiv(n, 1024),)](g, u, out, n, float(limit), BLOCK=1024, num_warps=4, **LAUNCH_OPTS)
-    return out
+    """g, u: the gate / up projections (fp32 accumulators or fp16), same shape -> fp16 activation. Either may be
+    a column slice (the shared expert's w1 and w3 run as one GEMM)."""
+    g2, u2 = rows_2d(g), rows_2d(u)
+    rows, n = g2.shape
+    out = rows_empty(rows, n, F16, g.device)              # feeds w2: a padded linear reads it in place
+    if rows and n:
+        _swiglu_kernel[(rows, triton.cdiv(n, 1024))](g2, u2, out, n, g2.stride(0), u2.stride(0), float(limit),
+                                                     BLOCK=1024, num_warps=4, **LAUNCH_OPTS)
+    return out.view(g.shape)
 
 
 @triton.jit

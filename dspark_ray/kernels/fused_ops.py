@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm import rows_empty
+
 F16, F32 = torch.float16, torch.float32
 # No FMA contraction: a * b + c rounds twice, as the reference's separate torch ops do.
 LAUNCH_OPTS = dict(enable_fp_fusion=False)
@@ -70,29 +72,37 @@ def swiglu_math(g, u, limit):
 # ------------------------------------------------------------------------------------------------ norms, RoPE
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, SX, eps, BLOCK: tl.constexpr):
+    """One program per row (rows SX elements apart: x may be a column slice of a wider GEMM output)."""
     r = tl.program_id(0).to(tl.int64)
     ss = tl.zeros((BLOCK,), dtype=tl.float32)
     for h0 in range(0, H, BLOCK):
         offs = h0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + r * H + offs, mask=offs < H, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + r * SX + offs, mask=offs < H, other=0.0).to(tl.float32)
         ss += x * x
     rn = norm_scale(tl.sum(ss, axis=0), H.to(tl.float32), eps)
     for h0 in range(0, H, BLOCK):
         offs = h0 + tl.arange(0, BLOCK)
         m = offs < H
-        x = tl.load(x_ptr + r * H + offs, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + r * SX + offs, mask=m, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(out_ptr + r * H + offs, ((x * w) * rn).to(tl.float16), mask=m)
+
+
+def rows_2d(x: torch.Tensor) -> torch.Tensor:
+    """x as (rows, last dim) with unit column stride, a view where it can be (a column slice keeps its row
+    stride: the kernels read rows `stride(0)` apart, so a slice of a wider GEMM output is read without a copy)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """`ops.rms_norm`: x (..., h) fp16 / fp32 -> fp16."""
     h = x.shape[-1]
-    x2 = x.reshape(-1, h).contiguous()
-    out = torch.empty(x2.shape, dtype=F16, device=x.device)
+    x2 = rows_2d(x)
+    out = rows_empty(x2.shape[0], h, F16, x.device)
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, w, out, h, eps, BLOCK=1024, num_warps=4, **LAUNCH_OPTS)
+        _rms_norm_kernel[(x2.shape[0],)](x2, w, out, h, x2.stride(0), eps, BLOCK=1024, num_warps=4, **LAUNCH_OPTS)
     return out.reshape(x.shape)
 
 

@@ -91,12 +91,31 @@ def _mm_f32(xc: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(xc.float(), w32.t())
 
 
+def rows_empty(rows: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised (rows, width) tensor at the start of storage holding whole PAD_ROWS-row chunks: a padded
+    linear reading it takes its chunks in place instead of copying (`_padded_rows`). The fused kernels whose
+    outputs feed linears allocate with this."""
+    full = -(-max(rows, 1) // PAD_ROWS) * PAD_ROWS
+    return torch.empty((full, width), dtype=dtype, device=device)[:rows]
+
+
+def _in_place(x2: torch.Tensor, rows: int) -> bool:
+    """Whether x2 (m, K) fp16 can be read as `rows` rows in place: row-contiguous, its storage runs on for that
+    many rows, and it starts as aligned as a fresh allocation (256 B; alignment is an input of cuBLAS's heuristic,
+    so the kernel, and the bits, are the same as for a copy)."""
+    k, es = x2.shape[1], x2.element_size()
+    return (x2.is_cuda and x2.dtype == torch.float16 and x2.stride() == (k, 1) and x2.data_ptr() % 256 == 0
+            and x2.untyped_storage().nbytes() - x2.storage_offset() * es >= rows * k * es)
+
+
 def _padded_rows(x2: torch.Tensor, lead: tuple = ()) -> tuple[torch.Tensor, int]:
-    """x2's rows copied into a fresh (*lead, chunks * PAD_ROWS, K) fp16 buffer. The pad rows are left as they
-    are: a GEMM's output row depends only on its own input row, so whatever they hold never reaches a real row,
-    and skipping the zero fill saves a kernel per linear."""
+    """x2's rows as a (*lead, chunks * PAD_ROWS, K) fp16 buffer: x2's own storage when it has room (`rows_empty`),
+    else a fresh copy. The pad rows are left as they are: a GEMM's output row depends only on its own input row,
+    so whatever they hold never reaches a real row, and skipping the zero fill saves a kernel per linear."""
     m, k = x2.shape[-2], x2.shape[-1]
     chunks = -(-m // PAD_ROWS)
+    if not lead and _in_place(x2, chunks * PAD_ROWS):
+        return x2.as_strided((chunks * PAD_ROWS, k), (k, 1)), chunks
     xp = torch.empty((*lead, chunks * PAD_ROWS, k), dtype=torch.float16, device=x2.device)
     xp[..., :m, :].copy_(x2)                          # fp16 values: the conversion is exact
     return xp, chunks
@@ -123,8 +142,9 @@ def padded_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Batch-invariant fp32 x @ w.T: x (..., K) fp16-valued, w (N, K) fp16 -> fp32 (..., N).
 
     Rows go through cuBLAS in chunks of exactly PAD_ROWS (the last padded), so every GEMM has the same shape
-    and runs the same kernel whatever the batch. The rows are copied into a fresh buffer (never a view of x):
-    each chunk then starts at an aligned address, since pointer alignment is also an input of the heuristic.
+    and runs the same kernel whatever the batch. The rows are read in place when x sits at the start of a padded
+    allocation (`rows_empty`), else copied into a fresh buffer: either way each chunk starts at an aligned address,
+    since pointer alignment is also an input of the heuristic.
     No host sync, and the shapes depend only on x's shape (safe inside CUDA graph capture). Small weights on a
     GPU take `fused.rows_linear` instead (see SMALL_WEIGHT_BYTES)."""
     if _small(x, w):
