@@ -70,6 +70,10 @@ def kernel_checks(dev: str) -> dict:
     wide = rn(5, 1792).half()          # a column slice of a wider GEMM output is read in place: the same bits
     res["rms_norm_slice"] = torch.equal(fused.rms_norm(wide[:, :1100], nw.repeat(6)[:1100], eps),
                                         fused.rms_norm(wide[:, :1100].contiguous(), nw.repeat(6)[:1100], eps))
+    kvw, kvn = rn(4, 1792).half(), (1 + rn(512, s=0.1)).half()   # the kv row: a column slice of wq_a | wkv
+    hargs = (kvn, eps, torch.arange(4, device=dev) + 77, Rope(64, 1e4, dev).inv_freq, 64)
+    res["head_norm_rope_slice"] = torch.equal(fused.head_norm_rope(kvw[:, 1280:], *hargs),
+                                              fused.head_norm_rope(kvw[:, 1280:].contiguous(), *hargs))
     gu = rn(7, 600, s=6.0)              # SwiGLU of the two halves of one GEMM output (the shared expert's w1 | w3)
     res["swiglu_halves"] = torch.equal(fused.swiglu(gu[:, :300], gu[:, 300:], 10.0),
                                        fused.swiglu(gu[:, :300].contiguous(), gu[:, 300:].contiguous(), 10.0))

@@ -15,13 +15,14 @@ from .fused_ops import F16, LAUNCH_OPTS, apply_head_weight, exp64, norm_scale
 
 
 @triton.jit
-def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, out_ptr, NH, eps,
+def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, out_ptr, NH, SX, eps,
                            D: tl.constexpr, RD: tl.constexpr, W_MODE: tl.constexpr):
     """One program per (row, head): `ops.head_norm` over D, then RoPE on the last RD dims (interleaved pairs)
-    at the row's position, as `Attention._rope_tail` does (rotate the fp16 values in fp32, round once)."""
+    at the row's position, as `Attention._rope_tail` does (rotate the fp16 values in fp32, round once). Input
+    rows are SX elements apart (the kv row is a column slice of the wq_a | wkv GEMM output)."""
     pid = tl.program_id(0).to(tl.int64)
     row = pid // NH
-    base = x_ptr + pid * D
+    base = x_ptr + row * SX + (pid % NH) * D
     d = tl.arange(0, D)
     x = tl.load(base + d).to(tl.float32)
     rn = norm_scale(tl.sum(x * x, axis=0), tl.full((), D, tl.float32), eps)
@@ -53,12 +54,15 @@ def head_norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, pos: tor
                    inv_freq: torch.Tensor, rope_dim: int) -> torch.Tensor:
     """x (n, ..., D) fp16 heads (or the kv row) -> head_norm, then RoPE on the last rope_dim dims at pos (n,)."""
     n, D = x.shape[0], x.shape[-1]
-    x3 = x.reshape(n, -1, D).contiguous()
+    x3 = x.reshape(n, -1, D)
     nh = x3.shape[1]
+    if x3.stride(2) != 1 or (nh > 1 and x3.stride(1) != D):
+        x3 = x3.contiguous()
     out = torch.empty(x3.shape, dtype=F16, device=x.device)
     mode = 0 if w is None else (1 if w.dtype == F16 else 2)
     if n:
-        _head_norm_rope_kernel[(n * nh,)](x3, x3 if w is None else w, pos.contiguous(), inv_freq, out, nh, eps,
+        _head_norm_rope_kernel[(n * nh,)](x3, x3 if w is None else w, pos.contiguous(), inv_freq, out, nh,
+                                          x3.stride(0), eps,
                                           D=D, RD=rope_dim, W_MODE=mode, num_warps=4, **LAUNCH_OPTS)
     return out.reshape(x.shape)
 

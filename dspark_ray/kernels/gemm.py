@@ -177,7 +177,9 @@ def padded_grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     xp, chunks = _padded_rows(x.transpose(0, 1), (g,))
     outs = [torch.bmm(xp[:, c * PAD_ROWS:(c + 1) * PAD_ROWS], wg.transpose(1, 2)) for c in range(chunks)]
     out = outs[0] if chunks == 1 else torch.cat(outs, dim=1)      # (G, rows, R) fp16 (fp32 accumulation)
-    return out[:, :n].transpose(0, 1).reshape(n, g * r)
+    res = rows_empty(n, g * r, torch.float16, x.device)             # row-major for wo_b, which reads it in place
+    res.view(n, g, r).copy_(out[:, :n].transpose(0, 1))
+    return res
 
 
 def indexed_linear(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,13 @@ from .ops import F32, Rope, exp, f16, fp8_fake_quant, head_norm, linear, rms_nor
 class Attention:
     def __init__(self, w: dict[str, torch.Tensor], *, head_dim: int, rope_dim: int, o_lora_rank: int,
                  heads_per_group: int, eps: float, rope: Rope, fp8_kv: bool):
-        self.wq_a, self.q_norm, self.wq_b = w["wq_a"], w["q_norm"], w["wq_b"]
-        self.wkv, self.kv_norm = w["wkv"], w["kv_norm"]
+        # wq_a and wkv both project the block input `a`: one (q_lora_rank + D, h) matrix, one GEMM (one launch on
+        # the fast path; each output element is still its own row-times-row product). The insert's kv uses the
+        # wkv rows alone (a view).
+        self.q_rank = w["wq_a"].shape[0]
+        self.wqkv_a = torch.cat((w["wq_a"], w["wkv"]))
+        self.wq_a, self.wkv = self.wqkv_a[:self.q_rank], self.wqkv_a[self.q_rank:]
+        self.q_norm, self.wq_b, self.kv_norm = w["q_norm"], w["wq_b"], w["kv_norm"]
         self.wo_b, self.sink = w["wo_b"], w["attn_sink"].float()
         self.D, self.rd, self.Ro, self.hpg, self.eps = head_dim, rope_dim, o_lora_rank, heads_per_group, eps
         self.n_heads = self.wq_b.shape[0] // head_dim            # local heads
@@ -32,7 +37,11 @@ class Attention:
     # -- the kv row: used for the context insert (main-kv rows) and for the block's own kv ----------------------
     def kv_rows(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """x (n, h) fp16 -> kv (n, D) fp16: wkv, weighted RMS norm over all D dims, RoPE on the last rd dims."""
-        kv = self._norm_rope(linear(x, self.wkv), self.kv_norm, pos)
+        return self._kv(linear(x, self.wkv), pos)
+
+    def _kv(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The kv row from its wkv projection x (n, D) fp16 (may be a column slice)."""
+        kv = self._norm_rope(x, self.kv_norm, pos)
         if self.fp8_kv:       # DeepSeek's reference quantizes the kv nope part; exllamav3 only on request
             kv = torch.cat((fp8_fake_quant(kv[:, :self.D - self.rd]), kv[:, self.D - self.rd:]), dim=-1)
         return kv
@@ -67,9 +76,10 @@ class Attention:
         n = a.shape[0]
         bsz = n // block
         pos = (p0[:, None] + torch.arange(block, device=a.device)).flatten()
-        q = linear(rms_norm(linear(a, self.wq_a), self.q_norm, self.eps), self.wq_b).reshape(n, H, D)
+        qkv = linear(a, self.wqkv_a)
+        q = linear(rms_norm(qkv[:, :self.q_rank], self.q_norm, self.eps), self.wq_b).reshape(n, H, D)
         q = self._norm_rope(q, None, pos).reshape(bsz, block, H, D)
-        kv = self.kv_rows(a, pos).reshape(bsz, block, D)
+        kv = self._kv(qkv[:, self.q_rank:], pos).reshape(bsz, block, D)
         fused_attend = ops.fused("attend")
         if fused_attend is not None:
             o = fused_attend(q, window, valid, kv, self.sink, self.scale_f, pos, self.rope.inv_freq, self.rd)

@@ -54,12 +54,15 @@ class Experts:
     def __init__(self, w1: list[torch.Tensor], w3: list[torch.Tensor], w2: list[torch.Tensor],
                  shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, limit: float):
         self.w1, self.w3, self.w2 = torch.stack(w1), torch.stack(w3), torch.stack(w2)   # (E, I, h) / (E, h, I)
-        self.shared, self.limit = shared, limit
+        # The shared expert's gate and up projections read the same input: one (2I, h) matrix, one GEMM.
+        s1, s3, self.shared_w2 = shared
+        self.shared_w13, self.shared_i = torch.cat((s1, s3)), s1.shape[0]
+        self.limit = limit
 
     def __call__(self, f: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """f (n, h) fp16; returns the fp32 partial (n, h) = sum_k w_k d_{e_k} (ascending expert id) + shared."""
-        s1, s3, s2 = self.shared
-        shared = linear(swiglu(linear(f, s1), linear(f, s3), self.limit), s2, out_dtype=F32)
+        gu, i = linear(f, self.shared_w13), self.shared_i
+        shared = linear(swiglu(gu[..., :i], gu[..., i:], self.limit), self.shared_w2, out_dtype=F32)
         act_k, out_k = ops.fused("expert_act"), ops.fused("expert_out")
         if act_k is not None and out_k is not None:
             return out_k(act_k(f, self.w1, self.w3, experts, self.limit), self.w2, experts, weights, shared)
