@@ -128,14 +128,16 @@ def main() -> None:
         "overhead_p50_ms": round(statistics.median(tcp[skip:]) - statistics.median(rank_ms[skip:]), 3),
         # Where a round trip goes, outside in (p50 of each layer's own clock; the differences are each layer's
         # share): the client's round trip > the front-end's STEP (frame received -> reply built) > one batch on
-        # the pair (ring publish -> both completions) > each rank's engine step (checks + the step's work) > the
-        # step's work alone (GraphSet.run on a GPU rank: upload, insert and draft replays, download).
+        # the pair (ring publish -> both completions) > each rank's engine step = its phases: check (the entries),
+        # run (the work: GraphSet.run on a GPU rank: upload, insert and draft replays, download), finish (answers,
+        # the collectives' fail-closed check).
         "layers": {
             "tcp_round_trip": summary(tcp[skip:]),
             "frontend_step": summary(st["recent"]["step_ms"][skip:]),
             "pair_run": summary(st["recent"]["pair_run_ms"][skip:]),
             **{f"rank{r}_engine_step": summary(st["ranks"][r]["recent_step_ms"][skip:]) for r in range(2)},
-            **{f"rank{r}_step_work": summary(st["ranks"][r]["recent_run_ms"][skip:]) for r in range(2)},
+            **{f"rank{r}_{k}": summary(v[skip:]) for r in range(2)
+               for k, v in st["ranks"][r]["recent_phase_ms"].items()},
         },
         "ring_roundtrip": ring_rows,
     }

@@ -17,6 +17,8 @@ from typing import Any, Protocol, Union
 import msgspec
 import numpy as np
 
+from .finite import first_nonfinite_row
+
 PROTOCOL_VERSION = 1
 
 TOKEN_DTYPE = np.dtype("<i4")
@@ -246,15 +248,6 @@ MESSAGE_TYPES: dict[MsgType, type] = {MsgType(t.__struct_config__.tag): t for t 
 
 
 # ---- stateless validation ------------------------------------------------------------------------------------------
-def _first_nonfinite_row(taps: bytes, width: int) -> int | None:
-    # An fp16 inf/nan has all exponent bits set: (bits & 0x7FFF) >= 0x7C00. One integer max is ~5x faster than
-    # np.isfinite on fp16 (measured: 5 us vs 10 us for 6 rows x 768; 0.5 ms vs 3.7 ms for 128 rows x 15360).
-    bits = np.frombuffer(taps, np.dtype("<u2")) & 0x7FFF
-    if bits.size == 0 or int(bits.max()) < 0x7C00:
-        return None
-    return int(np.argmax((bits >= 0x7C00).reshape(-1, width).any(axis=1)))
-
-
 def validate_entry(entry: Entry, limits: Limits) -> str | None:
     """Every check that needs no slot state; the reason names the slot, the field, the value and the rule.
 
@@ -292,7 +285,7 @@ def validate_entry(entry: Entry, limits: Limits) -> str | None:
             bad = int(ids[(ids < 0) | (ids >= limits.vocab_size)][0])
             return (f"slot {s}: token id {bad} < 0" if bad < 0
                     else f"slot {s}: token id {bad} >= vocab {limits.vocab_size}")
-        bad_row = _first_nonfinite_row(entry.taps, limits.taps_width)
+        bad_row = first_nonfinite_row(entry.taps, limits.taps_width)
         if bad_row is not None:
             return f"slot {s}: taps row {bad_row} holds inf or nan (fp16 taps must be finite)"
     return None

@@ -128,7 +128,9 @@ class RankEngine:
             self.slots = [drafter.new_slot() for _ in range(n_slots)]
         self.broken: str | None = None
         self.steps = 0
-        self.run_ms: collections.deque[float] = collections.deque(maxlen=2000)   # inserts + draft of each step
+        # Where a step's time goes: the entry checks, the work (inserts + draft), the answers and the collectives'
+        # fail-closed check.
+        self.phase_ms = {k: collections.deque(maxlen=2000) for k in ("check", "run", "finish")}
         self.failed_steps = 0
         self.last_error = ""
         self.fault_hook = None          # callable(phase: str) -> None, set by the fault injector (off by default)
@@ -164,6 +166,7 @@ class RankEngine:
         if self.broken:
             raise EngineBroken(f"rank {self.rank} refuses steps: {self.broken}")
         self.steps += 1
+        t0 = time.perf_counter()
         self.coll.count = 0
         outs: list[EntryOut | None] = [None] * len(entries)
         seen: set[int] = set()
@@ -180,10 +183,11 @@ class RankEngine:
         done = False       # every collective of the step has completed
         try:
             self._hook("start")
+            t1 = time.perf_counter()
             if good:
-                t0 = time.perf_counter()
                 res = self._run(entries, good)
-                self.run_ms.append((time.perf_counter() - t0) * 1e3)
+            t2 = time.perf_counter()
+            if good:
                 for j, i in enumerate(good):
                     k = entries[i].n_out
                     conf = res.confidences[j, :k]
@@ -194,6 +198,8 @@ class RankEngine:
             self.coll.check()           # a device-side collective failure surfaces here, before any answer leaves
             done = True
             self._hook("end")
+            for k, dt in zip(self.phase_ms, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
+                self.phase_ms[k].append(dt * 1e3)
         except Exception as e:
             self.failed_steps += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -239,7 +245,7 @@ class RankEngine:
     def status(self) -> dict:
         st = {"rank": self.rank, "steps": self.steps, "failed_steps": self.failed_steps,
               "broken": self.broken, "last_error": self.last_error, "collectives": self.coll.describe(),
-              "time": time.time(), "recent_run_ms": list(self.run_ms)}
+              "time": time.time(), "recent_phase_ms": {k: list(v) for k, v in self.phase_ms.items()}}
         if self.graphs:
             st["graphs"] = {"count": self.graphs.n_graphs, "capture_s": round(self.graphs.capture_seconds, 3),
                             "bytes": self.graphs.graph_bytes}

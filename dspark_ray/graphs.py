@@ -5,12 +5,14 @@ The set owns its slots: every slot's main-kv ring lives in one pool tensor (one 
 an insert bucket), so a captured graph reads and writes any slot by index. A step's inputs travel in one pinned
 host buffer and one host-to-device copy:
 
-    int64  seeds, p0, slot (R each), ring rows of the window (R*W) | insert positions, slots, ring rows (T each)
+    int64  seeds, p0 (R each); the pool rows of the windows (blocks x R x W) | insert positions (T); the pool rows
+           the insert writes (blocks x T)
     bool   window-valid flags (R*W)
     fp16   the insert's taps (T rows)
 
-(R = max requests, W = window, T = the largest insert bucket). The insert graph computes the rows' main-kv and
-scatters them into the pool; the draft graph gathers the windows from the pool, runs `Drafter.forward`, and packs
+(R = max requests, W = window, T = the largest insert bucket; a pool row is ((slot * blocks) + block) * capacity +
+ring row, computed by the host). The insert graph computes the rows' main-kv and writes them into the pool (one
+index_copy_ per block); the draft graph gathers the windows (one index_select), runs `Drafter.forward`, and packs
 drafts, confidences, margins and confident lengths into one fp64 tensor that comes back in one device-to-host copy
 (int64 ids and fp32 scores are exact in fp64). Nothing else runs on the host between the two replays.
 
@@ -53,8 +55,8 @@ class _Graph:
 class _Inputs:
     """The step's input buffer: one uint8 tensor on the device, its pinned host twin, and typed views of both."""
 
-    def __init__(self, R: int, W: int, T: int, width: int, device: torch.device):
-        sizes = {"seeds": R, "p0": R, "slot": R, "ring": R * W, "ins_pos": T, "ins_slot": T, "ins_ring": T}
+    def __init__(self, R: int, W: int, T: int, NB: int, width: int, device: torch.device):
+        sizes = {"seeds": R, "p0": R, "win_rows": NB * R * W, "ins_pos": T, "ins_rows": NB * T}
         self.off: dict[str, tuple[int, int]] = {}
         o = 0
         for k, n in sizes.items():
@@ -115,8 +117,9 @@ class GraphSet:
         self.slots = [SlotState(c.n_blocks, self.W, proto.max_rows, c.head_dim, dev, kv=self.pool[i], index=i)
                       for i in range(n_slots)]
         self.scratch = n_slots
-        self.inp = _Inputs(max_requests, self.W, max(insert_buckets), c.n_taps * c.hidden_size, dev)
-        self.inp.host_view("ins_slot")[:] = self.scratch          # until a step says otherwise, rows go to scratch
+        self.n_blocks, self.T = c.n_blocks, max(insert_buckets)
+        self.inp = _Inputs(max_requests, self.W, self.T, c.n_blocks, c.n_taps * c.hidden_size, dev)
+        self.inp.host_view("ins_rows")[:] = self._pool_rows(self.scratch, np.zeros(self.T, np.int64)).reshape(-1)
         self.inp.upload(self.inp.nbytes)
         n_out_max = max(self.n_outs)
         self.out_host = torch.zeros(max_requests * (3 * n_out_max + 1), dtype=torch.float64, pin_memory=self.cuda)
@@ -138,20 +141,18 @@ class GraphSet:
     def _windows(self, bsz: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The staged requests' windows, per block (bsz, W, D), and their valid flags (bsz, W): what
         `Drafter.window_inputs` gives for the same slots."""
-        v, W = self.inp.dev_view, self.W
-        slot, ring = v("slot")[:bsz], v("ring")[:bsz * W].view(bsz, W)
-        # pool (S, blocks, cap, D) -> (blocks, bsz, W, D): one gather for every block
-        windows = self.pool.permute(1, 0, 2, 3)[:, slot[:, None], ring]
-        return list(windows.unbind(0)), v("valid")[:bsz * W].view(bsz, W)
+        v, W, NB = self.inp.dev_view, self.W, self.n_blocks
+        rows = self.pool.view(-1, self.pool.shape[-1]).index_select(0, v("win_rows")[:NB * bsz * W])
+        return list(rows.view(NB, bsz, W, -1).unbind(0)), v("valid")[:bsz * W].view(bsz, W)
 
     def _insert_fn(self, rows: int) -> None:
         """The main-kv of `rows` tap rows, scattered into the pool at (slot, block, ring row)."""
         v = self.inp.dev_view
         taps = v("taps")[:rows * self.inp.width].view(rows, self.inp.width)
         kv = self.d.context_rows(taps, v("ins_pos")[:rows])
-        slot, ring = v("ins_slot")[:rows], v("ins_ring")[:rows]
+        flat, dst = self.pool.view(-1, self.pool.shape[-1]), v("ins_rows").view(self.n_blocks, self.T)
         for b, r in enumerate(kv):
-            self.pool[slot, b, ring] = r
+            flat.index_copy_(0, dst[b, :rows], r)      # pad rows all land on the scratch slot's row 0
         return None
 
     # -- capture ---------------------------------------------------------------------------------------------------
@@ -205,15 +206,20 @@ class GraphSet:
         return g.out
 
     # -- a step ----------------------------------------------------------------------------------------------------
+    def _pool_rows(self, slot, ring: np.ndarray) -> np.ndarray:
+        """Rows of the flattened pool (blocks, len(ring)) holding ring rows `ring` of `slot`'s every block."""
+        return (slot * self.n_blocks + np.arange(self.n_blocks)[:, None]) * self.capacity + ring[None, :]
+
     def _stage_draft(self, states: list[SlotState], seeds: list[int]) -> None:
-        """Write the draft's scalars into the pinned buffer (numpy: no device work, no torch op per request)."""
-        h, W, cap = self.inp.host_view, self.W, self.capacity
+        """Write the draft's inputs into the pinned buffer (numpy: no device work, no torch op per request)."""
+        h, W, cap, bsz = self.inp.host_view, self.W, self.capacity, len(states)
         back = np.arange(-W, 0)
-        seeds_h, p0_h, slot_h = h("seeds"), h("p0"), h("slot")
-        ring_h, valid_h = h("ring").reshape(-1, W), h("valid").reshape(-1, W)
+        seeds_h, p0_h = h("seeds"), h("p0")
+        win_h = h("win_rows")[:self.n_blocks * bsz * W].reshape(self.n_blocks, bsz, W)
+        valid_h = h("valid").reshape(-1, W)
         for r, s in enumerate(states):
-            seeds_h[r], p0_h[r], slot_h[r] = seeds[r], s.position, s.index
-            ring_h[r] = (s.position + back) % cap
+            seeds_h[r], p0_h[r] = seeds[r], s.position
+            win_h[:, r] = self._pool_rows(s.index, (s.position + back) % cap)
             valid_h[r] = back >= -s.hist_len()
 
     @torch.inference_mode()
@@ -265,18 +271,18 @@ class GraphSet:
         """Write a chunk's positions, slots, ring rows and taps into the pinned buffer and upload it; returns the
         smallest bucket that holds it (its pad rows go to the scratch slot)."""
         h, inp = self.inp.host_view, self.inp
-        pos, slot, ring = h("ins_pos"), h("ins_slot"), h("ins_ring")
+        pos, dst = h("ins_pos"), h("ins_rows").reshape(self.n_blocks, self.T)
         taps = h("taps").reshape(-1, inp.width)
         at = 0
         for s, p, t in chunk:
             n = t.shape[0]
             pos[at:at + n] = np.arange(p, p + n)
-            slot[at:at + n] = s.index
+            dst[:, at:at + n] = self._pool_rows(s.index, pos[at:at + n] % self.capacity)
             taps[at:at + n] = t
             at += n
-        ring[:at] = pos[:at] % self.capacity
         bucket = next(b for b in self.insert_buckets if b >= at)
-        pos[at:bucket], slot[at:bucket], ring[at:bucket] = 0, self.scratch, 0
+        pos[at:bucket] = 0
+        dst[:, at:bucket] = self._pool_rows(self.scratch, np.zeros(bucket - at, np.int64))
         inp.upload(inp.off["taps"][0] + 2 * at * inp.width)
         return bucket
 

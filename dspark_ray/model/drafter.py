@@ -14,6 +14,7 @@ from torch.profiler import record_function as stage     # names the step's stage
 
 from ..collectives import Collectives, LocalCollectives
 from ..config import DrafterConfig
+from ..finite import first_nonfinite_row
 from .attention import Attention
 from .heads import DraftHead, HeadOut, VocabShard
 from .mhc import HcSite, HyperHead
@@ -22,6 +23,12 @@ from .ops import Rope, linear, rms_norm
 from .state import SlotState
 
 Weights = dict[str, torch.Tensor]
+
+
+def _finite(taps: torch.Tensor) -> bool:
+    if taps.device.type == "cpu" and taps.is_contiguous():     # the service's case: a bit test, no torch op
+        return first_nonfinite_row(taps.numpy(), taps.shape[1]) is None
+    return bool(torch.isfinite(taps).all())
 
 
 class DraftInputError(ValueError):
@@ -120,10 +127,11 @@ class Drafter:
             return f"taps shape {tuple(taps.shape)} != ({n}, {width}) (rows, n_taps * hidden)"
         if taps.dtype != torch.float16:
             return f"taps dtype {taps.dtype} != float16"
-        if n and not bool(torch.isfinite(taps).all()):
+        if n and not _finite(taps):
             return "taps hold inf or nan"
-        if n and (int(token_ids.min()) < 0 or int(token_ids.max()) >= c.vocab_size):
-            bad = token_ids[(token_ids < 0) | (token_ids >= c.vocab_size)][0]
+        ids = token_ids.numpy() if token_ids.device.type == "cpu" else token_ids.cpu().numpy()
+        if n and (int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size):
+            bad = ids[(ids < 0) | (ids >= c.vocab_size)][0]
             return f"token id {int(bad)} outside [0, {c.vocab_size})"
         return state.check_entry(start, n, rollback_to)
 
