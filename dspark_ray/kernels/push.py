@@ -471,11 +471,16 @@ class PushCollectives(Collectives):
             self._poison(f"drain failed: {e}")
 
     def _await(self, ev, deadline: float, why: str) -> None:
-        """Poll a CuPy event until it has run; past `deadline` (time.monotonic) the rank is poisoned with `why`."""
+        """Poll a CuPy event until it has run; past `deadline` (time.monotonic) the rank is poisoned with `why`.
+        Spin for the first 2 ms: an event just recorded on an idle stream completes within microseconds, and a
+        sleep between polls costs ~0.15 ms (measured: the engine's per-step check took 0.17-0.2 ms)."""
+        spin_until = time.monotonic() + 0.002
         while not ev.done:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 self._poison(why)
-            time.sleep(0.0001)
+            if now > spin_until:
+                time.sleep(0.0001)
 
     def cancel(self, timeout_s: float = 1.0) -> None:
         """Raise ERR_CANCELLED here and at the peer from the pre-created cancel stream: a collective parked on any
