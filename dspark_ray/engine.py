@@ -109,8 +109,9 @@ class _CountingCollectives(Collectives):
 
 
 class RankEngine:
-    """`graphs=True` (CUDA only) captures the rank's CUDA graph set (`graphs.GraphSet`) at construction and runs
-    every step through it; the eager path gives the same bits and serves batches the set does not cover."""
+    """`graphs=True` builds the rank's graph set (`graphs.GraphSet`: captured as CUDA graphs on a GPU, run uncaptured
+    on a CPU) and runs every step through it; the eager path (`graphs=False`) gives the same bits and serves batches
+    the set does not cover."""
 
     def __init__(self, drafter: Drafter, n_slots: int, rank: int = 0, graphs: bool = False,
                  progress=None):

@@ -41,9 +41,10 @@ class PairSpec:
     # measured on the 2-core CPU machine, bench/ring_roundtrip.py); a GPU host has cores to spare, so its ranks
     # and front-end spin through the gap between back-to-back steps. None: 50 us on CPU, 2 ms on GPU.
     ring_spin_us: float | None = None
-    # The GPU engine: CUDA graphs of the step (None: on when the device is CUDA) and the matmul kernels ("auto":
-    # the batch-invariant cuBLAS / Triton kernels on CUDA, the exact tree on CPU; "exact" everywhere for a CPU
-    # reference to compare against bit for bit).
+    # The step engine: the graph set's static-buffer step (None / True: on; captured as CUDA graphs on a GPU, run
+    # uncaptured on a CPU: the same host path and the same bits; False: the eager per-entry path) and the matmul
+    # kernels ("auto": the batch-invariant cuBLAS / Triton kernels on CUDA, the exact tree on CPU; "exact"
+    # everywhere for a CPU reference to compare against bit for bit).
     graphs: bool | None = None
     matmul: str = "auto"
 
@@ -118,11 +119,11 @@ class RankWorker:
         drafter = Drafter(cfg, [self.weights], [self.layout.vocab_range(self.rank)[0]], coll)
         self.weights = None          # the drafter holds what it uses (routed experts stacked: the originals go)
         cuda = self.spec.device.startswith("cuda")
-        graphs = cuda if self.spec.graphs is None else (self.spec.graphs and cuda)
+        graphs = self.spec.graphs is not False
 
         def progress(done, total):
             if done == total or done % 10 == 0:
-                log.info("rank %d: captured %d / %d graphs", self.rank, done, total)
+                log.info("rank %d: %s %d / %d graphs", self.rank, "captured" if cuda else "recorded", done, total)
         self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress)
         log.info("rank %d: connected through %s%s", self.rank, coll.describe(),
                  f"; {self.engine.status()['graphs']}" if graphs else "")
