@@ -128,7 +128,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
            "dense_bytes_per_step": dense, "expert_bytes": expert_b, "draft": {}, "insert": {}, "step": {},
            "experts": {}}
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    for bsz, n_out in SEED000:
+    for bsz, n_out in args.shapes:
         seeds = [17 + 1000 * r for r in range(bsz)]
         d.draft(states[:bsz], seeds, n_out)                      # eager once: routing of this input
         distinct = sum(int(torch.unique(e).numel()) for e in d.last_experts)
@@ -283,8 +283,8 @@ def run_pair(args) -> dict:
 def summary(out: dict) -> dict:
     """Ratios at each (requests, n_out): pair / one card, collectives share = (pair - solo) / pair, pair / bytes."""
     rows = {}
-    for bsz, n_out in SEED000:
-        k = f"{bsz},{n_out}"
+    timed = out.get("tp1") or out.get("solo") or out["pair"]["rank0"]
+    for k in timed["draft"]:                       # the shapes this run timed
         tp1 = out["tp1"]["draft"][k]["p50_ms"] if "tp1" in out else None
         solo = out["solo"]["draft"][k]["p50_ms"] if "solo" in out else None
         pr = out["pair"]["rank0"]["draft"][k] if "pair" in out else None
@@ -348,6 +348,8 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="full")
     ap.add_argument("--ckpt", default="/tmp/dspark_full")
     ap.add_argument("--modes", default="tp1,solo,pair", help="comma list of tp1, solo, pair")
+    ap.add_argument("--shapes", default=" ".join(f"{b},{n}" for b, n in SEED000),
+                    help="(requests, n_out) pairs to time, e.g. '1,5 4,4' for a quick A/B (default: seed 000's)")
     ap.add_argument("--replays", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--start", type=int, default=5000, help="position of the slots' context rows")
@@ -356,6 +358,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out")
     ap.add_argument("--md")
     args = ap.parse_args(argv)
+    args.shapes = [tuple(int(v) for v in p.split(",")) for p in args.shapes.split()]
     if not torch.cuda.is_available():
         print("bench/draft_step.py needs CUDA", file=sys.stderr)
         return 2

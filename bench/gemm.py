@@ -25,9 +25,10 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-# (name, N, K) of the dense weights one rank holds (tp2 halves where the layer is split).
-DENSE = [("main_proj", 5120, 15360), ("wq_a", 1280, 5120), ("wq_b", 16384, 1280), ("wkv", 512, 5120),
-         ("wo_b", 5120, 4096), ("shared_w1", 1152, 5120), ("shared_w2", 5120, 1152), ("head", 64640, 5120)]
+# (name, N, K) of the dense GEMMs one rank runs (tp2 halves where the layer is split; wq_a | wkv and the shared
+# expert's w1 | w3 run as one GEMM each in the draft, wkv alone in the insert).
+DENSE = [("main_proj", 5120, 15360), ("wq_a|wkv", 1792, 5120), ("wq_b", 16384, 1280), ("wkv", 512, 5120),
+         ("wo_b", 5120, 4096), ("shared_w1|w3", 2304, 5120), ("shared_w2", 5120, 1152), ("head", 64640, 5120)]
 EXPERTS = (128, 1152, 5120)          # E, N, K: one rank's half of a routed expert's w1 / w3
 TOP_K = 3
 COLD_BYTES = 256 << 20

@@ -20,7 +20,6 @@ import torch
 
 from .collectives import CollectiveError, Collectives
 from .model.drafter import Drafter
-from .model.heads import confident_prefix
 from .model.state import SlotState
 
 log = logging.getLogger("dspark_ray.engine")
@@ -189,13 +188,14 @@ class RankEngine:
                 res = self._run(entries, good)
             t2 = time.perf_counter()
             if good:
+                lens = res.confident_len.tolist()
                 for j, i in enumerate(good):
                     k = entries[i].n_out
-                    conf = res.confidences[j, :k]
+                    # the all-confident prefix of the first k of the batch's n_out drafts (the loop never looks
+                    # ahead): the batch's prefix, cut at k
                     outs[i] = EntryOut(
-                        OK, "", res.drafts[j, :k], conf,
-                        res.margins[j, :k] if entries[i].want_margins else None,
-                        int(confident_prefix(conf, self.drafter.head.threshold)))
+                        OK, "", res.drafts[j, :k], res.confidences[j, :k],
+                        res.margins[j, :k] if entries[i].want_margins else None, min(lens[j], k))
             self.coll.check()           # a device-side collective failure surfaces here, before any answer leaves
             done = True
             self._hook("end")

@@ -8,6 +8,7 @@ import torch
 
 from dspark_ray import workload
 from dspark_ray.engine import BAD_ENTRY, OK, RankEngine, StepEntry
+from dspark_ray.model.heads import confident_prefix
 from dspark_ray.modes import make_drafter
 
 N_SLOTS = 6
@@ -26,6 +27,8 @@ def _same_step(eager, graph, batch):
         assert (x.code, x.reason, x.confident_len) == (y.code, y.reason, y.confident_len)
         if x.code == OK:
             assert torch.equal(x.drafts, y.drafts) and torch.equal(x.confidences, y.confidences)
+            # an entry's prefix is over its own n_out drafts, also when the batch drafted more
+            assert x.confident_len == int(confident_prefix(x.confidences, eager.drafter.head.threshold))
             assert (x.margins is None) == (y.margins is None)
             if x.margins is not None:
                 assert torch.equal(x.margins, y.margins)
