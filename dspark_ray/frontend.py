@@ -233,6 +233,10 @@ class StepService(C.StepHandler):
                 batch = self._take_batch()
             try:
                 self._dispatch(batch)
+            except Exception as e:          # a bug, not a pair failure (those answer INTERNAL in _run): still answer
+                log.exception("batch of %d entries failed in the front-end", len(batch))
+                self._answer_internal([q for q in batch if not q.done.is_set()],
+                                      f"front-end error: {type(e).__name__}: {e}")
             finally:
                 with self._turn:
                     self._running = False
@@ -280,17 +284,13 @@ class StepService(C.StepHandler):
             msg = f"batch failed closed ({f.kind}): {f.reason}"
             self.last_errors = (self.last_errors + [msg])[-10:]
             log.warning("%s; %d entries answer INTERNAL, their slots are resynced", msg, len(live))
-            with self.lock:
-                for p in live:
-                    self._resync(p.entry.slot)
-                    self.slots[p.entry.slot].busy = False
-                    p.result = C.error_result(C.Code.INTERNAL, msg, self.slots[p.entry.slot].cursor.generation)
-                    p.done.set()
+            with self.lock:                      # before any answer wakes a client
                 if f.kind != "step":             # a rank's state may differ from its peer's: resync everything
                     for i in range(len(self.slots)):
                         self._resync(i)
                 else:
                     self.pending_resets.update(resets)   # the failed batch may not have applied its resets
+            self._answer_internal(live, msg)
             if self.on_failure:
                 self.on_failure(f, [p.entry.slot for p in live])
             return
@@ -312,6 +312,15 @@ class StepService(C.StepHandler):
                     self.stats["bad_entry"] += 1
                     p.result = C.error_result(C.Code.BAD_ENTRY, r.reason, gen)
                 slot.busy = False
+                p.done.set()
+
+    def _answer_internal(self, entries: list[_Pending], msg: str) -> None:
+        """Fail these entries closed: INTERNAL, and their slots resynced (the ranks may or may not have run them)."""
+        with self.lock:
+            for p in entries:
+                self._resync(p.entry.slot)
+                self.slots[p.entry.slot].busy = False
+                p.result = C.error_result(C.Code.INTERNAL, msg, self.slots[p.entry.slot].cursor.generation)
                 p.done.set()
 
     def _finish(self, p: _Pending, r: C.EntryResult) -> None:

@@ -1,0 +1,106 @@
+"""The front-end's batching on the STEP threads (`frontend.StepService`), without Ray: a pair here is an in-process
+object that answers every entry OK and records who ran each batch, so the tests see the scheduling itself. The
+deployed pair (Ray actors, the ring, real ranks) runs the same service in tests/test_deploy.py."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dspark_ray import contract as C
+from dspark_ray.actors.messages import RankBatch, RankResult
+from dspark_ray.frontend import Identity, StepService
+
+WINDOW = 8
+
+
+class _Pair:
+    """Answers OK; records (thread id, slots) per batch; `gate` (when set) holds a batch until released;
+    `fail` raises a plain exception (a front-end bug, not a pair failure)."""
+
+    def __init__(self):
+        self.batches: list[tuple[int, list[int]]] = []
+        self.gate: threading.Event | None = None
+        self.entered = threading.Event()
+        self.fail = False
+
+    def run(self, batch: RankBatch) -> list[RankResult]:
+        self.batches.append((threading.get_ident(), [e.slot for e in batch.entries]))
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        if self.fail:
+            raise ValueError("boom")
+        return [RankResult(0, "", b"\0" * 4 * e.n_out, b"\0" * 4 * e.n_out, b"", 0) for e in batch.entries]
+
+
+@pytest.fixture
+def service():
+    pair = _Pair()
+    limits = C.Limits(vocab_size=100, hidden_size=4, n_taps=1, slot_capacity=8)
+    svc = StepService(Identity("m", "c", 1, 1 << 20), limits, pair, window=WINDOW)
+    sid = svc.open_session("test")
+    assert svc.hello(sid, C.Hello()).ok
+    slots = [g.slot for g in svc.acquire(sid, C.Acquire(n=8)).slots]
+    yield svc, pair, sid, slots
+    svc.close()
+
+
+def _step(svc, sid, slot, deadline_ms=10_000.0):
+    e = C.make_entry(slot=slot, generation=svc.slots[slot].cursor.generation, seed_token=1, n_out=2)
+    return svc.step(sid, C.Step(entries=[e], deadline_ms=deadline_ms), time.monotonic_ns()).results[0]
+
+
+def test_an_idle_pair_runs_the_step_on_its_own_thread(service):
+    svc, pair, sid, slots = service
+    assert _step(svc, sid, slots[0]).code == C.Code.OK
+    assert pair.batches == [(threading.get_ident(), [slots[0]])]
+
+
+def test_steps_that_arrive_while_a_batch_runs_are_merged_into_the_next(service):
+    svc, pair, sid, slots = service
+    pair.gate = threading.Event()
+    out: dict[int, C.EntryResult] = {}
+    first = threading.Thread(target=lambda: out.__setitem__(0, _step(svc, sid, slots[0])))
+    first.start()
+    assert pair.entered.wait(10)
+    later = [threading.Thread(target=lambda s=s: out.__setitem__(s, _step(svc, sid, slots[s]))) for s in (1, 2, 3)]
+    for t in later:
+        t.start()
+    while len(svc.queue) < 3:           # all three queued behind the running batch
+        time.sleep(0.001)
+    pair.gate.set()
+    for t in [first] + later:
+        t.join(10)
+    assert {k: r.code for k, r in out.items()} == {0: C.Code.OK, 1: C.Code.OK, 2: C.Code.OK, 3: C.Code.OK}
+    assert [sorted(b[1]) for b in pair.batches] == [[slots[0]], sorted(slots[1:4])]
+
+
+def test_an_entry_queued_past_its_deadline_answers_deadline_and_never_runs(service):
+    svc, pair, sid, slots = service
+    pair.gate = threading.Event()
+    first = threading.Thread(target=lambda: _step(svc, sid, slots[0]))
+    first.start()
+    assert pair.entered.wait(10)
+    late: list[C.EntryResult] = []
+    t = threading.Thread(target=lambda: late.append(_step(svc, sid, slots[1], deadline_ms=5.0)))
+    t.start()
+    time.sleep(0.05)                    # past its 5 ms budget while the first batch still runs
+    pair.gate.set()
+    first.join(10)
+    t.join(10)
+    assert late[0].code == C.Code.DEADLINE
+    assert all(slots[1] not in b[1] for b in pair.batches)
+    assert svc.slots[slots[1]].cursor.position == 0 and not svc.slots[slots[1]].busy
+
+
+def test_a_front_end_bug_in_a_batch_answers_internal_and_the_next_step_runs(service):
+    svc, pair, sid, slots = service
+    pair.fail = True
+    gen = svc.slots[slots[0]].cursor.generation
+    r = _step(svc, sid, slots[0])
+    assert r.code == C.Code.INTERNAL and "ValueError: boom" in r.reason
+    assert r.generation == gen + 1 and slots[0] in svc.pending_resets     # resynced: the ranks may have run it
+    pair.fail = False
+    assert _step(svc, sid, slots[0]).code == C.Code.OK        # not left busy, not left running
