@@ -73,18 +73,20 @@ class _Inputs:
         self.host_np = self.host.numpy()
         self.uploaded = torch.cuda.Event() if cuda else None
 
-    def _view(self, buf, k):
+    _DTYPES = {"valid": (torch.bool, np.bool_), "taps": (torch.float16, np.float16)}      # the rest: int64
+
+    def _span(self, k: str):
         o, n = self.off[k]
-        dtype = {"valid": torch.bool, "taps": torch.float16}.get(k, torch.int64)
-        return buf[o:o + n * (1 if dtype == torch.bool else 2 if dtype == torch.float16 else 8)].view(dtype)
+        td, nd = self._DTYPES.get(k, (torch.int64, np.int64))
+        return o, o + n * np.dtype(nd).itemsize, td, nd
 
     def dev_view(self, k: str) -> torch.Tensor:
-        return self._view(self.dev, k)
+        a, b, td, _ = self._span(k)
+        return self.dev[a:b].view(td)
 
     def host_view(self, k: str) -> np.ndarray:
-        o, n = self.off[k]
-        dtype = {"valid": np.bool_, "taps": np.float16}.get(k, np.int64)
-        return self.host_np[o:o + n * np.dtype(dtype).itemsize].view(dtype)
+        a, b, _, nd = self._span(k)
+        return self.host_np[a:b].view(nd)
 
     def writable(self) -> None:
         """Wait until the last upload has left the pinned buffer (its copy runs asynchronously)."""
