@@ -141,6 +141,11 @@ def main() -> None:
         },
         "ring_roundtrip": ring_rows,
     }
+    # The target, from this one run: the round trip at most the pair's graph work (the slower rank's run
+    # phase: upload, insert and draft replays, download) + 0.1 ms.
+    work = max(out["layers"][f"rank{r}_run"]["p50_ms"] for r in range(2))
+    out["target"] = {"round_trip_p50_ms": out["tcp_step"]["p50_ms"], "pair_work_p50_ms": work,
+                     "limit_ms": round(work + 0.1, 3), "met": out["tcp_step"]["p50_ms"] <= work + 0.1}
     print(json.dumps(out, indent=1))
     if a.out:
         with open(a.out, "w") as f:
