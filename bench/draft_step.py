@@ -128,22 +128,28 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
            "dense_bytes_per_step": dense, "expert_bytes": expert_b, "draft": {}, "insert": {}, "step": {},
            "experts": {}}
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+
+    def timed(fn, n) -> list[float]:
+        """ms of fn() per call (CUDA events around it, after a barrier with the peer in the pair), warm-up dropped."""
+        times = []
+        for i in range(args.warmup + n):
+            if barrier:
+                barrier()
+            ev[0].record()
+            fn()
+            ev[1].record()
+            ev[1].synchronize()
+            if i >= args.warmup:
+                times.append(ev[0].elapsed_time(ev[1]))
+        return times
+
     for bsz, n_out in args.shapes:
         seeds = [17 + 1000 * r for r in range(bsz)]
         d.draft(states[:bsz], seeds, n_out)                      # eager once: routing of this input
         distinct = sum(int(torch.unique(e).numel()) for e in d.last_experts)
         pairs = sum(int(e.numel()) for e in d.last_experts)
         res["experts"][f"{bsz},{n_out}"] = {"distinct": distinct, "pairs": pairs}
-        times = []
-        for i in range(args.warmup + args.replays):
-            if barrier:
-                barrier()
-            ev[0].record()
-            gs.run([], states[:bsz], seeds, n_out, False)
-            ev[1].record()
-            ev[1].synchronize()
-            if i >= args.warmup:
-                times.append(ev[0].elapsed_time(ev[1]))
+        times = timed(lambda: gs.run([], states[:bsz], seeds, n_out, False), args.replays)
         if share:                       # the pair: per replay, the rank that arrived last saw the critical path
             both = share(times)
             res["draft"][f"{bsz},{n_out}"] = stats([min(a, b) for a, b in zip(*both)]) | {
@@ -155,20 +161,6 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
         res["draft"][f"{bsz},{n_out}"]["byte_bound_ms"] = round(read / (HBM_TBPS * 1e12) * 1e3, 4)
         log(f"{mode} rank {rank}: {bsz} req n_out {n_out}: p50 {res['draft'][f'{bsz},{n_out}']['p50_ms']:.3f} ms")
     from dspark_ray import workload
-
-    def timed(fn, n):
-        times = []
-        for i in range(args.warmup + n):
-            if barrier:
-                barrier()
-            ev[0].record()
-            fn()
-            ev[1].record()
-            ev[1].synchronize()
-            if i >= args.warmup:
-                times.append(ev[0].elapsed_time(ev[1]))
-        return stats(times)
-
     st = gs.slots[4]
     for rows in INSERT_ROWS:             # the taps' upload + the insert replay (rows scattered into the pool)
         taps = workload.make_taps(cfg, rows, torch.Generator().manual_seed(rows))
@@ -176,7 +168,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
         def insert():
             st.reset()
             gs.run([(st, 0, taps)], [], [], 1, False)
-        res["insert"][str(rows)] = timed(insert, args.replays // 3)
+        res["insert"][str(rows)] = stats(timed(insert, args.replays // 3))
     top = states[0].position
     for rows in STEP_ROWS:               # a STEP's engine work: one upload, the insert replay, the draft replay, one D2H
         taps = workload.make_taps(cfg, rows, torch.Generator().manual_seed(rows))
@@ -184,7 +176,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
         def step():
             states[0].rollback(top - rows)
             gs.run([(states[0], top - rows, taps)], states[:1], [17], 5, False)
-        res["step"][str(rows)] = timed(step, args.replays)
+        res["step"][str(rows)] = stats(timed(step, args.replays))
     res["profile_1req"] = profile(d, states, args)
     res["graph_kernels_1req"] = graph_kernels(gs, states)
     free, total = torch.cuda.mem_get_info()

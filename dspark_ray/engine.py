@@ -232,8 +232,9 @@ class RankEngine:
             e = entries[i]
             if e.rollback_to >= 0:
                 self.slots[e.slot].rollback(e.rollback_to)
-            if e.taps is not None and e.taps.shape[0]:
-                inserts.append((self.slots[e.slot], e.start, e.taps))
+            taps = self._taps(e)
+            if taps.shape[0]:
+                inserts.append((self.slots[e.slot], e.start, taps))
         if len(good) <= self.graphs.max_requests:
             return self.graphs.run(inserts, states, seeds, n_out, margins)
         self.graphs.run(inserts, [], [], n_out, margins)

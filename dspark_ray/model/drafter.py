@@ -136,9 +136,8 @@ class Drafter:
         return state.check_entry(start, n, rollback_to)
 
     def insert(self, state: SlotState, start: int, token_ids: torch.Tensor, taps: torch.Tensor,
-               rollback_to: int = -1, rows_fn=None) -> None:
-        """Check, roll back, compute the rows' main-kv (through `rows_fn`, e.g. a graph set's twin of
-        `context_rows`, else eagerly) and write them into the slot."""
+               rollback_to: int = -1) -> None:
+        """Check, roll back, compute the rows' main-kv and write them into the slot."""
         why = self.check_insert(state, start, token_ids, taps, rollback_to)
         if why:
             raise DraftInputError(why)
@@ -147,8 +146,7 @@ class Drafter:
         n = taps.shape[0]
         if n == 0:
             return
-        rows = (rows_fn or self.context_rows)(taps.to(self.device), torch.arange(start, start + n, device=self.device))
-        state.write(start, rows)
+        state.write(start, self.context_rows(taps.to(self.device), torch.arange(start, start + n, device=self.device)))
 
     def context_rows(self, taps: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
         """The context insert's math, tensors only (capturable): taps (n, n_taps*h) fp16 at positions pos (n,) ->
