@@ -118,6 +118,17 @@ class Collectives(ABC):
         """Replay a graph captured under graph_capture() (push checks and advances its epoch book first)."""
         graph.replay()
 
+    def status_region(self) -> tuple[int, int] | None:
+        """(device address, bytes) of words that say whether the step's collectives failed. A captured step copies
+        them to the host behind its last collective, in the same download as its outputs, and hands them to
+        check_status: the fail-closed check without a device round trip of its own. None: check() only."""
+        return None
+
+    def check_status(self, words) -> None:
+        """check(), judged from the words status_region() names, copied after the step's work on a stream the
+        caller has synchronised."""
+        self.check()
+
 
 class LocalCollectives(Collectives):
     """Every shard of the group is in the caller's hands: `tp1` (one unsplit rank), or the split reference (one

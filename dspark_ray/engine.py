@@ -103,6 +103,12 @@ class _CountingCollectives(Collectives):
         self.inner.replay(graph, n_collectives)
         self.count += n_collectives
 
+    def status_region(self):
+        return self.inner.status_region()
+
+    def check_status(self, words):
+        self.inner.check_status(words)
+
     def describe(self):
         return self.inner.describe()
 
@@ -196,7 +202,13 @@ class RankEngine:
                     outs[i] = EntryOut(
                         OK, "", res.drafts[j, :k], res.confidences[j, :k],
                         res.margins[j, :k] if entries[i].want_margins else None, min(lens[j], k))
-            self.coll.check()           # a device-side collective failure surfaces here, before any answer leaves
+            # a device-side collective failure surfaces here, before any answer leaves (from the control words the
+            # draft graph downloaded with its outputs when it has them)
+            status = self.graphs.fresh_status() if self.graphs is not None and good else None
+            if status is not None:
+                self.coll.check_status(status)
+            else:
+                self.coll.check()
             done = True
             self._hook("end")
             for k, dt in zip(self.phase_ms, (t1 - t0, t2 - t1, time.perf_counter() - t2)):

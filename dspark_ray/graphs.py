@@ -16,6 +16,13 @@ index_copy_ per block); the draft graph gathers the windows (one index_select), 
 drafts, confidences, margins and confident lengths into one fp64 tensor that comes back in one device-to-host copy
 (int64 ids and fp32 scores are exact in fp64). Nothing else runs on the host between the two replays.
 
+The copies are nodes of the graphs themselves: each graph starts with the upload of the bytes it reads and the
+draft graph ends with the download of its packed outputs and of the collectives' control words (the fail-closed
+check reads them there: `Collectives.status_region`). A step on the host is then: write the pinned buffer, launch,
+synchronise, read. (A torch `copy_` costs 50-75 us of host time per call on the GPU host; a captured copy nothing.
+The copies go through CuPy's `cudaMemcpyAsync`, which torch's pinned-memory bookkeeping does not see; without
+CuPy the graphs leave them out and the host issues them around the replays.)
+
 Replaying a graph runs the very kernels the eager path runs (`Drafter.forward`, `Drafter.context_rows`), so a replay
 gives the eager bits; a bucket with more rows than the request needs pads with rows whose results are dropped (every
 dense layer is row-invariant, so a real row's bits do not depend on the padding).
@@ -42,6 +49,19 @@ from .model.drafter import DraftOut, Drafter
 from .model.state import SlotState
 
 INSERT_BUCKETS = (8, 16, 32, 64, 128)
+
+
+def _raw_memcpy() -> Callable[[int, int, int], None] | None:
+    """cudaMemcpyAsync(dst, src, nbytes) on torch's current stream: capturable both ways between pinned host memory
+    and the device. None without CuPy."""
+    try:
+        from cupy.cuda import runtime
+    except ImportError:
+        return None
+
+    def copy(dst: int, src: int, nbytes: int) -> None:
+        runtime.memcpyAsync(dst, src, nbytes, runtime.memcpyDefault, torch.cuda.current_stream().cuda_stream)
+    return copy
 
 
 @dataclass
@@ -72,6 +92,7 @@ class _Inputs:
         self.host = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=cuda)
         self.host_np = self.host.numpy()
         self.uploaded = torch.cuda.Event() if cuda else None
+        self.h = {k: self.host_view(k) for k in self.off}       # the host views, made once (the step writes them)
 
     _DTYPES = {"valid": (torch.bool, np.bool_), "taps": (torch.float16, np.float16)}      # the rest: int64
 
@@ -96,8 +117,20 @@ class _Inputs:
     def upload(self, end: int) -> None:
         """Copy bytes [0, end) to the device in one copy."""
         self.dev[:end].copy_(self.host[:end], non_blocking=True)
+        self.mark()
+
+    def mark(self) -> None:
+        """The buffer is in use by the work queued so far (an upload, or a graph that uploads it itself)."""
         if self.uploaded is not None:
             self.uploaded.record()
+
+    @property
+    def draft_bytes(self) -> int:
+        """What a draft reads: everything before the taps."""
+        return self.off["taps"][0]
+
+    def insert_bytes(self, rows: int) -> int:
+        return self.off["taps"][0] + 2 * rows * self.width
 
 
 class GraphSet:
@@ -120,11 +153,21 @@ class GraphSet:
                       for i in range(n_slots)]
         self.scratch = n_slots
         self.n_blocks, self.T = c.n_blocks, max(insert_buckets)
+        # pool row of (slot, block, ring row 0), and the window's ring offsets (oldest first): the staging's tables
+        self._row0 = ((np.arange(n_slots + 1)[:, None] * c.n_blocks + np.arange(c.n_blocks)[None, :])
+                      * self.capacity)[..., None]
+        self._back = np.arange(-self.W, 0)
         self.inp = _Inputs(max_requests, self.W, self.T, c.n_blocks, c.n_taps * c.hidden_size, dev)
-        self.inp.host_view("ins_rows")[:] = self._pool_rows(self.scratch, np.zeros(self.T, np.int64)).reshape(-1)
+        self.inp.h["ins_rows"][:] = self._pool_rows(self.scratch, np.zeros(self.T, np.int64)).reshape(-1)
         self.inp.upload(self.inp.nbytes)
         n_out_max = max(self.n_outs)
         self.out_host = torch.zeros(max_requests * (3 * n_out_max + 1), dtype=torch.float64, pin_memory=self.cuda)
+        # The copies inside the graphs (module docstring); the collectives' control words land in status_host.
+        self.memcpy = _raw_memcpy() if self.cuda else None
+        self.status = self.coll.status_region() if self.memcpy else None
+        self.status_host = torch.zeros(max(self.status[1], 1) if self.status else 1, dtype=torch.uint8,
+                                       pin_memory=self.cuda)
+        self._status_fresh = False
         self.draft_graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.insert_graphs: dict[int, _Graph] = {}
         self.mempool = None
@@ -179,7 +222,8 @@ class GraphSet:
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
         for (kind, key), fn in fns:
-            g = self._capture(fn) if self.cuda else _Graph(None, fn, None, 0)
+            upload = self.inp.draft_bytes if kind == "draft" else self.inp.insert_bytes(key)
+            g = self._capture(fn, upload, kind == "draft") if self.cuda else _Graph(None, fn, None, 0)
             (self.draft_graphs if kind == "draft" else self.insert_graphs)[key] = g
             done += 1
             if progress:
@@ -189,11 +233,20 @@ class GraphSet:
             self.graph_bytes = max(0, free0 - torch.cuda.mem_get_info()[0])
         self.capture_seconds = time.monotonic() - t0
 
-    def _capture(self, fn) -> _Graph:
+    def _capture(self, fn, upload: int, download: bool) -> _Graph:
+        """Capture fn between its copies: the upload of its input bytes first; a draft's packed outputs and the
+        control words last (behind its last collective)."""
         g = torch.cuda.CUDAGraph()
+        cp = self.memcpy
         with self.coll.graph_capture() as info:
             with torch.cuda.graph(g, pool=self.mempool, capture_error_mode="thread_local"):
+                if cp:
+                    cp(self.inp.dev.data_ptr(), self.inp.host.data_ptr(), upload)
                 out = fn()
+                if cp and download:
+                    cp(self.out_host.data_ptr(), out.data_ptr(), out.numel() * out.element_size())
+                    if self.status:
+                        cp(self.status_host.data_ptr(), self.status[0], self.status[1])
         self.mempool = self.mempool or g.pool()
         return _Graph(g, fn, out, info.n_collectives)
 
@@ -210,19 +263,17 @@ class GraphSet:
     # -- a step ----------------------------------------------------------------------------------------------------
     def _pool_rows(self, slot, ring: np.ndarray) -> np.ndarray:
         """Rows of the flattened pool (blocks, len(ring)) holding ring rows `ring` of `slot`'s every block."""
-        return (slot * self.n_blocks + np.arange(self.n_blocks)[:, None]) * self.capacity + ring[None, :]
+        return self._row0[slot] + ring[None, :]
 
     def _stage_draft(self, states: list[SlotState], seeds: list[int]) -> None:
-        """Write the draft's inputs into the pinned buffer (numpy: no device work, no torch op per request)."""
-        h, W, cap, bsz = self.inp.host_view, self.W, self.capacity, len(states)
-        back = np.arange(-W, 0)
-        seeds_h, p0_h = h("seeds"), h("p0")
-        win_h = h("win_rows")[:self.n_blocks * bsz * W].reshape(self.n_blocks, bsz, W)
-        valid_h = h("valid").reshape(-1, W)
+        """Write the draft's inputs into the pinned buffer (numpy into made views: no device work, no torch op)."""
+        h, W, bsz, back = self.inp.h, self.W, len(states), self._back
+        win_h = h["win_rows"][:self.n_blocks * bsz * W].reshape(self.n_blocks, bsz, W)
+        valid_h = h["valid"].reshape(-1, W)
         for r, s in enumerate(states):
-            seeds_h[r], p0_h[r] = seeds[r], s.position
-            win_h[:, r] = self._pool_rows(s.index, (s.position + back) % cap)
-            valid_h[r] = back >= -s.hist_len()
+            h["seeds"][r], h["p0"][r] = seeds[r], s.position
+            np.add(self._row0[s.index], (s.position + back) % self.capacity, out=win_h[:, r])
+            np.greater_equal(back, -s.hist_len(), out=valid_h[r])
 
     @torch.inference_mode()
     def run(self, inserts: list[tuple[SlotState, int, torch.Tensor]], states: list[SlotState], seeds: list[int],
@@ -234,6 +285,7 @@ class GraphSet:
         for s in states + [s for s, _, _ in inserts]:
             if s.index < 0 or self.slots[s.index] is not s:
                 raise ValueError("GraphSet.run takes the set's own slots (GraphSet.slots)")
+        self._status_fresh = False
         inp.writable()
         chunks = list(self._chunks(inserts))
         for s, start, taps in inserts:        # the draft reads the slots as they stand after the inserts
@@ -243,13 +295,27 @@ class GraphSet:
         for k, chunk in enumerate(chunks):
             if k:
                 inp.writable()
-            self._replay(self.insert_graphs[self._stage_insert(chunk)])
-        if not chunks:
-            inp.upload(inp.off["taps"][0])
+            rows = self._stage_insert(chunk)
+            bucket = next(b for b in self.insert_buckets if b >= rows)
+            self._upload(inp.insert_bytes(rows))
+            self._replay(self.insert_graphs[bucket])
+            inp.mark()
         if not states:
             return None
+        if not chunks:
+            self._upload(inp.draft_bytes)
         packed = self._replay(self.draft_graphs[(len(states), n_out, want_margins)])
+        inp.mark()
         return self._unpack(packed, n_out, want_margins)
+
+    def _upload(self, end: int) -> None:
+        if not self.memcpy:              # the graphs upload their inputs themselves when they can
+            self.inp.upload(end)
+
+    def fresh_status(self) -> np.ndarray | None:
+        """The collectives' control words as the last run's draft graph left them (it has been synchronised), or
+        None when that run downloaded none (no draft, or no in-graph copies)."""
+        return self.status_host.numpy() if self._status_fresh else None
 
     def _chunks(self, inserts):
         """The inserts' rows in chunks of at most the largest bucket, as runs (slot, first position, taps rows);
@@ -270,11 +336,11 @@ class GraphSet:
             yield chunk
 
     def _stage_insert(self, chunk) -> int:
-        """Write a chunk's positions, slots, ring rows and taps into the pinned buffer and upload it; returns the
-        smallest bucket that holds it (its pad rows go to the scratch slot)."""
-        h, inp = self.inp.host_view, self.inp
-        pos, dst = h("ins_pos"), h("ins_rows").reshape(self.n_blocks, self.T)
-        taps = h("taps").reshape(-1, inp.width)
+        """Write a chunk's positions, slots, ring rows and taps into the pinned buffer, the rows of the smallest
+        bucket that holds it past them padded (they go to the scratch slot); returns the chunk's row count."""
+        h, inp = self.inp.h, self.inp
+        pos, dst = h["ins_pos"], h["ins_rows"].reshape(self.n_blocks, self.T)
+        taps = h["taps"].reshape(-1, inp.width)
         at = 0
         for s, p, t in chunk:
             n = t.shape[0]
@@ -285,15 +351,16 @@ class GraphSet:
         bucket = next(b for b in self.insert_buckets if b >= at)
         pos[at:bucket] = 0
         dst[:, at:bucket] = self._pool_rows(self.scratch, np.zeros(bucket - at, np.int64))
-        inp.upload(inp.off["taps"][0] + 2 * at * inp.width)
-        return bucket
+        return at
 
     def _unpack(self, packed: torch.Tensor, n_out: int, want_margins: bool) -> DraftOut:
         bsz = packed.shape[0]
         host = self.out_host[:packed.numel()]
-        host.copy_(packed.reshape(-1), non_blocking=True)
+        if not self.memcpy:              # else the draft graph has downloaded it
+            host.copy_(packed.reshape(-1), non_blocking=True)
         if self.cuda:
             torch.cuda.current_stream().synchronize()
+            self._status_fresh = self.status is not None
         a = host.numpy().reshape(bsz, -1)
         k = 2 + want_margins
         return DraftOut(drafts=torch.from_numpy(a[:, :n_out].astype(np.int64)),

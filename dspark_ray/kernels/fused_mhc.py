@@ -10,21 +10,43 @@ from .fused_ops import F16, F32, LAUNCH_OPTS, exp64, norm_scale, rsqrt64, sigmoi
 from .gemm import rows_empty
 
 
+MIX_CHUNK = 512          # columns of X_row per mix program
+MIX_OUT = 32             # the N_OUT = 24 mixing rows and the sum of squares, padded to a power of two
+
+
 @triton.jit
-def _mhc_mix_kernel(x_ptr, fn_ptr, out_ptr, L, N_OUT, BLOCK: tl.constexpr):
-    """Program (row, o): o < N_OUT: dot(X_row, fn16[o]); o == N_OUT: sum(X_row^2). X_row is the row's M*h streams."""
-    r = tl.program_id(0).to(tl.int64)
-    o = tl.program_id(1)
-    is_sq = o == N_OUT
-    oc = tl.minimum(o, N_OUT - 1).to(tl.int64)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, L, BLOCK):
-        offs = k0 + tl.arange(0, BLOCK)
-        m = offs < L
-        x = tl.load(x_ptr + r * L + offs, mask=m, other=0.0)
-        f = tl.load(fn_ptr + oc * L + offs, mask=m, other=0.0).to(tl.float32)
-        acc += x * tl.where(is_sq, x, f)
-    tl.store(out_ptr + r * (N_OUT + 1) + o, tl.sum(acc, axis=0))
+def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, L, N_OUT, NCH, CHUNK: tl.constexpr, OUT: tl.constexpr):
+    """Program (chunk, row): over columns [chunk * CHUNK, +CHUNK) of X_row (the row's M*h streams), the partial dots
+    with every fn16 row (o < N_OUT) and the partial sum of squares (o == N_OUT), to part[row, chunk, o]. The
+    combine sums the chunks in order. (One program per (row, output) over all of X_row was 6 us a site at 5 rows:
+    25 programs a row, each a serial loop.)"""
+    c = tl.program_id(0)
+    r = tl.program_id(1).to(tl.int64)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    m = offs < L
+    o = tl.arange(0, OUT)
+    x = tl.load(x_ptr + r * L + offs, mask=m, other=0.0)
+    f = tl.load(fn_ptr + o[:, None].to(tl.int64) * L + offs[None, :], mask=(o[:, None] < N_OUT) & m[None, :],
+                other=0.0).to(tl.float32)
+    f = tl.where(o[:, None] == N_OUT, x[None, :], f)
+    tl.store(part_ptr + (r * NCH + c) * OUT + o, tl.sum(f * x[None, :], axis=1))
+
+
+@triton.jit
+def _mix_sum(part_ptr, r, NCH, idx, NCH_P: tl.constexpr, OUT: tl.constexpr):
+    """v[idx] = sum over the chunks of part[r, :, idx], chunks in order; idx (n,) output indices."""
+    ch = tl.arange(0, NCH_P)
+    t = tl.load(part_ptr + (r * NCH + ch[:, None]) * OUT + idx[None, :], mask=ch[:, None] < NCH, other=0.0)
+    return tl.sum(t, axis=0)
+
+
+@triton.jit
+def _mix_sum_4x4(part_ptr, r, NCH, ij, NCH_P: tl.constexpr, OUT: tl.constexpr):
+    """_mix_sum for a (4, 4) block of output indices."""
+    ch = tl.arange(0, NCH_P)
+    t = tl.load(part_ptr + (r * NCH + ch[:, None, None]) * OUT + ij[None, :, :], mask=ch[:, None, None] < NCH,
+                other=0.0)
+    return tl.sum(t, axis=0)
 
 
 @triton.jit
@@ -37,23 +59,26 @@ def _weighted_streams(xr, H, offs, m, p0, p1, p2, p3):
 
 
 @triton.jit
-def _mhc_combine_kernel(x_ptr, v_ptr, base_ptr, scale_ptr, w_ptr, norm_out_ptr, pre_out_ptr, post_ptr, comb_ptr,
-                        H, L, N_OUT, hc_eps, norm_eps, iters,
-                        HEAD: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row: logits -> pre / post / Sinkhorn comb, c = sum_k pre_k X_k, then the RMS norm of c.
-    HEAD (the HyperHead): only pre; c stays fp32 and is also written out (the head's pre-norm state)."""
+def _mhc_combine_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, w_ptr, norm_out_ptr, pre_out_ptr, post_ptr, comb_ptr,
+                        H, L, N_OUT, NCH, hc_eps, norm_eps, iters,
+                        HEAD: tl.constexpr, BLOCK: tl.constexpr, NCH_P: tl.constexpr, OUT: tl.constexpr):
+    """One program per row: the mix's chunk sums -> logits -> pre / post / Sinkhorn comb, c = sum_k pre_k X_k, then
+    the RMS norm of c. HEAD (the HyperHead): only pre; c stays fp32 and is also written out (the head's pre-norm
+    state)."""
     r = tl.program_id(0).to(tl.int64)
-    L1 = N_OUT + 1
-    rho = rsqrt64(tl.math.div_rn(tl.load(v_ptr + r * L1 + N_OUT), L.to(tl.float32)) + norm_eps)
     i4 = tl.arange(0, 4)
+    ch = tl.arange(0, NCH_P)
+    sq = tl.sum(tl.load(part_ptr + (r * NCH + ch) * OUT + N_OUT, mask=ch < NCH, other=0.0), axis=0)
+    rho = rsqrt64(tl.math.div_rn(sq, L.to(tl.float32)) + norm_eps)
     s0 = tl.load(scale_ptr)
-    pre = sigmoid64((tl.load(v_ptr + r * L1 + i4) * rho) * s0 + tl.load(base_ptr + i4)) + hc_eps
+    pre = sigmoid64((_mix_sum(part_ptr, r, NCH, i4, NCH_P, OUT) * rho) * s0 + tl.load(base_ptr + i4)) + hc_eps
     if not HEAD:
         s1 = tl.load(scale_ptr + 1)
         s2 = tl.load(scale_ptr + 2)
-        post = 2.0 * sigmoid64((tl.load(v_ptr + r * L1 + 4 + i4) * rho) * s1 + tl.load(base_ptr + 4 + i4))
+        post = 2.0 * sigmoid64((_mix_sum(part_ptr, r, NCH, 4 + i4, NCH_P, OUT) * rho) * s1
+                               + tl.load(base_ptr + 4 + i4))
         ij = i4[:, None] * 4 + i4[None, :]                        # [source a, destination b]
-        s = (tl.load(v_ptr + r * L1 + 8 + ij) * rho) * s2 + tl.load(base_ptr + 8 + ij)
+        s = (_mix_sum_4x4(part_ptr, r, NCH, 8 + ij, NCH_P, OUT) * rho) * s2 + tl.load(base_ptr + 8 + ij)
         e = exp64(s - tl.max(s, axis=1)[:, None])
         p = tl.math.div_rn(e, tl.sum(e, axis=1)[:, None]) + hc_eps
         p = tl.math.div_rn(p, tl.sum(p, axis=0)[None, :] + hc_eps)
@@ -120,12 +145,16 @@ def _fn16(fn: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _mix(x: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+def _mix(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The mix's partial sums (rows, chunks, MIX_OUT) and the combine's arguments that describe them."""
     rows, L = x.shape[0], x.shape[1] * x.shape[2]
     n_out = fn.shape[0]
-    v = torch.empty((rows, n_out + 1), dtype=F32, device=x.device)
-    _mhc_mix_kernel[(rows, n_out + 1)](x, _fn16(fn), v, L, n_out, BLOCK=4096, num_warps=8, **LAUNCH_OPTS)
-    return v
+    assert n_out < MIX_OUT
+    nch = triton.cdiv(L, MIX_CHUNK)
+    part = torch.empty((rows, nch, MIX_OUT), dtype=F32, device=x.device)
+    _mhc_mix_kernel[(nch, rows)](x, _fn16(fn), part, L, n_out, nch, CHUNK=MIX_CHUNK, OUT=MIX_OUT, num_warps=8,
+                                 **LAUNCH_OPTS)
+    return part, dict(NCH_P=triton.next_power_of_2(nch), OUT=MIX_OUT)
 
 
 def mhc_collapse_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -134,12 +163,13 @@ def mhc_collapse_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     post (rows, 4), comb (rows, 4, 4))."""
     x = x.contiguous()
     rows, m, h = x.shape
-    v = _mix(x, fn)
+    part, meta = _mix(x, fn)
     normed = rows_empty(rows, h, F16, x.device)
     post = torch.empty((rows, m), dtype=F32, device=x.device)
     comb = torch.empty((rows, m, m), dtype=F32, device=x.device)
-    _mhc_combine_kernel[(rows,)](x, v, base, scale, norm_w, normed, normed, post, comb, h, m * h, fn.shape[0],
-                                 hc_eps, norm_eps, iters, HEAD=False, BLOCK=2048, num_warps=8, **LAUNCH_OPTS)
+    _mhc_combine_kernel[(rows,)](x, part, base, scale, norm_w, normed, normed, post, comb, h, m * h, fn.shape[0],
+                                 part.shape[1], hc_eps, norm_eps, iters, HEAD=False, BLOCK=2048, num_warps=8, **meta,
+                                 **LAUNCH_OPTS)
     return normed, post, comb
 
 
@@ -148,11 +178,12 @@ def hyper_head_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     """`HyperHead` then the final `rms_norm`: x (rows, 4, h) -> (prenorm (rows, h) fp32, normed (rows, h) fp16)."""
     x = x.contiguous()
     rows, m, h = x.shape
-    v = _mix(x, fn)
+    part, meta = _mix(x, fn)
     normed = rows_empty(rows, h, F16, x.device)
     prenorm = torch.empty((rows, h), dtype=F32, device=x.device)
-    _mhc_combine_kernel[(rows,)](x, v, base, scale, norm_w, normed, prenorm, prenorm, prenorm, h, m * h,
-                                 fn.shape[0], hc_eps, norm_eps, 1, HEAD=True, BLOCK=2048, num_warps=8, **LAUNCH_OPTS)
+    _mhc_combine_kernel[(rows,)](x, part, base, scale, norm_w, normed, prenorm, prenorm, prenorm, h, m * h,
+                                 fn.shape[0], part.shape[1], hc_eps, norm_eps, 1, HEAD=True, BLOCK=2048, num_warps=8,
+                                 **meta, **LAUNCH_OPTS)
     return prenorm, normed
 
 

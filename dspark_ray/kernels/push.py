@@ -29,6 +29,8 @@ import secrets
 import time
 from typing import Callable, Sequence
 
+import numpy as np
+
 from ..collectives import CaptureInfo, CollectiveError, Collectives, MaxPart, Top2Part
 from .ipc import PeerHandle, HANDLE_VERSION, check_peer_handle, close_ipc_handle, export_ipc_handle, \
     open_ipc_handle, this_host, this_pid
@@ -164,6 +166,7 @@ class PushCollectives(Collectives):
         self._nonce = secrets.randbits(31) | 1
         self._ext: dict[int, object] = {}        # torch stream handle -> cupy ExternalStream
         self._streams: dict[int, object] = {}    # streams that ran eager launches / replays: drained before reset
+        self._eager_since_check = 0              # eager launches since the last full check (check_status falls back)
         self._debug_skip_flag_block = -1         # tests: a block whose flag is never raised
         self.preload()
 
@@ -188,7 +191,6 @@ class PushCollectives(Collectives):
         """Launch every kernel once, doing nothing. CUDA lazy loading loads a kernel at its first launch and may
         synchronize the context to do so, which deadlocks against a collective spinning on the same device (CUDA
         programming guide, lazy loading); so nothing is loaded lazily after start-up."""
-        import numpy as np
         z, i32 = np.uint64(0), np.int32
         try:
             with self._cpdev, self.ctrl:
@@ -205,7 +207,6 @@ class PushCollectives(Collectives):
             self._poison(f"preload failed: {e}")
 
     def _fill_u32(self, ptr: int, value: int, n: int) -> None:
-        import numpy as np
         with self._cpdev, self.ctrl:
             self.k["push_fill"]((min(1024, max(1, (n + 255) // 256)),), (256,),
                                 (np.uint64(ptr), np.uint32(value), np.uint64(n)))
@@ -256,7 +257,6 @@ class PushCollectives(Collectives):
         self.peer_ptr, other.peer_ptr = other.state.ptr, self.state.ptr
 
     def _hello(self, peer_ptr: int, nonce: int) -> None:
-        import numpy as np
         try:
             with self._cpdev, self.ctrl:
                 self.k["push_hello"]((1,), (1,), (np.uint64(self.state.ptr), np.uint64(peer_ptr), np.uint32(nonce)))
@@ -272,7 +272,6 @@ class PushCollectives(Collectives):
 
     # --- the collectives ---------------------------------------------------------------------------------------
     def all_reduce(self, parts: Sequence, *, nblocks: int | None = None, threads: int | None = None):
-        import numpy as np
         torch = self._torch
         self.check_parts(parts)
         x = parts[0]
@@ -310,7 +309,6 @@ class PushCollectives(Collectives):
         return self._exchange("top2_exchange", t1, t2, i)
 
     def _exchange(self, op, v1, v2, idx):
-        import numpy as np
         torch = self._torch
         self._check_tensor(op, "values", v1, torch.float32)
         self._check_tensor(op, "index", idx, torch.int64)
@@ -371,6 +369,7 @@ class PushCollectives(Collectives):
             self._poison(f"{name} launch failed: {e}")
         if not capturing:
             self._streams[ptr] = cs
+            self._eager_since_check += 1
             if self.check_each:
                 self.check_error()
 
@@ -419,7 +418,25 @@ class PushCollectives(Collectives):
             w = self.state.read_u32(Layout.OFF_EPOCH, 6)
         except Exception as e:
             self._poison(f"control read failed: {e}")
-        return {"epoch": w[0], "last_nblk": (w[2], w[3]), "error": w[4], "error_epoch": w[5]}
+        return self._control(w)
+
+    @staticmethod
+    def _control(w) -> dict:
+        return {"epoch": int(w[0]), "last_nblk": (int(w[2]), int(w[3])), "error": int(w[4]), "error_epoch": int(w[5])}
+
+    def status_region(self) -> tuple[int, int]:
+        """The six control words (epoch .. first failing epoch): a captured step copies them to the host after its
+        last collective, with its outputs (see Collectives.status_region)."""
+        return self.state.ptr + Layout.OFF_EPOCH, 24
+
+    def check_status(self, words) -> None:
+        """check() from the control words the step copied to the host behind its last collective, on the stream
+        the caller has just synchronised: no drain, no extra device round trip. After eager launches (which may
+        have run on other streams) it falls back to the full check."""
+        self.guard.refuse_if_poisoned("error check")
+        if self._eager_since_check:
+            return self.check_error()
+        self._raise_if_failed(self._control(np.frombuffer(words, np.uint32, 6)))
 
     def error_word(self) -> int:
         """The rank's error word (bits in peer_state.ERROR_BITS). Reads the device as it is now: call it after the
@@ -438,7 +455,10 @@ class PushCollectives(Collectives):
         CollectiveError if any bit is set: the step's outputs are refused (fail closed)."""
         self.guard.refuse_if_poisoned("error check")
         self.drain(timeout_s)
-        c = self.read_control()
+        self._raise_if_failed(self.read_control())
+        self._eager_since_check = 0
+
+    def _raise_if_failed(self, c: dict) -> None:
         if c["error"]:
             raise CollectiveError(f"{self.guard.name}: collective failed: error word {describe_error_word(c['error'])}"
                                   f", first at epoch {c['error_epoch']} (device epoch {c['epoch']}, generation "
@@ -485,7 +505,6 @@ class PushCollectives(Collectives):
     def cancel(self, timeout_s: float = 1.0) -> None:
         """Raise ERR_CANCELLED here and at the peer from the pre-created cancel stream: a collective parked on any
         other stream sees it at its next poll and fails closed. Allowed on a poisoned rank (it only sets bits)."""
-        import numpy as np
         if not self.peer_ptr:
             raise CollectiveError(f"{self.guard.name}: cancel: not connected")
         try:

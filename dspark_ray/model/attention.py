@@ -62,10 +62,10 @@ class Attention:
         return torch.cat((x[..., :dn], tail), dim=-1)
 
     # -- the draft block -------------------------------------------------------------------------------------------
-    def __call__(self, a: torch.Tensor, p0: torch.Tensor, window: torch.Tensor, valid: torch.Tensor,
+    def __call__(self, a: torch.Tensor, pos: torch.Tensor, window: torch.Tensor, valid: torch.Tensor,
                  block: int) -> torch.Tensor:
-        """a (bsz*B, h) fp16, rows of request r at positions p0[r] + j (p0 an int64 tensor on a's device);
-        window (bsz, W, D) fp16: the main-kv rows of positions p0-W .. p0-1, of which `valid` (bsz, W) marks those
+        """a (bsz*B, h) fp16, rows of request r at positions pos (bsz*B,) = p0[r] + j (int64, on a's device: made
+        once per step by the drafter, every block reads the same); window (bsz, W, D) fp16: the main-kv rows of positions p0-W .. p0-1, of which `valid` (bsz, W) marks those
         the slot holds (a partial window masks its oldest rows). Returns this shard's fp32 partial of the wo_b
         output (bsz*B, h).
 
@@ -75,7 +75,6 @@ class Attention:
         H, D = self.n_heads, self.D
         n = a.shape[0]
         bsz = n // block
-        pos = (p0[:, None] + torch.arange(block, device=a.device)).flatten()
         qkv = linear(a, self.wqkv_a)
         q = linear(rms_norm(qkv[:, :self.q_rank], self.q_norm, self.eps), self.wq_b).reshape(n, H, D)
         q = self._norm_rope(q, None, pos).reshape(bsz, block, H, D)

@@ -64,11 +64,11 @@ class _Block:
                                 limit=cfg.swiglu_limit)
                         for w in shards]
 
-    def __call__(self, x, p0, window, valid, block, coll: Collectives):
+    def __call__(self, x, pos, window, valid, block, coll: Collectives):
         with stage("dspark.mhc_norm"):
             a, post, comb = self.hc_attn.collapse_norm(x, self.attn_norm)
         with stage("dspark.attention"):
-            parts = [attn(a, p0, window, valid, block) for attn in self.attn]
+            parts = [attn(a, pos, window, valid, block) for attn in self.attn]
         with stage("dspark.all_reduce"):
             y = coll.all_reduce(parts)
         with stage("dspark.mhc_norm"):
@@ -193,9 +193,10 @@ class Drafter:
         ids[:, 0] = seeds
         e = self.embed[ids.flatten()].float()                               # bf16 -> fp32 is exact
         x = e[:, None, :].expand(-1, c.hc_mult, -1).contiguous()           # (bsz*B, M, h) fp32 streams
+        pos = (p0[:, None] + torch.arange(B, device=p0.device)).flatten()   # (bsz*B,) every block's positions
         self.last_experts = []
         for n, blk in enumerate(self.blocks):
-            x, experts = blk(x, p0, windows[n], valid, B, self.coll)
+            x, experts = blk(x, pos, windows[n], valid, B, self.coll)
             self.last_experts.append(experts)
         with stage("dspark.mhc_norm"):
             prenorm, normed = self.hyper_head.with_norm(x, self.final_norm)  # (bsz*B, h) fp32, fp16
