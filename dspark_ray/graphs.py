@@ -45,6 +45,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .model import ops
 from .model.drafter import DraftOut, Drafter
 from .model.state import SlotState
 
@@ -180,6 +181,9 @@ class GraphSet:
         v = self.inp.dev_view
         windows, valid = self._windows(bsz)
         out = self.d.forward(v("seeds")[:bsz], v("p0")[:bsz], windows, valid, n_out, margins)
+        pack = ops.fused("pack_outputs")
+        if pack is not None:
+            return pack(out.drafts, out.confidences, out.margins if margins else None, out.confident_len)
         parts = [out.drafts, out.confidences] + ([out.margins] if margins else []) + [out.confident_len[:, None]]
         return torch.cat([p.to(torch.float64) for p in parts], dim=1)
 

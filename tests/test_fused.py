@@ -219,6 +219,32 @@ def kernel_checks(dev: str) -> dict:
     res["markov_confidences"] = _rel(out.confidences, ref.confidences)
     one = dh(normed[1:2], prenorm[1:2], seeds[1:2], 5, True, keep_logits=True)
     res["markov_alone"] = torch.equal(one.drafts[0], out.drafts[1]) and torch.equal(one.margins[0], out.margins[1])
+    # The confidence head in one kernel: close to the reference chain; its prefix lengths are exactly
+    # confident_prefix of its own scores (threshold at the median: the prefixes vary); a request alone, the same bits.
+    from dspark_ray.model.heads import confident_prefix
+    me = rn(3, 5, r).half()
+    cw, cb = rn(1, hd_ + r, s=0.1).half(), rn(1, s=0.1).half()
+    ci = torch.cat((ops.f16(prenorm), me), dim=-1)
+    ref_conf = ops.sigmoid(ops.f16(ops.linear_tree(ci, cw) + cb.float())[..., 0].float())
+    thr = float(ref_conf.median())
+    conf, lens = fused.confidence(prenorm, me, cw, cb, thr)
+    res["confidence"] = _rel(conf, ref_conf)
+    res["confident_len_exact"] = torch.equal(lens, confident_prefix(conf, thr))
+    res["confident_len_varies"] = len(set(lens.tolist())) > 1
+    res["confidence_alone"] = _alone_equals_batch(lambda s: fused.confidence(prenorm[s], me[s], cw, cb, thr), 3)
+    c3, l3 = fused.confidence(prenorm, me[:, :3], cw, None, thr)        # n_out 3: rows past n_out never read
+    # The graph set's packing and the block's input streams: no arithmetic, so the reference's exact bits.
+    d_, m_ = torch.randint(0, 129280, (3, 4), device=dev), rn(3, 4)
+    for marg in (m_, None):
+        parts = [d_, conf[:, :4]] + ([marg] if marg is not None else []) + [lens[:, None]]
+        res[f"pack_exact_{marg is not None}"] = torch.equal(fused.pack_outputs(d_, conf[:, :4], marg, lens),
+                                                            torch.cat([p.double() for p in parts], dim=1))
+    emb, sd = rn(50, 1100).bfloat16(), torch.tensor([7, 0, 49], device=dev)
+    ids = torch.full((3, 5), 11, dtype=torch.int64, device=dev)
+    ids[:, 0] = sd
+    res["embed_streams_exact"] = torch.equal(fused.embed_streams(sd, emb, 5, 11, 4),
+                                             emb[ids.flatten()].float()[:, None].expand(-1, 4, -1))
+    res["confidence_n_out_prefix"] = _rel(c3, ops.sigmoid(ops.f16(ops.linear_tree(ci[:, :3], cw))[..., 0].float()))
     ops.set_matmul(*saved)
     return res
 

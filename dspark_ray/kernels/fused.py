@@ -27,8 +27,8 @@ The kernels live beside the model module whose chains they replace (`fused_mhc`,
 from __future__ import annotations
 
 from .fused_attention import attend, head_norm_rope
-from .fused_head import markov_step
-from .fused_mhc import hyper_head_norm, mhc_collapse_norm, mhc_expand
+from .fused_head import confidence, markov_step, pack_outputs
+from .fused_mhc import embed_streams, hyper_head_norm, mhc_collapse_norm, mhc_expand
 from .fused_moe import expert_act, expert_out, indexed_linear, route, swiglu
 from .fused_ops import rms_norm, rows_linear
 
@@ -36,12 +36,15 @@ __all__ = ["TABLE", "indexed_linear", "rows_linear"]
 
 TABLE = {
     "markov_step": markov_step,
+    "confidence": confidence,
+    "pack_outputs": pack_outputs,
     "route": route,
     "expert_act": expert_act,
     "expert_out": expert_out,
     "mhc_collapse_norm": mhc_collapse_norm,
     "hyper_head_norm": hyper_head_norm,
     "mhc_expand": mhc_expand,
+    "embed_streams": embed_streams,
     "rms_norm": rms_norm,
     "head_norm_rope": head_norm_rope,
     "attend": attend,

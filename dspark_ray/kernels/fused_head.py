@@ -1,11 +1,12 @@
-"""Fused head kernels: one step of the Markov loop on a vocabulary shard (`model/heads.py`)."""
+"""Fused head kernels: one step of the Markov loop on a vocabulary shard, and the confidence head
+(`model/heads.py`)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from .fused_ops import F16, F32, LAUNCH_OPTS
+from .fused_ops import F16, F32, LAUNCH_OPTS, sigmoid64
 
 
 @triton.jit
@@ -81,3 +82,79 @@ def markov_step(lg: torch.Tensor, step: int, prev: torch.Tensor, w1: torch.Tenso
     _markov_top_kernel[(bsz,)](part, top1, top2, idx, nb, start, NBP=triton.next_power_of_2(nb), num_warps=8,
                                **LAUNCH_OPTS)
     return me, top1, top2, idx, (logits if keep_logits else None)
+
+
+@triton.jit
+def _confidence_kernel(pre_ptr, pre_row, me_ptr, w_ptr, b_ptr, conf_ptr, len_ptr, H, R, N_OUT, threshold,
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr):
+    """One program per request: for each drafted row i, c = f16([f16(prenorm_i) ; me_i] . w + b), the sigmoid
+    score of c (fp64, rounded once), and the length of the all-confident prefix (`heads.confident_prefix`)."""
+    b = tl.program_id(0).to(tl.int64)
+    ro = tl.arange(0, RB)
+    w_r = tl.load(w_ptr + H + ro, mask=ro < R, other=0.0).to(tl.float32)
+    run = 1
+    n_conf = 0
+    for i in range(N_OUT):
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK):
+            offs = h0 + tl.arange(0, BLOCK)
+            m = offs < H
+            x = tl.load(pre_ptr + b * pre_row + i * H + offs, mask=m, other=0.0).to(tl.float16).to(tl.float32)
+            acc += x * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        e = tl.load(me_ptr + (b * N_OUT + i) * R + ro, mask=ro < R, other=0.0).to(tl.float32)
+        y = tl.sum(acc, axis=0) + tl.sum(e * w_r, axis=0)
+        if HAS_BIAS:
+            y = y + tl.load(b_ptr).to(tl.float32)
+        c = sigmoid64(y.to(tl.float16).to(tl.float32))
+        tl.store(conf_ptr + b * N_OUT + i, c)
+        run = run * (c >= threshold).to(tl.int32)
+        n_conf += run
+    tl.store(len_ptr + b, n_conf.to(tl.int64))
+
+
+def confidence(prenorm: torch.Tensor, me: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+               threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The confidence head in one launch (was ~12: the fp16 cast, the concatenation, the GEMV and its split-K
+    reduce, the sigmoid, the prefix's compare / cumprod / sum): prenorm (bsz, B, h) fp32 (rows < n_out read),
+    me (bsz, n_out, r) fp16 Markov embeddings, w (1, h + r) fp16, b (1,) or None -> (scores (bsz, n_out) fp32,
+    confident prefix lengths (bsz,) int64)."""
+    bsz, n_out, r = me.shape
+    h = prenorm.shape[-1]
+    prenorm = prenorm if prenorm.stride(-1) == 1 and prenorm.stride(1) == h else prenorm.contiguous()
+    me = me.contiguous()
+    conf = torch.empty((bsz, n_out), dtype=F32, device=me.device)
+    lens = torch.empty(bsz, dtype=torch.int64, device=me.device)
+    _confidence_kernel[(bsz,)](prenorm, prenorm.stride(0), me, w, w if b is None else b, conf, lens, h, r, n_out,
+                               threshold, HAS_BIAS=b is not None, BLOCK=1024, RB=triton.next_power_of_2(r),
+                               num_warps=4, **LAUNCH_OPTS)
+    return conf, lens
+
+
+@triton.jit
+def _pack_kernel(d_ptr, c_ptr, m_ptr, l_ptr, out_ptr, N, WIDTH, HAS_M: tl.constexpr, NB: tl.constexpr):
+    """Row b of the packed outputs: [drafts | scores | margins | confident length] as fp64 (exact for all four)."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, NB)
+    ok = j < N
+    o = out_ptr + b * WIDTH
+    tl.store(o + j, tl.load(d_ptr + b * N + j, mask=ok).to(tl.float64), mask=ok)
+    tl.store(o + N + j, tl.load(c_ptr + b * N + j, mask=ok).to(tl.float64), mask=ok)
+    if HAS_M:
+        tl.store(o + 2 * N + j, tl.load(m_ptr + b * N + j, mask=ok).to(tl.float64), mask=ok)
+        tl.store(o + 3 * N, tl.load(l_ptr + b).to(tl.float64))
+    else:
+        tl.store(o + 2 * N, tl.load(l_ptr + b).to(tl.float64))
+
+
+def pack_outputs(drafts: torch.Tensor, conf: torch.Tensor, margins: torch.Tensor | None,
+                 lens: torch.Tensor) -> torch.Tensor:
+    """drafts (bsz, n) int64, scores (bsz, n) fp32, margins (bsz, n) fp32 or None, lengths (bsz,) int64 ->
+    (bsz, n * (2 or 3) + 1) fp64 in one launch (the graph set's download; a cat of four casts took five)."""
+    bsz, n = drafts.shape
+    width = n * (3 if margins is not None else 2) + 1
+    out = torch.empty((bsz, width), dtype=torch.float64, device=drafts.device)
+    conf = conf.contiguous()
+    _pack_kernel[(bsz,)](drafts.contiguous(), conf, conf if margins is None else margins.contiguous(),
+                         lens.contiguous(), out, n, width, HAS_M=margins is not None,
+                         NB=triton.next_power_of_2(n), num_warps=1, **LAUNCH_OPTS)
+    return out

@@ -33,23 +33,6 @@ def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, L, N_OUT, NCH, CHUNK: tl.constexpr,
 
 
 @triton.jit
-def _mix_sum(part_ptr, r, NCH, idx, NCH_P: tl.constexpr, OUT: tl.constexpr):
-    """v[idx] = sum over the chunks of part[r, :, idx], chunks in order; idx (n,) output indices."""
-    ch = tl.arange(0, NCH_P)
-    t = tl.load(part_ptr + (r * NCH + ch[:, None]) * OUT + idx[None, :], mask=ch[:, None] < NCH, other=0.0)
-    return tl.sum(t, axis=0)
-
-
-@triton.jit
-def _mix_sum_4x4(part_ptr, r, NCH, ij, NCH_P: tl.constexpr, OUT: tl.constexpr):
-    """_mix_sum for a (4, 4) block of output indices."""
-    ch = tl.arange(0, NCH_P)
-    t = tl.load(part_ptr + (r * NCH + ch[:, None, None]) * OUT + ij[None, :, :], mask=ch[:, None, None] < NCH,
-                other=0.0)
-    return tl.sum(t, axis=0)
-
-
-@triton.jit
 def _weighted_streams(xr, H, offs, m, p0, p1, p2, p3):
     """c = sum_k pre_k X_k on one chunk of h, k in order, no FMA (`mhc._weighted_streams`)."""
     c = p0 * tl.load(xr + offs, mask=m, other=0.0)
@@ -59,26 +42,31 @@ def _weighted_streams(xr, H, offs, m, p0, p1, p2, p3):
 
 
 @triton.jit
-def _mhc_combine_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, w_ptr, norm_out_ptr, pre_out_ptr, post_ptr, comb_ptr,
+def _mhc_combine_kernel(x_ptr, part_ptr, v_ptr, base_ptr, scale_ptr, w_ptr, norm_out_ptr, pre_out_ptr, post_ptr, comb_ptr,
                         H, L, N_OUT, NCH, hc_eps, norm_eps, iters,
                         HEAD: tl.constexpr, BLOCK: tl.constexpr, NCH_P: tl.constexpr, OUT: tl.constexpr):
     """One program per row: the mix's chunk sums -> logits -> pre / post / Sinkhorn comb, c = sum_k pre_k X_k, then
     the RMS norm of c. HEAD (the HyperHead): only pre; c stays fp32 and is also written out (the head's pre-norm
     state)."""
     r = tl.program_id(0).to(tl.int64)
-    i4 = tl.arange(0, 4)
+    # The mix's chunk sums, chunks in order, into v[row] (global scratch): the logits below are read back from
+    # there, so the Sinkhorn works in the small per-warp layout of a plain load (reducing straight out of the
+    # (chunks, 4, 4) tile left it in a layout spread over every warp, and cost 6 us a site).
     ch = tl.arange(0, NCH_P)
-    sq = tl.sum(tl.load(part_ptr + (r * NCH + ch) * OUT + N_OUT, mask=ch < NCH, other=0.0), axis=0)
-    rho = rsqrt64(tl.math.div_rn(sq, L.to(tl.float32)) + norm_eps)
+    o = tl.arange(0, OUT)
+    t = tl.load(part_ptr + (r * NCH + ch[:, None]) * OUT + o[None, :], mask=ch[:, None] < NCH, other=0.0)
+    tl.store(v_ptr + r * OUT + o, tl.sum(t, axis=0))
+    tl.debug_barrier()
+    rho = rsqrt64(tl.math.div_rn(tl.load(v_ptr + r * OUT + N_OUT), L.to(tl.float32)) + norm_eps)
+    i4 = tl.arange(0, 4)
     s0 = tl.load(scale_ptr)
-    pre = sigmoid64((_mix_sum(part_ptr, r, NCH, i4, NCH_P, OUT) * rho) * s0 + tl.load(base_ptr + i4)) + hc_eps
+    pre = sigmoid64((tl.load(v_ptr + r * OUT + i4) * rho) * s0 + tl.load(base_ptr + i4)) + hc_eps
     if not HEAD:
         s1 = tl.load(scale_ptr + 1)
         s2 = tl.load(scale_ptr + 2)
-        post = 2.0 * sigmoid64((_mix_sum(part_ptr, r, NCH, 4 + i4, NCH_P, OUT) * rho) * s1
-                               + tl.load(base_ptr + 4 + i4))
+        post = 2.0 * sigmoid64((tl.load(v_ptr + r * OUT + 4 + i4) * rho) * s1 + tl.load(base_ptr + 4 + i4))
         ij = i4[:, None] * 4 + i4[None, :]                        # [source a, destination b]
-        s = (_mix_sum_4x4(part_ptr, r, NCH, 8 + ij, NCH_P, OUT) * rho) * s2 + tl.load(base_ptr + 8 + ij)
+        s = (tl.load(v_ptr + r * OUT + 8 + ij) * rho) * s2 + tl.load(base_ptr + 8 + ij)
         e = exp64(s - tl.max(s, axis=1)[:, None])
         p = tl.math.div_rn(e, tl.sum(e, axis=1)[:, None]) + hc_eps
         p = tl.math.div_rn(p, tl.sum(p, axis=0)[None, :] + hc_eps)
@@ -145,16 +133,17 @@ def _fn16(fn: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _mix(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """The mix's partial sums (rows, chunks, MIX_OUT) and the combine's arguments that describe them."""
+def _mix(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The mix's partial sums (rows, chunks, MIX_OUT), the combine's scratch and its arguments that describe them."""
     rows, L = x.shape[0], x.shape[1] * x.shape[2]
     n_out = fn.shape[0]
     assert n_out < MIX_OUT
     nch = triton.cdiv(L, MIX_CHUNK)
     part = torch.empty((rows, nch, MIX_OUT), dtype=F32, device=x.device)
+    v = torch.empty((rows, MIX_OUT), dtype=F32, device=x.device)          # the combine's scratch: the sums
     _mhc_mix_kernel[(nch, rows)](x, _fn16(fn), part, L, n_out, nch, CHUNK=MIX_CHUNK, OUT=MIX_OUT, num_warps=8,
                                  **LAUNCH_OPTS)
-    return part, dict(NCH_P=triton.next_power_of_2(nch), OUT=MIX_OUT)
+    return part, v, dict(NCH_P=triton.next_power_of_2(nch), OUT=MIX_OUT)
 
 
 def mhc_collapse_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -163,11 +152,11 @@ def mhc_collapse_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     post (rows, 4), comb (rows, 4, 4))."""
     x = x.contiguous()
     rows, m, h = x.shape
-    part, meta = _mix(x, fn)
+    part, v, meta = _mix(x, fn)
     normed = rows_empty(rows, h, F16, x.device)
     post = torch.empty((rows, m), dtype=F32, device=x.device)
     comb = torch.empty((rows, m, m), dtype=F32, device=x.device)
-    _mhc_combine_kernel[(rows,)](x, part, base, scale, norm_w, normed, normed, post, comb, h, m * h, fn.shape[0],
+    _mhc_combine_kernel[(rows,)](x, part, v, base, scale, norm_w, normed, normed, post, comb, h, m * h, fn.shape[0],
                                  part.shape[1], hc_eps, norm_eps, iters, HEAD=False, BLOCK=2048, num_warps=8, **meta,
                                  **LAUNCH_OPTS)
     return normed, post, comb
@@ -178,10 +167,10 @@ def hyper_head_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     """`HyperHead` then the final `rms_norm`: x (rows, 4, h) -> (prenorm (rows, h) fp32, normed (rows, h) fp16)."""
     x = x.contiguous()
     rows, m, h = x.shape
-    part, meta = _mix(x, fn)
+    part, v, meta = _mix(x, fn)
     normed = rows_empty(rows, h, F16, x.device)
     prenorm = torch.empty((rows, h), dtype=F32, device=x.device)
-    _mhc_combine_kernel[(rows,)](x, part, base, scale, norm_w, normed, prenorm, prenorm, prenorm, h, m * h,
+    _mhc_combine_kernel[(rows,)](x, part, v, base, scale, norm_w, normed, prenorm, prenorm, prenorm, h, m * h,
                                  fn.shape[0], part.shape[1], hc_eps, norm_eps, 1, HEAD=True, BLOCK=2048, num_warps=8,
                                  **meta, **LAUNCH_OPTS)
     return prenorm, normed
@@ -193,4 +182,27 @@ def mhc_expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch
     out = torch.empty_like(x)
     _mhc_expand_kernel[(rows, triton.cdiv(h, 1024))](x, y, post.contiguous(), comb.contiguous(), out, h,
                                                      BLOCK=1024, num_warps=4, **LAUNCH_OPTS)
+    return out
+
+
+@triton.jit
+def _embed_streams_kernel(seeds_ptr, emb_ptr, out_ptr, H, B, noise, M: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, block of h): row j of request b's block embeds the seed (j == 0) or the noise token, and the
+    embedding (bf16 / fp16, exact in fp32) starts all M streams."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < H
+    tok = tl.where(row % B == 0, tl.load(seeds_ptr + row // B), noise).to(tl.int64)
+    e = tl.load(emb_ptr + tok * H + offs, mask=m).to(tl.float32)
+    for k in tl.static_range(M):
+        tl.store(out_ptr + (row * M + k) * H + offs, e, mask=m)
+
+
+def embed_streams(seeds: torch.Tensor, embed: torch.Tensor, block: int, noise_id: int, m: int) -> torch.Tensor:
+    """The draft block's input streams in one launch: (bsz * block, m, h) fp32, row j of request b = the embedding
+    of seeds[b] (j == 0) or of the noise token (was four: the ids' fill and copy, the gather, the expand)."""
+    bsz, h = seeds.shape[0], embed.shape[1]
+    out = torch.empty((bsz * block, m, h), dtype=F32, device=embed.device)
+    _embed_streams_kernel[(bsz * block, triton.cdiv(h, 1024))](seeds.contiguous(), embed, out, h, block, noise_id,
+                                                               M=m, BLOCK=1024, num_warps=4, **LAUNCH_OPTS)
     return out

@@ -15,6 +15,7 @@ from torch.profiler import record_function as stage     # names the step's stage
 from ..collectives import Collectives, LocalCollectives
 from ..config import DrafterConfig
 from ..finite import first_nonfinite_row
+from . import ops
 from .attention import Attention
 from .heads import DraftHead, HeadOut, VocabShard
 from .mhc import HcSite, HyperHead
@@ -189,10 +190,14 @@ class Drafter:
         block (bsz, W, D) fp16; valid (bsz, W) bool (see `Attention.__call__`)."""
         c = self.cfg
         B, bsz = c.block_size, seeds.shape[0]
-        ids = torch.full((bsz, B), c.dspark_noise_token_id, dtype=torch.int64, device=seeds.device)
-        ids[:, 0] = seeds
-        e = self.embed[ids.flatten()].float()                               # bf16 -> fp32 is exact
-        x = e[:, None, :].expand(-1, c.hc_mult, -1).contiguous()           # (bsz*B, M, h) fp32 streams
+        k = ops.fused("embed_streams")
+        if k is not None:
+            x = k(seeds, self.embed, B, c.dspark_noise_token_id, c.hc_mult)
+        else:
+            ids = torch.full((bsz, B), c.dspark_noise_token_id, dtype=torch.int64, device=seeds.device)
+            ids[:, 0] = seeds
+            e = self.embed[ids.flatten()].float()                           # bf16 -> fp32 is exact
+            x = e[:, None, :].expand(-1, c.hc_mult, -1).contiguous()       # (bsz*B, M, h) fp32 streams
         pos = (p0[:, None] + torch.arange(B, device=p0.device)).flatten()   # (bsz*B,) every block's positions
         self.last_experts = []
         for n, blk in enumerate(self.blocks):
@@ -202,5 +207,5 @@ class Drafter:
             prenorm, normed = self.hyper_head.with_norm(x, self.final_norm)  # (bsz*B, h) fp32, fp16
         with stage("dspark.head"):
             out = self.head(normed.reshape(bsz, B, -1), prenorm.reshape(bsz, B, -1),
-                            ids[:, 0], n_out, want_margins, keep_logits=debug)
+                            seeds, n_out, want_margins, keep_logits=debug)
         return DraftOut(**vars(out), normed=normed.reshape(bsz, B, -1) if debug else None)

@@ -79,13 +79,18 @@ class DraftHead:
                 _, prev = self.coll.max_exchange(tops)
             drafts.append(prev)
         # Confidence of row i from [f16(prenorm_i) ; markov embedding of the token that predicted d_{i+1}].
-        ci = torch.cat((f16(prenorm[:, :n_out]), torch.stack(embs, dim=1)), dim=-1)
-        c = linear(ci, self.conf_w, bias=self.conf_b)[..., 0]
-        conf = sigmoid(c.float())
+        fused_conf = ops.fused("confidence")
+        if fused_conf is not None:
+            conf, lens = fused_conf(prenorm, torch.stack(embs, dim=1), self.conf_w, self.conf_b, self.threshold)
+        else:
+            ci = torch.cat((f16(prenorm[:, :n_out]), torch.stack(embs, dim=1)), dim=-1)
+            c = linear(ci, self.conf_w, bias=self.conf_b)[..., 0]
+            conf = sigmoid(c.float())
+            lens = confident_prefix(conf, self.threshold)
         return HeadOut(
             drafts=torch.stack(drafts, dim=1),
             confidences=conf,
-            confident_len=confident_prefix(conf, self.threshold),
+            confident_len=lens,
             margins=torch.stack(margins, dim=1) if want_margins else None,
             logits=torch.stack(logits, dim=1) if keep_logits else None,
         )
