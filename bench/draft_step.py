@@ -315,6 +315,12 @@ def markdown(out: dict) -> str:
         for rows in row_counts:
             vals = [str((out[m]["rank0"] if m == "pair" else out[m])[key][str(rows)]["p50_ms"]) for m in modes]
             lines.append(f"| {rows} | " + " | ".join(vals) + " |")
+    if "rope" in out:
+        r = out["rope"]
+        lines += ["", f"RoPE: no table (angles computed per position, exact below 2^24); positions up to max_model_len "
+                      f"{r['max_model_len']} are served; a cos / sin table of that size would take "
+                      f"{r['table_at_max_model_len_bytes'] / 2**20:.0f} MiB per card. Slots start at position "
+                      f"{out.get('start', '?')}."]
     lines += ["", "Kernel time per stage at 1 request, n_out 5 (us, eager under the profiler):", ""]
     for m in ("tp1", "solo", "pair"):
         if m in out:
@@ -359,7 +365,14 @@ def main(argv=None) -> int:
     out = {"bench": "draft_step", "preset": args.preset, "device": torch.cuda.get_device_name(0),
            "cards": torch.cuda.device_count(), "commit": commit(), "replays": args.replays,
            "command": "python bench/draft_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "torch": torch.__version__}
+           "torch": torch.__version__, "start": args.start}
+    from dspark_ray.weights.loader import Checkpoint
+    cfg = Checkpoint(args.ckpt).config
+    half = cfg.qk_rope_head_dim // 2
+    # RoPE: the angles f32(w_i * p) are computed per position in the kernels (p is exact in fp32 below 2^24), so no
+    # table is held; what one sized to max_model_len would take (cos and sin, fp32) is reported beside it.
+    out["rope"] = {"table_bytes": 0, "max_model_len": cfg.max_model_len, "positions_exact_below": 1 << 24,
+                   "table_at_max_model_len_bytes": cfg.max_model_len * half * 2 * 4}
     modes = args.modes.split(",")
     for m in modes:
         if m == "pair":

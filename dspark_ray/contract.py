@@ -61,7 +61,7 @@ class Limits(msgspec.Struct, kw_only=True, frozen=True):
     max_entries_per_replay: int = 4     # ... of at most this many entries (the captured graph batch sizes 1-4)
     max_rows_per_entry: int = 128       # one insert is at most one window of the full preset (sliding_window 128)
     max_n_out: int = 5                  # the drafter's block size
-    max_model_len: int = 1 << 20        # positions beyond this have no RoPE table entry on the GPU engine
+    max_model_len: int = 1 << 20        # positions beyond this are refused (RoPE angles are computed per position)
     max_frame_bytes: int = 64 << 20     # a STEP larger than this is split by the client into several STEPs
 
     @property
