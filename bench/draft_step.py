@@ -8,7 +8,8 @@ One command gives every figure (GPU only; two cards for tp2):
 It synthesizes the checkpoint on the device when `--ckpt` does not hold one, then per mode captures the rank's
 CUDA graph set (`graphs.GraphSet`, batch-invariant kernels of `kernels/gemm.py`) and times graph replays: p50 / p99
 / min over `--replays` for every (requests, n_out) of seed 000's tables, each timed with CUDA events around the
-input upload and the replay (as the engine runs a step). The pair's step time of one replay is the smaller of the
+input upload and the replay (as the engine runs a step). Every mode runs in processes of its own, each seeing one
+card (tp1 and solo: card 0; the pair: one card per rank). The pair's step time of one replay is the smaller of the
 two ranks' times: the rank that arrived last never waits for its peer, so its time is the step's critical path
 (the other's includes the host skew between the ranks' launches). Also: the context insert (1-6, 20, 128 rows,
 taps uploaded from the host), a STEP's whole engine work (insert + draft), per-card memory, distinct experts read per step, the byte bound (bytes one step
@@ -253,6 +254,31 @@ def _pair_rank(rank: int, port: int, args, q) -> None:
         q.put((rank, {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-4000:]}))
 
 
+def _one_card(mode: str, args, q) -> None:
+    """tp1 / solo in a process of its own that sees card 0 alone, as each pair rank sees its card: every mode
+    starts from a fresh process and allocator, whatever ran before it."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+    torch.set_num_threads(1)
+    try:
+        q.put(run_mode(mode, args))
+    except BaseException as e:       # noqa: BLE001 - reported to the parent
+        import traceback
+        q.put({"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-4000:]})
+
+
+def run_one_card(mode: str, args) -> dict:
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_one_card, args=(mode, args, q))
+    p.start()
+    res = q.get(timeout=args.pair_timeout)
+    p.join(60)
+    if "error" in res:
+        raise RuntimeError(f"{mode}: {res['error']}\n{res['tb']}")
+    return res
+
+
 def run_pair(args) -> dict:
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
@@ -381,8 +407,7 @@ def main(argv=None) -> int:
                 continue
             out["pair"] = run_pair(args)
         else:
-            out[m] = run_mode(m, args)
-            torch.cuda.empty_cache()
+            out[m] = run_one_card(m, args)
         out["summary"] = summary(out)
         write(out, args)                    # after every mode: a run cut short still leaves what it measured
     print(json.dumps(out, indent=1))

@@ -2,6 +2,8 @@
 HyperHead, the expand (`model/mhc.py`)."""
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -42,16 +44,12 @@ def _weighted_streams(xr, H, offs, m, p0, p1, p2, p3):
 
 
 @triton.jit
-def _mhc_combine_kernel(x_ptr, part_ptr, v_ptr, base_ptr, scale_ptr, w_ptr, norm_out_ptr, pre_out_ptr, post_ptr, comb_ptr,
-                        H, L, N_OUT, NCH, hc_eps, norm_eps, iters,
-                        HEAD: tl.constexpr, BLOCK: tl.constexpr, NCH_P: tl.constexpr, OUT: tl.constexpr):
-    """One program per row: the mix's chunk sums -> logits -> pre / post / Sinkhorn comb, c = sum_k pre_k X_k, then
-    the RMS norm of c. HEAD (the HyperHead): only pre; c stays fp32 and is also written out (the head's pre-norm
-    state)."""
-    r = tl.program_id(0).to(tl.int64)
-    # The mix's chunk sums, chunks in order, into v[row] (global scratch): the logits below are read back from
-    # there, so the Sinkhorn works in the small per-warp layout of a plain load (reducing straight out of the
-    # (chunks, 4, 4) tile left it in a layout spread over every warp, and cost 6 us a site).
+def _logits(part_ptr, v_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, r, L, N_OUT, NCH, hc_eps, norm_eps,
+            iters, HEAD: tl.constexpr, NCH_P: tl.constexpr, OUT: tl.constexpr):
+    """Row r: the mix's chunk sums -> logits -> pre (to pre_ptr), and unless HEAD post and the Sinkhorn comb."""
+    # The chunk sums, chunks in order, into v[row] (global scratch): the logits are read back from there, so the
+    # Sinkhorn works in the small layout of a plain load (reducing straight out of the (chunks, 4, 4) tile left it
+    # in a layout spread over every warp, and cost 6 us a site).
     ch = tl.arange(0, NCH_P)
     o = tl.arange(0, OUT)
     t = tl.load(part_ptr + (r * NCH + ch[:, None]) * OUT + o[None, :], mask=ch[:, None] < NCH, other=0.0)
@@ -61,6 +59,7 @@ def _mhc_combine_kernel(x_ptr, part_ptr, v_ptr, base_ptr, scale_ptr, w_ptr, norm
     i4 = tl.arange(0, 4)
     s0 = tl.load(scale_ptr)
     pre = sigmoid64((tl.load(v_ptr + r * OUT + i4) * rho) * s0 + tl.load(base_ptr + i4)) + hc_eps
+    tl.store(pre_ptr + r * 4 + i4, pre)
     if not HEAD:
         s1 = tl.load(scale_ptr + 1)
         s2 = tl.load(scale_ptr + 2)
@@ -75,10 +74,17 @@ def _mhc_combine_kernel(x_ptr, part_ptr, v_ptr, base_ptr, scale_ptr, w_ptr, norm
             p = tl.math.div_rn(p, tl.sum(p, axis=0)[None, :] + hc_eps)
         tl.store(post_ptr + r * 4 + i4, post)
         tl.store(comb_ptr + r * 16 + ij, p)
-    p0 = tl.sum(tl.where(i4 == 0, pre, 0.0), axis=0)
-    p1 = tl.sum(tl.where(i4 == 1, pre, 0.0), axis=0)
-    p2 = tl.sum(tl.where(i4 == 2, pre, 0.0), axis=0)
-    p3 = tl.sum(tl.where(i4 == 3, pre, 0.0), axis=0)
+
+
+@triton.jit
+def _collapse_norm(x_ptr, w_ptr, norm_out_ptr, pre_out_ptr, pre_ptr, r, H, norm_eps, HEAD: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Row r: c = sum_k pre_k X_k (pre read from pre_ptr), then the RMS norm of c. HEAD: c stays fp32 and is also
+    written out (the head's pre-norm state)."""
+    p0 = tl.load(pre_ptr + r * 4)
+    p1 = tl.load(pre_ptr + r * 4 + 1)
+    p2 = tl.load(pre_ptr + r * 4 + 2)
+    p3 = tl.load(pre_ptr + r * 4 + 3)
     xr = x_ptr + r * 4 * H
     # Pass 1: c and its sum of squares. Pass 2 recomputes c (same ops, same bits) rather than re-reading it, so no
     # program reads what another thread of it wrote.
@@ -101,6 +107,23 @@ def _mhc_combine_kernel(x_ptr, part_ptr, v_ptr, base_ptr, scale_ptr, w_ptr, norm
             c = c.to(tl.float16).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(norm_out_ptr + r * H + offs, ((c * w) * rn).to(tl.float16), mask=m)
+
+
+@triton.jit
+def _mhc_combine_kernel(x_ptr, part_ptr, v_ptr, base_ptr, scale_ptr, w_ptr, norm_out_ptr, pre_out_ptr, pre_ptr,
+                        post_ptr, comb_ptr, H, L, N_OUT, NCH, hc_eps, norm_eps, iters, HEAD: tl.constexpr,
+                        BLOCK: tl.constexpr, NCH_P: tl.constexpr, OUT: tl.constexpr, LOGITS: tl.constexpr,
+                        NORM: tl.constexpr):
+    """One program per row: the logits and Sinkhorn (LOGITS), then the collapse and its RMS norm (NORM), in one
+    launch or two (SPLIT_SINKHORN)."""
+    r = tl.program_id(0).to(tl.int64)
+    if LOGITS:
+        _logits(part_ptr, v_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, r, L, N_OUT, NCH, hc_eps,
+                norm_eps, iters, HEAD, NCH_P, OUT)
+    if LOGITS and NORM:
+        tl.debug_barrier()
+    if NORM:
+        _collapse_norm(x_ptr, w_ptr, norm_out_ptr, pre_out_ptr, pre_ptr, r, H, norm_eps, HEAD, BLOCK)
 
 
 @triton.jit
@@ -146,6 +169,27 @@ def _mix(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return part, v, dict(NCH_P=triton.next_power_of_2(nch), OUT=MIX_OUT)
 
 
+# The logits and Sinkhorn in a one-warp launch of their own (see _combine); DSPARK_SPLIT_SINKHORN=0: one launch.
+SPLIT_SINKHORN = os.environ.get("DSPARK_SPLIT_SINKHORN", "1") != "0"
+
+
+def _combine(x, part, v, base, scale, norm_w, normed, pre_out, post, comb, L, n_out, hc_eps, norm_eps, iters, head,
+             meta) -> None:
+    """The combine of one mHC site. Split (SPLIT_SINKHORN): the 4x4 Sinkhorn's 40 reductions run in a one-warp
+    program, where they are warp shuffles (in the 8 warps the collapse wants for its two passes over the streams,
+    Triton spreads the 4x4 tile over warps and every reduction goes through shared memory and a barrier)."""
+    rows, h = x.shape[0], x.shape[2]
+    pre = torch.empty((rows, 4), dtype=F32, device=x.device)
+    args = (x, part, v, base, scale, norm_w, normed, pre_out, pre, post, comb, h, L, n_out, part.shape[1], hc_eps,
+            norm_eps, iters)
+    kw = dict(HEAD=head, BLOCK=2048, **meta, **LAUNCH_OPTS)
+    if SPLIT_SINKHORN:
+        _mhc_combine_kernel[(rows,)](*args, LOGITS=True, NORM=False, num_warps=1, **kw)
+        _mhc_combine_kernel[(rows,)](*args, LOGITS=False, NORM=True, num_warps=8, **kw)
+    else:
+        _mhc_combine_kernel[(rows,)](*args, LOGITS=True, NORM=True, num_warps=8, **kw)
+
+
 def mhc_collapse_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                       norm_w: torch.Tensor, *, iters: int, hc_eps: float, norm_eps: float):
     """`HcSite.collapse` followed by `rms_norm(c, norm_w)`: x (rows, 4, h) fp32 -> (normed (rows, h) fp16,
@@ -156,9 +200,8 @@ def mhc_collapse_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     normed = rows_empty(rows, h, F16, x.device)
     post = torch.empty((rows, m), dtype=F32, device=x.device)
     comb = torch.empty((rows, m, m), dtype=F32, device=x.device)
-    _mhc_combine_kernel[(rows,)](x, part, v, base, scale, norm_w, normed, normed, post, comb, h, m * h, fn.shape[0],
-                                 part.shape[1], hc_eps, norm_eps, iters, HEAD=False, BLOCK=2048, num_warps=8, **meta,
-                                 **LAUNCH_OPTS)
+    _combine(x, part, v, base, scale, norm_w, normed, normed, post, comb, m * h, fn.shape[0], hc_eps, norm_eps,
+             iters, False, meta)
     return normed, post, comb
 
 
@@ -170,9 +213,8 @@ def hyper_head_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     part, v, meta = _mix(x, fn)
     normed = rows_empty(rows, h, F16, x.device)
     prenorm = torch.empty((rows, h), dtype=F32, device=x.device)
-    _mhc_combine_kernel[(rows,)](x, part, v, base, scale, norm_w, normed, prenorm, prenorm, prenorm, h, m * h,
-                                 fn.shape[0], part.shape[1], hc_eps, norm_eps, 1, HEAD=True, BLOCK=2048, num_warps=8,
-                                 **meta, **LAUNCH_OPTS)
+    _combine(x, part, v, base, scale, norm_w, normed, prenorm, prenorm, prenorm, m * h, fn.shape[0], hc_eps,
+             norm_eps, 1, True, meta)
     return prenorm, normed
 
 
