@@ -120,7 +120,10 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     dense, expert_b, resident = weight_bytes(weights)
     del weights             # the drafter holds what it uses (the routed experts stacked, the per-expert tensors freed)
     log(f"{mode} rank {rank}: loaded {resident / 2**30:.2f} GiB in {time.time() - t0:.1f} s ({describe_matmul()})")
-    gs = GraphSet(d, n_slots=5)
+    if args.graph_set == "minimal":     # A/B of the time outside the kernels against the set's size (notes/engine.md)
+        gs = GraphSet(d, n_slots=5, max_requests=1, n_outs=(5,), insert_buckets=(8, 128))
+    else:
+        gs = GraphSet(d, n_slots=5)
     gs.capture(lambda k, n: log(f"{mode} rank {rank}: captured {k}/{n}") if k % 15 == 0 or k == n else None)
     log(f"{mode} rank {rank}: {gs.n_graphs} graphs in {gs.capture_seconds:.2f} s, {gs.graph_bytes / 2**20:.0f} MiB")
     states = _slots(gs, cfg, 4, cfg.sliding_window + 32, args.start)
@@ -381,11 +384,15 @@ def main(argv=None) -> int:
     ap.add_argument("--settle", type=int, default=300, help="untimed replays before the first shape")
     ap.add_argument("--start", type=int, default=5000, help="position of the slots' context rows")
     ap.add_argument("--matmul", default="fast", help="fast (batch-invariant GPU kernels) or exact")
+    ap.add_argument("--graph-set", choices=["full", "minimal"], default="full",
+                    help="minimal: only the 1-request n_out-5 draft graph and the 8 / 128-row inserts (shape 1,5)")
     ap.add_argument("--pair-timeout", type=float, default=540)
     ap.add_argument("--out")
     ap.add_argument("--md")
     args = ap.parse_args(argv)
     args.shapes = [tuple(int(v) for v in p.split(",")) for p in args.shapes.split()]
+    if args.graph_set == "minimal":
+        args.shapes = [(1, 5)]
     if not torch.cuda.is_available():
         print("bench/draft_step.py needs CUDA", file=sys.stderr)
         return 2
