@@ -299,8 +299,7 @@ class GraphSet:
         for k, chunk in enumerate(chunks):
             if k:
                 inp.writable()
-            rows = self._stage_insert(chunk)
-            bucket = next(b for b in self.insert_buckets if b >= rows)
+            rows, bucket = self._stage_insert(chunk)
             self._upload(inp.insert_bytes(rows))
             self._replay(self.insert_graphs[bucket])
             inp.mark()
@@ -339,9 +338,9 @@ class GraphSet:
         if chunk:
             yield chunk
 
-    def _stage_insert(self, chunk) -> int:
+    def _stage_insert(self, chunk) -> tuple[int, int]:
         """Write a chunk's positions, slots, ring rows and taps into the pinned buffer, the rows of the smallest
-        bucket that holds it past them padded (they go to the scratch slot); returns the chunk's row count."""
+        bucket that holds it past them padded (they go to the scratch slot); returns (the chunk's rows, bucket)."""
         h, inp = self.inp.h, self.inp
         pos, dst = h["ins_pos"], h["ins_rows"].reshape(self.n_blocks, self.T)
         taps = h["taps"].reshape(-1, inp.width)
@@ -355,7 +354,7 @@ class GraphSet:
         bucket = next(b for b in self.insert_buckets if b >= at)
         pos[at:bucket] = 0
         dst[:, at:bucket] = self._pool_rows(self.scratch, np.zeros(bucket - at, np.int64))
-        return at
+        return at, bucket
 
     def _unpack(self, packed: torch.Tensor, n_out: int, want_margins: bool) -> DraftOut:
         bsz = packed.shape[0]

@@ -151,27 +151,23 @@ def _fn16(fn: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _mix(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The mix's partial sums (rows, chunks, MIX_OUT), the combine's scratch and its arguments that describe them."""
-    rows, L = x.shape[0], x.shape[1] * x.shape[2]
-    n_out = fn.shape[0]
+def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor,
+              normed: torch.Tensor, pre_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *, iters: int,
+              hc_eps: float, norm_eps: float, head: bool) -> None:
+    """One mHC site's collapse in two launches: the mix's partial dots per (chunk, row) into `part`, then the
+    combine per row (it sums the chunks into its scratch row `v`; `pre` is its scratch between its two halves)."""
+    rows, m, h = x.shape
+    L, n_out = m * h, fn.shape[0]
     assert n_out < MIX_OUT
     nch = triton.cdiv(L, MIX_CHUNK)
     part = torch.empty((rows, nch, MIX_OUT), dtype=F32, device=x.device)
-    v = torch.empty((rows, MIX_OUT), dtype=F32, device=x.device)          # the combine's scratch: the sums
+    v = torch.empty((rows, MIX_OUT), dtype=F32, device=x.device)
+    pre = torch.empty((rows, 4), dtype=F32, device=x.device)
     _mhc_mix_kernel[(nch, rows)](x, _fn16(fn), part, L, n_out, nch, CHUNK=MIX_CHUNK, OUT=MIX_OUT, num_warps=8,
                                  **LAUNCH_OPTS)
-    return part, v, dict(NCH_P=triton.next_power_of_2(nch), OUT=MIX_OUT)
-
-
-def _combine(x, part, v, base, scale, norm_w, normed, pre_out, post, comb, L, n_out, hc_eps, norm_eps, iters, head,
-             meta) -> None:
-    """The combine of one mHC site (one launch; `pre` is the program's scratch between its two halves)."""
-    rows, h = x.shape[0], x.shape[2]
-    pre = torch.empty((rows, 4), dtype=F32, device=x.device)
-    _mhc_combine_kernel[(rows,)](x, part, v, base, scale, norm_w, normed, pre_out, pre, post, comb, h, L, n_out,
-                                 part.shape[1], hc_eps, norm_eps, iters, HEAD=head, BLOCK=2048, num_warps=8, **meta,
-                                 **LAUNCH_OPTS)
+    _mhc_combine_kernel[(rows,)](x, part, v, base, scale, norm_w, normed, pre_out, pre, post, comb, h, L, n_out, nch,
+                                 hc_eps, norm_eps, iters, HEAD=head, BLOCK=2048, NCH_P=triton.next_power_of_2(nch),
+                                 OUT=MIX_OUT, num_warps=8, **LAUNCH_OPTS)
 
 
 def mhc_collapse_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -180,12 +176,11 @@ def mhc_collapse_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
     post (rows, 4), comb (rows, 4, 4))."""
     x = x.contiguous()
     rows, m, h = x.shape
-    part, v, meta = _mix(x, fn)
     normed = rows_empty(rows, h, F16, x.device)
     post = torch.empty((rows, m), dtype=F32, device=x.device)
     comb = torch.empty((rows, m, m), dtype=F32, device=x.device)
-    _combine(x, part, v, base, scale, norm_w, normed, normed, post, comb, m * h, fn.shape[0], hc_eps, norm_eps,
-             iters, False, meta)
+    _collapse(x, fn, base, scale, norm_w, normed, normed, post, comb, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps,
+              head=False)
     return normed, post, comb
 
 
@@ -194,11 +189,10 @@ def hyper_head_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     """`HyperHead` then the final `rms_norm`: x (rows, 4, h) -> (prenorm (rows, h) fp32, normed (rows, h) fp16)."""
     x = x.contiguous()
     rows, m, h = x.shape
-    part, v, meta = _mix(x, fn)
     normed = rows_empty(rows, h, F16, x.device)
     prenorm = torch.empty((rows, h), dtype=F32, device=x.device)
-    _combine(x, part, v, base, scale, norm_w, normed, prenorm, prenorm, prenorm, m * h, fn.shape[0], hc_eps,
-             norm_eps, 1, True, meta)
+    _collapse(x, fn, base, scale, norm_w, normed, prenorm, prenorm, prenorm, iters=1, hc_eps=hc_eps,
+              norm_eps=norm_eps, head=True)
     return prenorm, normed
 
 

@@ -112,6 +112,9 @@ def exchange_threads(n_rows: int) -> int:
     return max(32, (n_rows + 31) // 32 * 32)
 
 
+CONTROL_WORDS = 6       # u32 from Layout.OFF_EPOCH: epoch, done, last nblk (2), error word, first failing epoch
+
+
 class PushCollectives(Collectives):
     """One rank of an NVLink pair meeting the other through push kernels over CUDA IPC peer memory."""
 
@@ -415,7 +418,7 @@ class PushCollectives(Collectives):
     def read_control(self) -> dict:
         """Device control words in one small D2H: epoch, error word, first failing epoch."""
         try:
-            w = self.state.read_u32(Layout.OFF_EPOCH, 6)
+            w = self.state.read_u32(Layout.OFF_EPOCH, CONTROL_WORDS)
         except Exception as e:
             self._poison(f"control read failed: {e}")
         return self._control(w)
@@ -427,7 +430,7 @@ class PushCollectives(Collectives):
     def status_region(self) -> tuple[int, int]:
         """The six control words (epoch .. first failing epoch): a captured step copies them to the host after its
         last collective, with its outputs (see Collectives.status_region)."""
-        return self.state.ptr + Layout.OFF_EPOCH, 24
+        return self.state.ptr + Layout.OFF_EPOCH, 4 * CONTROL_WORDS
 
     def check_status(self, words) -> None:
         """check() from the control words the step copied to the host behind its last collective, on the stream
@@ -436,7 +439,7 @@ class PushCollectives(Collectives):
         self.guard.refuse_if_poisoned("error check")
         if self._eager_since_check:
             return self.check_error()
-        self._raise_if_failed(self._control(np.frombuffer(words, np.uint32, 6)))
+        self._raise_if_failed(self._control(np.frombuffer(words, np.uint32, CONTROL_WORDS)))
 
     def error_word(self) -> int:
         """The rank's error word (bits in peer_state.ERROR_BITS). Reads the device as it is now: call it after the
