@@ -5,7 +5,8 @@ Deploys one pair on a local Ray (tiny preset on CPU; `--preset full` with GPUs),
 rounds (1 request, `--rows` fresh rows per round, n_out 5), and times the same entries through an in-process
 emulated pair (both ranks in this process, each on its own thread; on a CPU host they share one interpreter lock, so
 this is slower than the deployed pair's two processes) and reads rank 0's own engine time per step from the
-deployment: the service's overhead is the TCP round trip minus that.
+deployment: the service's overhead is the TCP round trip minus that. Every party stamps each step
+(`dspark_ray/stamps.py`); the JSON's "timeline" gives each hop of the round trip.
 Prints one JSON object (p50 / p99 / min in ms, config, device, commit).
 
     .venv/bin/python bench/step_latency.py [--rounds 60] [--out bench/results/step_latency_cpu.json]
@@ -34,6 +35,50 @@ def summary(xs):
             "min_ms": round(min(xs), 3), "n": len(xs)}
 
 
+# The stamps of one round, in path order (dspark_ray/stamps.py): (hop, from, to). "rank_*" stamps are the
+# critical rank's (the one whose completion came last).
+HOPS = (("client_to_server", "client_send", "tcp_recv"),      # client encode, TCP loopback up to the header
+        ("frame_read", "tcp_recv", "tcp_read"),               # payload received, decoded
+        ("checks", "tcp_read", "svc_admitted"),               # contract checks, slot admission
+        ("to_batch", "svc_admitted", "ring_publish"),         # queue, batch built
+        ("publish", "ring_publish", "ring_published"),        # batch encoded, copied into the ring slot
+        ("ring_out", "ring_published", "rank_got"),           # the rank sees it (spinning reader)
+        ("rank_decode", "rank_got", "rank_engine_in"),        # decode, resets, entries
+        ("rank_check", "rank_engine_in", "rank_checked"),     # the engine's entry checks
+        ("rank_run", "rank_checked", "rank_ran"),             # staging, replays (insert + draft), sync
+        ("rank_finish", "rank_ran", "rank_engine_out"),       # answers, the collectives' fail-closed check
+        ("rank_encode", "rank_engine_out", "rank_encoded"),   # rank 0's results encoded
+        ("rank_complete", "rank_encoded", "rank_completed"),  # completion record posted
+        ("ring_back", "rank_completed", "ring_completions"),  # the front-end sees every completion
+        ("results", "ring_completions", "svc_reply"),         # results decoded, cursors advanced, reply built
+        ("reply_send", "svc_reply", "tcp_sent"),              # reply encoded, sent
+        ("server_to_client", "tcp_sent", "client_recv"))      # TCP loopback back, client decode
+RANK_PHASES = (("decode", "got", "engine_in"), ("check", "engine_in", "checked"), ("run", "checked", "ran"),
+               ("finish", "ran", "engine_out"), ("engine_step", "engine_in", "engine_out"))
+
+
+def timeline(client: list[tuple[int, int]], st: dict) -> list[dict]:
+    """Join the parties' stamps into one dict per round: the client's i-th STEP is the TCP server's i-th; the
+    service's row has the same frame arrival time as the server's; the ring's and the ranks' rows have its seq."""
+    svc = {r["recv"]: r for r in st["service"]}
+    ring = {r["seq"]: r for r in st["ring"]}
+    ranks = [{r["seq"]: r for r in rows} for rows in st["ranks"]]
+    out = []
+    for (sent, recv), t in zip(client, st["tcp"][-len(client):]):
+        v = svc[t["recv"]]
+        g = ring[v["seq"]]
+        rs = [rk[v["seq"]] for rk in ranks]
+        row = {"client_send": sent, "client_recv": recv, "tcp_recv": t["recv"], "tcp_read": t["read"],
+               "tcp_sent": t["sent"], "svc_admitted": v["admitted"], "svc_reply": v["reply"],
+               **{f"ring_{k}": g[k] for k in ("publish", "published", "completions")}}
+        crit = max(range(len(rs)), key=lambda r: rs[r]["completed"])
+        for r, x in enumerate(rs):
+            row.update({f"r{r}_{k}": x[k] for k in x if k != "seq"})
+        row.update({f"rank_{k}": rs[crit][k] for k in rs[crit] if k != "seq"})
+        out.append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny")
@@ -57,6 +102,7 @@ def main() -> None:
     from dspark_ray.contract import Code, make_entry
     from dspark_ray.engine import RankEngine, StepEntry
     from dspark_ray.modes import make_emulated, run_pair
+    from dspark_ray.stamps import now
     from dspark_ray.weights.loader import Checkpoint
 
     torch.set_num_threads(1)
@@ -91,19 +137,18 @@ def main() -> None:
     spec = PairSpec(checkpoint=ckpt, tp=2, n_slots=4, backend="push" if gpu else "gloo", device=device)
     fe, endpoint = deploy(spec, name="bench")
     host, port = endpoint.rsplit(":", 1)
-    tcp = []
+    client = []                               # per round: (sent, received), stamps.now
     with DrafterClient(host, int(port), timeout_s=60) as c:
         c.hello(client="step_latency bench")
         (gr,) = c.acquire(1)
         for e in entries:
             ent = make_entry(slot=gr.slot, generation=gr.generation, seed_token=e.seed, start_pos=e.start,
                              token_ids=e.token_ids.numpy(), taps=e.taps.numpy(), n_out=5)
-            t0 = time.perf_counter()
+            t0 = now()
             (res,) = c.step([ent], deadline_ms=60_000)
-            tcp.append((time.perf_counter() - t0) * 1e3)
+            client.append((t0, now()))
             assert res.code == Code.OK, res.reason
-    st = ray.get(fe.status.remote())
-    rank_ms = st["ranks"][0]["recent_step_ms"]
+    st = ray.get(fe.stamps.remote())
     teardown("bench")
     ray.shutdown()
 
@@ -112,6 +157,9 @@ def main() -> None:
                            "--n", "2000", "--n-woken", "100"], capture_output=True, text=True)
     ring_rows = [json.loads(line) for line in ring.stdout.splitlines() if line.startswith("{")]
     skip = 3                                  # the first rounds warm caches on both sides
+    steps = timeline(client, st)[skip:]
+    tcp = [(s["client_recv"] - s["client_send"]) / 1e6 for s in steps]
+    rank_ms = [(s["r0_engine_out"] - s["r0_engine_in"]) / 1e6 for s in steps]
     out = {
         "bench": "step_latency",
         "command": "python bench/step_latency.py " + " ".join(sys.argv[1:]),
@@ -122,28 +170,21 @@ def main() -> None:
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True).stdout.strip(),
         "in_process_emulated_pair": summary(inproc[skip:]) if inproc else None,
-        "rank0_engine_step": summary(rank_ms[skip:]),
-        "tcp_step": summary(tcp[skip:]),
+        "rank0_engine_step": summary(rank_ms),
+        "tcp_step": summary(tcp),
         # What the service adds around the ranks' own step: front-end checks, batching, ring, TCP, client.
-        "overhead_p50_ms": round(statistics.median(tcp[skip:]) - statistics.median(rank_ms[skip:]), 3),
-        # Where a round trip goes, outside in (p50 of each layer's own clock; the differences are each layer's
-        # share): the client's round trip > the front-end's STEP (frame received -> reply built) > one batch on
-        # the pair (ring publish -> both completions) > each rank's engine step = its phases: check (the entries),
-        # run (the work: GraphSet.run on a GPU rank: upload, insert and draft replays, download), finish (answers,
-        # the collectives' fail-closed check).
-        "layers": {
-            "tcp_round_trip": summary(tcp[skip:]),
-            "frontend_step": summary(st["recent"]["step_ms"][skip:]),
-            "pair_run": summary(st["recent"]["pair_run_ms"][skip:]),
-            **{f"rank{r}_engine_step": summary(st["ranks"][r]["recent_step_ms"][skip:]) for r in range(2)},
-            **{f"rank{r}_{k}": summary(v[skip:]) for r in range(2)
-               for k, v in st["ranks"][r]["recent_phase_ms"].items()},
-        },
+        "overhead_p50_ms": round(statistics.median(tcp) - statistics.median(rank_ms), 3),
+        # Where a round trip goes, hop by hop (p50 of each hop over the rounds; the hops of one round add up to
+        # its round trip). The rank hops are the rank that completed last (the critical path); its peer's are
+        # under "ranks".
+        "timeline": {name: summary([(s[b] - s[a]) / 1e6 for s in steps]) for name, a, b in HOPS},
+        "ranks": {f"rank{r}_{k}": summary([(s[f"r{r}_{b}"] - s[f"r{r}_{a}"]) / 1e6 for s in steps])
+                  for r in range(2) for k, a, b in RANK_PHASES},
         "ring_roundtrip": ring_rows,
     }
     # The issue's target, from this one run: the round trip at most the pair's graph work (the slower rank's run
     # phase: upload, insert and draft replays, download) + 0.1 ms.
-    work = max(out["layers"][f"rank{r}_run"]["p50_ms"] for r in range(2))
+    work = max(out["ranks"][f"rank{r}_run"]["p50_ms"] for r in range(2))
     out["target"] = {"round_trip_p50_ms": out["tcp_step"]["p50_ms"], "pair_work_p50_ms": work,
                      "limit_ms": round(work + 0.1, 3), "met": out["tcp_step"]["p50_ms"] <= work + 0.1}
     print(json.dumps(out, indent=1))

@@ -11,7 +11,6 @@ step fails, the latch stays open.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import torch
 from .collectives import CollectiveError, Collectives
 from .model.drafter import Drafter
 from .model.state import SlotState
+from .stamps import now
 
 log = logging.getLogger("dspark_ray.engine")
 
@@ -134,9 +134,9 @@ class RankEngine:
             self.slots = [drafter.new_slot() for _ in range(n_slots)]
         self.broken: str | None = None
         self.steps = 0
-        # Where a step's time goes: the entry checks, the work (inserts + draft), the answers and the collectives'
-        # fail-closed check.
-        self.phase_ms = {k: collections.deque(maxlen=2000) for k in ("check", "run", "finish")}
+        # Where the last step's time went (stamps.now): entered, entries checked, work done (inserts + draft),
+        # finished (answers and the collectives' fail-closed check).
+        self.last_stamps: dict[str, int] = {}
         self.failed_steps = 0
         self.last_error = ""
         self.fault_hook = None          # callable(phase: str) -> None, set by the fault injector (off by default)
@@ -172,7 +172,7 @@ class RankEngine:
         if self.broken:
             raise EngineBroken(f"rank {self.rank} refuses steps: {self.broken}")
         self.steps += 1
-        t0 = time.perf_counter()
+        t0 = now()
         self.coll.count = 0
         outs: list[EntryOut | None] = [None] * len(entries)
         seen: set[int] = set()
@@ -189,10 +189,10 @@ class RankEngine:
         done = False       # every collective of the step has completed
         try:
             self._hook("start")
-            t1 = time.perf_counter()
+            t1 = now()
             if good:
                 res = self._run(entries, good)
-            t2 = time.perf_counter()
+            t2 = now()
             if good:
                 lens = res.confident_len.tolist()
                 for j, i in enumerate(good):
@@ -211,8 +211,7 @@ class RankEngine:
                 self.coll.check()
             done = True
             self._hook("end")
-            for k, dt in zip(self.phase_ms, (t1 - t0, t2 - t1, time.perf_counter() - t2)):
-                self.phase_ms[k].append(dt * 1e3)
+            self.last_stamps = {"engine_in": t0, "checked": t1, "ran": t2, "engine_out": now()}
         except Exception as e:
             self.failed_steps += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -259,7 +258,7 @@ class RankEngine:
     def status(self) -> dict:
         st = {"rank": self.rank, "steps": self.steps, "failed_steps": self.failed_steps,
               "broken": self.broken, "last_error": self.last_error, "collectives": self.coll.describe(),
-              "time": time.time(), "recent_phase_ms": {k: list(v) for k, v in self.phase_ms.items()}}
+              "time": time.time()}
         if self.graphs:
             st["graphs"] = {"count": self.graphs.n_graphs, "capture_s": round(self.graphs.capture_seconds, 3),
                             "bytes": self.graphs.graph_bytes}

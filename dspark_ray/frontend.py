@@ -23,6 +23,7 @@ from typing import Callable, Protocol
 from . import contract as C
 from .actors.messages import RankBatch, RankEntry, RankResult
 from .model.state import SlotCursor
+from .stamps import Stamps, now
 
 log = logging.getLogger("dspark_ray.frontend")
 
@@ -64,6 +65,7 @@ class _Pending:
     deadline_ns: int
     done: threading.Event = field(default_factory=threading.Event)
     result: C.EntryResult | None = None
+    seq: int | None = None          # the pair's step (ring seq) it ran in
 
 
 class StepService(C.StepHandler):
@@ -83,8 +85,9 @@ class StepService(C.StepHandler):
         self.on_failure = on_failure
         self.stats = {"steps": 0, "entries": 0, "batches": 0, "deadline": 0, "internal": 0, "bad_entry": 0,
                       "stale": 0, "unavailable": 0, "batch_sizes": [0] * (limits.max_entries_per_replay + 1)}
-        self.timings = {"step_ms": collections.deque(maxlen=2000),        # STEP received -> reply built
-                        "pair_run_ms": collections.deque(maxlen=2000)}    # one batch on the pair (ring included)
+        # Per STEP: frame received, handler entered, entries admitted, reply built, and the ring seq its first
+        # entry ran in (the join key with the ring's and the ranks' stamps).
+        self.stamps = Stamps()
         self.last_errors: list[str] = []
 
     # -- sessions --------------------------------------------------------------------------------------------------
@@ -167,6 +170,7 @@ class StepService(C.StepHandler):
 
     # -- STEP ------------------------------------------------------------------------------------------------------
     def step(self, session: int, msg: C.Step, received_ns: int):
+        t_in = now()
         err = self._need_hello(session)
         if err:
             return err
@@ -185,13 +189,16 @@ class StepService(C.StepHandler):
                     p = _Pending(k, e, deadline)
                     self.slots[e.slot].busy = True
                     pend.append(p)
+        t_admitted = now()
         with self._turn:
             self.queue.extend(pend)
         for p in pend:
             self._drive(p)
             results[p.index] = p.result
-        self.timings["step_ms"].append((time.monotonic_ns() - received_ns) / 1e6)
-        return C.StepReply(results=results)  # type: ignore[arg-type]
+        reply = C.StepReply(results=results)  # type: ignore[arg-type]
+        self.stamps.add({"recv": received_ns, "in": t_in, "admitted": t_admitted, "reply": now(),
+                         "seq": pend[0].seq if pend else None})
+        return reply
 
     def _admit(self, session: int, e: C.Entry, why: str | None) -> C.EntryResult | None:
         """The stateful checks (caller holds the lock): None to run the entry, else its answer."""
@@ -249,10 +256,10 @@ class StepService(C.StepHandler):
         return [self.queue.popleft() for _ in range(n)]
 
     def _dispatch(self, batch: list[_Pending]) -> None:
-        now = time.monotonic_ns()
+        t = now()
         live = []
         for p in batch:
-            if now > p.deadline_ns:
+            if t > p.deadline_ns:
                 self.stats["deadline"] += 1
                 self._finish(p, C.error_result(C.Code.DEADLINE, "deadline passed before the entry could run",
                                                self.slots[p.entry.slot].cursor.generation))
@@ -275,10 +282,8 @@ class StepService(C.StepHandler):
         self.stats["batches"] += 1
         self.stats["entries"] += len(live)
         self.stats["batch_sizes"][len(live)] += 1
-        t0 = time.monotonic_ns()
         try:
             results = self.pair.run(rb)
-            self.timings["pair_run_ms"].append((time.monotonic_ns() - t0) / 1e6)
         except PairFailure as f:
             self.stats["internal"] += len(live)
             msg = f"batch failed closed ({f.kind}): {f.reason}"
@@ -312,6 +317,7 @@ class StepService(C.StepHandler):
                     self.stats["bad_entry"] += 1
                     p.result = C.error_result(C.Code.BAD_ENTRY, r.reason, gen)
                 slot.busy = False
+                p.seq = getattr(self.pair, "last_seq", None)
                 p.done.set()
 
     def _answer_internal(self, entries: list[_Pending], msg: str) -> None:
@@ -337,5 +343,4 @@ class StepService(C.StepHandler):
             held = sum(s.owner is not None for s in self.slots)
         return {"worker_generation": self.worker_generation, "unavailable": self.unavailable,
                 "slots": {"capacity": len(self.slots), "held": held}, "sessions": len(self.sessions),
-                "stats": dict(self.stats), "last_errors": list(self.last_errors),
-                "recent": {k: list(v) for k, v in self.timings.items()}}
+                "stats": dict(self.stats), "last_errors": list(self.last_errors)}

@@ -15,6 +15,7 @@ from dataclasses import asdict
 from ..frontend import PairFailure, StepService
 from . import messages as M
 from .rank import SAFE_ENV, PairSpec, rank_actor_class
+from ..stamps import Stamps, now
 from .ring import RingError, RingTimeout, StepRing
 
 log = logging.getLogger("dspark_ray.frontend")
@@ -38,6 +39,8 @@ class PairManager:
                                     spin_us=spec.spin_us)
         self.ranks: list = []
         self.progress_cb = None
+        self.stamps = Stamps()         # per batch: publish, published (with the ring seq), completions seen
+        self.last_seq: int | None = None
         # Hung-step bound: a collective's own timeout plus slack, so a timed-out collective reports itself
         # ("broken") before the watchdog calls the step hung.
         self.step_bound_s = spec.step_timeout_s or spec.collective_timeout_s * 2 + 5.0
@@ -116,8 +119,10 @@ class PairManager:
     def run(self, batch: M.RankBatch) -> list[M.RankResult]:
         """One step through the ring. A missing completion within the bound is a hang (or a death): the ranks
         are killed so nothing stale can answer later, and the supervisor restarts the pair."""
+        row = {"publish": now()}
         try:
             seq = self.ring.publish(M.encode(batch), timeout_s=self.step_bound_s)
+            row["seq"], row["published"] = seq, now()
             deadline = time.monotonic() + self.step_bound_s
             while True:
                 # Slices of the bound, so a dead rank is noticed within ~0.1 s instead of at the bound.
@@ -142,7 +147,11 @@ class PairManager:
             kind = "broken" if M.STATUS_BROKEN in statuses else "step"
             errs = "; ".join(f"rank {r}: {M.decode_reply(p).error}" for r, (s, p) in enumerate(comps) if s)
             raise PairFailure(kind, errs)
-        return M.decode_reply(comps[0][1]).results
+        row["completions"] = now()
+        results = M.decode_reply(comps[0][1]).results
+        self.last_seq = seq
+        self.stamps.add(row)
+        return results
 
     def status(self) -> list[dict]:
         import ray
@@ -264,6 +273,13 @@ def frontend_actor_class():
             msg = ray.get(self.manager.ranks[rank].set_fault.remote(kind, **params))
             log.warning("fault injection: %s", msg)
             return msg
+
+        def stamps(self) -> dict:
+            """Recent per-step stamps of every party behind this endpoint (bench/step_latency.py joins them)."""
+            import ray
+            return {"tcp": self.server.stamps.recent(), "service": self.service.stamps.recent(),
+                    "ring": self.manager.stamps.recent(),
+                    "ranks": ray.get([a.stamps.remote() for a in self.manager.ranks], timeout=10)}
 
         def rank_pids(self) -> list[int]:
             return [s.get("pid") for s in self.manager.status()]

@@ -1,9 +1,13 @@
 """What travels through the shared-memory step ring: one batch to every rank, one result record back from each.
 
-msgspec msgpack with raw little-endian bytes for arrays (the same encoding as the wire contract), so a rank views
-token ids and taps with numpy / torch.frombuffer instead of decoding lists.
+msgspec msgpack with raw little-endian bytes for arrays (the same encoding as the wire contract). A rank decodes the
+arrays as memoryviews of the ring's slot (msgspec decodes `bin` into a view of its input), so its entries read the
+taps in place: no copy until the staging into the pinned upload buffer. They are valid until the rank completes
+the step.
 """
 from __future__ import annotations
+
+import warnings
 
 import msgspec
 import numpy as np
@@ -22,8 +26,8 @@ class RankEntry(msgspec.Struct, array_like=True, gc=False):
     seed: int
     n_out: int
     start: int
-    token_ids: bytes            # int32 LE
-    taps: bytes                 # fp16 LE, rows x taps_width
+    token_ids: memoryview       # int32 LE (encodes from bytes too)
+    taps: memoryview            # fp16 LE, rows x taps_width
     rollback_to: int
     want_margins: bool
 
@@ -47,6 +51,10 @@ class RankReply(msgspec.Struct, array_like=True, gc=False):
     error: str = ""
 
 
+# The rank's taps are read-only views on purpose (see to_step_entries); torch's warning about them is noise. (A
+# catch_warnings block per step would cost ~4 us.)
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+
 _enc = msgspec.msgpack.Encoder()
 _batch_dec = msgspec.msgpack.Decoder(RankBatch)
 _reply_dec = msgspec.msgpack.Decoder(RankReply)
@@ -65,10 +73,12 @@ def decode_reply(buf) -> RankReply:
 
 
 def to_step_entries(batch: RankBatch, taps_width: int) -> list[StepEntry]:
+    """The batch's entries as the engine takes them; the taps are read-only views of the batch's buffer (the engine
+    only reads them)."""
     out = []
     for e in batch.entries:
         ids = torch.from_numpy(np.frombuffer(e.token_ids, dtype="<i4").astype(np.int64))
-        taps = torch.from_numpy(np.frombuffer(e.taps, dtype="<f2").copy()).view(-1, taps_width) if e.taps else \
+        taps = torch.from_numpy(np.frombuffer(e.taps, dtype="<f2")).view(-1, taps_width) if len(e.taps) else \
             torch.zeros(0, taps_width, dtype=torch.float16)
         out.append(StepEntry(slot=e.slot, seed=e.seed, n_out=e.n_out, start=e.start, token_ids=ids, taps=taps,
                              rollback_to=e.rollback_to, want_margins=e.want_margins))

@@ -8,7 +8,6 @@ both at once (the collectives' handshake: gloo's rendezvous, later the push coll
 """
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import threading
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine import EngineBroken, RankEngine, StepFailed
+from ..stamps import Stamps, now
 from . import messages as M
 
 log = logging.getLogger("dspark_ray.rank")
@@ -67,7 +67,7 @@ class RankWorker:
         self.reader = None
         self._thread: threading.Thread | None = None
         self._stop = False
-        self.step_ms: collections.deque[float] = collections.deque(maxlen=2000)   # engine time per step
+        self.stamps = Stamps()           # per step: the ring's seq, got / decoded / engine phases / completed
 
     # -- start-up --------------------------------------------------------------------------------------------------
     def load(self) -> dict:
@@ -146,13 +146,16 @@ class RankWorker:
                 continue
             except RingClosed:
                 break
-            batch = M.decode_batch(view)              # copies what it needs: the view dies at complete()
-            self.engine.reset_slots(batch.resets)
+            row = {"seq": seq, "got": now()}
             status, payload = M.STATUS_OK, b""
-            t0 = time.perf_counter()
             try:
-                outs = self.engine.step(M.to_step_entries(batch, width))
-                self.step_ms.append((time.perf_counter() - t0) * 1e3)
+                # The entries view the ring's slot (no copy): it stays ours until complete() below.
+                batch = M.decode_batch(view)
+                self.engine.reset_slots(batch.resets)
+                entries = M.to_step_entries(batch, width)
+                row["decoded"] = now()
+                outs = self.engine.step(entries)
+                row.update(self.engine.last_stamps)
                 if self.rank == 0:
                     payload = M.encode(M.RankReply(M.to_rank_results(outs)))
             except StepFailed as e:
@@ -162,12 +165,14 @@ class RankWorker:
             except Exception as e:               # decoding or anything unforeseen: latch, the pair may be split
                 self.engine.broken = f"{type(e).__name__}: {e}"
                 status, payload = M.STATUS_BROKEN, M.encode(M.RankReply([], self.engine.broken))
+            row["encoded"] = now()
             self.reader.complete(seq, status, payload)
+            row["completed"] = now()
+            self.stamps.add(row)
 
     def status(self) -> dict:
         st = self.engine.status() if self.engine else {"rank": self.rank, "loading": self.progress()}
         st["pid"] = os.getpid()
-        st["recent_step_ms"] = list(self.step_ms)
         st["env"] = {k: os.environ.get(k) for k in SAFE_ENV}
         return st
 
@@ -203,6 +208,9 @@ def rank_actor_class():
 
         def status(self):
             return self.w.status()
+
+        def stamps(self):
+            return self.w.stamps.recent()
 
         def set_fault(self, kind: str | None, **params):
             from ..faults import install

@@ -20,6 +20,7 @@ import threading
 import time
 
 from ..contract import (Acquire, Code, ErrorReply, Hello, HelloReply, Release, Step, StepHandler)
+from ..stamps import Stamps, now
 from ..wire import (DEFAULT_MAX_FRAME_BYTES, ConnectionClosed, FrameError, FrameReader, FrameWriter,
                     VersionMismatch)
 
@@ -54,6 +55,7 @@ class TcpServer:
         self._conns: set[_Conn] = set()
         self._lock = threading.Lock()
         self._accept_thread: threading.Thread | None = None
+        self.stamps = Stamps()      # per STEP: header received, frame read and decoded, reply sent
 
     @property
     def port(self) -> int:
@@ -138,6 +140,7 @@ class TcpServer:
                 request_id, msg, received_ns = reader.read()
                 if not greeted and not isinstance(msg, Hello):
                     raise FrameError(f"{type(msg).__name__} before an accepted HELLO")
+                t_read = now()
                 reply = self._dispatch(conn, msg, received_ns, greeted)
                 if isinstance(reply, HelloReply):
                     greeted = greeted or reply.ok
@@ -147,6 +150,8 @@ class TcpServer:
                     writer.send(sock.sendall, reply, request_id)
                 except (FrameError, TypeError) as e:    # the front-end answered something unsendable: our bug
                     raise RuntimeError(f"cannot send the reply to {type(msg).__name__}: {e}") from e
+                if isinstance(msg, Step):
+                    self.stamps.add({"recv": received_ns, "read": t_read, "sent": now()})
         except ConnectionClosed:
             if self._stopping.is_set():
                 why = "closed by server (stopping)"
