@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--rows", type=int, default=3)
     ap.add_argument("--ckpt", help="an existing checkpoint (else the preset's default, synthesized if missing)")
+    ap.add_argument("--client-spin-us", type=float, default=3000.0,
+                    help="the client polls this long for its reply before blocking (DrafterClient spin_us)")
     ap.add_argument("--out")
     a = ap.parse_args()
 
@@ -138,7 +140,7 @@ def main() -> None:
     fe, endpoint = deploy(spec, name="bench")
     host, port = endpoint.rsplit(":", 1)
     client = []                               # per round: (sent, received), stamps.now
-    with DrafterClient(host, int(port), timeout_s=60) as c:
+    with DrafterClient(host, int(port), timeout_s=60, spin_us=a.client_spin_us) as c:
         c.hello(client="step_latency bench")
         (gr,) = c.acquire(1)
         for e in entries:
@@ -164,7 +166,8 @@ def main() -> None:
         "bench": "step_latency",
         "command": "python bench/step_latency.py " + " ".join(sys.argv[1:]),
         "config": {"preset": a.preset, "tp": 2, "backend": spec.backend, "requests": 1, "rows_per_round": a.rows,
-                   "n_out": 5, "rounds": a.rounds},
+                   "n_out": 5, "rounds": a.rounds,
+                   "client_spin_us": a.client_spin_us, "server_and_ring_spin_us": spec.spin_us},
         "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or platform.machine(),
         "host_cpus": os.cpu_count(),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

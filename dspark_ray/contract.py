@@ -155,8 +155,10 @@ class Entry(msgspec.Struct, kw_only=True, gc=False):
     generation: int
     seed_token: int
     start_pos: int = 0
-    token_ids: bytes = b""        # int32 LE, one per inserted row
-    taps: bytes = b""             # fp16 LE, rows x taps_width, row-major
+    # A receiver decodes these two as views of the frame it read (msgspec decodes `bin` into a memoryview of its
+    # input: no copy of the taps); a sender may give bytes or any buffer.
+    token_ids: memoryview = b""   # int32 LE, one per inserted row
+    taps: memoryview = b""        # fp16 LE, rows x taps_width, row-major
     rollback_to: int = -1         # -1: none; else drop the slot's rows at positions >= rollback_to first
     n_out: int = 5                # 1..max_n_out drafts wanted
     want_margins: bool = False

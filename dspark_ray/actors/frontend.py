@@ -225,7 +225,7 @@ def frontend_actor_class():
             self.manager = PairManager(self.spec, pg, rank_bundles, rank_resources, name)
             self.service = StepService(self.identity, self.limits, None, window=cfg.sliding_window)
             self.supervisor = Supervisor(self.service, self.manager.restart, threshold=restart_threshold)
-            self.server = TcpServer(self.service, host=host, port=port)
+            self.server = TcpServer(self.service, host=host, port=port, spin_us=self.spec.spin_us)
             self.host, self.port, self.name = host, port, name
             self.started = False
             self.load_progress = []

@@ -124,7 +124,10 @@ class RankWorker:
         def progress(done, total):
             if done == total or done % 10 == 0:
                 log.info("rank %d: %s %d / %d graphs", self.rank, "captured" if cuda else "recorded", done, total)
-        self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress)
+        # The front-end scans every entry's values before it publishes them (contract.validate_entries): the ranks
+        # check only what guards their slots.
+        self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress,
+                                 values_checked=True)
         log.info("rank %d: connected through %s%s", self.rank, coll.describe(),
                  f"; {self.engine.status()['graphs']}" if graphs else "")
         return coll.describe()

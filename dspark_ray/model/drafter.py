@@ -119,8 +119,11 @@ class Drafter:
 
     # -- context insert (spec 3a) ----------------------------------------------------------------------------------
     def check_insert(self, state: SlotState, start: int, token_ids: torch.Tensor, taps: torch.Tensor,
-                     rollback_to: int = -1) -> str | None:
-        """Every check of an insert (after an optional rollback), without touching the state."""
+                     rollback_to: int = -1, scan_values: bool = True) -> str | None:
+        """Every check of an insert (after an optional rollback), without touching the state. `scan_values=False`
+        leaves out the scans of the values (finite taps, token ids in the vocab) for inputs a checker upstream has
+        already scanned (the service's front-end); the shapes and positions, which guard the state, are checked
+        always."""
         c = self.cfg
         n = token_ids.shape[0]
         width = c.n_taps * c.hidden_size
@@ -128,10 +131,12 @@ class Drafter:
             return f"taps shape {tuple(taps.shape)} != ({n}, {width}) (rows, n_taps * hidden)"
         if taps.dtype != torch.float16:
             return f"taps dtype {taps.dtype} != float16"
-        if n and not _finite(taps):
+        if not scan_values or not n:
+            return state.check_entry(start, n, rollback_to)
+        if not _finite(taps):
             return "taps hold inf or nan"
         ids = token_ids.numpy() if token_ids.device.type == "cpu" else token_ids.cpu().numpy()
-        if n and (int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size):
+        if int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size:
             bad = ids[(ids < 0) | (ids >= c.vocab_size)][0]
             return f"token id {int(bad)} outside [0, {c.vocab_size})"
         return state.check_entry(start, n, rollback_to)

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 import threading
 import time
 
 from ..contract import (Acquire, Code, ErrorReply, Hello, HelloReply, Release, Step, StepHandler)
 from ..stamps import Stamps, now
 from ..wire import (DEFAULT_MAX_FRAME_BYTES, ConnectionClosed, FrameError, FrameReader, FrameWriter,
-                    VersionMismatch)
+                    VersionMismatch, bound_blocking_io, spinning_recv_into)
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +40,11 @@ class TcpServer:
     """Serves `handler` on host:port (port 0: an ephemeral port, read `server.port` after `start`)."""
 
     def __init__(self, handler: StepHandler, host: str = "127.0.0.1", port: int = 0,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_timeout_s: float = 5.0):
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_timeout_s: float = 5.0, spin_us: float = 0.0):
+        """`spin_us`: how long a connection thread polls for the next frame before it blocks in recv (see
+        wire.spinning_recv_into; the front-end passes the ring's spin: 2 ms on a GPU host, 50 us on a CPU)."""
         self.handler = handler
+        self.spin_us = spin_us
         self.host = host
         self.max_frame_bytes = max_frame_bytes
         self.stall_timeout_s = stall_timeout_s
@@ -108,13 +110,9 @@ class TcpServer:
                 if not self._stopping.is_set():
                     log.error("tcp accept failed, listener stops: %s", e)
                 return
-            sock.settimeout(None)
-            # Every recv and send gives up after stall_timeout_s without progress (SO_RCVTIMEO / SO_SNDTIMEO): a peer
-            # stalling mid-frame, or not reading its replies, cannot hold its thread forever. Between frames the
-            # reader just keeps waiting.
-            tv = struct.pack("ll", int(self.stall_timeout_s), int(self.stall_timeout_s % 1 * 1e6))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            # Every recv and send gives up after stall_timeout_s without progress: a peer stalling mid-frame, or not
+            # reading its replies, cannot hold its thread forever. Between frames the reader just keeps waiting.
+            bound_blocking_io(sock, self.stall_timeout_s)
             # A STEP reply is one small write answered by the next request: Nagle would hold it for an ACK.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
@@ -129,7 +127,7 @@ class TcpServer:
 
     def _serve(self, conn: _Conn) -> None:
         sock = conn.sock
-        reader = FrameReader(sock.recv_into, self.max_frame_bytes, wait_between_frames=True)
+        reader = FrameReader(spinning_recv_into(sock, self.spin_us), self.max_frame_bytes, wait_between_frames=True)
         writer = FrameWriter(self.max_frame_bytes)
         why = "closed by peer"
         try:
