@@ -1,0 +1,149 @@
+"""The host path's Python pieces, each timed alone in one process: what a STEP costs the CPU outside the GPU work.
+
+bench/step_latency.py shows each hop of a deployed round trip; this shows the code inside the hops without the
+processes, sockets and waits around it, so two hosts (or two commits) compare piece by piece. Two yardsticks of the
+host's own speed come with it: a pure-Python loop and a numpy copy of one STEP's taps.
+Full preset shapes (1 entry, `--rows` rows of 3 x 5120 fp16 taps, n_out 5); no GPU, no checkpoint needed.
+
+    .venv/bin/python bench/host_path.py [--rows 3] [--out bench/results/host_path_cpu.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from dspark_ray import contract as C                                        # noqa: E402
+from dspark_ray.actors import messages as M                                 # noqa: E402
+from dspark_ray.config import full                                          # noqa: E402
+from dspark_ray.engine import EntryOut                                      # noqa: E402
+from dspark_ray.frontend import Identity, StepService                       # noqa: E402
+from dspark_ray.wire import HEADER_SIZE, FrameWriter, decode_payload        # noqa: E402
+
+
+def timed(fn, n: int) -> dict:
+    for _ in range(min(200, n)):
+        fn()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        fn()
+        ts.append(time.perf_counter_ns() - t0)
+    ts.sort()
+    return {"p50_us": round(statistics.median(ts) / 1e3, 2), "p99_us": round(ts[int(0.99 * (n - 1))] / 1e3, 2),
+            "min_us": round(ts[0] / 1e3, 2), "n": n}
+
+
+class InstantPair:
+    """Answers a batch at once with fixed results: StepService's own cost, without the ring."""
+
+    def __init__(self):
+        self.last_seq = 0
+
+    def run(self, batch):
+        self.last_seq += 1
+        r = M.RankResult(0, "", np.arange(5, dtype="<i4").tobytes(), np.full(5, 0.75, "<f4").tobytes(), b"", 5)
+        return [r for _ in batch.entries]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=3)
+    ap.add_argument("--n", type=int, default=5000)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    cfg = full()
+    limits = C.Limits.for_config(cfg, slot_capacity=16)
+    width = limits.taps_width
+    taps = np.random.default_rng(0).standard_normal((a.rows, width)).astype(np.float16)
+    ids = np.arange(a.rows)
+
+    def entry(pos):
+        return C.make_entry(slot=0, generation=1, seed_token=5, start_pos=pos, token_ids=ids, taps=taps)
+
+    step = C.Step(entries=[entry(0)])
+    writer = FrameWriter()
+    frame = writer.encode(step, 1)
+    payload = memoryview(frame)[HEADER_SIZE:]
+    msg = decode_payload(C.MsgType.STEP, payload)
+    batch = M.RankBatch([], [M.RankEntry(0, 5, 5, 0, msg.entries[0].token_ids, msg.entries[0].taps, -1, False)])
+    batch_bytes = M.encode(batch)
+    ring_slot = np.zeros(1 << 20, np.uint8)
+    slot_view = memoryview(ring_slot)
+    slot_view[:len(batch_bytes)] = batch_bytes
+    in_slot = slot_view[:len(batch_bytes)].toreadonly()
+    out = EntryOut(0, "", torch.arange(5), torch.rand(5), None, 3)
+    reply = M.encode(M.RankReply(M.to_rank_results([out])))
+    results = M.decode_reply(reply).results
+
+    service = StepService(Identity("m", "c", 2, cfg.max_model_len), limits, InstantPair(), window=cfg.sliding_window)
+    session = service.open_session("bench")
+    service.sessions[session]["hello"] = True
+    (grant,) = service.acquire(session, C.Acquire(n=1)).slots
+    pos = [0]
+
+    def service_step():                 # a fresh, valid entry each time: the slot's cursor moves on
+        e = C.Entry(slot=grant.slot, generation=grant.generation, seed_token=5, start_pos=pos[0],
+                    token_ids=msg.entries[0].token_ids, taps=msg.entries[0].taps)
+        pos[0] += a.rows
+        if pos[0] > cfg.max_model_len - 2 * a.rows:
+            pos[0] = 0
+            service._resync(grant.slot)
+            service.slots[grant.slot].owner = session
+        e.generation = service.slots[grant.slot].cursor.generation
+        r = service.step(session, C.Step(entries=[e]), time.monotonic_ns())
+        assert r.results[0].code == C.Code.OK, r.results[0].reason
+
+    def py_loop():
+        x = 0
+        for i in range(1000):
+            x += i
+        return x
+
+    def copy_taps():
+        slot_view[:taps.nbytes] = taps.data.cast("B")
+
+    n = a.n
+    pieces = {
+        "yardstick_python_1000_adds": timed(py_loop, n),
+        "yardstick_copy_taps": timed(copy_taps, n),
+        "client_encode_step": timed(lambda: writer._encode(step, 1), n),
+        "server_decode_step": timed(lambda: decode_payload(C.MsgType.STEP, payload), n),
+        "frontend_validate": timed(lambda: (C.validate_step(msg, limits), C.validate_entries(msg, limits)), n),
+        "frontend_step_instant_pair": timed(service_step, n),
+        "frontend_batch_encode": timed(lambda: M.encode(batch), n),
+        "ring_publish_copy": timed(lambda: slot_view.__setitem__(slice(0, len(batch_bytes)), batch_bytes), n),
+        "rank_decode_batch": timed(lambda: M.decode_batch(in_slot), n),
+        "rank_to_step_entries": timed(lambda: M.to_step_entries(M.decode_batch(in_slot), width), n),
+        "rank_results_encode": timed(lambda: M.encode(M.RankReply(M.to_rank_results([out]))), n),
+        "frontend_decode_reply": timed(lambda: M.decode_reply(reply), n),
+        "reply_encode": timed(lambda: writer._encode(C.StepReply(results=[C.EntryResult(
+            generation=1, drafts=results[0].drafts, confidences=results[0].confidences,
+            confident_len=results[0].confident_len)]), 1), n),
+    }
+    res = {"bench": "host_path", "command": "python bench/host_path.py " + " ".join(sys.argv[1:]),
+           "config": {"preset": "full", "rows": a.rows, "taps_bytes": taps.nbytes, "n_out": 5},
+           "device": platform.processor() or platform.machine(), "host_cpus": os.cpu_count(),
+           "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=os.path.dirname(__file__)).stdout.strip(),
+           "pieces": pieces}
+    print(json.dumps(res, indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
