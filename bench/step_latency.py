@@ -151,6 +151,8 @@ def main() -> None:
             client.append((t0, now()))
             assert res.code == Code.OK, res.reason
     st = ray.get(fe.stamps.remote())
+    status = ray.get(fe.status.remote())
+    niceness = {"frontend": status.get("niceness"), "ranks": [r.get("niceness") for r in status["ranks"]]}
     teardown("bench")
     ray.shutdown()
 
@@ -172,6 +174,7 @@ def main() -> None:
         "host_cpus": os.cpu_count(),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True).stdout.strip(),
+        "niceness": niceness,          # the per-step processes' (Ray starts workers at 15; actors/priority.py)
         "in_process_emulated_pair": summary(inproc[skip:]) if inproc else None,
         "rank0_engine_step": summary(rank_ms),
         "tcp_step": summary(tcp),

@@ -14,6 +14,7 @@ from dataclasses import asdict
 
 from ..frontend import PairFailure, StepService
 from . import messages as M
+from .priority import raise_priority
 from .rank import SAFE_ENV, PairSpec, rank_actor_class
 from ..stamps import Stamps, now
 from .ring import RingError, RingTimeout, StepRing
@@ -210,6 +211,7 @@ def frontend_actor_class():
         def __init__(self, spec: dict, host: str = "127.0.0.1", port: int = 0, name: str = "dspark",
                      pg=None, rank_bundles=None, rank_resources=None, restart_threshold: int = 3):
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+            raise_priority(f"front-end {name}")
             import ray
             from ..config import load_config
             from ..contract import Limits
@@ -262,7 +264,8 @@ def frontend_actor_class():
 
         def status(self) -> dict:
             self.metrics.observe(self.service, self.supervisor)
-            return {"rss_bytes": _rss_bytes(), "name": self.name, "endpoint": self.server.endpoint if self.started else None,
+            return {"rss_bytes": _rss_bytes(), "niceness": os.getpriority(os.PRIO_PROCESS, 0), "name": self.name,
+                    "endpoint": self.server.endpoint if self.started else None,
                     "tp": self.spec.tp, "backend": self.spec.backend, "model_digest": self.identity.model_digest,
                     "pid": os.getpid(), "env": {k: os.environ.get(k) for k in SAFE_ENV},
                     **self.service.status(), "supervisor": self.supervisor.status(),

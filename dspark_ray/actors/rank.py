@@ -19,6 +19,7 @@ import torch
 from ..engine import EngineBroken, RankEngine, StepFailed
 from ..stamps import Stamps, now
 from . import messages as M
+from .priority import raise_priority
 
 log = logging.getLogger("dspark_ray.rank")
 
@@ -176,6 +177,7 @@ class RankWorker:
     def status(self) -> dict:
         st = self.engine.status() if self.engine else {"rank": self.rank, "loading": self.progress()}
         st["pid"] = os.getpid()
+        st["niceness"] = os.getpriority(os.PRIO_PROCESS, 0)
         st["env"] = {k: os.environ.get(k) for k in SAFE_ENV}
         return st
 
@@ -195,6 +197,7 @@ def rank_actor_class():
     class RankActor:
         def __init__(self, spec: dict, rank: int):
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+            raise_priority(f"rank {rank}")
             self.w = RankWorker(spec, rank)
 
         def load(self):
