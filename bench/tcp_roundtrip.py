@@ -10,6 +10,11 @@ on two cores ~60 us (waking an idle vCPU costs ~50 us there), and an unpinned ru
 measured, each pinned: `same_core` (the headline figures) and `split_cores`.
 
     .venv/bin/python bench/tcp_roundtrip.py [--iters 3000] [--rows 6] [--out bench/results/tcp_roundtrip.json]
+
+`--service` instead measures the real front-end logic over the same transport: `StepService` (checks, slots,
+batching, answers) in front of an instant pair, full-preset taps (`--rows` rows of 3 x 5120 fp16), client and
+server in plain processes (unpinned), both polling for `--spin-us` before they block; from the stamps, the
+server-side hops of bench/step_latency.py's timeline. Beside a deployed run it shows what the actor adds.
 """
 from __future__ import annotations
 
@@ -149,6 +154,57 @@ def bench_raw(req_bytes: int, rep_bytes: int, iters: int, warmup: int, cpu) -> d
     return _stats(times)
 
 
+def _serve_service(conn, spin_us: float) -> None:
+    from dspark_ray.config import full
+    from dspark_ray.frontend import Identity, StepService
+    from dspark_ray.transport.tcp import TcpServer
+    from host_path import InstantPair
+    cfg = full()
+    limits = C.Limits.for_config(cfg, slot_capacity=16)
+    svc = StepService(Identity("bench", "bench", 2, cfg.max_model_len), limits, InstantPair(),
+                      window=cfg.sliding_window)
+    srv = TcpServer(svc, "127.0.0.1", 0, max_frame_bytes=limits.max_frame_bytes, spin_us=spin_us).start()
+    conn.send(srv.port)
+    conn.recv()
+    by_recv = {r["recv"]: r for r in svc.stamps.recent()}
+    hops = {"frame_read": [], "checks": [], "batch_and_answers": [], "reply_send": []}
+    for t in srv.stamps.recent():
+        v = by_recv[t["recv"]]
+        for k, a, b in (("frame_read", t["recv"], t["read"]), ("checks", t["read"], v["admitted"]),
+                        ("batch_and_answers", v["admitted"], v["reply"]), ("reply_send", v["reply"], t["sent"])):
+            hops[k].append(b - a)
+    conn.send({k: _stats(x) for k, x in hops.items()})
+    srv.stop()
+
+
+def bench_service(rows: int, iters: int, warmup: int, spin_us: float) -> dict:
+    from dspark_ray.config import full
+    limits = C.Limits.for_config(full(), slot_capacity=16)
+    taps = np.random.default_rng(0).standard_normal((rows, limits.taps_width)).astype(np.float16)
+    parent, child = mp.Pipe()
+    p = mp.Process(target=_serve_service, args=(child, spin_us), daemon=True)
+    p.start()
+    port = parent.recv()
+    times = []
+    with DrafterClient("127.0.0.1", port, timeout_s=5.0, spin_us=spin_us) as c:
+        c.hello(client="bench")
+        (g,) = c.acquire(1)
+        for i in range(warmup + iters):
+            e = C.make_entry(slot=g.slot, generation=g.generation, seed_token=7, start_pos=i * rows,
+                             token_ids=np.arange(rows), taps=taps)
+            t0 = time.perf_counter_ns()
+            (r,) = c.step([e], deadline_ms=50.0)
+            if i >= warmup:
+                times.append(time.perf_counter_ns() - t0)
+            assert r.code == C.Code.OK, r.reason
+    parent.send("stop")
+    hops = parent.recv()
+    p.join(10)
+    return {"round_trip": _stats(times), "server_hops": hops,
+            "config": {"preset": "full", "rows": rows, "taps_bytes": taps.nbytes, "spin_us": spin_us,
+                       "iters": iters, "pair": "instant (bench/host_path.py InstantPair)"}}
+
+
 def _device() -> str:
     model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                  platform.processor())
@@ -171,8 +227,19 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=300)
     ap.add_argument("--rows", type=int, default=6)
     ap.add_argument("--entries", type=int, default=1)
+    ap.add_argument("--service", action="store_true", help="the real StepService over TCP (see above)")
+    ap.add_argument("--spin-us", type=float, default=2000.0, help="--service: client and server polling")
     ap.add_argument("--out", help="also write the JSON here")
     a = ap.parse_args()
+    if a.service:
+        result = {"bench": "tcp_roundtrip --service", "command": "python bench/tcp_roundtrip.py " +
+                  " ".join(sys.argv[1:]), **bench_service(a.rows, a.iters, a.warmup, a.spin_us),
+                  "device": _device(), "commit": _commit()}
+        print(json.dumps(result, indent=2))
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(result, f, indent=2)
+        return
 
     rng = np.random.default_rng(0)
     entries = [C.make_entry(slot=i, generation=0, seed_token=7, start_pos=100, token_ids=np.arange(a.rows),
