@@ -35,50 +35,6 @@ def summary(xs):
             "min_ms": round(min(xs), 3), "n": len(xs)}
 
 
-# The stamps of one round, in path order (dspark_ray/stamps.py): (hop, from, to). "rank_*" stamps are the
-# critical rank's (the one whose completion came last).
-HOPS = (("client_to_server", "client_send", "tcp_recv"),      # client encode, TCP loopback up to the header
-        ("frame_read", "tcp_recv", "tcp_read"),               # payload received, decoded
-        ("checks", "tcp_read", "svc_admitted"),               # contract checks, slot admission
-        ("to_batch", "svc_admitted", "ring_publish"),         # queue, batch built
-        ("publish", "ring_publish", "ring_published"),        # batch encoded, copied into the ring slot
-        ("ring_out", "ring_published", "rank_got"),           # the rank sees it (spinning reader)
-        ("rank_decode", "rank_got", "rank_engine_in"),        # decode, resets, entries
-        ("rank_check", "rank_engine_in", "rank_checked"),     # the engine's entry checks
-        ("rank_run", "rank_checked", "rank_ran"),             # staging, replays (insert + draft), sync
-        ("rank_finish", "rank_ran", "rank_engine_out"),       # answers, the collectives' fail-closed check
-        ("rank_encode", "rank_engine_out", "rank_encoded"),   # rank 0's results encoded
-        ("rank_complete", "rank_encoded", "rank_completed"),  # completion record posted
-        ("ring_back", "rank_completed", "ring_completions"),  # the front-end sees every completion
-        ("results", "ring_completions", "svc_reply"),         # results decoded, cursors advanced, reply built
-        ("reply_send", "svc_reply", "tcp_sent"),              # reply encoded, sent
-        ("server_to_client", "tcp_sent", "client_recv"))      # TCP loopback back, client decode
-RANK_PHASES = (("decode", "got", "engine_in"), ("check", "engine_in", "checked"), ("run", "checked", "ran"),
-               ("finish", "ran", "engine_out"), ("engine_step", "engine_in", "engine_out"))
-
-
-def timeline(client: list[tuple[int, int]], st: dict) -> list[dict]:
-    """Join the parties' stamps into one dict per round: the client's i-th STEP is the TCP server's i-th; the
-    service's row has the same frame arrival time as the server's; the ring's and the ranks' rows have its seq."""
-    svc = {r["recv"]: r for r in st["service"]}
-    ring = {r["seq"]: r for r in st["ring"]}
-    ranks = [{r["seq"]: r for r in rows} for rows in st["ranks"]]
-    out = []
-    for (sent, recv), t in zip(client, st["tcp"][-len(client):]):
-        v = svc[t["recv"]]
-        g = ring[v["seq"]]
-        rs = [rk[v["seq"]] for rk in ranks]
-        row = {"client_send": sent, "client_recv": recv, "tcp_recv": t["recv"], "tcp_read": t["read"],
-               "tcp_sent": t["sent"], "svc_admitted": v["admitted"], "svc_reply": v["reply"],
-               **{f"ring_{k}": g[k] for k in ("publish", "published", "completions")}}
-        crit = max(range(len(rs)), key=lambda r: rs[r]["completed"])
-        for r, x in enumerate(rs):
-            row.update({f"r{r}_{k}": x[k] for k in x if k != "seq"})
-        row.update({f"rank_{k}": rs[crit][k] for k in rs[crit] if k != "seq"})
-        out.append(row)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny")
@@ -104,7 +60,7 @@ def main() -> None:
     from dspark_ray.contract import Code, make_entry
     from dspark_ray.engine import RankEngine, StepEntry
     from dspark_ray.modes import make_emulated, run_pair
-    from dspark_ray.stamps import now
+    from dspark_ray.stamps import HOPS, RANK_PHASES, join_round_trips, now
     from dspark_ray.weights.loader import Checkpoint
 
     torch.set_num_threads(1)
@@ -161,7 +117,7 @@ def main() -> None:
                            "--n", "2000", "--n-woken", "100"], capture_output=True, text=True)
     ring_rows = [json.loads(line) for line in ring.stdout.splitlines() if line.startswith("{")]
     skip = 3                                  # the first rounds warm caches on both sides
-    steps = timeline(client, st)[skip:]
+    steps = join_round_trips(client, st)[skip:]
     tcp = [(s["client_recv"] - s["client_send"]) / 1e6 for s in steps]
     rank_ms = [(s["r0_engine_out"] - s["r0_engine_in"]) / 1e6 for s in steps]
     out = {

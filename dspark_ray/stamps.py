@@ -26,6 +26,47 @@ class Stamps:
     def recent(self) -> list[dict]:
         return list(self.rows)
 
-    def durations_ms(self, start: str, end: str) -> list[float]:
-        """end - start of every recent step that has both stamps, in ms."""
-        return [(r[end] - r[start]) / 1e6 for r in list(self.rows) if start in r and end in r]
+
+# The hops of one round trip, in path order: (hop, from stamp, to stamp). "rank_*" stamps are the
+# critical rank's (the one whose completion came last). A party stamps before it hands a step on, so a hop between
+# two processes never reads negative (except the reply's send, stamped after the send returns).
+HOPS = (("client_to_server", "client_send", "tcp_recv"),      # client encode, TCP loopback up to the header
+        ("frame_read", "tcp_recv", "tcp_read"),               # payload received, decoded
+        ("checks", "tcp_read", "svc_admitted"),               # contract checks, slot admission
+        ("to_batch", "svc_admitted", "ring_publish"),         # queue, batch built
+        ("encode_batch", "ring_publish", "ring_posting"),     # batch encoded
+        ("ring_out", "ring_posting", "rank_got"),             # copied into the ring slot, seen by a spinning rank
+        ("rank_decode", "rank_got", "rank_engine_in"),        # decode, resets, entries
+        ("rank_check", "rank_engine_in", "rank_checked"),     # the engine's entry checks
+        ("rank_run", "rank_checked", "rank_ran"),             # staging, replays (insert + draft), sync
+        ("rank_finish", "rank_ran", "rank_engine_out"),       # answers, the collectives' fail-closed check
+        ("rank_encode", "rank_engine_out", "rank_encoded"),   # rank 0's results encoded
+        ("ring_back", "rank_encoded", "ring_completions"),    # completion posted, seen by the front-end
+        ("results", "ring_completions", "svc_reply"),         # results decoded, cursors advanced, reply built
+        ("reply_send", "svc_reply", "tcp_sent"),              # reply encoded, sent
+        ("server_to_client", "tcp_sent", "client_recv"))      # TCP loopback back, client decode
+RANK_PHASES = (("decode", "got", "engine_in"), ("check", "engine_in", "checked"), ("run", "checked", "ran"),
+               ("finish", "ran", "engine_out"), ("engine_step", "engine_in", "engine_out"))
+
+
+def join_round_trips(client: list[tuple[int, int]], st: dict) -> list[dict]:
+    """One dict per round trip from the client's (sent, received) stamps and the front-end actor's `stamps()`:
+    the client's i-th STEP is the TCP server's i-th of its last len(client); the service's row has the same frame
+    arrival time as the server's; the ring's and the ranks' rows have its seq. One client, one entry per STEP."""
+    svc = {r["recv"]: r for r in st["service"]}
+    ring = {r["seq"]: r for r in st["ring"]}
+    ranks = [{r["seq"]: r for r in rows} for rows in st["ranks"]]
+    out = []
+    for (sent, recv), t in zip(client, st["tcp"][-len(client):]):
+        v = svc[t["recv"]]
+        g = ring[v["seq"]]
+        rs = [rk[v["seq"]] for rk in ranks]
+        row = {"client_send": sent, "client_recv": recv, "tcp_recv": t["recv"], "tcp_read": t["read"],
+               "tcp_sent": t["sent"], "svc_admitted": v["admitted"], "svc_reply": v["reply"],
+               **{f"ring_{k}": g[k] for k in ("publish", "posting", "completions")}}
+        crit = max(range(len(rs)), key=lambda r: rs[r]["encoded"])
+        for r, x in enumerate(rs):
+            row.update({f"r{r}_{k}": x[k] for k in x if k != "seq"})
+        row.update({f"rank_{k}": rs[crit][k] for k in rs[crit] if k != "seq"})
+        out.append(row)
+    return out

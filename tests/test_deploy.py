@@ -218,3 +218,29 @@ def test_a_step_larger_than_the_replay_limit_is_split(pair, cfg, ray_cluster):
         c.release([g.slot for g in grants])
     after = ray_cluster.get(pair[0].status.remote())["stats"]["batch_sizes"]
     assert after[4] - before[4] >= 1 and sum(after) - sum(before) >= 2
+
+
+def test_every_party_stamps_a_step_and_the_hops_join_in_path_order(pair, cfg, ray_cluster):
+    """The timeline of bench/step_latency.py: each round trip's stamps (client, TCP thread, service, ring, both
+    ranks) join by frame arrival time and ring seq, and follow the path's order."""
+    from dspark_ray.stamps import HOPS, join_round_trips, now
+    g = torch.Generator().manual_seed(3)
+    sent = []
+    with client(pair) as c:
+        (gr,) = acquire_when_free(c, 1)
+        for k in range(4):
+            e = make_entry(slot=gr.slot, generation=gr.generation, seed_token=5, start_pos=3 * k,
+                           token_ids=np.arange(3), taps=workload.make_taps(cfg, 3, g).numpy())
+            t0 = now()
+            (r,) = c.step([e], deadline_ms=60_000)
+            sent.append((t0, now()))
+            assert r.code == Code.OK, r.reason
+    rounds = join_round_trips(sent, ray_cluster.get(pair[0].stamps.remote()))
+    assert len(rounds) == 4
+    for row in rounds:
+        # One clock for every process: each hop ends where the next starts and none runs backwards (the reply's
+        # "sent" is stamped after sendall returns, by when the client may have read it).
+        for name, a, b in HOPS:
+            if name != "server_to_client":
+                assert row[b] >= row[a], (name, row[b] - row[a])
+        assert row["client_recv"] - row["client_send"] >= row["rank_ran"] - row["rank_checked"] > 0

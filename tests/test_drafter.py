@@ -282,6 +282,19 @@ def test_bad_entry_fails_alone_in_a_batch(cfg, ckpt):
     assert torch.equal(outs[0].drafts, ref.drafts)
 
 
+def test_an_engine_told_the_values_were_scanned_still_guards_its_slots(cfg, ckpt):
+    """values_checked (the ranks behind the front-end, which scans taps and token ids) skips only those scans."""
+    eng = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), 3, values_checked=True)
+    first = StepEntry(slot=0, seed=5, n_out=3, start=0, token_ids=torch.arange(4), taps=taps(cfg, 4))
+    gap = StepEntry(slot=0, seed=5, n_out=3, start=9, token_ids=torch.arange(2), taps=taps(cfg, 2))
+    narrow = StepEntry(slot=1, seed=5, n_out=3, start=0, token_ids=torch.arange(2), taps=taps(cfg, 2)[:, :-1])
+    assert eng.step([first])[0].code == OK
+    outs = eng.step([gap, narrow])
+    assert [o.code for o in outs] == [BAD_ENTRY, BAD_ENTRY]
+    assert "start" in outs[0].reason and "taps shape" in outs[1].reason
+    assert eng.slots[0].position == 4 and eng.slots[1].fresh
+
+
 def test_graph_set_gathers_the_windows_of_drafter_window_inputs_across_the_ring_wrap(tp1, cfg):
     """The graph engine's window gather (slot pool, ring rows staged by the host) == `Drafter.window_inputs`, for
     partial windows, an exact fill and the wrap at every offset."""

@@ -13,6 +13,7 @@ from dspark_ray import contract as C
 from dspark_ray import wire
 from dspark_ray.client import ClientError, DrafterClient
 from dspark_ray.transport.tcp import TcpServer
+from dspark_ray.wire import bound_blocking_io, spinning_recv_into
 
 LIMITS = C.Limits(vocab_size=4096, hidden_size=256, n_taps=3, slot_capacity=8, max_entries_per_step=4,
                   max_frame_bytes=1 << 20)
@@ -200,16 +201,34 @@ def test_a_handler_error_answers_internal_and_keeps_the_connection(server):
         assert_served(c, 0)
 
 
-def test_client_times_out_instead_of_hanging(front):
+@pytest.mark.parametrize("spin_us", [0.0, 50_000.0])
+def test_client_times_out_instead_of_hanging(front, spin_us):
+    """Also when both ends poll before they block: the bound still holds (the poll is part of it)."""
     front.step_delay_s = 0.6
-    with TcpServer(front, max_frame_bytes=LIMITS.max_frame_bytes).start() as srv:
-        c = DrafterClient("127.0.0.1", srv.port, timeout_s=0.2)
+    with TcpServer(front, max_frame_bytes=LIMITS.max_frame_bytes, spin_us=spin_us).start() as srv:
+        c = DrafterClient("127.0.0.1", srv.port, timeout_s=0.2, spin_us=spin_us)
         c.hello()
         c.acquire(1)
         t0 = time.monotonic()
         with pytest.raises(ClientError, match="no answer within 0.2 s"):
             c.step([entry(0)])
         assert time.monotonic() - t0 < 0.9
+
+
+def test_a_polling_receive_gets_bytes_sent_while_it_polls_and_after_it_blocked():
+    a, b = socket.socketpair()
+    try:
+        bound_blocking_io(a, 2.0)
+        buf = memoryview(bytearray(8))
+        for spin_us, delay_s in ((200_000.0, 0.02), (1_000.0, 0.05)):     # caught by the poll / after it
+            threading.Timer(delay_s, b.sendall, args=(b"abcd",)).start()
+            t0 = time.monotonic()
+            assert spinning_recv_into(a, spin_us)(buf) == 4 and bytes(buf[:4]) == b"abcd"
+            assert delay_s * 0.9 < time.monotonic() - t0 < 1.0
+        b.close()
+        assert spinning_recv_into(a, 1_000.0)(buf) == 0           # end of stream still reads as 0
+    finally:
+        a.close()
 
 
 # ---- a bad connection is closed alone ------------------------------------------------------------------------------

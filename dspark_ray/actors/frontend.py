@@ -40,7 +40,7 @@ class PairManager:
                                     spin_us=spec.spin_us)
         self.ranks: list = []
         self.progress_cb = None
-        self.stamps = Stamps()         # per batch: publish, published (with the ring seq), completions seen
+        self.stamps = Stamps()         # per batch: publish, posting (with the ring seq), completions seen
         self.last_seq: int | None = None
         # Hung-step bound: a collective's own timeout plus slack, so a timed-out collective reports itself
         # ("broken") before the watchdog calls the step hung.
@@ -120,10 +120,13 @@ class PairManager:
     def run(self, batch: M.RankBatch) -> list[M.RankResult]:
         """One step through the ring. A missing completion within the bound is a hang (or a death): the ranks
         are killed so nothing stale can answer later, and the supervisor restarts the pair."""
+        # Stamps before each hand-off (a stamp taken after one can trail the reader's).
         row = {"publish": now()}
         try:
-            seq = self.ring.publish(M.encode(batch), timeout_s=self.step_bound_s)
-            row["seq"], row["published"] = seq, now()
+            payload = M.encode(batch)
+            row["posting"] = now()
+            seq = self.ring.publish(payload, timeout_s=self.step_bound_s)
+            row["seq"] = seq
             deadline = time.monotonic() + self.step_bound_s
             while True:
                 # Slices of the bound, so a dead rank is noticed within ~0.1 s instead of at the bound.

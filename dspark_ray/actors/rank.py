@@ -68,7 +68,7 @@ class RankWorker:
         self.reader = None
         self._thread: threading.Thread | None = None
         self._stop = False
-        self.stamps = Stamps()           # per step: the ring's seq, got / decoded / engine phases / completed
+        self.stamps = Stamps()           # per step: the ring's seq, got / decoded / engine phases / encoded
 
     # -- start-up --------------------------------------------------------------------------------------------------
     def load(self) -> dict:
@@ -169,9 +169,8 @@ class RankWorker:
             except Exception as e:               # decoding or anything unforeseen: latch, the pair may be split
                 self.engine.broken = f"{type(e).__name__}: {e}"
                 status, payload = M.STATUS_BROKEN, M.encode(M.RankReply([], self.engine.broken))
-            row["encoded"] = now()
+            row["encoded"] = now()              # before the hand-off: the front-end may see it at once
             self.reader.complete(seq, status, payload)
-            row["completed"] = now()
             self.stamps.add(row)
 
     def status(self) -> dict:
