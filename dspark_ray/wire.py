@@ -179,9 +179,10 @@ def bound_blocking_io(sock: socket.socket, timeout_s: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def spinning_recv_into(sock: socket.socket, spin_us: float) -> Callable[[memoryview], int]:
+def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None) -> Callable[[memoryview], int]:
     """`sock.recv_into` that polls (non-blocking reads) for up to `spin_us` before it blocks; for a blocking socket
-    (`bound_blocking_io`).
+    (`bound_blocking_io`). `gate` (a semaphore, optional) bounds how many threads poll at once: a read that cannot
+    take it blocks at once.
 
     Why: a thread blocked in recv sleeps, and a core idle for the ~1.5 ms of a step goes into a deeper sleep state;
     waking it cost 20-50 us per hop on the GPU host (and ~50 us on the 2-core VM, bench/tcp_roundtrip.py), against
@@ -192,11 +193,17 @@ def spinning_recv_into(sock: socket.socket, spin_us: float) -> Callable[[memoryv
     recv_into, dontwait, clock = sock.recv_into, socket.MSG_DONTWAIT, time.monotonic_ns
 
     def recv(view: memoryview) -> int:
-        deadline = clock() + spin_ns
-        while True:
+        if gate is None or gate.acquire(blocking=False):
             try:
-                return recv_into(view, 0, dontwait)
-            except BlockingIOError:
-                if clock() > deadline:
-                    return recv_into(view)
+                deadline = clock() + spin_ns
+                while True:
+                    try:
+                        return recv_into(view, 0, dontwait)
+                    except BlockingIOError:
+                        if clock() > deadline:
+                            break
+            finally:
+                if gate is not None:
+                    gate.release()
+        return recv_into(view)
     return recv

@@ -220,13 +220,25 @@ def test_a_polling_receive_gets_bytes_sent_while_it_polls_and_after_it_blocked()
     try:
         bound_blocking_io(a, 2.0)
         buf = memoryview(bytearray(8))
-        for spin_us, delay_s in ((200_000.0, 0.02), (1_000.0, 0.05)):     # caught by the poll / after it
+
+        def timed_read(spin_us, delay_s, gate=None):
             threading.Timer(delay_s, b.sendall, args=(b"abcd",)).start()
-            t0 = time.monotonic()
-            assert spinning_recv_into(a, spin_us)(buf) == 4 and bytes(buf[:4]) == b"abcd"
-            assert delay_s * 0.9 < time.monotonic() - t0 < 1.0
+            t0, c0 = time.monotonic(), time.thread_time()
+            assert spinning_recv_into(a, spin_us, gate)(buf) == 4 and bytes(buf[:4]) == b"abcd"
+            return time.monotonic() - t0, time.thread_time() - c0       # wall, this thread's CPU
+
+        wall, cpu = timed_read(500_000.0, 0.06)          # caught while polling: the thread was on the CPU
+        assert 0.05 < wall < 1.0 and cpu > 0.015
+        wall, cpu = timed_read(1_000.0, 0.06)            # polled 1 ms, then blocked
+        assert 0.05 < wall < 1.0 and cpu < 0.015
+        gate = threading.BoundedSemaphore(1)
+        gate.acquire()                                   # another thread polls: this read blocks at once
+        wall, cpu = timed_read(500_000.0, 0.06, gate)
+        assert 0.05 < wall < 1.0 and cpu < 0.015
+        gate.release()
         b.close()
-        assert spinning_recv_into(a, 1_000.0)(buf) == 0           # end of stream still reads as 0
+        assert spinning_recv_into(a, 1_000.0, gate)(buf) == 0      # end of stream still reads as 0
+        assert gate.acquire(blocking=False)                         # the poll gave the gate back
     finally:
         a.close()
 

@@ -40,11 +40,15 @@ class TcpServer:
     """Serves `handler` on host:port (port 0: an ephemeral port, read `server.port` after `start`)."""
 
     def __init__(self, handler: StepHandler, host: str = "127.0.0.1", port: int = 0,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_timeout_s: float = 5.0, spin_us: float = 0.0):
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_timeout_s: float = 5.0, spin_us: float = 0.0,
+                 max_pollers: int = 2):
         """`spin_us`: how long a connection thread polls for the next frame before it blocks in recv (see
-        wire.spinning_recv_into; the front-end passes the ring's spin: 2 ms on a GPU host, 50 us on a CPU)."""
+        wire.spinning_recv_into; the front-end passes the ring's spin: 2 ms on a GPU host, 50 us on a CPU). At most
+        `max_pollers` threads poll at once, the others block at once: every poll takes the interpreter lock, and
+        many polling threads would slow the one that has a STEP to run."""
         self.handler = handler
         self.spin_us = spin_us
+        self._pollers = threading.BoundedSemaphore(max_pollers)
         self.host = host
         self.max_frame_bytes = max_frame_bytes
         self.stall_timeout_s = stall_timeout_s
@@ -127,7 +131,8 @@ class TcpServer:
 
     def _serve(self, conn: _Conn) -> None:
         sock = conn.sock
-        reader = FrameReader(spinning_recv_into(sock, self.spin_us), self.max_frame_bytes, wait_between_frames=True)
+        reader = FrameReader(spinning_recv_into(sock, self.spin_us, self._pollers), self.max_frame_bytes,
+                             wait_between_frames=True)
         writer = FrameWriter(self.max_frame_bytes)
         why = "closed by peer"
         try:
