@@ -106,9 +106,9 @@ def main() -> None:
             (res,) = c.step([ent], deadline_ms=60_000)
             client.append((t0, now()))
             assert res.code == Code.OK, res.reason
+        status = ray.get(fe.status.remote())      # while connected: the connection's thread is listed too
     st = ray.get(fe.stamps.remote())
-    status = ray.get(fe.status.remote())
-    niceness = {"frontend": status.get("niceness"), "ranks": [r.get("niceness") for r in status["ranks"]]}
+    processes = {"frontend": status.get("process"), "ranks": [r.get("process") for r in status["ranks"]]}
     teardown("bench")
     ray.shutdown()
 
@@ -130,7 +130,9 @@ def main() -> None:
         "host_cpus": os.cpu_count(),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True).stdout.strip(),
-        "niceness": niceness,          # the per-step processes' (Ray starts workers at 15; actors/priority.py)
+        # The per-step processes: niceness (Ray starts workers at 15), cores, each thread's last core
+        # (actors/scheduling.py).
+        "processes": processes,
         "in_process_emulated_pair": summary(inproc[skip:]) if inproc else None,
         "rank0_engine_step": summary(rank_ms),
         "tcp_step": summary(tcp),

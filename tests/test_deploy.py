@@ -62,7 +62,7 @@ def test_every_actor_carries_the_no_multicast_environment(pair, ray_cluster):
     assert st["tp"] == 2 and st["backend"] == "gloo"
     # The per-step path runs at niceness 0 (Ray starts workers at 15; lowering it needs CAP_SYS_NICE, as root).
     if os.geteuid() == 0:
-        assert st["niceness"] == 0 and [r["niceness"] for r in st["ranks"]] == [0, 0]
+        assert st["process"]["niceness"] == 0 and [r["process"]["niceness"] for r in st["ranks"]] == [0, 0]
 
 
 def test_hello_accepted_and_refused(pair, ckpt, cfg):

@@ -14,7 +14,7 @@ from dataclasses import asdict
 
 from ..frontend import PairFailure, StepService
 from . import messages as M
-from .priority import raise_priority
+from .scheduling import process_facts, raise_priority
 from .rank import SAFE_ENV, PairSpec, rank_actor_class
 from ..stamps import Stamps, now
 from .ring import RingError, RingTimeout, StepRing
@@ -267,7 +267,7 @@ def frontend_actor_class():
 
         def status(self) -> dict:
             self.metrics.observe(self.service, self.supervisor)
-            return {"rss_bytes": _rss_bytes(), "niceness": os.getpriority(os.PRIO_PROCESS, 0), "name": self.name,
+            return {"rss_bytes": _rss_bytes(), "process": process_facts(), "name": self.name,
                     "endpoint": self.server.endpoint if self.started else None,
                     "tp": self.spec.tp, "backend": self.spec.backend, "model_digest": self.identity.model_digest,
                     "pid": os.getpid(), "env": {k: os.environ.get(k) for k in SAFE_ENV},

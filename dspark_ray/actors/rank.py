@@ -19,7 +19,7 @@ import torch
 from ..engine import EngineBroken, RankEngine, StepFailed
 from ..stamps import Stamps, now
 from . import messages as M
-from .priority import raise_priority
+from .scheduling import process_facts, raise_priority
 
 log = logging.getLogger("dspark_ray.rank")
 
@@ -176,7 +176,7 @@ class RankWorker:
     def status(self) -> dict:
         st = self.engine.status() if self.engine else {"rank": self.rank, "loading": self.progress()}
         st["pid"] = os.getpid()
-        st["niceness"] = os.getpriority(os.PRIO_PROCESS, 0)
+        st["process"] = process_facts()
         st["env"] = {k: os.environ.get(k) for k in SAFE_ENV}
         return st
 

@@ -1,4 +1,5 @@
-"""The scheduling priority of the processes on the per-step path (the front-end and the ranks).
+"""How the processes on the per-step path (the front-end and the ranks) are scheduled: their priority, and the
+facts about their threads and cores that the latency bench records.
 
 Ray's raylet starts every worker process at niceness 15 (its `worker_niceness` setting), so that a busy worker
 never starves the raylet. Our front-end and ranks are the latency path of every STEP: at niceness 15 they lose the
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
-log = logging.getLogger("dspark_ray.priority")
+log = logging.getLogger("dspark_ray.scheduling")
 
 TARGET_NICENESS = 0
 
@@ -30,3 +31,21 @@ def raise_priority(who: str) -> int:
         return before
     log.info("%s: niceness %d -> %d (on the per-step path)", who, before, TARGET_NICENESS)
     return TARGET_NICENESS
+
+
+def _last_cpu(native_id: int) -> int | None:
+    """The core a thread of this process last ran on (/proc: field 39 of its stat line), or None."""
+    try:
+        with open(f"/proc/self/task/{native_id}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_facts() -> dict:
+    """This process's niceness, the cores it may run on, and each thread with the core it last ran on: what to
+    look at when a hop of the step's timeline is slower inside the actor than in a plain process."""
+    import threading
+    return {"niceness": os.getpriority(os.PRIO_PROCESS, 0), "cpus_allowed": len(os.sched_getaffinity(0)),
+            "load_1m": round(os.getloadavg()[0], 2),
+            "threads": {t.name: _last_cpu(t.native_id) for t in threading.enumerate() if t.native_id}}
