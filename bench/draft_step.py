@@ -35,6 +35,9 @@ sys.path.insert(0, str(ROOT))
 SEED000 = ((1, 5), (1, 4), (2, 5), (2, 4), (3, 5), (3, 4), (4, 5), (4, 4))
 INSERT_ROWS = (1, 2, 3, 4, 5, 6, 20, 128)
 STEP_ROWS = (1, 3, 6)                  # a STEP at 1 request, n_out 5: these rows inserted, then the draft
+# The host's share of a timed call, from the graph set's stamps: (name, from, to).
+HOST_PIECES = (("stage_us", "start", "first_launch"), ("launch_us", "first_launch", "launched"),
+               ("wait_us", "launched", "synced"))
 HBM_TBPS = 4.2         # what cuBLAS reached on these shapes (../shared/probes/gemm_bw.py)
 
 
@@ -107,6 +110,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     from dspark_ray.model.drafter import Drafter
     from dspark_ray.model.layout import Layout
     from dspark_ray.modes import read_rank
+    from dspark_ray.stamps import now
     from dspark_ray.weights.loader import Checkpoint
     use_matmul(args.matmul)
     ck = Checkpoint(args.ckpt)
@@ -133,19 +137,32 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
            "experts": {}}
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
 
+    host: dict[str, list[float]] = {}
+
     def timed(fn, n) -> list[float]:
-        """ms of fn() per call (CUDA events around it, after a barrier with the peer in the pair), warm-up dropped."""
+        """ms of fn() per call (CUDA events around it, after a barrier with the peer in the pair), warm-up dropped.
+        Beside it, in `host`, the host's share of each call from the graph set's stamps: staging before the first
+        launch, the launch calls, the wait from the last launch until the sync returned (us)."""
         times = []
+        host.clear()
         for i in range(args.warmup + n):
             if barrier:
                 barrier()
             ev[0].record()
+            t0 = now()
             fn()
             ev[1].record()
             ev[1].synchronize()
             if i >= args.warmup:
                 times.append(ev[0].elapsed_time(ev[1]))
+                marks = {"start": t0, **gs.last_stamps}      # an insert alone has no launched / synced
+                for k, a, b in HOST_PIECES:
+                    if a in marks and b in marks:
+                        host.setdefault(k, []).append((marks[b] - marks[a]) / 1e3)
         return times
+
+    def host_p50() -> dict:
+        return {k: round(statistics.median(v), 1) for k, v in host.items()}
 
     for _ in range(args.settle):        # the card's clocks settle before the first timed shape (seen: its p99 +25 %)
         gs.run([], states[:1], [17], 5, False)
@@ -162,6 +179,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
                 "rank0_p50_ms": stats(both[0])["p50_ms"], "rank1_p50_ms": stats(both[1])["p50_ms"]}
         else:
             res["draft"][f"{bsz},{n_out}"] = stats(times)
+        res["draft"][f"{bsz},{n_out}"]["host_p50"] = host_p50()
         read = dense + distinct * expert_b
         res["draft"][f"{bsz},{n_out}"]["bytes_read"] = read
         res["draft"][f"{bsz},{n_out}"]["byte_bound_ms"] = round(read / (HBM_TBPS * 1e12) * 1e3, 4)
@@ -182,7 +200,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
         def step():
             states[0].rollback(top - rows)
             gs.run([(states[0], top - rows, taps)], states[:1], [17], 5, False)
-        res["step"][str(rows)] = stats(timed(step, args.replays))
+        res["step"][str(rows)] = stats(timed(step, args.replays)) | {"host_p50": host_p50()}
     res["profile_1req"] = profile(d, states, args)
     res["graph_kernels_1req"] = graph_kernels(gs, states)
     free, total = torch.cuda.mem_get_info()

@@ -141,7 +141,7 @@ class RankEngine:
         self.broken: str | None = None
         self.steps = 0
         # Where the last step's time went (stamps.now): entered, entries checked, work done (inserts + draft),
-        # finished (answers and the collectives' fail-closed check).
+        # finished (answers and the collectives' fail-closed check); with graphs also the graph set's own stamps.
         self.last_stamps: dict[str, int] = {}
         self.failed_steps = 0
         self.last_error = ""
@@ -219,6 +219,8 @@ class RankEngine:
             done = True
             self._hook("end")
             self.last_stamps = {"engine_in": t0, "checked": t1, "ran": t2, "engine_out": now()}
+            if self.graphs is not None and good:
+                self.last_stamps.update(self.graphs.last_stamps)
         except Exception as e:
             self.failed_steps += 1
             self.last_error = f"{type(e).__name__}: {e}"

@@ -48,6 +48,7 @@ import torch
 from .model import ops
 from .model.drafter import DraftOut, Drafter
 from .model.state import SlotState
+from .stamps import now
 
 INSERT_BUCKETS = (8, 16, 32, 64, 128)
 
@@ -169,6 +170,8 @@ class GraphSet:
         self.status_host = torch.zeros(max(self.status[1], 1) if self.status else 1, dtype=torch.uint8,
                                        pin_memory=self.cuda)
         self._status_fresh = False
+        # The last run's stamps (stamps.now): first replay launched, every replay launched, synchronised.
+        self.last_stamps: dict[str, int] = {}
         self.draft_graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.insert_graphs: dict[int, _Graph] = {}
         self.mempool = None
@@ -296,18 +299,22 @@ class GraphSet:
             s.advance(start, taps.shape[0])
         if states:
             self._stage_draft(states, seeds)
+        stamps = self.last_stamps = {}
         for k, chunk in enumerate(chunks):
             if k:
                 inp.writable()
             rows, bucket = self._stage_insert(chunk)
             self._upload(inp.insert_bytes(rows))
+            stamps.setdefault("first_launch", now())
             self._replay(self.insert_graphs[bucket])
             inp.mark()
         if not states:
             return None
         if not chunks:
             self._upload(inp.draft_bytes)
+        stamps.setdefault("first_launch", now())
         packed = self._replay(self.draft_graphs[(len(states), n_out, want_margins)])
+        stamps["launched"] = now()
         inp.mark()
         return self._unpack(packed, n_out, want_margins)
 
@@ -364,6 +371,7 @@ class GraphSet:
         if self.cuda:
             torch.cuda.current_stream().synchronize()
             self._status_fresh = self.status is not None
+        self.last_stamps["synced"] = now()
         a = host.numpy().reshape(bsz, -1)
         k = 2 + want_margins
         return DraftOut(drafts=torch.from_numpy(a[:, :n_out].astype(np.int64)),

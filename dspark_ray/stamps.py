@@ -38,7 +38,10 @@ HOPS = (("client_to_server", "client_send", "tcp_recv"),      # client encode, T
         ("ring_out", "ring_posting", "rank_got"),             # copied into the ring slot, seen by a spinning rank
         ("rank_decode", "rank_got", "rank_engine_in"),        # decode, resets, entries
         ("rank_check", "rank_engine_in", "rank_checked"),     # the engine's entry checks
-        ("rank_run", "rank_checked", "rank_ran"),             # staging, replays (insert + draft), sync
+        ("rank_stage", "rank_checked", "rank_first_launch"),  # inputs staged into the pinned buffer
+        ("rank_launch", "rank_first_launch", "rank_launched"),  # the graph replays launched (insert + draft)
+        ("rank_gpu", "rank_launched", "rank_synced"),         # the rest of the GPU work, until the sync returns
+        ("rank_unpack", "rank_synced", "rank_ran"),           # the outputs read from the download
         ("rank_finish", "rank_ran", "rank_engine_out"),       # answers, the collectives' fail-closed check
         ("rank_encode", "rank_engine_out", "rank_encoded"),   # rank 0's results encoded
         ("ring_back", "rank_encoded", "ring_completions"),    # completion posted, seen by the front-end
