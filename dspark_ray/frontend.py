@@ -297,6 +297,8 @@ class StepService(C.StepHandler):
         self.stats["batch_sizes"][len(live)] += 1
         try:
             results = self.pair.run(rb)
+            if len(results) != len(live):       # answers are matched by position: never pair up a short list
+                raise PairFailure("broken", f"rank 0 answered {len(results)} entries of a batch of {len(live)}")
         except PairFailure as f:
             self.stats["internal"] += len(live)
             msg = f"batch failed closed ({f.kind}): {f.reason}"

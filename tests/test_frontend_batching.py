@@ -24,6 +24,7 @@ class _Pair:
         self.gate: threading.Event | None = None
         self.entered = threading.Event()
         self.fail = False
+        self.short = False          # answer one entry fewer than the batch holds
 
     def run(self, batch: RankBatch) -> list[RankResult]:
         self.batches.append((threading.get_ident(), [e.slot for e in batch.entries]))
@@ -32,7 +33,8 @@ class _Pair:
             assert self.gate.wait(10)
         if self.fail:
             raise ValueError("boom")
-        return [RankResult(0, "", b"\0" * 4 * e.n_out, b"\0" * 4 * e.n_out, b"", 0) for e in batch.entries]
+        res = [RankResult(0, "", b"\0" * 4 * e.n_out, b"\0" * 4 * e.n_out, b"", 0) for e in batch.entries]
+        return res[:-1] if self.short else res
 
 
 @pytest.fixture
@@ -104,3 +106,20 @@ def test_a_front_end_bug_in_a_batch_answers_internal_and_the_next_step_runs(serv
     assert r.generation == gen + 1 and slots[0] in svc.pending_resets     # resynced: the ranks may have run it
     pair.fail = False
     assert _step(svc, sid, slots[0]).code == C.Code.OK        # not left busy, not left running
+
+
+def test_a_short_answer_from_the_pair_fails_the_batch_closed_instead_of_hanging(service):
+    """Answers are matched to entries by position: a pair answering fewer entries than it was given fails the
+    whole batch (INTERNAL, slots resynced), and the STEP returns."""
+    svc, pair, sid, slots = service
+    pair.short = True
+    gen = svc.slots[slots[0]].cursor.generation
+    entries = [C.make_entry(slot=s, generation=svc.slots[s].cursor.generation, seed_token=1, n_out=2)
+               for s in slots[:2]]
+    done = []
+    t = threading.Thread(target=lambda: done.append(svc.step(sid, C.Step(entries=entries), time.monotonic_ns())))
+    t.start()
+    t.join(10)
+    assert done, "the STEP hung"
+    assert [r.code for r in done[0].results] == [C.Code.INTERNAL, C.Code.INTERNAL]
+    assert svc.slots[slots[0]].cursor.generation > gen
