@@ -169,11 +169,14 @@ class FrameReader:
             got += n
 
 
-def bound_blocking_io(sock: socket.socket, timeout_s: float) -> None:
+def bound_blocking_io(sock: socket.socket, timeout_s: float | None) -> None:
     """Make `sock` blocking with every recv and send bounded by `timeout_s` without progress (SO_RCVTIMEO /
-    SO_SNDTIMEO: a timed-out call raises BlockingIOError). Unlike a Python socket timeout, which polls before every
-    call, this lets a single call be non-blocking (MSG_DONTWAIT) and costs no syscall per frame."""
+    SO_SNDTIMEO: a timed-out call raises BlockingIOError; None: unbounded). Unlike a Python socket timeout, which
+    polls before every call, this lets a single call be non-blocking (MSG_DONTWAIT) and costs no syscall per
+    frame."""
     sock.settimeout(None)
+    if timeout_s is None:
+        return
     tv = struct.pack("ll", int(timeout_s), int(timeout_s % 1 * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
