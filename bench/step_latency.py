@@ -130,7 +130,7 @@ def main() -> None:
         "host_cpus": os.cpu_count(),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                  text=True).stdout.strip(),
-        # The per-step processes: niceness (Ray starts workers at 15), cores, each thread's last core
+        # The per-step processes: cores, load, each thread's last core and niceness (Ray starts workers at 15)
         # (actors/scheduling.py).
         "processes": processes,
         "in_process_emulated_pair": summary(inproc[skip:]) if inproc else None,

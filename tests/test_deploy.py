@@ -12,6 +12,7 @@ import torch
 
 from dspark_ray import workload
 from dspark_ray.actors.placement import teardown
+from dspark_ray.actors.scheduling import thread_niceness
 from dspark_ray.client import ClientError, DrafterClient
 from dspark_ray.contract import Code, make_entry
 from dspark_ray.engine import RankEngine
@@ -60,9 +61,14 @@ def test_every_actor_carries_the_no_multicast_environment(pair, ray_cluster):
     assert st["env"] == want
     assert [r["env"] for r in st["ranks"]] == [want, want]
     assert st["tp"] == 2 and st["backend"] == "gloo"
-    # The per-step path runs at niceness 0 (Ray starts workers at 15; lowering it needs CAP_SYS_NICE, as root).
+    # The per-step path's threads run at niceness 0; Ray starts workers at 15, and lowering it needs CAP_SYS_NICE
+    # (as root). The loading threads keep 15.
     if os.geteuid() == 0:
-        assert st["process"]["niceness"] == 0 and [r["process"]["niceness"] for r in st["ranks"]] == [0, 0]
+        assert thread_niceness(st["process"], "tcp-accept") == [0]
+        for r, rank in enumerate(st["ranks"]):
+            assert thread_niceness(rank["process"], f"dspark-rank{r}") == [0]
+            if "RAY_worker_niceness" not in os.environ:
+                assert thread_niceness(rank["process"], "MainThread") == [15]
 
 
 def test_hello_accepted_and_refused(pair, ckpt, cfg):

@@ -105,7 +105,7 @@ def test_a_failed_step_fails_closed_and_resyncs_only_its_slots(sup, ray_cluster,
 
 def test_restart_happens_at_the_threshold_and_not_before(sup, ray_cluster, cfg):
     fe, _, _, ref = sup
-    gen0 = _status(ray_cluster, fe)["worker_generation"]
+    gen0 = _wait_serving(ray_cluster, fe)["worker_generation"]     # (an earlier test may have left a restart going)
     with _client(sup) as c:
         q = Request(c, ref, 2, cfg, 3)
         assert q.step().code == Code.OK
@@ -135,7 +135,7 @@ def test_dead_hung_or_timed_out_rank_fails_closed_and_restarts_the_pair(sup, ray
     if kind == "flag_never_raised" and PAIR_BACKEND != "push":
         pytest.skip("a never-raised peer flag needs the push collectives (DSPARK_TEST_PAIR=push on two cards)")
     fe, _, _, ref = sup
-    before = _status(ray_cluster, fe)
+    before = _wait_serving(ray_cluster, fe)
     pids = [r["pid"] for r in before["ranks"]]
     with _client(sup) as c:
         q = Request(c, ref, 3, cfg, 4)
@@ -162,7 +162,7 @@ def test_dead_hung_or_timed_out_rank_fails_closed_and_restarts_the_pair(sup, ray
 
 def test_a_dead_front_end_is_restarted_and_recreates_its_pair(sup, ray_cluster):
     fe = sup[0]
-    before = _status(ray_cluster, fe)
+    before = _wait_serving(ray_cluster, fe)
     pids = [r["pid"] for r in before["ranks"]]
     ray_cluster.kill(fe, no_restart=False)
     t0 = time.monotonic()

@@ -214,7 +214,6 @@ def frontend_actor_class():
         def __init__(self, spec: dict, host: str = "127.0.0.1", port: int = 0, name: str = "dspark",
                      pg=None, rank_bundles=None, rank_resources=None, restart_threshold: int = 3):
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-            raise_priority(f"front-end {name}")
             import ray
             from ..config import load_config
             from ..contract import Limits
@@ -253,6 +252,8 @@ def frontend_actor_class():
             self.manager.start()
             self.service.pair = self.manager
             self.service.unavailable = None
+            # The accept thread starts from this one and its connection threads from it: they inherit niceness 0.
+            raise_priority(f"front-end {self.name} endpoint")
             self.server.start()
             self.started = True
             log.info("front-end %s serving STEP on %s (tp %d, %d slots, model %s)", self.name,

@@ -142,6 +142,7 @@ class RankWorker:
     # -- the step loop ---------------------------------------------------------------------------------------------
     def _loop(self) -> None:
         from .ring import RingClosed, RingTimeout
+        raise_priority(f"rank {self.rank} step loop")     # this thread only: loading and capture stay at Ray's 15
         width = self.engine.drafter.cfg.n_taps * self.engine.drafter.cfg.hidden_size
         while not self._stop:
             try:
@@ -196,7 +197,6 @@ def rank_actor_class():
     class RankActor:
         def __init__(self, spec: dict, rank: int):
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-            raise_priority(f"rank {rank}")
             self.w = RankWorker(spec, rank)
 
         def load(self):

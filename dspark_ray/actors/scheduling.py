@@ -1,17 +1,21 @@
-"""How the processes on the per-step path (the front-end and the ranks) are scheduled: their priority, and the
-facts about their threads and cores that the latency bench records.
+"""How the threads on the per-step path are scheduled (the front-end's TCP threads, each rank's step loop): their
+priority, and the facts about threads and cores that the latency bench records.
 
 Ray's raylet starts every worker process at niceness 15 (its `worker_niceness` setting), so that a busy worker
-never starves the raylet. Our front-end and ranks are the latency path of every STEP: at niceness 15 they lose the
-CPU to any nice-0 process on their core, and the host path measured 2-4x slower inside the actors than the same
-code in plain processes on the GPU host (bench/step_latency.py's timeline against bench/host_path.py). So each
-of these actors asks for niceness 0 at start-up. Lowering a niceness needs CAP_SYS_NICE (root has it); without it
-the actor logs once how to get it: start Ray with `RAY_worker_niceness=0` (cluster/dspark.env sets it).
+never starves the raylet. The threads that carry every STEP lose the CPU at 15 to any nice-0 work on their core:
+the ranks' host hops measured up to 2x slower on the GPU host than at 0 (bench/step_latency.py's timeline). Linux
+keeps a niceness per thread (setpriority on PRIO_PROCESS 0 changes the calling thread; a new thread inherits its
+creator's), so the step path's threads ask for 0 when they start: each rank's step loop, and the front-end's accept
+thread, whose connection threads inherit it. Loading, capture and restarts keep Ray's 15 and leave the CPU to the
+threads that answer (on the 2-core CI machine, a restarting pair at 0 slowed the front-end's UNAVAILABLE answers
+past 5 ms). Lowering a niceness needs CAP_SYS_NICE (root has it); without it the thread logs how to get it: start
+Ray with `RAY_worker_niceness=0` (cluster/dspark.env sets it).
 """
 from __future__ import annotations
 
 import logging
 import os
+import threading
 
 log = logging.getLogger("dspark_ray.scheduling")
 
@@ -19,7 +23,7 @@ TARGET_NICENESS = 0
 
 
 def raise_priority(who: str) -> int:
-    """Set this process's niceness to TARGET_NICENESS when it is higher; returns the niceness it runs at."""
+    """Set the calling thread's niceness to TARGET_NICENESS when it is higher; returns the niceness it runs at."""
     before = os.getpriority(os.PRIO_PROCESS, 0)
     if before <= TARGET_NICENESS:
         return before
@@ -33,19 +37,23 @@ def raise_priority(who: str) -> int:
     return TARGET_NICENESS
 
 
-def _last_cpu(native_id: int) -> int | None:
-    """The core a thread of this process last ran on (/proc: field 39 of its stat line), or None."""
+def _thread_stat(native_id: int) -> dict | None:
+    """The core a thread of this process last ran on and its niceness (/proc stat fields 39 and 19), or None."""
     try:
         with open(f"/proc/self/task/{native_id}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[36])
+            fields = f.read().rsplit(")", 1)[1].split()      # from field 3 on (the name may hold spaces)
+        return {"cpu": int(fields[36]), "nice": int(fields[16])}
     except (OSError, IndexError, ValueError):
         return None
 
 
 def process_facts() -> dict:
-    """This process's niceness, the cores it may run on, and each thread with the core it last ran on: what to
-    look at when a hop of the step's timeline is slower inside the actor than in a plain process."""
-    import threading
-    return {"niceness": os.getpriority(os.PRIO_PROCESS, 0), "cpus_allowed": len(os.sched_getaffinity(0)),
-            "load_1m": round(os.getloadavg()[0], 2),
-            "threads": {t.name: _last_cpu(t.native_id) for t in threading.enumerate() if t.native_id}}
+    """The cores this process may run on, the load, and each thread's last core and niceness: what to look at when
+    a hop of the step's timeline is slower inside the actor than in a plain process."""
+    return {"cpus_allowed": len(os.sched_getaffinity(0)), "load_1m": round(os.getloadavg()[0], 2),
+            "threads": {t.name: _thread_stat(t.native_id) for t in threading.enumerate() if t.native_id}}
+
+
+def thread_niceness(facts: dict, prefix: str) -> list[int]:
+    """The niceness of the threads in `process_facts()` whose names start with `prefix`."""
+    return [v["nice"] for k, v in facts["threads"].items() if k.startswith(prefix) and v]
