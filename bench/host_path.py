@@ -10,7 +10,6 @@ Full preset shapes (1 entry, `--rows` rows of 3 x 5120 fp16 taps, n_out 5); no G
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -29,6 +28,7 @@ from dspark_ray.config import full                                          # no
 from dspark_ray.engine import EntryOut                                      # noqa: E402
 from dspark_ray.frontend import Identity, StepService                       # noqa: E402
 from dspark_ray.wire import HEADER_SIZE, FrameWriter, decode_payload        # noqa: E402
+from tcp_roundtrip import emit                                              # noqa: E402
 
 
 def timed(fn, n: int) -> dict:
@@ -139,10 +139,7 @@ def main() -> None:
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                     cwd=os.path.dirname(__file__)).stdout.strip(),
            "pieces": pieces}
-    print(json.dumps(res, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    emit(res, a.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -205,6 +205,14 @@ def bench_service(rows: int, iters: int, warmup: int, spin_us: float) -> dict:
                        "iters": iters, "pair": "instant (bench/host_path.py InstantPair)"}}
 
 
+def emit(result: dict, out: str | None, indent: int) -> None:
+    """Print a bench's JSON, and write it to `out` too when given (bench/host_path.py uses it as well)."""
+    print(json.dumps(result, indent=indent))
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=indent)
+
+
 def _device() -> str:
     model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
                  platform.processor())
@@ -235,10 +243,7 @@ def main() -> None:
         result = {"bench": "tcp_roundtrip --service", "command": "python bench/tcp_roundtrip.py " +
                   " ".join(sys.argv[1:]), **bench_service(a.rows, a.iters, a.warmup, a.spin_us),
                   "device": _device(), "commit": _commit()}
-        print(json.dumps(result, indent=2))
-        if a.out:
-            with open(a.out, "w") as f:
-                json.dump(result, f, indent=2)
+        emit(result, a.out, indent=2)
         return
 
     rng = np.random.default_rng(0)
@@ -275,10 +280,7 @@ def main() -> None:
         "device": _device(),
         "commit": _commit(),
     }
-    print(json.dumps(result, indent=2))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=2)
+    emit(result, a.out, indent=2)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import collections
 import itertools
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -316,6 +315,7 @@ class StepService(C.StepHandler):
             return
         if self.on_failure:
             self.on_failure(None, [])      # a success: the supervisor resets its failure count
+        seq = getattr(self.pair, "last_seq", None)
         with self.lock:
             for p, r in zip(live, results):
                 slot = self.slots[p.entry.slot]
@@ -332,7 +332,7 @@ class StepService(C.StepHandler):
                     self.stats["bad_entry"] += 1
                     p.result = C.error_result(C.Code.BAD_ENTRY, r.reason, gen)
                 slot.busy = False
-                p.seq = getattr(self.pair, "last_seq", None)
+                p.seq = seq
                 p.done = True
 
     def _answer_internal(self, entries: list[_Pending], msg: str) -> None:

@@ -13,11 +13,11 @@ import time
 from dataclasses import asdict
 
 from ..frontend import PairFailure, StepService
-from . import messages as M
-from .scheduling import process_facts, raise_priority
-from .rank import SAFE_ENV, PairSpec, rank_actor_class
 from ..stamps import Stamps, now
+from . import messages as M
+from .rank import SAFE_ENV, PairSpec, rank_actor_class
 from .ring import RingError, RingTimeout, StepRing
+from .scheduling import process_facts, raise_priority
 
 log = logging.getLogger("dspark_ray.frontend")
 
