@@ -56,18 +56,14 @@ class InstantPair:
         return [r for _ in batch.entries]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=3)
-    ap.add_argument("--n", type=int, default=5000)
-    ap.add_argument("--out")
-    a = ap.parse_args()
+def measure(rows: int, n: int) -> dict:
+    """Every piece's timing, in this process."""
     torch.set_num_threads(1)
     cfg = full()
     limits = C.Limits.for_config(cfg, slot_capacity=16)
     width = limits.taps_width
-    taps = np.random.default_rng(0).standard_normal((a.rows, width)).astype(np.float16)
-    ids = np.arange(a.rows)
+    taps = np.random.default_rng(0).standard_normal((rows, width)).astype(np.float16)
+    ids = np.arange(rows)
 
     def entry(pos):
         return C.make_entry(slot=0, generation=1, seed_token=5, start_pos=pos, token_ids=ids, taps=taps)
@@ -96,8 +92,8 @@ def main() -> None:
     def service_step():                 # a fresh, valid entry each time: the slot's cursor moves on
         e = C.Entry(slot=grant.slot, generation=grant.generation, seed_token=5, start_pos=pos[0],
                     token_ids=msg.entries[0].token_ids, taps=msg.entries[0].taps)
-        pos[0] += a.rows
-        if pos[0] > cfg.max_model_len - 2 * a.rows:
+        pos[0] += rows
+        if pos[0] > cfg.max_model_len - 2 * rows:
             pos[0] = 0
             service._resync(grant.slot)
             service.slots[grant.slot].owner = session
@@ -114,8 +110,7 @@ def main() -> None:
     def copy_taps():
         slot_view[:taps.nbytes] = taps.data.cast("B")
 
-    n = a.n
-    pieces = {
+    return {
         "yardstick_python_1000_adds": timed(py_loop, n),
         "yardstick_copy_taps": timed(copy_taps, n),
         "client_encode_step": timed(lambda: writer._encode(step, 1), n),
@@ -132,13 +127,43 @@ def main() -> None:
             generation=1, drafts=results[0].drafts, confidences=results[0].confidences,
             confident_len=results[0].confident_len)]), 1), n),
     }
+
+
+def measure_in_actor(rows: int, n: int) -> dict:
+    """The same pieces inside a Ray actor (a local Ray): does the actor's process slow them down?"""
+    import ray
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {"PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+
+    @ray.remote(num_cpus=1, runtime_env={"env_vars": env})
+    def run():
+        import host_path
+        return host_path.measure(rows, n)
+    try:
+        return ray.get(run.remote())
+    finally:
+        ray.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=3)
+    ap.add_argument("--n", type=int, default=5000)
+    ap.add_argument("--in-actor", action="store_true", help="also time every piece inside a Ray worker process")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    pieces = measure(a.rows, a.n)
     res = {"bench": "host_path", "command": "python bench/host_path.py " + " ".join(sys.argv[1:]),
-           "config": {"preset": "full", "rows": a.rows, "taps_bytes": taps.nbytes, "n_out": 5},
+           "config": {"preset": "full", "rows": a.rows, "taps_bytes": a.rows * full().n_taps * full().hidden_size * 2,
+                      "n_out": 5},
            "device": platform.processor() or platform.machine(), "host_cpus": os.cpu_count(),
            "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                     cwd=os.path.dirname(__file__)).stdout.strip(),
            "pieces": pieces}
+    if a.in_actor:
+        res["pieces_in_ray_worker"] = measure_in_actor(a.rows, a.n)
     emit(res, a.out, indent=1)
 
 

@@ -35,6 +35,12 @@ def summary(xs):
             "min_ms": round(min(xs), 3), "n": len(xs)}
 
 
+def cpu_key(stamp: str) -> str:
+    """The CPU stamp beside a joined wall stamp: "svc_admitted" -> "svc_cpu_admitted"."""
+    party, name = stamp.split("_", 1)
+    return f"{party}_cpu_{name}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny")
@@ -60,7 +66,8 @@ def main() -> None:
     from dspark_ray.contract import Code, make_entry
     from dspark_ray.engine import RankEngine, StepEntry
     from dspark_ray.modes import make_emulated, run_pair
-    from dspark_ray.stamps import HOPS, RANK_PHASES, join_round_trips, now
+    from dspark_ray.actors.scheduling import thread_deltas
+    from dspark_ray.stamps import CPU_HOPS, HOPS, RANK_PHASES, join_round_trips, now
     from dspark_ray.weights.loader import Checkpoint
 
     torch.set_num_threads(1)
@@ -90,6 +97,8 @@ def main() -> None:
             run_pair(lambda: e0.step([e]), lambda: e1.step([e]))
             inproc.append((time.perf_counter() - t0) * 1e3)
 
+    # Every party also stamps its thread's CPU time (stamps.cpu_now); Ray's workers inherit this environment.
+    os.environ["DSPARK_STAMP_CPU"] = "1"
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
     spec = PairSpec(checkpoint=ckpt, tp=2, n_slots=4, backend="push" if gpu else "gloo", device=device)
@@ -99,6 +108,7 @@ def main() -> None:
     with DrafterClient(host, int(port), timeout_s=60, spin_us=a.client_spin_us) as c:
         c.hello(client="step_latency bench")
         (gr,) = c.acquire(1)
+        before = ray.get(fe.status.remote())      # while connected: the connection's thread is listed too
         for e in entries:
             ent = make_entry(slot=gr.slot, generation=gr.generation, seed_token=e.seed, start_pos=e.start,
                              token_ids=e.token_ids.numpy(), taps=e.taps.numpy(), n_out=5)
@@ -106,9 +116,12 @@ def main() -> None:
             (res,) = c.step([ent], deadline_ms=60_000)
             client.append((t0, now()))
             assert res.code == Code.OK, res.reason
-        status = ray.get(fe.status.remote())      # while connected: the connection's thread is listed too
+        status = ray.get(fe.status.remote())
     st = ray.get(fe.stamps.remote())
     processes = {"frontend": status.get("process"), "ranks": [r.get("process") for r in status["ranks"]]}
+    # Per thread over the timed rounds: CPU used, time waited runnable for a core, preemptions.
+    threads = {"frontend": thread_deltas(before["process"], status["process"]),
+               "ranks": [thread_deltas(b["process"], a["process"]) for b, a in zip(before["ranks"], status["ranks"])]}
     teardown("bench")
     ray.shutdown()
 
@@ -145,6 +158,12 @@ def main() -> None:
                      if all(a in s and b in s for s in steps)},        # (an eager engine has no graph stamps)
         "ranks": {f"rank{r}_{k}": summary([(s[f"r{r}_{b}"] - s[f"r{r}_{a}"]) / 1e6 for s in steps])
                   for r in range(2) for k, a, b in RANK_PHASES},
+        # Hops run by one thread: the CPU time its thread used in them against their wall time (p50 each). CPU
+        # ~ wall: the code is slow; CPU << wall: the thread was off the CPU (preempted, or waiting for the GIL).
+        "cpu_in_hops": {name: {"wall_p50_ms": summary([(s[b] - s[a]) / 1e6 for s in steps])["p50_ms"],
+                               "cpu_p50_ms": summary([(s[cpu_key(b)] - s[cpu_key(a)]) / 1e6 for s in steps])["p50_ms"]}
+                        for name, a, b in CPU_HOPS if all(cpu_key(a) in s and cpu_key(b) in s for s in steps)},
+        "threads_over_the_rounds": threads,
         "ring_roundtrip": ring_rows,
     }
     # The issue's target, from this one run: the round trip at most the pair's graph work (the slower rank's run

@@ -23,7 +23,7 @@ from typing import Callable, Protocol
 from . import contract as C
 from .actors.messages import RankBatch, RankEntry, RankResult
 from .model.state import SlotCursor
-from .stamps import Stamps, now
+from .stamps import Stamps, cpu_now, now
 
 log = logging.getLogger("dspark_ray.frontend")
 
@@ -191,7 +191,7 @@ class StepService(C.StepHandler):
                     p = _Pending(k, e, deadline)
                     self.slots[e.slot].busy = True
                     pend.append(p)
-        t_admitted = now()
+        t_admitted, cpu_admitted = now(), cpu_now()
         with self._turn:
             # The pair idle and nobody queued: this STEP is the batch (no queue round trip).
             alone = 0 < len(pend) <= self.limits.max_entries_per_replay and not self._running and not self.queue
@@ -206,7 +206,7 @@ class StepService(C.StepHandler):
             results[p.index] = p.result
         reply = C.StepReply(results=results)  # type: ignore[arg-type]
         self.stamps.add({"recv": received_ns, "in": t_in, "admitted": t_admitted, "reply": now(),
-                         "seq": pend[0].seq if pend else None})
+                         "cpu_admitted": cpu_admitted, "cpu_reply": cpu_now(), "seq": pend[0].seq if pend else None})
         return reply
 
     def _admit(self, session: int, e: C.Entry, why: str | None) -> C.EntryResult | None:

@@ -9,9 +9,14 @@ frame's arrival time between the connection thread and the service). A stamp cos
 from __future__ import annotations
 
 import collections
+import os
 import time
 
 now = time.monotonic_ns
+# Optional (DSPARK_STAMP_CPU=1 in the parties' environment; the latency bench sets it): a party also stamps its
+# thread's CPU time at some of its stamps ("cpu_" + the stamp's name), so that a slow hop shows whether its thread
+# was working (CPU time ~ the hop) or off the CPU (preempted, or waiting for the interpreter lock). Off, it is 0.
+cpu_now = time.thread_time_ns if os.environ.get("DSPARK_STAMP_CPU") == "1" else int
 
 
 class Stamps:
@@ -52,6 +57,11 @@ RANK_PHASES = (("decode", "got", "engine_in"), ("check", "engine_in", "checked")
                ("finish", "ran", "engine_out"), ("engine_step", "engine_in", "engine_out"))
 
 
+# Hops that one thread runs from end to end and that carry CPU stamps at both ends (with DSPARK_STAMP_CPU=1).
+CPU_HOPS = (("checks", "tcp_read", "svc_admitted"), ("results", "ring_completions", "svc_reply"),
+            ("rank_decode", "rank_got", "rank_decoded"), ("rank_encode", "rank_stepped", "rank_encoded"))
+
+
 def join_round_trips(client: list[tuple[int, int]], st: dict) -> list[dict]:
     """One dict per round trip from the client's (sent, received) stamps and the front-end actor's `stamps()`:
     the client's i-th STEP is the TCP server's i-th of its last len(client); the service's row has the same frame
@@ -64,9 +74,8 @@ def join_round_trips(client: list[tuple[int, int]], st: dict) -> list[dict]:
         v = svc[t["recv"]]
         g = ring[v["seq"]]
         rs = [rk[v["seq"]] for rk in ranks]
-        row = {"client_send": sent, "client_recv": recv, "tcp_recv": t["recv"], "tcp_read": t["read"],
-               "tcp_sent": t["sent"], "svc_admitted": v["admitted"], "svc_reply": v["reply"],
-               **{f"ring_{k}": g[k] for k in ("publish", "posting", "completions")}}
+        row = {"client_send": sent, "client_recv": recv, **{f"tcp_{k}": t[k] for k in t},
+               **{f"svc_{k}": v[k] for k in v if k != "seq"}, **{f"ring_{k}": g[k] for k in g if k != "seq"}}
         crit = max(range(len(rs)), key=lambda r: rs[r]["encoded"])
         for r, x in enumerate(rs):
             row.update({f"r{r}_{k}": x[k] for k in x if k != "seq"})

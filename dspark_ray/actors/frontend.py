@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict
 
 from ..frontend import PairFailure, StepService
-from ..stamps import Stamps, now
+from ..stamps import Stamps, cpu_now, now
 from . import messages as M
 from .rank import SAFE_ENV, PairSpec, rank_actor_class
 from .ring import RingError, RingTimeout, StepRing
@@ -151,7 +151,7 @@ class PairManager:
             kind = "broken" if M.STATUS_BROKEN in statuses else "step"
             errs = "; ".join(f"rank {r}: {M.decode_reply(p).error}" for r, (s, p) in enumerate(comps) if s)
             raise PairFailure(kind, errs)
-        row["completions"] = now()
+        row["completions"], row["cpu_completions"] = now(), cpu_now()
         results = M.decode_reply(comps[0][1]).results
         self.last_seq = seq
         self.stamps.add(row)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine import EngineBroken, RankEngine, StepFailed
-from ..stamps import Stamps, now
+from ..stamps import Stamps, cpu_now, now
 from . import messages as M
 from .scheduling import process_facts, raise_priority
 
@@ -151,15 +151,16 @@ class RankWorker:
                 continue
             except RingClosed:
                 break
-            row = {"seq": seq, "got": now()}
+            row = {"seq": seq, "got": now(), "cpu_got": cpu_now()}
             status, payload = M.STATUS_OK, b""
             try:
                 # The entries view the ring's slot (no copy): it stays ours until complete() below.
                 batch = M.decode_batch(view)
                 self.engine.reset_slots(batch.resets)
                 entries = M.to_step_entries(batch, width)
-                row["decoded"] = now()
+                row["decoded"], row["cpu_decoded"] = now(), cpu_now()
                 outs = self.engine.step(entries)
+                row["stepped"], row["cpu_stepped"] = now(), cpu_now()
                 row.update(self.engine.last_stamps)
                 if self.rank == 0:
                     payload = M.encode(M.RankReply(M.to_rank_results(outs)))
@@ -170,7 +171,7 @@ class RankWorker:
             except Exception as e:               # decoding or anything unforeseen: latch, the pair may be split
                 self.engine.broken = f"{type(e).__name__}: {e}"
                 status, payload = M.STATUS_BROKEN, M.encode(M.RankReply([], self.engine.broken))
-            row["encoded"] = now()              # before the hand-off: the front-end may see it at once
+            row["encoded"], row["cpu_encoded"] = now(), cpu_now()   # before the hand-off (the front-end may see it at once)
             self.reader.complete(seq, status, payload)
             self.stamps.add(row)
 

@@ -37,13 +37,25 @@ def raise_priority(who: str) -> int:
     return TARGET_NICENESS
 
 
+_TICK_MS = 1e3 / os.sysconf("SC_CLK_TCK")
+
+
 def _thread_stat(native_id: int) -> dict | None:
-    """The core a thread of this process last ran on and its niceness (/proc stat fields 39 and 19), or None."""
+    """A thread of this process: the core it last ran on and its niceness (/proc stat fields 39 and 19), the CPU
+    time it used (fields 14 + 15), the time it waited runnable for a core (schedstat) and how often it was preempted
+    (nonvoluntary context switches); or None. Two readings apart say whether a slow thread worked or waited."""
     try:
-        with open(f"/proc/self/task/{native_id}/stat") as f:
+        base = f"/proc/self/task/{native_id}"
+        with open(f"{base}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()      # from field 3 on (the name may hold spaces)
-        return {"cpu": int(fields[36]), "nice": int(fields[16])}
-    except (OSError, IndexError, ValueError):
+        with open(f"{base}/schedstat") as f:
+            run_delay_ns = int(f.read().split()[1])
+        with open(f"{base}/status") as f:
+            preempted = next(int(line.split()[1]) for line in f if line.startswith("nonvoluntary_ctxt_switches"))
+        return {"cpu": int(fields[36]), "nice": int(fields[16]),
+                "cpu_ms": round((int(fields[11]) + int(fields[12])) * _TICK_MS, 1),
+                "run_delay_ms": round(run_delay_ns / 1e6, 3), "preempted": preempted}
+    except (OSError, IndexError, ValueError, StopIteration):
         return None
 
 
@@ -52,6 +64,16 @@ def process_facts() -> dict:
     a hop of the step's timeline is slower inside the actor than in a plain process."""
     return {"cpus_allowed": len(os.sched_getaffinity(0)), "load_1m": round(os.getloadavg()[0], 2),
             "threads": {t.name: _thread_stat(t.native_id) for t in threading.enumerate() if t.native_id}}
+
+
+def thread_deltas(before: dict, after: dict) -> dict:
+    """Per thread present in both `process_facts()` readings: CPU time used, time waited for a core, preemptions."""
+    out = {}
+    for name, b in before["threads"].items():
+        a = after["threads"].get(name)
+        if a and b:
+            out[name] = {k: round(a[k] - b[k], 3) for k in ("cpu_ms", "run_delay_ms", "preempted")}
+    return out
 
 
 def thread_niceness(facts: dict, prefix: str) -> list[int]:

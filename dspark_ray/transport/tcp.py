@@ -19,7 +19,7 @@ import threading
 import time
 
 from ..contract import (Acquire, Code, ErrorReply, Hello, HelloReply, Release, Step, StepHandler)
-from ..stamps import Stamps, now
+from ..stamps import Stamps, cpu_now, now
 from ..wire import (DEFAULT_MAX_FRAME_BYTES, ConnectionClosed, FrameError, FrameReader, FrameWriter,
                     VersionMismatch, bound_blocking_io, spinning_recv_into)
 
@@ -143,7 +143,7 @@ class TcpServer:
                 request_id, msg, received_ns = reader.read()
                 if not greeted and not isinstance(msg, Hello):
                     raise FrameError(f"{type(msg).__name__} before an accepted HELLO")
-                t_read = now()
+                t_read, cpu_read = now(), cpu_now()
                 reply = self._dispatch(conn, msg, received_ns, greeted)
                 if isinstance(reply, HelloReply):
                     greeted = greeted or reply.ok
@@ -154,7 +154,7 @@ class TcpServer:
                 except (FrameError, TypeError) as e:    # the front-end answered something unsendable: our bug
                     raise RuntimeError(f"cannot send the reply to {type(msg).__name__}: {e}") from e
                 if isinstance(msg, Step):
-                    self.stamps.add({"recv": received_ns, "read": t_read, "sent": now()})
+                    self.stamps.add({"recv": received_ns, "read": t_read, "sent": now(), "cpu_read": cpu_read})
         except ConnectionClosed:
             if self._stopping.is_set():
                 why = "closed by server (stopping)"
