@@ -39,8 +39,9 @@ SEED000 = ((1, 5), (1, 4), (2, 5), (2, 4), (3, 5), (3, 4), (4, 5), (4, 4))
 INSERT_ROWS = (1, 2, 3, 4, 5, 6, 20, 128)
 STEP_ROWS = (1, 3, 6)                  # a STEP at 1 request, n_out 5: these rows inserted, then the draft
 # The host's share of a timed call, from the graph set's stamps: (name, from, to).
-HOST_PIECES = (("stage_us", "start", "first_launch"), ("launch_us", "first_launch", "launched"),
-               ("wait_us", "launched", "synced"))
+HOST_PIECES = (("enter_us", "start", "run_in"), ("writable_us", "run_in", "writable"),
+               ("stage_us", "writable", "first_launch"), ("launch_insert_us", "first_launch", "insert_launched"),
+               ("launch_us", "first_launch", "launched"), ("wait_us", "launched", "synced"))
 HBM_TBPS = 4.2         # what cuBLAS reached on these shapes (../shared/probes/gemm_bw.py)
 
 

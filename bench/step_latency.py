@@ -35,6 +35,10 @@ def summary(xs):
             "min_ms": round(min(xs), 3), "n": len(xs)}
 
 
+def log(msg: str) -> None:
+    print(f"[step_latency {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
 def cpu_key(stamp: str) -> str:
     """The CPU stamp beside a joined wall stamp: "svc_admitted" -> "svc_cpu_admitted"."""
     party, name = stamp.split("_", 1)
@@ -102,13 +106,16 @@ def main() -> None:
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
     spec = PairSpec(checkpoint=ckpt, tp=2, n_slots=4, backend="push" if gpu else "gloo", device=device)
+    log(f"deploying the pair ({spec.backend}, {spec.device})")
     fe, endpoint = deploy(spec, name="bench")
+    log(f"serving on {endpoint}")
     host, port = endpoint.rsplit(":", 1)
     client = []                               # per round: (sent, received), stamps.now
     with DrafterClient(host, int(port), timeout_s=60, spin_us=a.client_spin_us) as c:
         c.hello(client="step_latency bench")
         (gr,) = c.acquire(1)
         before = ray.get(fe.status.remote())      # while connected: the connection's thread is listed too
+        log(f"timed rounds: {len(entries)}")
         for e in entries:
             ent = make_entry(slot=gr.slot, generation=gr.generation, seed_token=e.seed, start_pos=e.start,
                              token_ids=e.token_ids.numpy(), taps=e.taps.numpy(), n_out=5)
@@ -116,6 +123,7 @@ def main() -> None:
             (res,) = c.step([ent], deadline_ms=60_000)
             client.append((t0, now()))
             assert res.code == Code.OK, res.reason
+        log("timed rounds: done")
         status = ray.get(fe.status.remote())
     st = ray.get(fe.stamps.remote())
     processes = {"frontend": status.get("process"), "ranks": [r.get("process") for r in status["ranks"]]}

@@ -170,7 +170,8 @@ class GraphSet:
         self.status_host = torch.zeros(max(self.status[1], 1) if self.status else 1, dtype=torch.uint8,
                                        pin_memory=self.cuda)
         self._status_fresh = False
-        # The last run's stamps (stamps.now): first replay launched, every replay launched, synchronised.
+        # The last run's stamps (stamps.now): entered, the pinned buffer free, the draft's inputs staged, the first
+        # replay launched (after the inserts' staging), the insert replays launched, every replay launched, synced.
         self.last_stamps: dict[str, int] = {}
         self.draft_graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.insert_graphs: dict[int, _Graph] = {}
@@ -288,18 +289,20 @@ class GraphSet:
         """One step (inputs already checked, rollbacks applied): insert each (slot, start, taps (n, width) fp16)
         into its slot, then draft for `states` (<= max_requests; none: inserts only). Returns the drafts on the
         host."""
+        stamps = self.last_stamps = {"run_in": now()}
         inp = self.inp
         for s in states + [s for s, _, _ in inserts]:
             if s.index < 0 or self.slots[s.index] is not s:
                 raise ValueError("GraphSet.run takes the set's own slots (GraphSet.slots)")
         self._status_fresh = False
         inp.writable()
+        stamps["writable"] = now()
         chunks = list(self._chunks(inserts))
         for s, start, taps in inserts:        # the draft reads the slots as they stand after the inserts
             s.advance(start, taps.shape[0])
         if states:
             self._stage_draft(states, seeds)
-        stamps = self.last_stamps = {}
+        stamps["draft_staged"] = now()
         for k, chunk in enumerate(chunks):
             if k:
                 inp.writable()
@@ -307,6 +310,7 @@ class GraphSet:
             self._upload(inp.insert_bytes(rows))
             stamps.setdefault("first_launch", now())
             self._replay(self.insert_graphs[bucket])
+            stamps["insert_launched"] = now()
             inp.mark()
         if not states:
             return None

@@ -43,8 +43,12 @@ HOPS = (("client_to_server", "client_send", "tcp_recv"),      # client encode, T
         ("ring_out", "ring_posting", "rank_got"),             # copied into the ring slot, seen by a spinning rank
         ("rank_decode", "rank_got", "rank_engine_in"),        # decode, resets, entries
         ("rank_check", "rank_engine_in", "rank_checked"),     # the engine's entry checks
-        ("rank_stage", "rank_checked", "rank_first_launch"),  # inputs staged into the pinned buffer
-        ("rank_launch", "rank_first_launch", "rank_launched"),  # the graph replays launched (insert + draft)
+        ("rank_prepare", "rank_checked", "rank_run_in"),      # rollbacks, the graph set's arguments
+        ("rank_writable", "rank_run_in", "rank_writable"),    # the last upload has left the pinned buffer
+        ("rank_stage_draft", "rank_writable", "rank_draft_staged"),  # the draft's inputs into the pinned buffer
+        ("rank_stage_insert", "rank_draft_staged", "rank_first_launch"),  # the inserted rows' inputs and taps
+        ("rank_launch_insert", "rank_first_launch", "rank_insert_launched"),  # the insert replay launched
+        ("rank_launch_draft", "rank_insert_launched", "rank_launched"),  # the draft replay launched
         ("rank_gpu", "rank_launched", "rank_synced"),         # the rest of the GPU work, until the sync returns
         ("rank_unpack", "rank_synced", "rank_ran"),           # the outputs read from the download
         ("rank_finish", "rank_ran", "rank_engine_out"),       # answers, the collectives' fail-closed check
@@ -70,7 +74,8 @@ def join_round_trips(client: list[tuple[int, int]], st: dict) -> list[dict]:
     ring = {r["seq"]: r for r in st["ring"]}
     ranks = [{r["seq"]: r for r in rows} for rows in st["ranks"]]
     out = []
-    for (sent, recv), t in zip(client, st["tcp"][-len(client):]):
+    n = min(len(client), len(st["tcp"]))          # each party keeps its last Stamps.maxlen steps
+    for (sent, recv), t in zip(client[-n:], st["tcp"][-n:]):
         v = svc[t["recv"]]
         g = ring[v["seq"]]
         rs = [rk[v["seq"]] for rk in ranks]
