@@ -79,7 +79,7 @@ def measure(rows: int, n: int) -> dict:
     slot_view = memoryview(ring_slot)
     slot_view[:len(batch_bytes)] = batch_bytes
     in_slot = slot_view[:len(batch_bytes)].toreadonly()
-    out = EntryOut(0, "", torch.arange(5), torch.rand(5), None, 3)
+    out = EntryOut(0, "", np.arange(5, dtype=np.int32), np.full(5, 0.75, np.float32), None, 3)
     reply = M.encode(M.RankReply(M.to_rank_results([out])))
     results = M.decode_reply(reply).results
 

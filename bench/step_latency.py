@@ -50,6 +50,10 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--rows", type=int, default=3)
+    ap.add_argument("--warmup-rounds", type=int, default=None,
+                    help="untimed rounds first (default 3000 with GPUs, 20 on a CPU): a serving engine steps without "
+                         "pause, and the host path's hops took 2-3x longer in the first second of rounds on the GPU "
+                         "host than after several")
     ap.add_argument("--ckpt", help="an existing checkpoint (else the preset's default, synthesized if missing)")
     ap.add_argument("--client-spin-us", type=float, default=3000.0,
                     help="the client polls this long for its reply before blocking (DrafterClient spin_us)")
@@ -81,9 +85,10 @@ def main() -> None:
     ck = Checkpoint(ckpt)
     cfg = ck.config
     g = torch.Generator().manual_seed(0)
+    warm = a.warmup_rounds if a.warmup_rounds is not None else (3000 if gpu else 20)
     entries = []
     pos = 0
-    for r in range(a.rounds):
+    for r in range(warm + a.rounds):
         n = 8 if r == 0 else a.rows
         entries.append(StepEntry(slot=0, seed=int(torch.randint(0, cfg.vocab_size, (1,), generator=g)), n_out=5,
                                  start=pos, token_ids=torch.randint(0, cfg.vocab_size, (n,), generator=g),
@@ -114,14 +119,17 @@ def main() -> None:
     with DrafterClient(host, int(port), timeout_s=60, spin_us=a.client_spin_us) as c:
         c.hello(client="step_latency bench")
         (gr,) = c.acquire(1)
-        before = ray.get(fe.status.remote())      # while connected: the connection's thread is listed too
-        log(f"timed rounds: {len(entries)}")
-        for e in entries:
+        log(f"warm-up rounds: {warm}")
+        for i, e in enumerate(entries):
+            if i == warm:
+                before = ray.get(fe.status.remote())      # while connected: the connection's thread is listed too
+                log(f"timed rounds: {a.rounds}")
             ent = make_entry(slot=gr.slot, generation=gr.generation, seed_token=e.seed, start_pos=e.start,
                              token_ids=e.token_ids.numpy(), taps=e.taps.numpy(), n_out=5)
             t0 = now()
             (res,) = c.step([ent], deadline_ms=60_000)
-            client.append((t0, now()))
+            if i >= warm:
+                client.append((t0, now()))
             assert res.code == Code.OK, res.reason
         log("timed rounds: done")
         status = ray.get(fe.status.remote())
@@ -137,15 +145,14 @@ def main() -> None:
     ring = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "ring_roundtrip.py"),
                            "--n", "2000", "--n-woken", "100"], capture_output=True, text=True)
     ring_rows = [json.loads(line) for line in ring.stdout.splitlines() if line.startswith("{")]
-    skip = 3                                  # the first rounds warm caches on both sides
-    steps = join_round_trips(client, st)[skip:]
+    steps = join_round_trips(client, st)
     tcp = [(s["client_recv"] - s["client_send"]) / 1e6 for s in steps]
     rank_ms = [(s["r0_engine_out"] - s["r0_engine_in"]) / 1e6 for s in steps]
     out = {
         "bench": "step_latency",
         "command": "python bench/step_latency.py " + " ".join(sys.argv[1:]),
         "config": {"preset": a.preset, "tp": 2, "backend": spec.backend, "requests": 1, "rows_per_round": a.rows,
-                   "n_out": 5, "rounds": a.rounds,
+                   "n_out": 5, "rounds": a.rounds, "warmup_rounds": warm,
                    "client_spin_us": a.client_spin_us, "server_and_ring_spin_us": spec.spin_us},
         "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or platform.machine(),
         "host_cpus": os.cpu_count(),
@@ -154,7 +161,7 @@ def main() -> None:
         # The per-step processes: cores, load, each thread's last core and niceness (Ray starts workers at 15)
         # (actors/scheduling.py).
         "processes": processes,
-        "in_process_emulated_pair": summary(inproc[skip:]) if inproc else None,
+        "in_process_emulated_pair": summary(inproc[warm:]) if inproc else None,
         "rank0_engine_step": summary(rank_ms),
         "tcp_step": summary(tcp),
         # What the service adds around the ranks' own step: front-end checks, batching, ring, TCP, client.

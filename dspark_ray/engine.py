@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .collectives import CollectiveError, Collectives
@@ -49,12 +50,19 @@ class StepEntry:
 
 @dataclass
 class EntryOut:
+    """One entry's answer: host arrays in the contract's dtypes (the service sends their bytes)."""
     code: int
     reason: str = ""
-    drafts: torch.Tensor | None = None             # (n_out,) int64
-    confidences: torch.Tensor | None = None        # (n_out,) fp32
-    margins: torch.Tensor | None = None            # (n_out,) fp32 or None
+    drafts: np.ndarray | None = None               # (n_out,) int32
+    confidences: np.ndarray | None = None          # (n_out,) fp32
+    margins: np.ndarray | None = None              # (n_out,) fp32 or None
     confident_len: int = 0
+
+
+def _host(t: torch.Tensor, dtype) -> np.ndarray:
+    """A batch output as a host numpy array of `dtype`: one conversion per batch, and numpy slices per entry (a
+    torch call costs several us with the caches cold after the GPU wait: the answers spent their time in them)."""
+    return (t if t.device.type == "cpu" else t.cpu()).numpy().astype(dtype, copy=False)
 
 
 class _CountingCollectives(Collectives):
@@ -201,14 +209,15 @@ class RankEngine:
                 res = self._run(entries, good)
             t2 = now()
             if good:
-                lens = res.confident_len.tolist()
+                drafts, confs = _host(res.drafts, np.int32), _host(res.confidences, np.float32)
+                margins = _host(res.margins, np.float32) if res.margins is not None else None
+                lens = _host(res.confident_len, np.int64).tolist()
                 for j, i in enumerate(good):
-                    k = entries[i].n_out
+                    e, k = entries[i], entries[i].n_out
                     # the all-confident prefix of the first k of the batch's n_out drafts (the loop never looks
                     # ahead): the batch's prefix, cut at k
-                    outs[i] = EntryOut(
-                        OK, "", res.drafts[j, :k], res.confidences[j, :k],
-                        res.margins[j, :k] if entries[i].want_margins else None, min(lens[j], k))
+                    outs[i] = EntryOut(OK, "", drafts[j, :k], confs[j, :k],
+                                       margins[j, :k] if e.want_margins else None, min(lens[j], k))
             # a device-side collective failure surfaces here, before any answer leaves (from the control words the
             # draft graph downloaded with its outputs when it has them)
             status = self.graphs.fresh_status() if self.graphs is not None and good else None

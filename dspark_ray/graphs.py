@@ -3,7 +3,7 @@ context insert for row buckets up to 128, captured once at start-up over static 
 
 The set owns its slots: every slot's main-kv ring lives in one pool tensor (one spare slot takes the pad rows of
 an insert bucket), so a captured graph reads and writes any slot by index. A step's inputs travel in one pinned
-host buffer and one host-to-device copy:
+host buffer, which each graph uploads (the prefix it reads) in one host-to-device copy:
 
     int64  seeds, p0 (R each); the pool rows of the windows (blocks x R x W) | insert positions (T); the pool rows
            the insert writes (blocks x T)
@@ -14,7 +14,8 @@ host buffer and one host-to-device copy:
 ring row, computed by the host). The insert graph computes the rows' main-kv and writes them into the pool (one
 index_copy_ per block); the draft graph gathers the windows (one index_select), runs `Drafter.forward`, and packs
 drafts, confidences, margins and confident lengths into one fp64 tensor that comes back in one device-to-host copy
-(int64 ids and fp32 scores are exact in fp64). Nothing else runs on the host between the two replays.
+(int64 ids and fp32 scores are exact in fp64). Between the two replays the host stages the draft's inputs, while the
+GPU runs the inserts (the draft graph uploads them itself).
 
 The copies are nodes of the graphs themselves: each graph starts with the upload of the bytes it reads and the
 draft graph ends with the download of its packed outputs and of the collectives' control words (the fail-closed
@@ -300,9 +301,6 @@ class GraphSet:
         chunks = list(self._chunks(inserts))
         for s, start, taps in inserts:        # the draft reads the slots as they stand after the inserts
             s.advance(start, taps.shape[0])
-        if states:
-            self._stage_draft(states, seeds)
-        stamps["draft_staged"] = now()
         for k, chunk in enumerate(chunks):
             if k:
                 inp.writable()
@@ -314,8 +312,12 @@ class GraphSet:
             inp.mark()
         if not states:
             return None
-        if not chunks:
-            self._upload(inp.draft_bytes)
+        # Staged while the GPU runs the inserts, off the step's critical path. The insert graphs' uploads cover the
+        # draft's region too but never read it, so what they copy of it does not matter; the draft graph uploads
+        # its own region when it starts, behind the inserts in stream order, after these writes.
+        self._stage_draft(states, seeds)
+        stamps["draft_staged"] = now()
+        self._upload(inp.draft_bytes)
         stamps.setdefault("first_launch", now())
         packed = self._replay(self.draft_graphs[(len(states), n_out, want_margins)])
         stamps["launched"] = now()
@@ -372,8 +374,9 @@ class GraphSet:
         host = self.out_host[:packed.numel()]
         if not self.memcpy:              # else the draft graph has downloaded it
             host.copy_(packed.reshape(-1), non_blocking=True)
+            self.inp.mark()
         if self.cuda:
-            torch.cuda.current_stream().synchronize()
+            self.inp.uploaded.synchronize()     # recorded behind the draft replay and its download
             self._status_fresh = self.status is not None
         self.last_stamps["synced"] = now()
         a = host.numpy().reshape(bsz, -1)

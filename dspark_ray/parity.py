@@ -62,16 +62,19 @@ def replay_engine(eng, rounds: list[list[StepEntry]]) -> list[list[EntryRecord]]
     none = torch.empty(0)
     for batch in rounds:
         res = eng.step(batch)
-        out.append([EntryRecord(r.drafts.cpu(), r.confidences.cpu(),
-                                r.margins.cpu() if r.margins is not None else none, none, none) for r in res])
+        out.append([EntryRecord(torch.from_numpy(r.drafts), torch.from_numpy(r.confidences),
+                                torch.from_numpy(r.margins) if r.margins is not None else none, none, none)
+                    for r in res])
     return out
 
 
 def as_engine_records(recs: list[list[EntryRecord]], rounds: list[list[StepEntry]]) -> list[list[EntryRecord]]:
-    """`replay` records cut to what `replay_engine` keeps, for a bit-for-bit comparison of the two."""
+    """`replay` records cut to what `replay_engine` keeps (in the engine's dtypes: int32 drafts), for a bit-for-bit
+    comparison of the two."""
     none = torch.empty(0)
-    return [[EntryRecord(r.drafts.cpu(), r.confidences.cpu(), r.margins.cpu() if e.want_margins else none, none,
-                         none) for r, e in zip(rb, b)] for rb, b in zip(recs, rounds)]
+    return [[EntryRecord(r.drafts.cpu().to(torch.int32), r.confidences.cpu(),
+                         r.margins.cpu() if e.want_margins else none, none, none)
+             for r, e in zip(rb, b)] for rb, b in zip(recs, rounds)]
 
 
 def assert_identical(a: list[list[EntryRecord]], b: list[list[EntryRecord]], what: str = "") -> None:

@@ -45,10 +45,10 @@ HOPS = (("client_to_server", "client_send", "tcp_recv"),      # client encode, T
         ("rank_check", "rank_engine_in", "rank_checked"),     # the engine's entry checks
         ("rank_prepare", "rank_checked", "rank_run_in"),      # rollbacks, the graph set's arguments
         ("rank_writable", "rank_run_in", "rank_writable"),    # the last upload has left the pinned buffer
-        ("rank_stage_draft", "rank_writable", "rank_draft_staged"),  # the draft's inputs into the pinned buffer
-        ("rank_stage_insert", "rank_draft_staged", "rank_first_launch"),  # the inserted rows' inputs and taps
+        ("rank_stage_insert", "rank_writable", "rank_first_launch"),  # the inserted rows' inputs and taps
         ("rank_launch_insert", "rank_first_launch", "rank_insert_launched"),  # the insert replay launched
-        ("rank_launch_draft", "rank_insert_launched", "rank_launched"),  # the draft replay launched
+        ("rank_stage_draft", "rank_insert_launched", "rank_draft_staged"),  # the draft's inputs (GPU on the inserts)
+        ("rank_launch_draft", "rank_draft_staged", "rank_launched"),  # the draft replay launched
         ("rank_gpu", "rank_launched", "rank_synced"),         # the rest of the GPU work, until the sync returns
         ("rank_unpack", "rank_synced", "rank_ran"),           # the outputs read from the download
         ("rank_finish", "rank_ran", "rank_engine_out"),       # answers, the collectives' fail-closed check

@@ -1,6 +1,7 @@
 """The reference drafter on the tiny preset: spec section 8's required tests and the properties the service promises."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,7 +56,7 @@ def test_weight_scales_keep_activations_finite_and_routing_and_argmax_non_degene
         for e in batch:
             e.want_margins = True
         for o in eng.step(batch):
-            assert o.code == OK and torch.isfinite(o.confidences).all()
+            assert o.code == OK and np.isfinite(o.confidences).all()
             margins += o.margins.tolist()
         for b, ex in enumerate(d.last_experts):
             used[b] |= set(ex.flatten().tolist())
@@ -235,7 +236,7 @@ def test_deterministic_across_two_runs(cfg, ckpt):
         outs = [eng.step(b) for b in workload.rounds(cfg, seed=5, n_rounds=4)]
         runs.append([(o.drafts, o.confidences) for batch in outs for o in batch])
     for (d1, c1), (d2, c2) in zip(*runs):
-        assert torch.equal(d1, d2) and torch.equal(c1, c2)
+        assert np.array_equal(d1, d2) and np.array_equal(c1, c2)
 
 
 def test_rollback_drops_rows(tp1, cfg):
@@ -279,7 +280,7 @@ def test_bad_entry_fails_alone_in_a_batch(cfg, ckpt):
     assert outs[0].code == OK and outs[1].code == BAD_ENTRY and "seed token 4097" in outs[1].reason
     assert eng.slots[1].fresh            # nothing inserted for the refused entry
     ref = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), 3).step([good])[0]
-    assert torch.equal(outs[0].drafts, ref.drafts)
+    assert np.array_equal(outs[0].drafts, ref.drafts)
 
 
 def test_an_engine_told_the_values_were_scanned_still_guards_its_slots(cfg, ckpt):

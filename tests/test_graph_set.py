@@ -4,6 +4,7 @@ outputs packed into one fp64 tensor), so CI checks them against the eager engine
 are checked on the GPU (test_gpu_graphs.py)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from dspark_ray import workload
@@ -26,12 +27,14 @@ def _same_step(eager, graph, batch):
     for x, y in zip(a, b):
         assert (x.code, x.reason, x.confident_len) == (y.code, y.reason, y.confident_len)
         if x.code == OK:
-            assert torch.equal(x.drafts, y.drafts) and torch.equal(x.confidences, y.confidences)
+            assert np.array_equal(x.drafts, y.drafts) and np.array_equal(x.confidences, y.confidences)
+            assert x.drafts.dtype == np.int32 and x.confidences.dtype == np.float32    # the contract's dtypes
             # an entry's prefix is over its own n_out drafts, also when the batch drafted more
-            assert x.confident_len == int(confident_prefix(x.confidences, eager.drafter.head.threshold))
+            assert x.confident_len == int(confident_prefix(torch.from_numpy(x.confidences),
+                                                           eager.drafter.head.threshold))
             assert (x.margins is None) == (y.margins is None)
             if x.margins is not None:
-                assert torch.equal(x.margins, y.margins)
+                assert np.array_equal(x.margins, y.margins)
     return b
 
 
@@ -80,4 +83,4 @@ def test_a_request_drafts_the_same_in_every_batch_bucket(cfg, ckpt):
         graph.reset_slots([e.slot])
     together = graph.step(batch)
     for a, b in zip(alone, together):
-        assert torch.equal(a.drafts, b.drafts) and torch.equal(a.confidences, b.confidences)
+        assert np.array_equal(a.drafts, b.drafts) and np.array_equal(a.confidences, b.confidences)
