@@ -95,6 +95,7 @@ class _Inputs:
         self.host = torch.zeros(self.nbytes, dtype=torch.uint8, pin_memory=cuda)
         self.host_np = self.host.numpy()
         self.uploaded = torch.cuda.Event() if cuda else None
+        self.in_use = False
         self.h = {k: self.host_view(k) for k in self.off}       # the host views, made once (the step writes them)
 
     _DTYPES = {"valid": (torch.bool, np.bool_), "taps": (torch.float16, np.float16)}      # the rest: int64
@@ -113,9 +114,15 @@ class _Inputs:
         return self.host_np[a:b].view(nd)
 
     def writable(self) -> None:
-        """Wait until the last upload has left the pinned buffer (its copy runs asynchronously)."""
-        if self.uploaded is not None:
-            self.uploaded.synchronize()
+        """Wait until the last upload has left the pinned buffer (its copy runs asynchronously); nothing to wait
+        for once `synchronize` has returned and nothing was queued since (a driver call saved per step)."""
+        if self.uploaded is not None and self.in_use:
+            self.synchronize()
+
+    def synchronize(self) -> None:
+        """Wait for all the work queued up to the last `mark`."""
+        self.uploaded.synchronize()
+        self.in_use = False
 
     def upload(self, end: int) -> None:
         """Copy bytes [0, end) to the device in one copy."""
@@ -126,6 +133,7 @@ class _Inputs:
         """The buffer is in use by the work queued so far (an upload, or a graph that uploads it itself)."""
         if self.uploaded is not None:
             self.uploaded.record()
+            self.in_use = True
 
     @property
     def draft_bytes(self) -> int:
@@ -160,8 +168,10 @@ class GraphSet:
         self._row0 = ((np.arange(n_slots + 1)[:, None] * c.n_blocks + np.arange(c.n_blocks)[None, :])
                       * self.capacity)[..., None]
         self._back = np.arange(-self.W, 0)
+        self._rows = np.arange(max(insert_buckets))      # an insert chunk's row offsets
         self.inp = _Inputs(max_requests, self.W, self.T, c.n_blocks, c.n_taps * c.hidden_size, dev)
-        self.inp.h["ins_rows"][:] = self._pool_rows(self.scratch, np.zeros(self.T, np.int64)).reshape(-1)
+        self._scratch_rows = self._pool_rows(self.scratch, np.zeros(self.T, np.int64))    # pad rows' target
+        self.inp.h["ins_rows"][:] = self._scratch_rows.reshape(-1)
         self.inp.upload(self.inp.nbytes)
         n_out_max = max(self.n_outs)
         self.out_host = torch.zeros(max_requests * (3 * n_out_max + 1), dtype=torch.float64, pin_memory=self.cuda)
@@ -360,13 +370,13 @@ class GraphSet:
         at = 0
         for s, p, t in chunk:
             n = t.shape[0]
-            pos[at:at + n] = np.arange(p, p + n)
-            dst[:, at:at + n] = self._pool_rows(s.index, pos[at:at + n] % self.capacity)
+            np.add(self._rows[:n], p, out=pos[at:at + n])
+            np.add(self._row0[s.index], pos[at:at + n] % self.capacity, out=dst[:, at:at + n])
             taps[at:at + n] = t
             at += n
         bucket = next(b for b in self.insert_buckets if b >= at)
         pos[at:bucket] = 0
-        dst[:, at:bucket] = self._pool_rows(self.scratch, np.zeros(bucket - at, np.int64))
+        dst[:, at:bucket] = self._scratch_rows[:, at:bucket]
         return at, bucket
 
     def _unpack(self, packed: torch.Tensor, n_out: int, want_margins: bool) -> DraftOut:
@@ -376,7 +386,7 @@ class GraphSet:
             host.copy_(packed.reshape(-1), non_blocking=True)
             self.inp.mark()
         if self.cuda:
-            self.inp.uploaded.synchronize()     # recorded behind the draft replay and its download
+            self.inp.synchronize()     # the event recorded behind the draft replay and its download
             self._status_fresh = self.status is not None
         self.last_stamps["synced"] = now()
         a = host.numpy().reshape(bsz, -1)
