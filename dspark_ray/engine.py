@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .collectives import CollectiveError, Collectives
+from .graphs import GraphSet, HostDraft
 from .model.drafter import Drafter
 from .model.state import SlotState
 from .stamps import now
@@ -58,11 +59,6 @@ class EntryOut:
     margins: np.ndarray | None = None              # (n_out,) fp32 or None
     confident_len: int = 0
 
-
-def _host(t: torch.Tensor, dtype) -> np.ndarray:
-    """A batch output as a host numpy array of `dtype`: one conversion per batch, and numpy slices per entry (a
-    torch call costs several us with the caches cold after the GPU wait: the answers spent their time in them)."""
-    return (t if t.device.type == "cpu" else t.cpu()).numpy().astype(dtype, copy=False)
 
 
 class _CountingCollectives(Collectives):
@@ -140,7 +136,6 @@ class RankEngine:
         drafter.head.coll = self.coll
         self.graphs = None
         if graphs:
-            from .graphs import GraphSet
             self.graphs = GraphSet(drafter, n_slots)
             self.graphs.capture(progress)
             self.slots: list[SlotState] = self.graphs.slots     # the rings live in the graph set's pool
@@ -209,15 +204,12 @@ class RankEngine:
                 res = self._run(entries, good)
             t2 = now()
             if good:
-                drafts, confs = _host(res.drafts, np.int32), _host(res.confidences, np.float32)
-                margins = _host(res.margins, np.float32) if res.margins is not None else None
-                lens = _host(res.confident_len, np.int64).tolist()
                 for j, i in enumerate(good):
                     e, k = entries[i], entries[i].n_out
                     # the all-confident prefix of the first k of the batch's n_out drafts (the loop never looks
                     # ahead): the batch's prefix, cut at k
-                    outs[i] = EntryOut(OK, "", drafts[j, :k], confs[j, :k],
-                                       margins[j, :k] if e.want_margins else None, min(lens[j], k))
+                    outs[i] = EntryOut(OK, "", res.drafts[j, :k], res.confidences[j, :k],
+                                       res.margins[j, :k] if e.want_margins else None, min(res.confident_len[j], k))
             # a device-side collective failure surfaces here, before any answer leaves (from the control words the
             # draft graph downloaded with its outputs when it has them)
             status = self.graphs.fresh_status() if self.graphs is not None and good else None
@@ -255,7 +247,7 @@ class RankEngine:
             for i in good:
                 e = entries[i]
                 self.drafter.insert(self.slots[e.slot], e.start, e.token_ids, self._taps(e), e.rollback_to)
-            return self.drafter.draft(states, seeds, n_out, margins)
+            return HostDraft.of(self.drafter.draft(states, seeds, n_out, margins))
         inserts = []
         for i in good:
             e = entries[i]
@@ -265,9 +257,9 @@ class RankEngine:
             if taps.shape[0]:
                 inserts.append((self.slots[e.slot], e.start, taps))
         if len(good) <= self.graphs.max_requests:
-            return self.graphs.run(inserts, states, seeds, n_out, margins)
+            return self.graphs.run(inserts, states, seeds, n_out, margins, host=True)
         self.graphs.run(inserts, [], [], n_out, margins)
-        return self.drafter.draft(states, seeds, n_out, margins)
+        return HostDraft.of(self.drafter.draft(states, seeds, n_out, margins))
 
     def _hook(self, phase: str) -> None:
         if self.fault_hook is not None:

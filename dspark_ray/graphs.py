@@ -68,6 +68,25 @@ def _raw_memcpy() -> Callable[[int, int, int], None] | None:
 
 
 @dataclass
+class HostDraft:
+    """A batch's drafts on the host in the contract's dtypes: what the engine answers from, converted once per batch
+    (per-entry torch calls, several us each with the caches cold after the GPU wait, were most of a step's answers).
+    `run(..., host=True)` gives it straight from the downloaded outputs; `of` converts a `DraftOut`."""
+    drafts: np.ndarray                  # (bsz, n_out) int32
+    confidences: np.ndarray             # (bsz, n_out) fp32
+    margins: np.ndarray | None          # (bsz, n_out) fp32, when asked for
+    confident_len: list[int]
+
+    @staticmethod
+    def of(out: DraftOut) -> "HostDraft":
+        def host(t, dtype):
+            return (t if t.device.type == "cpu" else t.cpu()).numpy().astype(dtype, copy=False)
+        return HostDraft(host(out.drafts, np.int32), host(out.confidences, np.float32),
+                         host(out.margins, np.float32) if out.margins is not None else None,
+                         host(out.confident_len, np.int64).tolist())
+
+
+@dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None     # None on a CPU: `fn` runs directly
     fn: Callable[[], object]
@@ -295,16 +314,16 @@ class GraphSet:
             np.greater_equal(back, -s.hist_len(), out=valid_h[r])
 
     def run(self, inserts: list[tuple[SlotState, int, torch.Tensor]], states: list[SlotState], seeds: list[int],
-            n_out: int, want_margins: bool) -> DraftOut | None:
+            n_out: int, want_margins: bool, host: bool = False) -> DraftOut | HostDraft | None:
         """One step (inputs already checked, rollbacks applied): insert each (slot, start, taps (n, width) fp16)
         into its slot, then draft for `states` (<= max_requests; none: inserts only). Returns the drafts on the
-        host."""
+        host: as the drafter's `DraftOut` (torch), or with `host` as a `HostDraft` (the engine's answers)."""
         if self.cuda:       # replays and numpy only: no torch op for inference mode to speed up (it costs ~5 us)
-            return self._run(inserts, states, seeds, n_out, want_margins)
+            return self._run(inserts, states, seeds, n_out, want_margins, host)
         with torch.inference_mode():        # the uncaptured functions run the model's ops
-            return self._run(inserts, states, seeds, n_out, want_margins)
+            return self._run(inserts, states, seeds, n_out, want_margins, host)
 
-    def _run(self, inserts, states, seeds, n_out, want_margins) -> DraftOut | None:
+    def _run(self, inserts, states, seeds, n_out, want_margins, host) -> DraftOut | HostDraft | None:
         stamps = self.last_stamps = {"run_in": now()}
         inp = self.inp
         for s in states + [s for s, _, _ in inserts]:
@@ -337,7 +356,7 @@ class GraphSet:
         packed = self._replay(self.draft_graphs[(len(states), n_out, want_margins)])
         stamps["launched"] = now()
         inp.mark()
-        return self._unpack(packed, n_out, want_margins)
+        return self._unpack(packed, n_out, want_margins, host)
 
     def _upload(self, end: int) -> None:
         if not self.memcpy:              # the graphs upload their inputs themselves when they can
@@ -384,7 +403,7 @@ class GraphSet:
         dst[:, at:bucket] = self._scratch_rows[:, at:bucket]
         return at, bucket
 
-    def _unpack(self, packed: torch.Tensor, n_out: int, want_margins: bool) -> DraftOut:
+    def _unpack(self, packed: torch.Tensor, n_out: int, want_margins: bool, host_draft: bool) -> DraftOut | HostDraft:
         bsz = packed.shape[0]
         host = self.out_host[:packed.numel()]
         if not self.memcpy:              # else the draft graph has downloaded it
@@ -396,6 +415,10 @@ class GraphSet:
         self.last_stamps["synced"] = now()
         a = host.numpy().reshape(bsz, -1)
         k = 2 + want_margins
+        if host_draft:          # (copies: the pinned buffer is the next step's)
+            return HostDraft(a[:, :n_out].astype(np.int32), a[:, n_out:2 * n_out].astype(np.float32),
+                             a[:, 2 * n_out:3 * n_out].astype(np.float32) if want_margins else None,
+                             a[:, k * n_out].astype(np.int64).tolist())
         return DraftOut(drafts=torch.from_numpy(a[:, :n_out].astype(np.int64)),
                         confidences=torch.from_numpy(a[:, n_out:2 * n_out].astype(np.float32)),
                         confident_len=torch.from_numpy(a[:, k * n_out].astype(np.int64)),

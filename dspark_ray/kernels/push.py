@@ -439,7 +439,9 @@ class PushCollectives(Collectives):
         self.guard.refuse_if_poisoned("error check")
         if self._eager_since_check:
             return self.check_error()
-        self._raise_if_failed(self._control(np.frombuffer(words, np.uint32, CONTROL_WORDS)))
+        w = np.frombuffer(words, np.uint32, CONTROL_WORDS)
+        if w[4]:                               # the error word (the rest is read only to describe it)
+            self._raise_if_failed(self._control(w))
 
     def error_word(self) -> int:
         """The rank's error word (bits in peer_state.ERROR_BITS). Reads the device as it is now: call it after the
