@@ -12,7 +12,7 @@ import torch
 
 from dspark_ray import workload
 from dspark_ray.actors.placement import teardown
-from dspark_ray.actors.scheduling import thread_niceness
+from dspark_ray.actors.scheduling import thread_deltas, thread_niceness
 from dspark_ray.client import ClientError, DrafterClient
 from dspark_ray.contract import Code, make_entry
 from dspark_ray.engine import RankEngine
@@ -224,6 +224,24 @@ def test_a_step_larger_than_the_replay_limit_is_split(pair, cfg, ray_cluster):
         c.release([g.slot for g in grants])
     after = ray_cluster.get(pair[0].status.remote())["stats"]["batch_sizes"]
     assert after[4] - before[4] >= 1 and sum(after) - sum(before) >= 2
+
+
+def test_status_reports_each_step_threads_cpu_time_and_waits(pair, cfg, ray_cluster):
+    """What the latency bench diffs over its rounds: each step thread's CPU time, run-queue wait and preemptions,
+    growing (never shrinking) between two readings with steps in between."""
+    before = ray_cluster.get(pair[0].status.remote())
+    with client(pair) as c:
+        (gr,) = acquire_when_free(c, 1)
+        for k in range(3):
+            e = make_entry(slot=gr.slot, generation=gr.generation, seed_token=5, start_pos=2 * k,
+                           token_ids=np.arange(2), taps=workload.make_taps(cfg, 2, torch.Generator()).numpy())
+            assert c.step([e], deadline_ms=60_000)[0].code == Code.OK
+    after = ray_cluster.get(pair[0].status.remote())
+    for r in range(2):
+        d = thread_deltas(before["ranks"][r]["process"], after["ranks"][r]["process"])[f"dspark-rank{r}"]
+        assert set(d) == {"cpu_ms", "run_delay_ms", "preempted"} and min(d.values()) >= 0, d
+    t = after["ranks"][0]["process"]["threads"]["dspark-rank0"]
+    assert t["cpu_ms"] > 0 and t["run_delay_ms"] >= 0 and t["preempted"] >= 0
 
 
 def test_every_party_stamps_a_step_and_the_hops_join_in_path_order(pair, cfg, ray_cluster):

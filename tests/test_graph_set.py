@@ -9,6 +9,7 @@ import torch
 
 from dspark_ray import workload
 from dspark_ray.engine import BAD_ENTRY, OK, RankEngine, StepEntry
+from dspark_ray.graphs import HostDraft
 from dspark_ray.model.heads import confident_prefix
 from dspark_ray.modes import make_drafter
 
@@ -84,3 +85,44 @@ def test_a_request_drafts_the_same_in_every_batch_bucket(cfg, ckpt):
     together = graph.step(batch)
     for a, b in zip(alone, together):
         assert np.array_equal(a.drafts, b.drafts) and np.array_equal(a.confidences, b.confidences)
+
+
+def test_the_engines_answers_come_from_the_download_in_the_contracts_dtypes(cfg, ckpt):
+    """`run(host=True)` (what the engine answers from) is the drafter's `DraftOut` converted, bit for bit: int32
+    drafts, fp32 scores, the confident lengths; and the answers own their memory (the pinned download is the next
+    step's)."""
+    _, graph = _engines(cfg, ckpt)
+    gs = graph.graphs
+    e = StepEntry(slot=0, seed=7, n_out=5, start=0, token_ids=torch.arange(9),
+                  taps=workload.make_taps(cfg, 9, torch.Generator().manual_seed(1)))
+    graph.step([e])
+    states = [gs.slots[0]]
+    for n_out, margins in ((5, True), (3, False)):
+        want = HostDraft.of(gs.run([], states, [11], n_out, margins))       # a draft leaves the slot as it was
+        got = gs.run([], states, [11], n_out, margins, host=True)
+        assert got.drafts.dtype == np.int32 and got.confidences.dtype == np.float32
+        assert np.array_equal(got.drafts, want.drafts) and np.array_equal(got.confidences, want.confidences)
+        assert got.confident_len == want.confident_len
+        assert (got.margins is None) == (not margins)
+        if margins:
+            assert np.array_equal(got.margins, want.margins)
+        assert not np.shares_memory(got.drafts, gs.out_host.numpy())
+
+
+def test_a_rank_reads_the_ring_slot_in_place():
+    """The rank's entries view the ring's bytes (no copy of the taps); the token ids stay int32; an entry without
+    rows has empty tensors of the right width."""
+    from dspark_ray.actors import messages as M
+    width = 12
+    taps = np.arange(3 * width, dtype=np.float16)
+    slot = memoryview(M.encode(M.RankBatch([2], [
+        M.RankEntry(0, 5, 5, 0, np.arange(3, dtype="<i4").tobytes(), taps.tobytes(), -1, False),
+        M.RankEntry(1, 6, 2, 4, b"", b"", -1, True)]))).toreadonly()
+    batch = M.decode_batch(slot)
+    a, b = M.to_step_entries(batch, width)
+    assert batch.resets == [2]
+    assert a.token_ids.dtype == torch.int32 and a.token_ids.tolist() == [0, 1, 2]
+    assert a.taps.shape == (3, width) and torch.equal(a.taps.flatten(), torch.from_numpy(taps))
+    base = np.frombuffer(slot, np.uint8)
+    assert np.shares_memory(a.taps.numpy(), base)                              # a view of the slot
+    assert b.token_ids.numel() == 0 and b.taps.shape == (0, width) and b.want_margins
