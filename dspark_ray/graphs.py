@@ -200,8 +200,9 @@ class GraphSet:
         self.status_host = torch.zeros(max(self.status[1], 1) if self.status else 1, dtype=torch.uint8,
                                        pin_memory=self.cuda)
         self._status_fresh = False
-        # The last run's stamps (stamps.now): entered, the pinned buffer free, the draft's inputs staged, the first
-        # replay launched (after the inserts' staging), the insert replays launched, every replay launched, synced.
+        # The last run's stamps (stamps.now), in order: entered, the pinned buffer free, the first replay launched
+        # (after the inserts' staging), the insert replays launched, the draft's inputs staged, every replay
+        # launched, synced.
         self.last_stamps: dict[str, int] = {}
         self.draft_graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.insert_graphs: dict[int, _Graph] = {}

@@ -171,7 +171,8 @@ class RankWorker:
             except Exception as e:               # decoding or anything unforeseen: latch, the pair may be split
                 self.engine.broken = f"{type(e).__name__}: {e}"
                 status, payload = M.STATUS_BROKEN, M.encode(M.RankReply([], self.engine.broken))
-            row["encoded"], row["cpu_encoded"] = now(), cpu_now()   # before the hand-off (the front-end may see it at once)
+            # stamped before the hand-off: the front-end may see the completion at once
+            row["encoded"], row["cpu_encoded"] = now(), cpu_now()
             self.reader.complete(seq, status, payload)
             self.stamps.add(row)
 
