@@ -415,13 +415,13 @@ class GraphSet:
             self._status_fresh = self.status is not None
         self.last_stamps["synced"] = now()
         a = host.numpy().reshape(bsz, -1)
-        k = 2 + want_margins
-        if host_draft:          # (copies: the pinned buffer is the next step's)
-            return HostDraft(a[:, :n_out].astype(np.int32), a[:, n_out:2 * n_out].astype(np.float32),
-                             a[:, 2 * n_out:3 * n_out].astype(np.float32) if want_margins else None,
-                             a[:, k * n_out].astype(np.int64).tolist())
-        return DraftOut(drafts=torch.from_numpy(a[:, :n_out].astype(np.int64)),
-                        confidences=torch.from_numpy(a[:, n_out:2 * n_out].astype(np.float32)),
-                        confident_len=torch.from_numpy(a[:, k * n_out].astype(np.int64)),
-                        margins=torch.from_numpy(a[:, 2 * n_out:3 * n_out].astype(np.float32)) if want_margins
-                        else None, logits=None)
+        drafts, confs, lens = a[:, :n_out], a[:, n_out:2 * n_out], a[:, (2 + want_margins) * n_out]
+        margins = a[:, 2 * n_out:3 * n_out] if want_margins else None
+        # (astype copies: the pinned buffer is the next step's)
+        if host_draft:
+            return HostDraft(drafts.astype(np.int32), confs.astype(np.float32),
+                             margins.astype(np.float32) if want_margins else None, lens.astype(np.int64).tolist())
+        return DraftOut(drafts=torch.from_numpy(drafts.astype(np.int64)),
+                        confidences=torch.from_numpy(confs.astype(np.float32)),
+                        confident_len=torch.from_numpy(lens.astype(np.int64)),
+                        margins=torch.from_numpy(margins.astype(np.float32)) if want_margins else None, logits=None)

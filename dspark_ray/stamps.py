@@ -63,7 +63,7 @@ RANK_PHASES = (("decode", "got", "engine_in"), ("check", "engine_in", "checked")
 
 # Hops that one thread runs from end to end and that carry CPU stamps at both ends (with DSPARK_STAMP_CPU=1).
 CPU_HOPS = (("checks", "tcp_read", "svc_admitted"), ("results", "ring_completions", "svc_reply"),
-            ("rank_decode", "rank_got", "rank_decoded"), ("rank_encode", "rank_stepped", "rank_encoded"))
+            ("rank_decode", "rank_got", "rank_engine_in"), ("rank_encode", "rank_engine_out", "rank_encoded"))
 
 
 def join_round_trips(client: list[tuple[int, int]], st: dict) -> list[dict]:

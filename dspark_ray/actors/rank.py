@@ -68,7 +68,7 @@ class RankWorker:
         self.reader = None
         self._thread: threading.Thread | None = None
         self._stop = False
-        self.stamps = Stamps()           # per step: the ring's seq, got / decoded / engine phases / encoded
+        self.stamps = Stamps()           # per step: the ring's seq, got / the engine's phases / encoded
 
     # -- start-up --------------------------------------------------------------------------------------------------
     def load(self) -> dict:
@@ -158,9 +158,10 @@ class RankWorker:
                 batch = M.decode_batch(view)
                 self.engine.reset_slots(batch.resets)
                 entries = M.to_step_entries(batch, width)
-                row["decoded"], row["cpu_decoded"] = now(), cpu_now()
+                # this thread's CPU time at the engine's first and last stamps (stamps.CPU_HOPS)
+                row["cpu_engine_in"] = cpu_now()
                 outs = self.engine.step(entries)
-                row["stepped"], row["cpu_stepped"] = now(), cpu_now()
+                row["cpu_engine_out"] = cpu_now()
                 row.update(self.engine.last_stamps)
                 if self.rank == 0:
                     payload = M.encode(M.RankReply(M.to_rank_results(outs)))
