@@ -13,7 +13,6 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -28,7 +27,7 @@ from dspark_ray.config import full                                          # no
 from dspark_ray.engine import EntryOut                                      # noqa: E402
 from dspark_ray.frontend import Identity, StepService                       # noqa: E402
 from dspark_ray.wire import HEADER_SIZE, FrameWriter, decode_payload        # noqa: E402
-from tcp_roundtrip import emit                                              # noqa: E402
+from tcp_roundtrip import _commit, emit                                              # noqa: E402
 
 
 def timed(fn, n: int) -> dict:
@@ -159,9 +158,7 @@ def main() -> None:
                       "n_out": 5},
            "device": platform.processor() or platform.machine(), "host_cpus": os.cpu_count(),
            "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=os.path.dirname(__file__)).stdout.strip(),
-           "pieces": pieces}
+           "commit": _commit(), "pieces": pieces}
     if a.in_actor:
         res["pieces_in_ray_worker"] = measure_in_actor(a.rows, a.n)
     emit(res, a.out, indent=1)

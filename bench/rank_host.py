@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +27,7 @@ from dspark_ray.engine import RankEngine                    # noqa: E402
 from dspark_ray.modes import make_drafter                   # noqa: E402
 from dspark_ray.weights.loader import Checkpoint            # noqa: E402
 from dspark_ray.weights.synth import synthesize             # noqa: E402
-from tcp_roundtrip import _device, emit                     # noqa: E402
+from tcp_roundtrip import _commit, _device, emit                     # noqa: E402
 
 # (phase, from stamp, to stamp): "loop_*" stamps are this script's, the rest the engine's and the graph set's.
 PHASES = (("decode", "loop_got", "loop_decoded"), ("check", "engine_in", "checked"),
@@ -82,8 +81,7 @@ def main() -> None:
     res = {"bench": "rank_host", "command": "python bench/rank_host.py " + " ".join(sys.argv[1:]),
            "config": {"preset": "tiny", "rows": a.rows, "n_out": 5, "steps": a.steps},
            "device": _device(),
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=os.path.dirname(__file__)).stdout.strip(),
+           "commit": _commit(),
            "phases_us": {k: {"p50": round(statistics.median(v) / 1e3, 2),
                              "p99": round(sorted(v)[int(0.99 * (len(v) - 1))] / 1e3, 2),
                              "min": round(min(v) / 1e3, 2)} for k, v in phases.items()}}

@@ -24,6 +24,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from tcp_roundtrip import _commit                             # noqa: E402
+
 
 def pct(xs, q):
     xs = sorted(xs)
@@ -156,8 +158,7 @@ def main() -> None:
                    "client_spin_us": a.client_spin_us, "server_and_ring_spin_us": spec.spin_us},
         "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or platform.machine(),
         "host_cpus": os.cpu_count(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
+        "commit": _commit(),
         # The per-step processes: cores, load, each thread's last core and niceness (Ray starts workers at 15)
         # (actors/scheduling.py).
         "processes": processes,

@@ -220,10 +220,14 @@ def _device() -> str:
 
 
 def _commit() -> str:
+    """This checkout's commit (+dirty), wherever the bench is started from (bench/host_path.py and
+    bench/rank_host.py use it as well)."""
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=here).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
+                               cwd=here).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
