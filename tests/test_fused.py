@@ -59,12 +59,23 @@ def kernel_checks(dev: str) -> dict:
     res["collapse_post"], res["collapse_comb"] = _rel(p1, p), _rel(c1, cb)
     res["collapse_alone"] = _alone_equals_batch(
         lambda s: fused.mhc_collapse_norm(x[s], fn, base, scale, nw, iters=20, hc_eps=1e-6, norm_eps=eps), R)
+    from dspark_ray.kernels import fused_mhc           # a row wider than one block: the two-pass collapse
+    saved_block, fused_mhc.COLLAPSE_BLOCK = fused_mhc.COLLAPSE_BLOCK, 64
+    try:
+        n2, p2, c2 = fused.mhc_collapse_norm(x, fn, base, scale, nw, iters=20, hc_eps=1e-6, norm_eps=eps)
+        pr2, no2 = fused.hyper_head_norm(x, fn[:4], base[:4], scale[:1], nw, hc_eps=1e-6, norm_eps=eps)
+    finally:
+        fused_mhc.COLLAPSE_BLOCK = saved_block
+    res["collapse_normed_looped"] = _rel(n2, ops.rms_norm(c, nw, eps))
+    res["collapse_comb_looped"] = torch.equal(c2, c1) and torch.equal(p2, p1)     # the Sinkhorn half: unchanged
     y = rn(R, h)
     res["expand_exact"] = torch.equal(fused.mhc_expand(x, y, p, cb), mhc.HcSite.expand(x, y, p, cb))
     hh = mhc.HyperHead(fn[:4], base[:4], scale[:1], hc_eps=1e-6, norm_eps=eps)
     pr1, no1 = fused.hyper_head_norm(x, fn[:4], base[:4], scale[:1], nw, hc_eps=1e-6, norm_eps=eps)
     pr0 = hh(x)
     res["hyper_prenorm"], res["hyper_normed"] = _rel(pr1, pr0), _rel(no1, ops.rms_norm(pr0, nw, eps))
+    res["hyper_prenorm_looped"] = torch.equal(pr2, pr1)          # no reduction in the pre-norm state: same bits
+    res["hyper_normed_looped"] = _rel(no2, ops.rms_norm(pr0, nw, eps))
     xr = rn(5, 1100).half()
     res["rms_norm"] = _rel(fused.rms_norm(xr, nw.repeat(6)[:1100], eps), ops.rms_norm(xr, nw.repeat(6)[:1100], eps))
     wide = rn(5, 1792).half()          # a column slice of a wider GEMM output is read in place: the same bits
@@ -233,6 +244,7 @@ def kernel_checks(dev: str) -> dict:
     res["confident_len_varies"] = len(set(lens.tolist())) > 1
     res["confidence_alone"] = _alone_equals_batch(lambda s: fused.confidence(prenorm[s], me[s], cw, cb, thr), 3)
     c3, l3 = fused.confidence(prenorm, me[:, :3], cw, None, thr)        # n_out 3: rows past n_out never read
+    res["confidence_n_out_prefix_bits"] = torch.equal(fused.confidence(prenorm, me[:, :3], cw, cb, thr)[0], conf[:, :3])
     # The graph set's packing and the block's input streams: no arithmetic, so the reference's exact bits.
     d_, m_ = torch.randint(0, 129280, (3, 4), device=dev), rn(3, 4)
     for marg in (m_, None):

@@ -12,6 +12,8 @@ from .gemm import rows_empty
 
 MIX_CHUNK = 512          # columns of X_row per mix program
 MIX_OUT = 32             # the N_OUT = 24 mixing rows and the sum of squares, padded to a power of two
+COLLAPSE_BLOCK = 8192    # a row of h up to this wide is collapsed and normed in one pass from registers
+COMBINE_WARPS = 8        # more warps spread the Sinkhorn's 4x4 reductions over shared memory
 
 
 @triton.jit
@@ -33,92 +35,106 @@ def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, L, N_OUT, NCH, CHUNK: tl.constexpr,
 
 
 @triton.jit
-def _weighted_streams(xr, H, offs, m, p0, p1, p2, p3):
-    """c = sum_k pre_k X_k on one chunk of h, k in order, no FMA (`mhc._weighted_streams`)."""
-    c = p0 * tl.load(xr + offs, mask=m, other=0.0)
-    c = c + p1 * tl.load(xr + H + offs, mask=m, other=0.0)
-    c = c + p2 * tl.load(xr + 2 * H + offs, mask=m, other=0.0)
-    return c + p3 * tl.load(xr + 3 * H + offs, mask=m, other=0.0)
-
-
-@triton.jit
-def _logits(part_ptr, v_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, r, L, N_OUT, NCH, hc_eps, norm_eps,
-            iters, HEAD: tl.constexpr, NCH_P: tl.constexpr, OUT: tl.constexpr):
-    """Row r: the mix's chunk sums -> logits -> pre (to pre_ptr), and unless HEAD post and the Sinkhorn comb."""
-    # The chunk sums, chunks in order, into v[row] (global scratch): the logits are read back from there, so the
-    # Sinkhorn works in the small layout of a plain load (reducing straight out of the (chunks, 4, 4) tile left it
-    # in a layout spread over every warp, and cost 6 us a site).
+def _row_logits(part_ptr, v_ptr, r, L, N_OUT, NCH, norm_eps, NCH_P: tl.constexpr, OUT: tl.constexpr):
+    """Row r: the mix's chunk sums, chunks in order, into the program's scratch row v_ptr; returns rho. The logits
+    are read back from there, so the Sinkhorn works in the small layout of a plain load (reducing straight out of
+    the (chunks, 4, 4) tile left it in a layout spread over every warp, and cost 6 us a site)."""
     ch = tl.arange(0, NCH_P)
     o = tl.arange(0, OUT)
     t = tl.load(part_ptr + (r * NCH + ch[:, None]) * OUT + o[None, :], mask=ch[:, None] < NCH, other=0.0)
-    tl.store(v_ptr + r * OUT + o, tl.sum(t, axis=0))
+    tl.store(v_ptr + o, tl.sum(t, axis=0))
     tl.debug_barrier()
-    rho = rsqrt64(tl.math.div_rn(tl.load(v_ptr + r * OUT + N_OUT), L.to(tl.float32)) + norm_eps)
+    return rsqrt64(tl.math.div_rn(tl.load(v_ptr + N_OUT), L.to(tl.float32)) + norm_eps)
+
+
+@triton.jit
+def _sinkhorn(v_ptr, rho, base_ptr, scale_ptr, post_ptr, comb_ptr, r, hc_eps, iters):
+    """Row r's post weights and its Sinkhorn comb matrix from the logits at v_ptr."""
     i4 = tl.arange(0, 4)
-    s0 = tl.load(scale_ptr)
-    pre = sigmoid64((tl.load(v_ptr + r * OUT + i4) * rho) * s0 + tl.load(base_ptr + i4)) + hc_eps
-    tl.store(pre_ptr + r * 4 + i4, pre)
-    if not HEAD:
-        s1 = tl.load(scale_ptr + 1)
-        s2 = tl.load(scale_ptr + 2)
-        post = 2.0 * sigmoid64((tl.load(v_ptr + r * OUT + 4 + i4) * rho) * s1 + tl.load(base_ptr + 4 + i4))
-        ij = i4[:, None] * 4 + i4[None, :]                        # [source a, destination b]
-        s = (tl.load(v_ptr + r * OUT + 8 + ij) * rho) * s2 + tl.load(base_ptr + 8 + ij)
-        e = exp64(s - tl.max(s, axis=1)[:, None])
-        p = tl.math.div_rn(e, tl.sum(e, axis=1)[:, None]) + hc_eps
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    post = 2.0 * sigmoid64((tl.load(v_ptr + 4 + i4) * rho) * s1 + tl.load(base_ptr + 4 + i4))
+    ij = i4[:, None] * 4 + i4[None, :]                        # [source a, destination b]
+    s = (tl.load(v_ptr + 8 + ij) * rho) * s2 + tl.load(base_ptr + 8 + ij)
+    e = exp64(s - tl.max(s, axis=1)[:, None])
+    p = tl.math.div_rn(e, tl.sum(e, axis=1)[:, None]) + hc_eps
+    p = tl.math.div_rn(p, tl.sum(p, axis=0)[None, :] + hc_eps)
+    for _ in range(iters - 1):
+        p = tl.math.div_rn(p, tl.sum(p, axis=1)[:, None] + hc_eps)
         p = tl.math.div_rn(p, tl.sum(p, axis=0)[None, :] + hc_eps)
-        for _ in range(iters - 1):
-            p = tl.math.div_rn(p, tl.sum(p, axis=1)[:, None] + hc_eps)
-            p = tl.math.div_rn(p, tl.sum(p, axis=0)[None, :] + hc_eps)
-        tl.store(post_ptr + r * 4 + i4, post)
-        tl.store(comb_ptr + r * 16 + ij, p)
+    tl.store(post_ptr + r * 4 + i4, post)
+    tl.store(comb_ptr + r * 16 + ij, p)
+
+
+@triton.jit
+def _collapse_chunk(xr, H, offs, m, pre_ptr, r, HEAD: tl.constexpr):
+    """c = sum_k pre_k X_k on one chunk of h, k in order, no FMA (`mhc._weighted_streams`); fp16-rounded unless
+    HEAD (the head's pre-norm state stays fp32)."""
+    c = tl.load(pre_ptr + r * 4) * tl.load(xr + offs, mask=m, other=0.0)
+    c = c + tl.load(pre_ptr + r * 4 + 1) * tl.load(xr + H + offs, mask=m, other=0.0)
+    c = c + tl.load(pre_ptr + r * 4 + 2) * tl.load(xr + 2 * H + offs, mask=m, other=0.0)
+    c = c + tl.load(pre_ptr + r * 4 + 3) * tl.load(xr + 3 * H + offs, mask=m, other=0.0)
+    if not HEAD:
+        c = c.to(tl.float16).to(tl.float32)
+    return c
 
 
 @triton.jit
 def _collapse_norm(x_ptr, w_ptr, norm_out_ptr, pre_out_ptr, pre_ptr, r, H, norm_eps, HEAD: tl.constexpr,
                    BLOCK: tl.constexpr):
-    """Row r: c = sum_k pre_k X_k (pre read from pre_ptr), then the RMS norm of c. HEAD: c stays fp32 and is also
-    written out (the head's pre-norm state)."""
-    p0 = tl.load(pre_ptr + r * 4)
-    p1 = tl.load(pre_ptr + r * 4 + 1)
-    p2 = tl.load(pre_ptr + r * 4 + 2)
-    p3 = tl.load(pre_ptr + r * 4 + 3)
+    """Row r: c = sum_k pre_k X_k (pre read from pre_ptr), then the RMS norm of c. HEAD: c is also written out
+    (the head's pre-norm state). When one BLOCK covers h, c stays in registers (one pass, one round of loads: the
+    looped form's six dependent rounds were most of a site's 10 us); else pass 2 recomputes c (same ops, same
+    bits) rather than re-reading it, so no program reads what another thread of it wrote."""
     xr = x_ptr + r * 4 * H
-    # Pass 1: c and its sum of squares. Pass 2 recomputes c (same ops, same bits) rather than re-reading it, so no
-    # program reads what another thread of it wrote.
-    ss = tl.zeros((BLOCK,), dtype=tl.float32)
-    for h0 in range(0, H, BLOCK):
-        offs = h0 + tl.arange(0, BLOCK)
+    if BLOCK >= H:
+        offs = tl.arange(0, BLOCK)
         m = offs < H
-        c = _weighted_streams(xr, H, offs, m, p0, p1, p2, p3)
+        c = _collapse_chunk(xr, H, offs, m, pre_ptr, r, HEAD)
         if HEAD:
             tl.store(pre_out_ptr + r * H + offs, c, mask=m)
-        else:
-            c = c.to(tl.float16).to(tl.float32)
-        ss += c * c
-    rn = norm_scale(tl.sum(ss, axis=0), H.to(tl.float32), norm_eps)
-    for h0 in range(0, H, BLOCK):
-        offs = h0 + tl.arange(0, BLOCK)
-        m = offs < H
-        c = _weighted_streams(xr, H, offs, m, p0, p1, p2, p3)
-        if not HEAD:
-            c = c.to(tl.float16).to(tl.float32)
+        rn = norm_scale(tl.sum(c * c, axis=0), H.to(tl.float32), norm_eps)
         w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(norm_out_ptr + r * H + offs, ((c * w) * rn).to(tl.float16), mask=m)
+    else:
+        ss = tl.zeros((BLOCK,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK):
+            offs = h0 + tl.arange(0, BLOCK)
+            m = offs < H
+            c = _collapse_chunk(xr, H, offs, m, pre_ptr, r, HEAD)
+            if HEAD:
+                tl.store(pre_out_ptr + r * H + offs, c, mask=m)
+            ss += c * c
+        rn = norm_scale(tl.sum(ss, axis=0), H.to(tl.float32), norm_eps)
+        for h0 in range(0, H, BLOCK):
+            offs = h0 + tl.arange(0, BLOCK)
+            m = offs < H
+            c = _collapse_chunk(xr, H, offs, m, pre_ptr, r, HEAD)
+            w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            tl.store(norm_out_ptr + r * H + offs, ((c * w) * rn).to(tl.float16), mask=m)
 
 
 @triton.jit
 def _mhc_combine_kernel(x_ptr, part_ptr, v_ptr, base_ptr, scale_ptr, w_ptr, norm_out_ptr, pre_out_ptr, pre_ptr,
                         post_ptr, comb_ptr, H, L, N_OUT, NCH, hc_eps, norm_eps, iters, HEAD: tl.constexpr,
                         BLOCK: tl.constexpr, NCH_P: tl.constexpr, OUT: tl.constexpr):
-    """One program per row: the logits and the Sinkhorn, then the collapse and its RMS norm. (The logits and
-    Sinkhorn in a one-warp launch of their own, where the 4x4 reductions are warp shuffles, measured slower on the
-    H200: 13.1 against 12.6 us a site at 5 rows, mix included.)"""
+    """Program (row, half). Both halves sum the row's logits (same code, same data, same bits). Half 0: pre, the
+    collapse and its RMS norm; half 1 (not at the HEAD): post and the 20 Sinkhorn rounds, which only the expand
+    after the sublayer needs, so they run beside the collapse instead of before it (the rounds are ~3.5 us of
+    dependent 4x4 reductions). (The logits and Sinkhorn in a one-warp launch of their own, where the 4x4
+    reductions are warp shuffles, measured slower on the H200: 13.1 against 12.6 us a site at 5 rows.)"""
     r = tl.program_id(0).to(tl.int64)
-    _logits(part_ptr, v_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, r, L, N_OUT, NCH, hc_eps, norm_eps,
-            iters, HEAD, NCH_P, OUT)
-    tl.debug_barrier()
-    _collapse_norm(x_ptr, w_ptr, norm_out_ptr, pre_out_ptr, pre_ptr, r, H, norm_eps, HEAD, BLOCK)
+    half = tl.program_id(1)
+    v_row = v_ptr + (r * 2 + half) * OUT
+    rho = _row_logits(part_ptr, v_row, r, L, N_OUT, NCH, norm_eps, NCH_P, OUT)
+    if half == 0:
+        i4 = tl.arange(0, 4)
+        pre = sigmoid64((tl.load(v_row + i4) * rho) * tl.load(scale_ptr) + tl.load(base_ptr + i4)) + hc_eps
+        tl.store(pre_ptr + r * 4 + i4, pre)
+        tl.debug_barrier()
+        _collapse_norm(x_ptr, w_ptr, norm_out_ptr, pre_out_ptr, pre_ptr, r, H, norm_eps, HEAD, BLOCK)
+    elif not HEAD:
+        _sinkhorn(v_row, rho, base_ptr, scale_ptr, post_ptr, comb_ptr, r, hc_eps, iters)
 
 
 @triton.jit
@@ -155,19 +171,22 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
               normed: torch.Tensor, pre_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *, iters: int,
               hc_eps: float, norm_eps: float, head: bool) -> None:
     """One mHC site's collapse in two launches: the mix's partial dots per (chunk, row) into `part`, then the
-    combine per row (it sums the chunks into its scratch row `v`; `pre` is its scratch between its two halves)."""
+    combine per (row, half) (each half sums the chunks into its own scratch row of `v`; `pre` is half 0's scratch
+    between its logits and its collapse)."""
     rows, m, h = x.shape
     L, n_out = m * h, fn.shape[0]
     assert n_out < MIX_OUT
     nch = triton.cdiv(L, MIX_CHUNK)
     part = torch.empty((rows, nch, MIX_OUT), dtype=F32, device=x.device)
-    v = torch.empty((rows, MIX_OUT), dtype=F32, device=x.device)
+    v = torch.empty((rows, 2, MIX_OUT), dtype=F32, device=x.device)
     pre = torch.empty((rows, 4), dtype=F32, device=x.device)
     _mhc_mix_kernel[(nch, rows)](x, _fn16(fn), part, L, n_out, nch, CHUNK=MIX_CHUNK, OUT=MIX_OUT, num_warps=8,
                                  **LAUNCH_OPTS)
-    _mhc_combine_kernel[(rows,)](x, part, v, base, scale, norm_w, normed, pre_out, pre, post, comb, h, L, n_out, nch,
-                                 hc_eps, norm_eps, iters, HEAD=head, BLOCK=2048, NCH_P=triton.next_power_of_2(nch),
-                                 OUT=MIX_OUT, num_warps=8, **LAUNCH_OPTS)
+    block = min(triton.next_power_of_2(h), COLLAPSE_BLOCK)
+    _mhc_combine_kernel[(rows, 1 if head else 2)](
+        x, part, v, base, scale, norm_w, normed, pre_out, pre, post, comb, h, L, n_out, nch, hc_eps, norm_eps, iters,
+        HEAD=head, BLOCK=block, NCH_P=triton.next_power_of_2(nch), OUT=MIX_OUT, num_warps=COMBINE_WARPS,
+        **LAUNCH_OPTS)
 
 
 def mhc_collapse_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
