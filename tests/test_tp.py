@@ -3,6 +3,7 @@ split reference, and agreement with the plain one-GEMM reference."""
 from __future__ import annotations
 
 import multiprocessing as mp
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -139,13 +140,13 @@ def _faulty_pair(cfg, full_weights, rounds, fault):
 
 
 def _drop_expert(ex, e=3):
-    def call(f, experts, weights):
-        return ex(f, experts, torch.where(experts == e, torch.zeros_like(weights), weights))
-    return call
+    def routed(f, experts, weights, shared):
+        return ex.routed(f, experts, torch.where(experts == e, torch.zeros_like(weights), weights), shared)
+    return SimpleNamespace(shared=ex.shared, routed=routed)
 
 
 def _scale(ex, k=1.001):
-    return lambda f, experts, weights: ex(f, experts, weights) * k
+    return SimpleNamespace(shared=ex.shared, routed=lambda *a: ex.routed(*a) * k)
 
 
 def test_tp2_agrees_with_plain_tp1_and_every_first_mismatch_is_a_near_tie(plain_tp1, emulated):

@@ -76,9 +76,10 @@ class Attention:
         n = a.shape[0]
         bsz = n // block
         qkv = linear(a, self.wqkv_a)
+        kv = ops.branch(self._kv, qkv[:, self.q_rank:], pos)           # the kv row beside the q path
         q = linear(rms_norm(qkv[:, :self.q_rank], self.q_norm, self.eps), self.wq_b).reshape(n, H, D)
         q = self._norm_rope(q, None, pos).reshape(bsz, block, H, D)
-        kv = self._kv(qkv[:, self.q_rank:], pos).reshape(bsz, block, D)
+        kv = kv.join().reshape(bsz, block, D)
         fused_attend = ops.fused("attend")
         if fused_attend is not None:
             o = fused_attend(q, window, valid, kv, self.sink, self.scale_f, pos, self.rope.inv_freq, self.rd)

@@ -61,8 +61,16 @@ class Experts:
 
     def __call__(self, f: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """f (n, h) fp16; returns the fp32 partial (n, h) = sum_k w_k d_{e_k} (ascending expert id) + shared."""
+        return self.routed(f, experts, weights, self.shared(f))
+
+    def shared(self, f: torch.Tensor) -> torch.Tensor:
+        """The shared expert's fp32 output (n, h). It needs no routing, so a caller may run it beside the router."""
         gu, i = linear(f, self.shared_w13), self.shared_i
-        shared = linear(swiglu(gu[..., :i], gu[..., i:], self.limit), self.shared_w2, out_dtype=F32)
+        return linear(swiglu(gu[..., :i], gu[..., i:], self.limit), self.shared_w2, out_dtype=F32)
+
+    def routed(self, f: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+               shared: torch.Tensor) -> torch.Tensor:
+        """sum_k w_k d_{e_k} (ascending expert id) + shared, fp32 (n, h)."""
         act_k, out_k = ops.fused("expert_act"), ops.fused("expert_out")
         if act_k is not None and out_k is not None:
             return out_k(act_k(f, self.w1, self.w3, experts, self.limit), self.w2, experts, weights, shared)

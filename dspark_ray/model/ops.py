@@ -147,6 +147,24 @@ def fused(name: str) -> Callable | None:
     return _fused.get(name)
 
 
+class Ready:
+    """A branch run at once (the serial form): `join` gives its value."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def join(self):
+        return self.value
+
+
+def branch(fn: Callable, *args):
+    """fn(*args) as a branch that may run beside what the caller does next; `.join()` gives its result. The fast
+    path runs it on a side stream (`kernels/streams.py`); here it runs at once. Either way the same bits: a branch
+    only reads its arguments, and the caller joins before it reads the result."""
+    k = _fused.get("branch")
+    return k(fn, *args) if k is not None else Ready(fn(*args))
+
+
 def linear_indexed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """fp32 (P, N): row p times its own weight w[idx[p]] (E, N, K stacked), through the installed kernel."""
     return _matmul_indexed(x, w, idx)
