@@ -61,19 +61,21 @@ class Experts:
 
     def __call__(self, f: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """f (n, h) fp16; returns the fp32 partial (n, h) = sum_k w_k d_{e_k} (ascending expert id) + shared."""
-        return self.routed(f, experts, weights, self.shared(f))
+        return self.routed(f, experts, weights, ops.Ready(self.shared(f)))
 
     def shared(self, f: torch.Tensor) -> torch.Tensor:
         """The shared expert's fp32 output (n, h). It needs no routing, so a caller may run it beside the router."""
         gu, i = linear(f, self.shared_w13), self.shared_i
         return linear(swiglu(gu[..., :i], gu[..., i:], self.limit), self.shared_w2, out_dtype=F32)
 
-    def routed(self, f: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-               shared: torch.Tensor) -> torch.Tensor:
-        """sum_k w_k d_{e_k} (ascending expert id) + shared, fp32 (n, h)."""
+    def routed(self, f: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, shared) -> torch.Tensor:
+        """sum_k w_k d_{e_k} (ascending expert id) + shared, fp32 (n, h). `shared` is the shared expert's output as
+        a branch (`ops.branch`), joined only where the sum needs it: on the fast path it runs beside the routed
+        experts' first kernel."""
         act_k, out_k = ops.fused("expert_act"), ops.fused("expert_out")
         if act_k is not None and out_k is not None:
-            return out_k(act_k(f, self.w1, self.w3, experts, self.limit), self.w2, experts, weights, shared)
+            act = act_k(f, self.w1, self.w3, experts, self.limit)
+            return out_k(act, self.w2, experts, weights, shared.join())
         n, k = experts.shape
         order = torch.argsort(experts, dim=1, stable=True)              # ascending expert id per row
         e = torch.gather(experts, 1, order).flatten()
@@ -84,4 +86,4 @@ class Experts:
         routed = torch.zeros(n, d.shape[-1], dtype=F32, device=f.device)
         for j in range(k):
             routed = routed + w[:, j, None] * d[:, j]
-        return routed + shared
+        return routed + shared.join()
