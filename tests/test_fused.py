@@ -122,6 +122,17 @@ def kernel_checks(dev: str) -> dict:
     r1, w1 = fused.route(lg, router.bsel, 3, router.scaling_f)
     res["route_exact"] = torch.equal(r0, r1) and torch.equal(w0, w1)
     res["route_alone"] = _alone_equals_batch(lambda s: fused.route(lg[s], router.bsel, 3, router.scaling_f), 9)
+    # The router's GEMV: close to the reference GEMM; one row alone gives its bits; a K wider than one chunk and an
+    # odd expert count take the kernel's loop and masks.
+    from dspark_ray.kernels import fused_moe
+    fr, gate = rn(5, 300).half(), rn(E + 1, 300, s=0.06).half()
+    res["router_logits"] = _rel(fused.router_logits(fr, gate), ops.f16(ops.linear_tree(fr, gate)))
+    res["router_logits_alone"] = _alone_equals_batch(lambda s: (fused.router_logits(fr[s], gate),), 5)
+    saved_bk, fused_moe.ROUTER_BK = fused_moe.ROUTER_BK, 128
+    try:
+        res["router_logits_looped"] = _rel(fused.router_logits(fr, gate), ops.f16(ops.linear_tree(fr, gate)))
+    finally:
+        fused_moe.ROUTER_BK = saved_bk
 
     # Experts, grouped by expert: close to the per-pair reference, every row alone equals its batched bits (rows
     # share experts here), and more pairs than one pass of the kernel takes (GROUP_BM) on a few experts.

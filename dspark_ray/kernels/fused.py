@@ -29,7 +29,7 @@ from __future__ import annotations
 from .fused_attention import attend, head_norm_rope
 from .fused_head import confidence, markov_step, pack_outputs
 from .fused_mhc import embed_streams, hyper_head_norm, mhc_collapse_norm, mhc_expand
-from .fused_moe import expert_act, expert_out, indexed_linear, route, swiglu
+from .fused_moe import expert_act, expert_out, indexed_linear, route, router_logits, swiglu
 from .fused_ops import rms_norm, rows_linear
 
 __all__ = ["TABLE", "indexed_linear", "rows_linear"]
@@ -39,6 +39,7 @@ TABLE = {
     "confidence": confidence,
     "pack_outputs": pack_outputs,
     "route": route,
+    "router_logits": router_logits,
     "expert_act": expert_act,
     "expert_out": expert_out,
     "mhc_collapse_norm": mhc_collapse_norm,

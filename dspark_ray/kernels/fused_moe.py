@@ -179,6 +179,42 @@ def expert_out(act: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weigh
 
 
 @triton.jit
+def _router_logits_kernel(f_ptr, w_ptr, out_ptr, E, K, EB: tl.constexpr, BK: tl.constexpr):
+    """Program (row, block of EB experts): f16(f_row . gate_e) for each of its experts, fp32 sums over K in BK
+    chunks (one chunk when K <= BK: one round of loads). A row is one program's alone: batch invariant."""
+    r = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * EB + tl.arange(0, EB)
+    e_ok = e < E
+    acc = tl.zeros((EB, BK), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        k_ok = kk < K
+        x = tl.load(f_ptr + r * K + kk, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + e.to(tl.int64)[:, None] * K + kk[None, :], mask=e_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += w * x[None, :]
+    tl.store(out_ptr + r * E + e, tl.sum(acc, axis=1).to(tl.float16), mask=e_ok)
+
+
+ROUTER_EB = 2            # experts per program: E / 2 programs a row, each one round of loads at h = 5120
+ROUTER_BK = 8192
+
+
+def router_logits(f: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """fp16 (n, E) = f16(f @ gate.T): the router's GEMM as a GEMV spread over (row, expert block) programs. The
+    padded cuBLAS GEMM ran 5 us plus a 2 us split-K reduce at the full size (E = 128: too few outputs to fill the
+    card without splitting K)."""
+    n, k = f.shape
+    E = gate.shape[0]
+    out = torch.empty((n, E), dtype=F16, device=f.device)
+    if n:
+        _router_logits_kernel[(n, triton.cdiv(E, ROUTER_EB))](
+            f.contiguous(), gate, out, E, k, EB=ROUTER_EB, BK=min(ROUTER_BK, triton.next_power_of_2(k)),
+            num_warps=8, **LAUNCH_OPTS)
+    return out
+
+
+@triton.jit
 def _route_kernel(lg_ptr, bsel_ptr, experts_ptr, weights_ptr, E, scaling,
                   TOPK: tl.constexpr, EP: tl.constexpr):
     """`Router` on one row of fp16 logits: sc = sqrt(softplus(l)) (fp64 softplus), key = sc + bias (NaN -> -inf),

@@ -24,7 +24,8 @@ class Router:
 
     def __call__(self, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """f (n, h) fp16 -> (experts (n, k) int64 in selection order, weights (n, k) fp16)."""
-        return self.select(linear(f, self.gate))
+        k = ops.fused("router_logits")
+        return self.select(k(f, self.gate) if k is not None else linear(f, self.gate))
 
     def select(self, lg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k and weights from the fp16 router logits lg (n, E)."""
