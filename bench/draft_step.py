@@ -276,8 +276,15 @@ class SpinBarrier:
                 raise TimeoutError(f"pair rank {self.rank}: the peer did not reach barrier {self.n} in 60 s")
 
 
+def _pin(args, rank: int) -> None:
+    """--pin-cpus: this process on one vCPU of the list (rank r takes entry r)."""
+    if args.pin_cpus:
+        os.sched_setaffinity(0, {int(args.pin_cpus.split(",")[rank])})
+
+
 def _pair_rank(rank: int, port: int, args, q, shm_name: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    _pin(args, rank)
     torch.set_num_threads(1)       # as the rank actors: two processes of all-core OpenMP pools stall each other
     import torch.distributed as dist
 
@@ -311,6 +318,7 @@ def _one_card(mode: str, args, q) -> None:
     starts from a fresh process and allocator, whatever ran before it."""
     os.environ["CUDA_VISIBLE_DEVICES"] = "0"
     torch.set_num_threads(1)
+    _pin(args, 0)
     try:
         q.put(run_mode(mode, args))
     except BaseException as e:       # noqa: BLE001 - reported to the parent
@@ -449,6 +457,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each mode (fresh processes, alternating modes); the summary takes the median")
     ap.add_argument("--pair-timeout", type=float, default=540)
+    ap.add_argument("--pin-cpus", default="", help="comma list of vCPUs: rank r's process (tp1 / solo: the "
+                    "first) runs on entry r alone (host hyperthread siblings slow each other's host work)")
     ap.add_argument("--barrier", choices=["spin", "gloo"], default="spin",
                     help="the pair's barrier before each timed call (see SpinBarrier)")
     ap.add_argument("--out")

@@ -76,11 +76,11 @@ class _Block:
             x = HcSite.expand(x, y, post, comb)
             f, post, comb = self.hc_ffn.collapse_norm(x, self.ffn_norm)
         with stage("dspark.routing"):
+            # The shared expert needs no routing: a branch beside the router (H200, one card: beside the routed
+            # experts' first kernel instead, it slowed that kernel by more than it hid, 1383 against 1340 us a step)
+            shared = [ops.branch(ex.shared, f) for ex in self.experts]
             experts, weights = self.router(f)
         with stage("dspark.experts"):
-            # The shared expert needs no routing: a branch beside the routed experts. (Beside the router instead,
-            # its GEMMs slowed the router's small GEMM from 5 to 16 us on the H200.)
-            shared = [ops.branch(ex.shared, f) for ex in self.experts]
             parts = [ex.routed(f, experts, weights, s) for ex, s in zip(self.experts, shared)]
         with stage("dspark.all_reduce"):
             y = coll.all_reduce(parts)
