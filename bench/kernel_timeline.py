@@ -1,0 +1,135 @@
+"""Where one draft step's GPU time goes: every kernel of one graph replay (1 request, n_out 5), in order, with its
+start (us from the replay's first kernel) and duration, for one card (tp1) and for each rank of the NVLink pair.
+GPU only (two cards for the pair); the full preset from `--ckpt`.
+
+    python bench/kernel_timeline.py --ckpt /tmp/full --modes tp1,pair --out bench/results/gpu/kernel_timeline_1x5_h200x2.json
+
+Per mode and rank: `run_us` (median host time of `GraphSet.run` over 300 free-running steps), `gpu_span_us` (first
+kernel start to last kernel end of the profiled replay) and `kernels` ([name, start_us, duration_us]). The gaps
+between kernels and the kernels that run beside each other (the side-stream branches) read straight off it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _median_us(fn, n: int) -> float:
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e6)
+    return round(statistics.median(ts), 1)
+
+
+def timeline(mode: str, rank: int, ckpt: str, coll=None) -> dict:
+    """Capture a one-request graph set for this rank, then profile three replays and keep the last one's kernels."""
+    from bench.draft_step import _slots
+    from dspark_ray.collectives import LocalCollectives
+    from dspark_ray.graphs import GraphSet
+    from dspark_ray.kernels.gemm import use_matmul
+    from dspark_ray.model.drafter import Drafter
+    from dspark_ray.model.layout import Layout
+    from dspark_ray.modes import read_rank
+    from dspark_ray.weights.loader import Checkpoint
+    from torch.profiler import ProfilerActivity, profile
+    use_matmul("fast")
+    ck = Checkpoint(ckpt)
+    cfg = ck.config
+    layout = Layout(cfg, 1 if mode == "tp1" else 2)
+    d = Drafter(cfg, [read_rank(ck, layout, rank, "cuda")], [layout.vocab_range(rank)[0]],
+                coll or LocalCollectives(1))
+    gs = GraphSet(d, n_slots=2, max_requests=1, n_outs=(5,), insert_buckets=(8, 128))
+    gs.capture()
+    states = _slots(gs, cfg, 1, cfg.sliding_window + 32, 900000)
+
+    def step():
+        gs.run([], states, [17], 5, False)
+    for _ in range(50):
+        step()
+    res = {"run_us": _median_us(step, 300)}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    uploads = [i for i, e in enumerate(ev) if "HtoD" in e.name]
+    last = ev[uploads[-1] + 1 if uploads else 0:]             # the last replay's kernels, after its upload
+    t0 = last[0].time_range.start
+    res["gpu_span_us"] = round(max(e.time_range.end for e in last) - t0, 1)
+    res["kernels"] = [[e.name[:70], round(e.time_range.start - t0, 2), round(e.time_range.elapsed_us(), 2)]
+                      for e in last]
+    return res
+
+
+def _pair_rank(rank: int, port: int, ckpt: str, q) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    torch.set_num_threads(1)
+    try:
+        from dspark_ray.collectives import GlooCollectives
+        from dspark_ray.kernels.push import connect_over
+        from dspark_ray.model.layout import Layout
+        from dspark_ray.weights.loader import Checkpoint
+        torch.cuda.set_device(0)
+        cfg = Checkpoint(ckpt).config
+        gloo = GlooCollectives(rank, 2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=600)
+        pc = connect_over(gloo.group, rank, Layout(cfg, 2).vocab_range(1 - rank), 2.0)
+        q.put((rank, timeline("pair", rank, ckpt, pc)))
+    except BaseException as e:      # noqa: BLE001 - reported to the parent
+        q.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+
+
+def run_pair(ckpt: str) -> dict:
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ps = [ctx.Process(target=_pair_rank, args=(r, port, ckpt, q)) for r in (0, 1)]
+    for p in ps:
+        p.start()
+    got = dict(q.get(timeout=300) for _ in ps)
+    for p in ps:
+        p.join(30)
+    return {f"pair_rank{r}": got[r] for r in (0, 1)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", default="/tmp/full")
+    ap.add_argument("--modes", default="tp1,pair")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    from bench.tcp_roundtrip import _commit
+    out = {"bench": "kernel_timeline", "command": " ".join(["python"] + sys.argv), "commit": _commit(),
+           "device": torch.cuda.get_device_name(0), "timelines": {}}
+    for mode in args.modes.split(","):
+        print(f"kernel_timeline: {mode} ...", file=sys.stderr, flush=True)
+        if mode == "tp1":
+            torch.set_num_threads(1)
+            out["timelines"]["tp1"] = timeline("tp1", 0, args.ckpt)
+        else:
+            out["timelines"].update(run_pair(args.ckpt))
+    text = json.dumps(out)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(json.dumps({k: {"run_us": v.get("run_us"), "gpu_span_us": v.get("gpu_span_us"), "error": v.get("error")}
+                      for k, v in out["timelines"].items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
