@@ -34,7 +34,7 @@ def _median_us(fn, n: int) -> float:
     return round(statistics.median(ts), 1)
 
 
-def timeline(mode: str, rank: int, ckpt: str, coll=None) -> dict:
+def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None) -> dict:
     """Capture a one-request graph set for this rank, then profile three replays and keep the last one's kernels."""
     from bench.draft_step import _slots
     from dspark_ray.collectives import LocalCollectives
@@ -53,7 +53,7 @@ def timeline(mode: str, rank: int, ckpt: str, coll=None) -> dict:
                 coll or LocalCollectives(1))
     gs = GraphSet(d, n_slots=2, max_requests=1, n_outs=(5,), insert_buckets=(8, 128))
     gs.capture()
-    states = _slots(gs, cfg, 1, cfg.sliding_window + 32, 900000)
+    states = _slots(gs, cfg, 1, cfg.sliding_window + 32, start)
 
     def step():
         gs.run([], states, [17], 5, False)
@@ -74,7 +74,7 @@ def timeline(mode: str, rank: int, ckpt: str, coll=None) -> dict:
     return res
 
 
-def _pair_rank(rank: int, port: int, ckpt: str, q) -> None:
+def _pair_rank(rank: int, port: int, ckpt: str, start: int, q) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     torch.set_num_threads(1)
     try:
@@ -86,19 +86,19 @@ def _pair_rank(rank: int, port: int, ckpt: str, q) -> None:
         cfg = Checkpoint(ckpt).config
         gloo = GlooCollectives(rank, 2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=600)
         pc = connect_over(gloo.group, rank, Layout(cfg, 2).vocab_range(1 - rank), 2.0)
-        q.put((rank, timeline("pair", rank, ckpt, pc)))
+        q.put((rank, timeline("pair", rank, ckpt, start, pc)))
     except BaseException as e:      # noqa: BLE001 - reported to the parent
         q.put((rank, {"error": f"{type(e).__name__}: {e}"}))
 
 
-def run_pair(ckpt: str) -> dict:
+def run_pair(ckpt: str, start: int) -> dict:
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ps = [ctx.Process(target=_pair_rank, args=(r, port, ckpt, q)) for r in (0, 1)]
+    ps = [ctx.Process(target=_pair_rank, args=(r, port, ckpt, start, q)) for r in (0, 1)]
     for p in ps:
         p.start()
     got = dict(q.get(timeout=300) for _ in ps)
@@ -111,6 +111,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", default="/tmp/full")
     ap.add_argument("--modes", default="tp1,pair")
+    ap.add_argument("--start", type=int, default=900000, help="position of the slot's context rows")
     ap.add_argument("--out")
     args = ap.parse_args()
     from bench.tcp_roundtrip import _commit
@@ -120,9 +121,9 @@ def main() -> int:
         print(f"kernel_timeline: {mode} ...", file=sys.stderr, flush=True)
         if mode == "tp1":
             torch.set_num_threads(1)
-            out["timelines"]["tp1"] = timeline("tp1", 0, args.ckpt)
+            out["timelines"]["tp1"] = timeline("tp1", 0, args.ckpt, args.start)
         else:
-            out["timelines"].update(run_pair(args.ckpt))
+            out["timelines"].update(run_pair(args.ckpt, args.start))
     text = json.dumps(out)
     if args.out:
         Path(args.out).write_text(text)
