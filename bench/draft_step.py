@@ -254,10 +254,10 @@ def graph_kernels(gs, states, n: int = 10, top: int = 15) -> dict:
 # --- the pair: two processes, one card each ---------------------------------------------------------------------
 
 class SpinBarrier:
-    """The pair's barrier before each timed call: both ranks spin on two counters in shared memory. A blocking
-    barrier (gloo) put the core to sleep before every call, and the woken rank staged and launched its step 2-3x
-    slower than one card's rank in its tight loop (28 + 32 us against 13 + 11): a cost of the bench, not of the
-    pair, which the service's spinning rank loop does not pay."""
+    """The pair's barrier before each timed call: both ranks spin on two counters in shared memory. Behind a
+    blocking barrier (gloo) the woken ranks staged and launched their step in 24 + 27 us, behind this one in 19 + 24
+    (one card's rank in its tight loop: 14 + 11), and the pair's step read 1.011 against 0.991 ms (H200 pair, one
+    device call: bench/results/gpu/draft_step_1x5_host_share_h200x2.json). The service's rank loop spins too."""
 
     def __init__(self, name: str, rank: int):
         from multiprocessing import shared_memory
@@ -458,7 +458,7 @@ def main(argv=None) -> int:
                     help="runs of each mode (fresh processes, alternating modes); the summary takes the median")
     ap.add_argument("--pair-timeout", type=float, default=540)
     ap.add_argument("--pin-cpus", default="", help="comma list of vCPUs: rank r's process (tp1 / solo: the "
-                    "first) runs on entry r alone (host hyperthread siblings slow each other's host work)")
+                    "first) runs on entry r alone (unpinned, one pair rank's host share was seen at twice the other's)")
     ap.add_argument("--barrier", choices=["spin", "gloo"], default="spin",
                     help="the pair's barrier before each timed call (see SpinBarrier)")
     ap.add_argument("--out")

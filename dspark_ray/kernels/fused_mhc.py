@@ -13,7 +13,7 @@ from .gemm import rows_empty
 MIX_CHUNK = 512          # columns of X_row per mix program
 MIX_OUT = 32             # the N_OUT = 24 mixing rows and the sum of squares, padded to a power of two
 COLLAPSE_BLOCK = 8192    # a row of h up to this wide is collapsed and normed in one pass from registers
-COMBINE_WARPS = 8        # more warps spread the Sinkhorn's 4x4 reductions over shared memory
+COMBINE_WARPS = 8        # as before the split; more warps would spread the 4x4 Sinkhorn sums wider (not tried)
 
 
 @triton.jit

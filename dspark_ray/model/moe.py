@@ -71,8 +71,8 @@ class Experts:
 
     def routed(self, f: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, shared) -> torch.Tensor:
         """sum_k w_k d_{e_k} (ascending expert id) + shared, fp32 (n, h). `shared` is the shared expert's output as
-        a branch (`ops.branch`), joined only where the sum needs it: on the fast path it runs beside the routed
-        experts' first kernel."""
+        a branch (`ops.branch`), joined only where the sum needs it: on the fast path it runs beside the router and,
+        when it lasts longer, beside the routed experts' first kernel."""
         act_k, out_k = ops.fused("expert_act"), ops.fused("expert_out")
         if act_k is not None and out_k is not None:
             act = act_k(f, self.w1, self.w3, experts, self.limit)
