@@ -25,7 +25,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.tcp_roundtrip import _commit  # noqa: E402
 
 SEED000 = ((1, 5), (1, 4), (2, 5), (2, 4), (3, 5), (3, 4), (4, 5), (4, 4))
 INSERT_ROWS = (1, 2, 3, 4, 5, 6, 20, 128)
@@ -53,14 +54,6 @@ def stats(ms: list[float]) -> dict:
     s = sorted(ms)
     return {"p50_ms": round(statistics.median(s), 4), "p99_ms": round(s[min(len(s) - 1, int(0.99 * len(s)))], 4),
             "min_ms": round(s[0], 4), "n": len(s)}
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def ensure_checkpoint(preset: str, path: str) -> None:
@@ -282,21 +275,33 @@ def _pin(args, rank: int) -> None:
         os.sched_setaffinity(0, {int(args.pin_cpus.split(",")[rank])})
 
 
+def free_port() -> int:
+    """A free TCP port on the loopback for the pair's gloo rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def connect_pair_rank(rank: int, port: int, ckpt: str):
+    """In a pair rank's process (CUDA_VISIBLE_DEVICES names its card alone): gloo over `port`, then the push
+    collectives with the peer over it. Returns (gloo, push collectives)."""
+    from dspark_ray.collectives import GlooCollectives
+    from dspark_ray.kernels.push import connect_over
+    from dspark_ray.model.layout import Layout
+    from dspark_ray.weights.loader import Checkpoint
+    torch.cuda.set_device(0)
+    cfg = Checkpoint(ckpt).config
+    gloo = GlooCollectives(rank, 2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=600)
+    return gloo, connect_over(gloo.group, rank, Layout(cfg, 2).vocab_range(1 - rank), 2.0)
+
+
 def _pair_rank(rank: int, port: int, args, q, shm_name: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     _pin(args, rank)
     torch.set_num_threads(1)       # as the rank actors: two processes of all-core OpenMP pools stall each other
     import torch.distributed as dist
-
-    from dspark_ray.collectives import GlooCollectives
-    from dspark_ray.kernels.push import connect_over
-    from dspark_ray.model.layout import Layout
-    from dspark_ray.weights.loader import Checkpoint
     try:
-        torch.cuda.set_device(0)
-        cfg = Checkpoint(args.ckpt).config
-        gloo = GlooCollectives(rank, 2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=600)
-        pc = connect_over(gloo.group, rank, Layout(cfg, 2).vocab_range(1 - rank), 2.0)
+        gloo, pc = connect_pair_rank(rank, port, args.ckpt)
 
         def share(obj):
             out = [None, None]
@@ -343,9 +348,7 @@ def run_pair(args) -> dict:
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     from multiprocessing import shared_memory
     shm = shared_memory.SharedMemory(create=True, size=16)
     shm.buf[:16] = bytes(16)
@@ -473,7 +476,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     ensure_checkpoint(args.preset, args.ckpt)
     out = {"bench": "draft_step", "preset": args.preset, "device": torch.cuda.get_device_name(0),
-           "cards": torch.cuda.device_count(), "commit": commit(), "replays": args.replays,
+           "cards": torch.cuda.device_count(), "commit": _commit(), "replays": args.replays,
            "command": "python bench/draft_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "torch": torch.__version__, "start": args.start}
     from dspark_ray.weights.loader import Checkpoint

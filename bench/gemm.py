@@ -20,10 +20,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.tcp_roundtrip import _commit  # noqa: E402
 
 # (name, N, K) of the dense GEMMs one rank runs (tp2 halves where the layer is split; wq_a | wkv and the shared
 # expert's w1 | w3 run as one GEMM each in the draft, wkv alone in the insert).
@@ -32,14 +33,6 @@ DENSE = [("main_proj", 5120, 15360), ("wq_a|wkv", 1792, 5120), ("wq_b", 16384, 1
 EXPERTS = (128, 1152, 5120)          # E, N, K: one rank's half of a routed expert's w1 / w3
 TOP_K = 3
 COLD_BYTES = 256 << 20
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def stats(ts):
@@ -146,7 +139,7 @@ def main():
                   f"({r['fast_tbs']:.2f} TB/s)  gather+bmm {r['baseline']['p50_us']:8.1f} us  "
                   f"ratio {r['ratio_p50']:.2f}", file=sys.stderr, flush=True)
 
-    result = {"bench": "gemm", "device": torch.cuda.get_device_name(), "commit": commit(),
+    result = {"bench": "gemm", "device": torch.cuda.get_device_name(), "commit": _commit(),
               "torch": torch.__version__, "calls_per_graph": args.calls, "replays": args.replays,
               "pad_rows": gemm.PAD_ROWS, "matmul": gemm.describe_matmul(), "pinned": pinned, "rows": rows}
     text = json.dumps(result, indent=1)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -78,14 +77,8 @@ def _pair_rank(rank: int, port: int, ckpt: str, start: int, q) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     torch.set_num_threads(1)
     try:
-        from dspark_ray.collectives import GlooCollectives
-        from dspark_ray.kernels.push import connect_over
-        from dspark_ray.model.layout import Layout
-        from dspark_ray.weights.loader import Checkpoint
-        torch.cuda.set_device(0)
-        cfg = Checkpoint(ckpt).config
-        gloo = GlooCollectives(rank, 2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=600)
-        pc = connect_over(gloo.group, rank, Layout(cfg, 2).vocab_range(1 - rank), 2.0)
+        from bench.draft_step import connect_pair_rank
+        _, pc = connect_pair_rank(rank, port, ckpt)
         q.put((rank, timeline("pair", rank, ckpt, start, pc)))
     except BaseException as e:      # noqa: BLE001 - reported to the parent
         q.put((rank, {"error": f"{type(e).__name__}: {e}"}))
@@ -95,9 +88,8 @@ def run_pair(ckpt: str, start: int) -> dict:
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from bench.draft_step import free_port
+    port = free_port()
     ps = [ctx.Process(target=_pair_rank, args=(r, port, ckpt, start, q)) for r in (0, 1)]
     for p in ps:
         p.start()

@@ -23,7 +23,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import subprocess
 import time
 from multiprocessing import shared_memory
 
@@ -150,14 +149,6 @@ def _device():
     return f"{model} x{os.cpu_count()} logical cores"
 
 
-def _commit():
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=5000)
@@ -166,6 +157,7 @@ def main():
     ap.add_argument("--spin-us", type=float, default=50.0)
     ap.add_argument("--out", help="also append the JSON lines to this file")
     args = ap.parse_args()
+    from tcp_roundtrip import _commit     # here, not at the top: the spawned readers re-import this module
     # The CPU machine is shared: the 1-minute load average says how much the figures were disturbed.
     meta = {"device": _device(), "commit": _commit(), "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
     warm = 200
