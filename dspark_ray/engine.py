@@ -60,7 +60,6 @@ class EntryOut:
     confident_len: int = 0
 
 
-
 class _CountingCollectives(Collectives):
     """Wraps the real collectives to know whether a failure struck mid-sequence (pair possibly out of step)."""
 

@@ -34,8 +34,7 @@ def _side(device: torch.device) -> torch.cuda.Stream:
 class Branch:
     """fn(*args) queued on the device's side stream after everything already queued on the current stream."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple):
-        dev = next(a.device for a in args if isinstance(a, torch.Tensor))
+    def __init__(self, fn: Callable[..., Any], args: tuple, dev: torch.device):
         self.main = torch.cuda.current_stream(dev)
         self.side = _side(dev)
         self.side.wait_stream(self.main)
@@ -52,6 +51,5 @@ class Branch:
 
 def branch(fn: Callable[..., Any], *args) -> Branch | Ready:
     """`ops.branch` on the fast path: a side-stream branch for CUDA tensors, else run at once."""
-    if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
-        return Branch(fn, args)
-    return Ready(fn(*args))
+    dev = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+    return Branch(fn, args, dev) if dev is not None else Ready(fn(*args))
