@@ -212,6 +212,13 @@ def kernel_checks(dev: str) -> dict:
     cos2, sin2 = rope.cos_sin(pos2)
     res["attend_wide"] = _rel(s2, att2._attend(q2, keys2, mask2, cos2.reshape(n2, B, -1), sin2.reshape(n2, B, -1)))
     res["attend_wide_finite"] = bool(torch.isfinite(s2).all())
+    # Written straight into the grouped output GEMM's padded group-major input: the same bits, and the grouped
+    # linear reads that buffer in place to the same result as from a copy.
+    u2 = fused.attend(q2, win2, valid2, kv2, *args2, pos2, rope.inv_freq, rd, groups=4)
+    res["attend_grouped_layout"] = torch.equal(u2, s2.reshape(n2 * B, 4, 2 * D2))
+    wo_a2 = (torch.randn(4 * 64, 2 * D2, generator=torch.Generator().manual_seed(5)) * 0.05).half().to(dev)
+    res["grouped_linear_in_place"] = torch.equal(gemm.padded_grouped_linear(u2, wo_a2),
+                                                 gemm.padded_grouped_linear(u2.contiguous(), wo_a2))
     res["attend_wide_alone"] = all(torch.equal(
         fused.attend(q2[i:i + 1], win2[i:i + 1], valid2[i:i + 1], kv2[i:i + 1], *args2, pos2[i * B:(i + 1) * B],
                      rope.inv_freq, rd), s2[i:i + 1]) for i in range(n2))
@@ -265,8 +272,9 @@ def kernel_checks(dev: str) -> dict:
     emb, sd = rn(50, 1100).bfloat16(), torch.tensor([7, 0, 49], device=dev)
     ids = torch.full((3, 5), 11, dtype=torch.int64, device=dev)
     ids[:, 0] = sd
-    res["embed_streams_exact"] = torch.equal(fused.embed_streams(sd, emb, 5, 11, 4),
-                                             emb[ids.flatten()].float()[:, None].expand(-1, 4, -1))
+    streams, pos = fused.embed_streams(sd, torch.tensor([0, 900000, 2 ** 24 + 3], device=dev), emb, 5, 11, 4)
+    res["embed_streams_exact"] = torch.equal(streams, emb[ids.flatten()].float()[:, None].expand(-1, 4, -1))
+    res["embed_positions_exact"] = pos.tolist() == [p + j for p in (0, 900000, 2 ** 24 + 3) for j in range(5)]
     res["confidence_n_out_prefix"] = _rel(c3, ops.sigmoid(ops.f16(ops.linear_tree(ci[:, :3], cw))[..., 0].float()))
     ops.set_matmul(*saved)
     return res

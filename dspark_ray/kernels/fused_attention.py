@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from .fused_ops import F16, LAUNCH_OPTS, apply_head_weight, exp64, norm_scale
+from .gemm import grouped_rows_empty
 
 
 @triton.jit
@@ -109,7 +110,7 @@ def _attend_scores_kernel(q_ptr, win_ptr, valid_ptr, kv_ptr, s_ptr, scale, NH, B
 
 @triton.jit
 def _attend_pv_kernel(s_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_freq_ptr, out_ptr,
-                      NH, BLK, W,
+                      NH, BLK, W, HPG, GS, RS,
                       D: tl.constexpr, RD: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, BB: tl.constexpr,
                       BD: tl.constexpr):
     """Program (request b, BM query rows, one chunk of output columns: BD of the D - RD plain dims, or, for the
@@ -117,7 +118,8 @@ def _attend_pv_kernel(s_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_
     chunk recomputes it: a few exponentials against a second read of the window) with fp64 exponentials, rounded
     to fp16 for PV; PV for its columns through tl.dot; IEEE division by den; for the tail, the de-rotation of the
     RoPE pairs. den is summed in the register layout of the loaded scores: forcing another layout (a dot of zeros)
-    cost more than the split saved."""
+    cost more than the split saved. Head h of row n is stored at (h // HPG) * GS + n * RS + (h % HPG) * D: the
+    plain (rows, heads, D) layout, or the grouped output GEMM's (groups, padded rows, HPG * D) input."""
     b = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     row_ok = rows < BLK * NH
@@ -140,7 +142,7 @@ def _attend_pv_kernel(s_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_
     den = exp64(sink - mu) + (tl.sum(ew, axis=1) + tl.sum(eb, axis=1))
     pw = ew.to(tl.float16)
     pb = eb.to(tl.float16)
-    o_rows = out_ptr + (b * BLK * NH + rows.to(tl.int64)) * D
+    o_rows = out_ptr + (hd // HPG).to(tl.int64) * GS + (b * BLK + j) * RS + (hd % HPG) * D
     DN: tl.constexpr = D - RD
     d0 = tl.program_id(2) * BD
     if d0 < DN:
@@ -164,9 +166,12 @@ def _attend_pv_kernel(s_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_
 
 
 def attend(q: torch.Tensor, window: torch.Tensor, valid: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor,
-           scale: float, pos: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int) -> torch.Tensor:
+           scale: float, pos: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
+           groups: int | None = None) -> torch.Tensor:
     """`Attention._attend` on the unconcatenated keys: q (bsz, B, H, D) fp16, window (bsz, W, D) fp16 with valid
-    (bsz, W), kv (bsz, B, D) fp16 the block's own rows, pos (bsz*B,) -> o (bsz, B, H, D) fp16.
+    (bsz, W), kv (bsz, B, D) fp16 the block's own rows, pos (bsz*B,) -> o (bsz, B, H, D) fp16. With `groups`:
+    o as the grouped output projection's input u (bsz*B, groups, H/groups * D), written straight into the padded
+    group-major buffer that `gemm.padded_grouped_linear` reads in place (`gemm.grouped_rows_empty`; saves its copy).
 
     Two kernels, for latency at few requests: the scores (programs over request x query rows x key chunks) to an
     fp32 scratch, then softmax + PV (programs over request x query rows x output-column chunks). A request's
@@ -175,7 +180,13 @@ def attend(q: torch.Tensor, window: torch.Tensor, valid: torch.Tensor, kv: torch
     those tried on the H200 at 1-16 requests (full model shapes)."""
     bsz, blk, nh, D = q.shape
     W = window.shape[1]
-    out = torch.empty_like(q)
+    if groups:
+        hpg = nh // groups
+        out = grouped_rows_empty(bsz * blk, groups, hpg * D, F16, q.device)
+        gs, rs = out.stride(1), out.stride(0)
+    else:
+        out = torch.empty_like(q)
+        hpg, gs, rs = nh, 0, nh * D
     bm, bn, bd = 16, 16, 64
     if (D - rope_dim) % bd:
         raise ValueError(f"attend: head_dim - rope_dim = {D - rope_dim} must be a multiple of {bd}")
@@ -190,6 +201,7 @@ def attend(q: torch.Tensor, window: torch.Tensor, valid: torch.Tensor, kv: torch
                                                         D=D, BM=bm, BN=bn, BW=bw, BB=bb, BD=bd,
                                                         num_warps=2, num_stages=3, **LAUNCH_OPTS)
     _attend_pv_kernel[(bsz, rows, (D - rope_dim) // bd + 1)](scores, wc, vb, kc, sink, pos.contiguous(), inv_freq,
-                                                             out, nh, blk, W, D=D, RD=rope_dim, BM=bm, BW=bw,
+                                                             out, nh, blk, W, hpg, gs, rs, D=D, RD=rope_dim,
+                                                             BM=bm, BW=bw,
                                                              BB=bb, BD=bd, num_warps=8, num_stages=3, **LAUNCH_OPTS)
     return out

@@ -225,9 +225,11 @@ def mhc_expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch
 
 
 @triton.jit
-def _embed_streams_kernel(seeds_ptr, emb_ptr, out_ptr, H, B, noise, M: tl.constexpr, BLOCK: tl.constexpr):
+def _embed_streams_kernel(seeds_ptr, p0_ptr, emb_ptr, out_ptr, pos_ptr, H, B, noise, M: tl.constexpr,
+                          BLOCK: tl.constexpr):
     """Program (row, block of h): row j of request b's block embeds the seed (j == 0) or the noise token, and the
-    embedding (bf16 / fp16, exact in fp32) starts all M streams."""
+    embedding (bf16 / fp16, exact in fp32) starts all M streams. The first program of a row writes its position
+    p0[b] + j."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
@@ -235,13 +237,19 @@ def _embed_streams_kernel(seeds_ptr, emb_ptr, out_ptr, H, B, noise, M: tl.conste
     e = tl.load(emb_ptr + tok * H + offs, mask=m).to(tl.float32)
     for k in tl.static_range(M):
         tl.store(out_ptr + (row * M + k) * H + offs, e, mask=m)
+    if tl.program_id(1) == 0:
+        tl.store(pos_ptr + row, tl.load(p0_ptr + row // B) + row % B)
 
 
-def embed_streams(seeds: torch.Tensor, embed: torch.Tensor, block: int, noise_id: int, m: int) -> torch.Tensor:
-    """The draft block's input streams in one launch: (bsz * block, m, h) fp32, row j of request b = the embedding
-    of seeds[b] (j == 0) or of the noise token (was four: the ids' fill and copy, the gather, the expand)."""
+def embed_streams(seeds: torch.Tensor, p0: torch.Tensor, embed: torch.Tensor, block: int, noise_id: int,
+                  m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft block's input streams and positions in one launch (was six: the ids' fill and copy, the gather,
+    the expand, the positions' arange and add): streams (bsz * block, m, h) fp32, row j of request b = the
+    embedding of seeds[b] (j == 0) or of the noise token; positions (bsz * block,) int64 = p0[b] + j."""
     bsz, h = seeds.shape[0], embed.shape[1]
     out = torch.empty((bsz * block, m, h), dtype=F32, device=embed.device)
-    _embed_streams_kernel[(bsz * block, triton.cdiv(h, 1024))](seeds.contiguous(), embed, out, h, block, noise_id,
-                                                               M=m, BLOCK=1024, num_warps=4, **LAUNCH_OPTS)
-    return out
+    pos = torch.empty(bsz * block, dtype=torch.int64, device=embed.device)
+    _embed_streams_kernel[(bsz * block, triton.cdiv(h, 1024))](seeds.contiguous(), p0.to(torch.int64).contiguous(),
+                                                               embed, out, pos, h, block, noise_id, M=m, BLOCK=1024,
+                                                               num_warps=4, **LAUNCH_OPTS)
+    return out, pos

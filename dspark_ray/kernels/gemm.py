@@ -99,6 +99,14 @@ def rows_empty(rows: int, width: int, dtype: torch.dtype, device) -> torch.Tenso
     return torch.empty((full, width), dtype=dtype, device=device)[:rows]
 
 
+def grouped_rows_empty(rows: int, groups: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised (rows, groups, width) view of a (groups, padded rows, width) buffer: the grouped linear's
+    input layout (`padded_grouped_linear` reads it in place instead of copying each group's rows into it)."""
+    full = -(-max(rows, 1) // PAD_ROWS) * PAD_ROWS
+    buf = torch.empty((groups, full, width), dtype=dtype, device=device)
+    return buf.as_strided((rows, groups, width), (width, full * width, 1))
+
+
 def _in_place(x2: torch.Tensor, rows: int) -> bool:
     """Whether x2 (m, K) fp16 can be read as `rows` rows in place: row-contiguous, its storage runs on for that
     many rows, and it starts as aligned as a fresh allocation (256 B; alignment is an input of cuBLAS's heuristic,
@@ -114,8 +122,11 @@ def _padded_rows(x2: torch.Tensor, lead: tuple = ()) -> tuple[torch.Tensor, int]
     so whatever they hold never reaches a real row, and skipping the zero fill saves a kernel per linear."""
     m, k = x2.shape[-2], x2.shape[-1]
     chunks = -(-m // PAD_ROWS)
-    if not lead and _in_place(x2, chunks * PAD_ROWS):
-        return x2.as_strided((chunks * PAD_ROWS, k), (k, 1)), chunks
+    full = chunks * PAD_ROWS
+    if not lead and _in_place(x2, full):
+        return x2.as_strided((full, k), (k, 1)), chunks
+    if lead and x2.stride() == (full * k, k, 1) and _in_place(x2[0], lead[0] * full):   # grouped_rows_empty's layout
+        return x2.as_strided((*lead, full, k), (full * k, k, 1)), chunks
     xp = torch.empty((*lead, chunks * PAD_ROWS, k), dtype=torch.float16, device=x2.device)
     xp[..., :m, :].copy_(x2)                          # fp16 values: the conversion is exact
     return xp, chunks

@@ -81,8 +81,9 @@ class Attention:
         q = self._norm_rope(q, None, pos).reshape(bsz, block, H, D)
         kv = kv.join().reshape(bsz, block, D)
         fused_attend = ops.fused("attend")
-        if fused_attend is not None:
-            o = fused_attend(q, window, valid, kv, self.sink, self.scale_f, pos, self.rope.inv_freq, self.rd)
+        if fused_attend is not None:       # o straight into the grouped output projection's input layout
+            o = fused_attend(q, window, valid, kv, self.sink, self.scale_f, pos, self.rope.inv_freq, self.rd,
+                             groups=self.n_groups)
         else:
             keys = torch.cat((torch.where(valid[..., None], window, torch.zeros_like(window)), kv), dim=1)
             mask = torch.cat((valid, torch.ones(bsz, block, dtype=torch.bool, device=a.device)), dim=1)

@@ -200,13 +200,13 @@ class Drafter:
         B, bsz = c.block_size, seeds.shape[0]
         k = ops.fused("embed_streams")
         if k is not None:
-            x = k(seeds, self.embed, B, c.dspark_noise_token_id, c.hc_mult)
+            x, pos = k(seeds, p0, self.embed, B, c.dspark_noise_token_id, c.hc_mult)
         else:
             ids = torch.full((bsz, B), c.dspark_noise_token_id, dtype=torch.int64, device=seeds.device)
             ids[:, 0] = seeds
             e = self.embed[ids.flatten()].float()                           # bf16 -> fp32 is exact
             x = e[:, None, :].expand(-1, c.hc_mult, -1).contiguous()       # (bsz*B, M, h) fp32 streams
-        pos = (p0[:, None] + torch.arange(B, device=p0.device)).flatten()   # (bsz*B,) every block's positions
+            pos = (p0[:, None] + torch.arange(B, device=p0.device)).flatten()   # (bsz*B,) every block's positions
         self.last_experts = []
         for n, blk in enumerate(self.blocks):
             x, experts = blk(x, pos, windows[n], valid, B, self.coll)
