@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.tcp_roundtrip import _commit  # noqa: E402
+from dspark_ray.kernels.fused_ops import pdl_capable  # noqa: E402
 
 SEED000 = ((1, 5), (1, 4), (2, 5), (2, 4), (3, 5), (3, 4), (4, 5), (4, 4))
 INSERT_ROWS = (1, 2, 3, 4, 5, 6, 20, 128)
@@ -478,7 +479,7 @@ def main(argv=None) -> int:
     out = {"bench": "draft_step", "preset": args.preset, "device": torch.cuda.get_device_name(0),
            "cards": torch.cuda.device_count(), "commit": _commit(), "replays": args.replays,
            "command": "python bench/draft_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "torch": torch.__version__, "start": args.start}
+           "torch": torch.__version__, "start": args.start, "pdl": pdl_capable()}
     from dspark_ray.weights.loader import Checkpoint
     cfg = Checkpoint(args.ckpt).config
     half = cfg.qk_rope_head_dim // 2

@@ -23,6 +23,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from dspark_ray.kernels.fused_ops import pdl_capable  # noqa: E402
+
 
 def _median_us(fn, n: int) -> float:
     ts = []
@@ -108,7 +110,7 @@ def main() -> int:
     args = ap.parse_args()
     from bench.tcp_roundtrip import _commit
     out = {"bench": "kernel_timeline", "command": " ".join(["python"] + sys.argv), "commit": _commit(),
-           "device": torch.cuda.get_device_name(0), "timelines": {}}
+           "device": torch.cuda.get_device_name(0), "pdl": pdl_capable(), "timelines": {}}
     for mode in args.modes.split(","):
         print(f"kernel_timeline: {mode} ...", file=sys.stderr, flush=True)
         if mode == "tp1":

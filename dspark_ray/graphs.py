@@ -249,24 +249,25 @@ class GraphSet:
         total, done = len(keys) + len(self.insert_buckets), 0
         fns = [(("draft", key), lambda key=key: self._draft_fn(*key)) for key in keys]
         fns += [(("insert", rows), lambda rows=rows: self._insert_fn(rows)) for rows in self.insert_buckets]
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()     # cached free blocks would hide the graphs' memory from the device count
-            free0 = torch.cuda.mem_get_info()[0]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _, fn in fns:        # every shape once: a kernel specialised by shape compiles here
-                    fn()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-        for (kind, key), fn in fns:
-            upload = self.inp.draft_bytes if kind == "draft" else self.inp.insert_bytes(key)
-            g = self._capture(fn, upload, kind == "draft") if self.cuda else _Graph(None, fn, None, 0)
-            (self.draft_graphs if kind == "draft" else self.insert_graphs)[key] = g
-            done += 1
-            if progress:
-                progress(done, total)
+        with ops.graph_launches():       # the fast path's kernels launch with PDL here (Hopper and later)
+            if self.cuda:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()     # cached free blocks would hide the graphs' memory from the device count
+                free0 = torch.cuda.mem_get_info()[0]
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _, fn in fns:        # every shape once: a kernel specialised by shape compiles here
+                        fn()
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+            for (kind, key), fn in fns:
+                upload = self.inp.draft_bytes if kind == "draft" else self.inp.insert_bytes(key)
+                g = self._capture(fn, upload, kind == "draft") if self.cuda else _Graph(None, fn, None, 0)
+                (self.draft_graphs if kind == "draft" else self.insert_graphs)[key] = g
+                done += 1
+                if progress:
+                    progress(done, total)
         if self.cuda:
             torch.cuda.synchronize()
             self.graph_bytes = max(0, free0 - torch.cuda.mem_get_info()[0])

@@ -2,6 +2,8 @@
 bits, for the inputs it was captured with and for new inputs copied into the same buffers. Marker gpu."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -118,3 +120,38 @@ def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt, matmul):
             assert torch.equal(gs.slots[4 + k].kv, ref.kv), n
             assert gs.slots[4 + k].position == ref.position
         assert not gs.pool[:4].sub(torch.stack([e.kv for e in eager])).any()     # other slots untouched
+
+
+def test_programmatic_dependent_launch_keeps_the_bits(cfg, ckpt, matmul):
+    """Inside `ops.graph_launches()` the fast path's kernels launch with programmatic dependent launch on Hopper
+    and later: a graph captured there replays the bits of one captured outside it, and of the eager step."""
+    import contextlib
+
+    from dspark_ray.kernels import fused_ops
+    from dspark_ray.model import ops
+    d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda")
+    states = _slots(d, cfg, [6, 11, 3], 21)
+    static = _inputs(d, states, [7, 9, 4000])
+    want = d.draft(states, [7, 9, 4000], 5, True, debug=True)
+    outs = {}
+    for scoped in (False, True):
+        with ops.graph_launches() if scoped else contextlib.nullcontext(), torch.inference_mode():
+            outs[scoped] = fused_ops.launch_opts(torch.empty(1, device="cuda"))["PDL"]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                d.forward(*static, 5, True, True)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = d.forward(*static, 5, True, True)
+            for _ in range(3):
+                g.replay()
+            torch.cuda.synchronize()
+        for k in ("drafts", "confidences", "confident_len", "margins", "logits", "normed"):
+            assert torch.equal(getattr(out, k), getattr(want, k)), (scoped, k)
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert outs[False] is False
+    assert outs[True] is (matmul == "fast" and hopper and os.environ.get("DSPARK_PDL") != "0"), outs
+    if hopper:
+        assert fused_ops.pdl_capable() or os.environ.get("DSPARK_PDL") == "0", "this Triton cannot launch with PDL"

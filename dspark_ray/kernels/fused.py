@@ -30,7 +30,7 @@ from .fused_attention import attend, head_norm_rope
 from .fused_head import confidence, markov_step, pack_outputs
 from .fused_mhc import embed_streams, hyper_head_norm, mhc_collapse_norm, mhc_expand
 from .fused_moe import expert_act, expert_out, indexed_linear, route, router_logits, swiglu
-from .fused_ops import rms_norm, rows_linear
+from .fused_ops import pdl_launches, rms_norm, rows_linear
 
 __all__ = ["TABLE", "indexed_linear", "rows_linear"]
 
@@ -50,4 +50,5 @@ TABLE = {
     "head_norm_rope": head_norm_rope,
     "attend": attend,
     "swiglu": swiglu,
+    "graph_launches": pdl_launches,
 }

@@ -11,16 +11,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_ops import F16, LAUNCH_OPTS, apply_head_weight, exp64, norm_scale
+from .fused_ops import F16, apply_head_weight, exp64, launch_opts, norm_scale, pdl_enter
 from .gemm import grouped_rows_empty
 
 
 @triton.jit
 def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, out_ptr, NH, SX, eps,
-                           D: tl.constexpr, RD: tl.constexpr, W_MODE: tl.constexpr):
+                           D: tl.constexpr, RD: tl.constexpr, W_MODE: tl.constexpr, PDL: tl.constexpr):
     """One program per (row, head): `ops.head_norm` over D, then RoPE on the last RD dims (interleaved pairs)
     at the row's position, as `Attention._rope_tail` does (rotate the fp16 values in fp32, round once). Input
     rows are SX elements apart (the kv row is a column slice of the wq_a | wkv GEMM output)."""
+    pdl_enter(PDL)
     pid = tl.program_id(0).to(tl.int64)
     row = pid // NH
     base = x_ptr + row * SX + (pid % NH) * D
@@ -64,7 +65,7 @@ def head_norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, pos: tor
     if n:
         _head_norm_rope_kernel[(n * nh,)](x3, x3 if w is None else w, pos.contiguous(), inv_freq, out, nh,
                                           x3.stride(0), eps,
-                                          D=D, RD=rope_dim, W_MODE=mode, num_warps=4, **LAUNCH_OPTS)
+                                          D=D, RD=rope_dim, W_MODE=mode, num_warps=4, **launch_opts(out))
     return out.reshape(x.shape)
 
 
@@ -86,13 +87,14 @@ def _scores_tile(q_rows, row_ok, k_rows, k_ok, s_cols, scale, D: tl.constexpr, B
 @triton.jit
 def _attend_scores_kernel(q_ptr, win_ptr, valid_ptr, kv_ptr, s_ptr, scale, NH, BLK, W,
                           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr, BB: tl.constexpr,
-                          BD: tl.constexpr):
+                          BD: tl.constexpr, PDL: tl.constexpr):
     """Program (request b, BM query rows of the request's B*H (row j, head h) pairs, BN keys of its [BW window ;
     BB block] key columns; V = K): fp32 scores through tl.dot (fp16 x fp16, fp32 sums over D in BD chunks), times
     scale, -inf where the key is masked (window row not held, padding), stored to the scratch s (bsz, B*H,
     BW + BB). BN divides BW, so a chunk is all window or all block rows; each branch runs the whole tile on
     pointers of its own (one key pointer chosen by the branch and loaded after it gave other last bits on the
     H200: the operands reached the MMA another way)."""
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     row_ok = rows < BLK * NH
@@ -112,7 +114,7 @@ def _attend_scores_kernel(q_ptr, win_ptr, valid_ptr, kv_ptr, s_ptr, scale, NH, B
 def _attend_pv_kernel(s_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_freq_ptr, out_ptr,
                       NH, BLK, W, HPG, GS, RS,
                       D: tl.constexpr, RD: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, BB: tl.constexpr,
-                      BD: tl.constexpr):
+                      BD: tl.constexpr, PDL: tl.constexpr):
     """Program (request b, BM query rows, one chunk of output columns: BD of the D - RD plain dims, or, for the
     last program of the row, the RD RoPE tail): the sink softmax over the rows' whole score rows (every column
     chunk recomputes it: a few exponentials against a second read of the window) with fp64 exponentials, rounded
@@ -120,6 +122,7 @@ def _attend_pv_kernel(s_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_
     RoPE pairs. den is summed in the register layout of the loaded scores: forcing another layout (a dot of zeros)
     cost more than the split saved. Head h of row n is stored at (h // HPG) * GS + n * RS + (h % HPG) * D: the
     plain (rows, heads, D) layout, or the grouped output GEMM's (groups, padded rows, HPG * D) input."""
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     row_ok = rows < BLK * NH
@@ -199,9 +202,10 @@ def attend(q: torch.Tensor, window: torch.Tensor, valid: torch.Tensor, kv: torch
     qc, wc, kc = q.contiguous(), window.contiguous(), kv.contiguous()
     _attend_scores_kernel[(bsz, rows, (bw + bb) // bn)](qc, wc, vb, kc, scores, scale, nh, blk, W,
                                                         D=D, BM=bm, BN=bn, BW=bw, BB=bb, BD=bd,
-                                                        num_warps=2, num_stages=3, **LAUNCH_OPTS)
+                                                        num_warps=2, num_stages=3, **launch_opts(scores))
     _attend_pv_kernel[(bsz, rows, (D - rope_dim) // bd + 1)](scores, wc, vb, kc, sink, pos.contiguous(), inv_freq,
                                                              out, nh, blk, W, hpg, gs, rs, D=D, RD=rope_dim,
                                                              BM=bm, BW=bw,
-                                                             BB=bb, BD=bd, num_warps=8, num_stages=3, **LAUNCH_OPTS)
+                                                             BB=bb, BD=bd, num_warps=8, num_stages=3,
+                                                             **launch_opts(scores))
     return out

@@ -6,26 +6,31 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_ops import F16, F32, LAUNCH_OPTS, sigmoid64
+from .fused_ops import F16, F32, launch_opts, pdl_enter, sigmoid64
 
 
 @triton.jit
 def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_ptr, logits_ptr, part_ptr,
-                           V, NB, R: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr, KEEP: tl.constexpr):
+                           V, NB, R: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr, KEEP: tl.constexpr,
+                           PDL: tl.constexpr):
     """Program (request b, block of BV vocab rows) of one Markov step: me = f16(markov_w1[prev[b]]);
     l = lg[b, step] + f16(markov_w2 me + b2), NaN -> -inf; the block's (max, first argmax, runner-up)."""
     b = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     r = tl.arange(0, R)
+    v = nb * BV + tl.arange(0, BV)
+    ok = v < V
+    # The weight tile and the bias first: they are weights, so they may be read before the wait.
+    w2 = tl.load(w2_ptr + v.to(tl.int64)[:, None] * R + r[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b2 = tl.load(b2_ptr + v, mask=ok, other=0.0).to(tl.float32)
+    pdl_enter(PDL)
     me = tl.load(w1_ptr + tl.load(prev_ptr + b) * R + r).to(tl.float16)
     if nb == 0:
         tl.store(me_ptr + b * R + r, me)
-    v = nb * BV + tl.arange(0, BV)
-    ok = v < V
-    w2 = tl.load(w2_ptr + v.to(tl.int64)[:, None] * R + r[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     y = tl.sum(w2 * me.to(tl.float32)[None, :], axis=1)
     if HAS_BIAS:
-        y = y + tl.load(b2_ptr + v, mask=ok, other=0.0).to(tl.float32)
+        y = y + b2
     l = tl.load(lg_ptr + b * lg_row + v, mask=ok, other=0.0).to(tl.float32) + y.to(tl.float16).to(tl.float32)
     if KEEP:
         tl.store(logits_ptr + b * V + v, l, mask=ok)
@@ -40,9 +45,10 @@ def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_
 
 
 @triton.jit
-def _markov_top_kernel(part_ptr, top1_ptr, top2_ptr, idx_ptr, NB, start, NBP: tl.constexpr):
+def _markov_top_kernel(part_ptr, top1_ptr, top2_ptr, idx_ptr, NB, start, NBP: tl.constexpr, PDL: tl.constexpr):
     """Per request: the blocks' partials -> (max, first argmax + start, runner-up). Blocks are in vocabulary
     order, so the lowest block holding the max holds the first argmax."""
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, NBP)
     ok = k < NB
@@ -78,20 +84,22 @@ def markov_step(lg: torch.Tensor, step: int, prev: torch.Tensor, w1: torch.Tenso
     lg_s = lg[:, step]
     _markov_partial_kernel[(bsz, nb)](lg_s, lg.stride(0), prev.contiguous(), w1, w2, w2 if b2 is None else b2, me,
                                       logits, part, V, nb, R=R, BV=MARKOV_BV, HAS_BIAS=b2 is not None,
-                                      KEEP=keep_logits, num_warps=8, **LAUNCH_OPTS)
+                                      KEEP=keep_logits, num_warps=8, **launch_opts(me))
     _markov_top_kernel[(bsz,)](part, top1, top2, idx, nb, start, NBP=triton.next_power_of_2(nb), num_warps=8,
-                               **LAUNCH_OPTS)
+                               **launch_opts(part))
     return me, top1, top2, idx, (logits if keep_logits else None)
 
 
 @triton.jit
 def _confidence_kernel(pre_ptr, pre_row, me_ptr, w_ptr, b_ptr, conf_ptr, len_ptr, H, R, N_OUT, threshold,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
+                       PDL: tl.constexpr):
     """One program per request, all its drafted rows at once: for row i, c = f16([f16(prenorm_i) ; me_i] . w + b),
     the sigmoid score of c (fp64, rounded once), and the length of the all-confident prefix
     (`heads.confident_prefix`). The rows form one (NP, BLOCK) tile per step over h, NP fixed by the block size
     (never by n_out), so a row's sums, and its bits, are the same for every n_out. (Row by row, the 25 dependent
     loads ran 17.5 us at the full size, latency bound.)"""
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
     row_ok = i < N_OUT
@@ -131,13 +139,15 @@ def confidence(prenorm: torch.Tensor, me: torch.Tensor, w: torch.Tensor, b: torc
     lens = torch.empty(bsz, dtype=torch.int64, device=me.device)
     _confidence_kernel[(bsz,)](prenorm, prenorm.stride(0), me, w, w if b is None else b, conf, lens, h, r, n_out,
                                threshold, HAS_BIAS=b is not None, BLOCK=2048, RB=triton.next_power_of_2(r),
-                               NP=triton.next_power_of_2(block), num_warps=8, **LAUNCH_OPTS)
+                               NP=triton.next_power_of_2(block), num_warps=8, **launch_opts(conf))
     return conf, lens
 
 
 @triton.jit
-def _pack_kernel(d_ptr, c_ptr, m_ptr, l_ptr, out_ptr, N, WIDTH, HAS_M: tl.constexpr, NB: tl.constexpr):
+def _pack_kernel(d_ptr, c_ptr, m_ptr, l_ptr, out_ptr, N, WIDTH, HAS_M: tl.constexpr, NB: tl.constexpr,
+                 PDL: tl.constexpr):
     """Row b of the packed outputs: [drafts | scores | margins | confident length] as fp64 (exact for all four)."""
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, NB)
     ok = j < N
@@ -161,5 +171,5 @@ def pack_outputs(drafts: torch.Tensor, conf: torch.Tensor, margins: torch.Tensor
     conf = conf.contiguous()
     _pack_kernel[(bsz,)](drafts.contiguous(), conf, conf if margins is None else margins.contiguous(),
                          lens.contiguous(), out, n, width, HAS_M=margins is not None,
-                         NB=triton.next_power_of_2(n), num_warps=1, **LAUNCH_OPTS)
+                         NB=triton.next_power_of_2(n), num_warps=1, **launch_opts(conf))
     return out

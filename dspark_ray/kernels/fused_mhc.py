@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_ops import F16, F32, LAUNCH_OPTS, exp64, norm_scale, rsqrt64, sigmoid64
+from .fused_ops import F16, F32, exp64, launch_opts, norm_scale, pdl_enter, rsqrt64, sigmoid64
 from .gemm import rows_empty
 
 
@@ -17,7 +17,7 @@ COMBINE_WARPS = 8        # as before the split; more warps would spread the 4x4 
 
 
 @triton.jit
-def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, L, N_OUT, NCH, CHUNK: tl.constexpr, OUT: tl.constexpr):
+def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, L, N_OUT, NCH, CHUNK: tl.constexpr, OUT: tl.constexpr, PDL: tl.constexpr):
     """Program (chunk, row): over columns [chunk * CHUNK, +CHUNK) of X_row (the row's M*h streams), the partial dots
     with every fn16 row (o < N_OUT) and the partial sum of squares (o == N_OUT), to part[row, chunk, o]. The
     combine sums the chunks in order. (One program per (row, output) over all of X_row was 6 us a site at 5 rows:
@@ -27,9 +27,10 @@ def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, L, N_OUT, NCH, CHUNK: tl.constexpr,
     offs = c * CHUNK + tl.arange(0, CHUNK)
     m = offs < L
     o = tl.arange(0, OUT)
-    x = tl.load(x_ptr + r * L + offs, mask=m, other=0.0)
     f = tl.load(fn_ptr + o[:, None].to(tl.int64) * L + offs[None, :], mask=(o[:, None] < N_OUT) & m[None, :],
-                other=0.0).to(tl.float32)
+                other=0.0).to(tl.float32)     # the fn16 rows (made before capture): read before the wait
+    pdl_enter(PDL)
+    x = tl.load(x_ptr + r * L + offs, mask=m, other=0.0)
     f = tl.where(o[:, None] == N_OUT, x[None, :], f)
     tl.store(part_ptr + (r * NCH + c) * OUT + o, tl.sum(f * x[None, :], axis=1))
 
@@ -80,12 +81,13 @@ def _collapse_chunk(xr, H, offs, m, pre_ptr, r, HEAD: tl.constexpr):
 
 
 @triton.jit
-def _collapse_norm(x_ptr, w_ptr, norm_out_ptr, pre_out_ptr, pre_ptr, r, H, norm_eps, HEAD: tl.constexpr,
+def _collapse_norm(x_ptr, w_ptr, w_one, norm_out_ptr, pre_out_ptr, pre_ptr, r, H, norm_eps, HEAD: tl.constexpr,
                    BLOCK: tl.constexpr):
     """Row r: c = sum_k pre_k X_k (pre read from pre_ptr), then the RMS norm of c. HEAD: c is also written out
     (the head's pre-norm state). When one BLOCK covers h, c stays in registers (one pass, one round of loads: the
     looped form's six dependent rounds were most of a site's 10 us); else pass 2 recomputes c (same ops, same
-    bits) rather than re-reading it, so no program reads what another thread of it wrote."""
+    bits) rather than re-reading it, so no program reads what another thread of it wrote. w_one: the norm weight
+    over the one BLOCK, loaded by the caller (before its PDL wait)."""
     xr = x_ptr + r * 4 * H
     if BLOCK >= H:
         offs = tl.arange(0, BLOCK)
@@ -94,8 +96,7 @@ def _collapse_norm(x_ptr, w_ptr, norm_out_ptr, pre_out_ptr, pre_ptr, r, H, norm_
         if HEAD:
             tl.store(pre_out_ptr + r * H + offs, c, mask=m)
         rn = norm_scale(tl.sum(c * c, axis=0), H.to(tl.float32), norm_eps)
-        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        tl.store(norm_out_ptr + r * H + offs, ((c * w) * rn).to(tl.float16), mask=m)
+        tl.store(norm_out_ptr + r * H + offs, ((c * w_one) * rn).to(tl.float16), mask=m)
     else:
         ss = tl.zeros((BLOCK,), dtype=tl.float32)
         for h0 in range(0, H, BLOCK):
@@ -117,7 +118,7 @@ def _collapse_norm(x_ptr, w_ptr, norm_out_ptr, pre_out_ptr, pre_ptr, r, H, norm_
 @triton.jit
 def _mhc_combine_kernel(x_ptr, part_ptr, v_ptr, base_ptr, scale_ptr, w_ptr, norm_out_ptr, pre_out_ptr, pre_ptr,
                         post_ptr, comb_ptr, H, L, N_OUT, NCH, hc_eps, norm_eps, iters, HEAD: tl.constexpr,
-                        BLOCK: tl.constexpr, NCH_P: tl.constexpr, OUT: tl.constexpr):
+                        BLOCK: tl.constexpr, NCH_P: tl.constexpr, OUT: tl.constexpr, PDL: tl.constexpr):
     """Program (row, half). Both halves sum the row's logits (same code, same data, same bits). Half 0: pre, the
     collapse and its RMS norm; half 1 (not at the HEAD): post and the 20 Sinkhorn rounds, which only the expand
     after the sublayer needs, so they run beside the collapse instead of before it (the rounds are ~3.5 us of
@@ -125,6 +126,10 @@ def _mhc_combine_kernel(x_ptr, part_ptr, v_ptr, base_ptr, scale_ptr, w_ptr, norm
     reductions are warp shuffles, measured slower on the H200: 13.1 against 12.6 us a site at 5 rows.)"""
     r = tl.program_id(0).to(tl.int64)
     half = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    # Half 0's norm weight (one BLOCK of it): a weight, so it is read before the PDL wait.
+    w_one = tl.load(w_ptr + offs, mask=offs < (1 - half) * H, other=0.0).to(tl.float32)
+    pdl_enter(PDL)
     v_row = v_ptr + (r * 2 + half) * OUT
     rho = _row_logits(part_ptr, v_row, r, L, N_OUT, NCH, norm_eps, NCH_P, OUT)
     if half == 0:
@@ -132,14 +137,15 @@ def _mhc_combine_kernel(x_ptr, part_ptr, v_ptr, base_ptr, scale_ptr, w_ptr, norm
         pre = sigmoid64((tl.load(v_row + i4) * rho) * tl.load(scale_ptr) + tl.load(base_ptr + i4)) + hc_eps
         tl.store(pre_ptr + r * 4 + i4, pre)
         tl.debug_barrier()
-        _collapse_norm(x_ptr, w_ptr, norm_out_ptr, pre_out_ptr, pre_ptr, r, H, norm_eps, HEAD, BLOCK)
+        _collapse_norm(x_ptr, w_ptr, w_one, norm_out_ptr, pre_out_ptr, pre_ptr, r, H, norm_eps, HEAD, BLOCK)
     elif not HEAD:
         _sinkhorn(v_row, rho, base_ptr, scale_ptr, post_ptr, comb_ptr, r, hc_eps, iters)
 
 
 @triton.jit
-def _mhc_expand_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, H, BLOCK: tl.constexpr):
+def _mhc_expand_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, H, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """X'[k] = post_k * y + sum_i comb[i, k] * X[i], i in order, no FMA: the reference's exact bits."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
@@ -181,12 +187,12 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     v = torch.empty((rows, 2, MIX_OUT), dtype=F32, device=x.device)
     pre = torch.empty((rows, 4), dtype=F32, device=x.device)
     _mhc_mix_kernel[(nch, rows)](x, _fn16(fn), part, L, n_out, nch, CHUNK=MIX_CHUNK, OUT=MIX_OUT, num_warps=8,
-                                 **LAUNCH_OPTS)
+                                 **launch_opts(x))
     block = min(triton.next_power_of_2(h), COLLAPSE_BLOCK)
     _mhc_combine_kernel[(rows, 1 if head else 2)](
         x, part, v, base, scale, norm_w, normed, pre_out, pre, post, comb, h, L, n_out, nch, hc_eps, norm_eps, iters,
         HEAD=head, BLOCK=block, NCH_P=triton.next_power_of_2(nch), OUT=MIX_OUT, num_warps=COMBINE_WARPS,
-        **LAUNCH_OPTS)
+        **launch_opts(x))
 
 
 def mhc_collapse_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -220,16 +226,17 @@ def mhc_expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch
     rows, m, h = x.shape
     out = torch.empty_like(x)
     _mhc_expand_kernel[(rows, triton.cdiv(h, 1024))](x, y, post.contiguous(), comb.contiguous(), out, h,
-                                                     BLOCK=1024, num_warps=4, **LAUNCH_OPTS)
+                                                     BLOCK=1024, num_warps=4, **launch_opts(out))
     return out
 
 
 @triton.jit
 def _embed_streams_kernel(seeds_ptr, p0_ptr, emb_ptr, out_ptr, pos_ptr, H, B, noise, M: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, block of h): row j of request b's block embeds the seed (j == 0) or the noise token, and the
     embedding (bf16 / fp16, exact in fp32) starts all M streams. The first program of a row writes its position
     p0[b] + j."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
@@ -251,5 +258,5 @@ def embed_streams(seeds: torch.Tensor, p0: torch.Tensor, embed: torch.Tensor, bl
     pos = torch.empty(bsz * block, dtype=torch.int64, device=embed.device)
     _embed_streams_kernel[(bsz * block, triton.cdiv(h, 1024))](seeds.contiguous(), p0.to(torch.int64).contiguous(),
                                                                embed, out, pos, h, block, noise_id, M=m, BLOCK=1024,
-                                                               num_warps=4, **LAUNCH_OPTS)
+                                                               num_warps=4, **launch_opts(out))
     return out, pos

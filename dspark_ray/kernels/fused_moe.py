@@ -6,13 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_ops import F16, F32, LAUNCH_OPTS, rows_2d, swiglu_math
+from .fused_ops import F16, F32, launch_opts, pdl_enter, rows_2d, swiglu_math
 from .gemm import BLOCK_K, BLOCK_N, NUM_WARPS, rows_empty
 
 
 @triton.jit(do_not_specialize=["N"])
-def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, SG, SU, limit, BLOCK: tl.constexpr):
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, SG, SU, limit, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, block of BLOCK columns); g and u rows SG / SU elements apart (halves of one GEMM output)."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
@@ -29,7 +30,7 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     out = rows_empty(rows, n, F16, g.device)              # feeds w2: a padded linear reads it in place
     if rows and n:
         _swiglu_kernel[(rows, triton.cdiv(n, 1024))](g2, u2, out, n, g2.stride(0), u2.stride(0), float(limit),
-                                                     BLOCK=1024, num_warps=4, **LAUNCH_OPTS)
+                                                     BLOCK=1024, num_warps=4, **launch_opts(out))
     return out.view(g.shape)
 
 
@@ -49,8 +50,10 @@ def _expert_dot(x_row, w_rows, K, n_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
 
 
 @triton.jit
-def _indexed_kernel(x_ptr, w_ptr, idx_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _indexed_kernel(x_ptr, w_ptr, idx_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr):
     """out[p] = x[p] @ w[idx[p]].T, one program per (row p, block of N); reads the expert in place."""
+    pdl_enter(PDL)
     p = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -61,7 +64,8 @@ def _indexed_kernel(x_ptr, w_ptr, idx_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr,
 
 @triton.jit
 def _grouped_expert_kernel(x_ptr, w1_ptr, w3_ptr, idx_ptr, out_ptr, P, N, K, X_DIV, limit,
-                           GATED: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           GATED: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PDL: tl.constexpr):
     """Routed experts, grouped: program (pair p, block of N) works only when p is the first pair routed to its
     expert; it then takes every pair of that expert (up to BM per pass) through one read of the expert's weights.
     Pair t reads input row t // X_DIV. GATED: out[t] = swiglu(x W1^T, x W3^T) fp16, else out[t] = x W1^T fp32.
@@ -69,6 +73,7 @@ def _grouped_expert_kernel(x_ptr, w1_ptr, w3_ptr, idx_ptr, out_ptr, P, N, K, X_D
     Each pair's row is its own row of a tl.dot: the products and the accumulation order of an output element
     depend only on that row and the weights, not on which other pairs share the tile or where in the tile it
     sits (batch invariant; tested alone against batched)."""
+    pdl_enter(PDL)
     p = tl.program_id(0)
     e = tl.load(idx_ptr + p)
     first = P
@@ -107,8 +112,9 @@ def _grouped_expert_kernel(x_ptr, w1_ptr, w3_ptr, idx_ptr, out_ptr, P, N, K, X_D
 
 @triton.jit
 def _expert_combine_kernel(d_ptr, idx_ptr, wt_ptr, shared_ptr, out_ptr, H,
-                           KC: tl.constexpr, KCP: tl.constexpr, BLOCK: tl.constexpr):
+                           KC: tl.constexpr, KCP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[r] = sum_j w_j * d[r*KC + j] over the row's choices in ascending expert id (as `Experts`), + shared."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < H
@@ -137,7 +143,7 @@ def indexed_linear(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch
     if p:
         _indexed_kernel[(p, triton.cdiv(n, EXPERT_BLOCK_N))](
             x.to(F16).contiguous(), w.contiguous(), idx.contiguous(), out, n, k,
-            BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K, num_warps=EXPERT_WARPS, **LAUNCH_OPTS)
+            BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K, num_warps=EXPERT_WARPS, **launch_opts(out))
     return out
 
 
@@ -154,7 +160,7 @@ def _grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, experts
         _grouped_expert_kernel[(p, triton.cdiv(n, EXPERT_BLOCK_N))](
             x.to(F16).contiguous(), w1, w3 if gated else w1, experts.contiguous(), out, p, n, k, x_div,
             float(limit), GATED=gated, BM=GROUP_BM, BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K,
-            num_warps=EXPERT_WARPS, **LAUNCH_OPTS)
+            num_warps=EXPERT_WARPS, **launch_opts(out))
     return out
 
 
@@ -174,24 +180,29 @@ def expert_out(act: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weigh
     if n:
         _expert_combine_kernel[(n, triton.cdiv(h, 1024))](
             d, experts.contiguous(), weights.contiguous(), shared.contiguous(), out, h,
-            KC=kc, KCP=triton.next_power_of_2(kc), BLOCK=1024, num_warps=4, **LAUNCH_OPTS)
+            KC=kc, KCP=triton.next_power_of_2(kc), BLOCK=1024, num_warps=4, **launch_opts(out))
     return out
 
 
 @triton.jit
-def _router_logits_kernel(f_ptr, w_ptr, out_ptr, E, K, EB: tl.constexpr, BK: tl.constexpr):
+def _router_logits_kernel(f_ptr, w_ptr, out_ptr, E, K, EB: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     """Program (row, block of EB experts): f16(f_row . gate_e) for each of its experts, fp32 sums over K in BK
     chunks (one chunk when K <= BK: one round of loads). A row is one program's alone: batch invariant."""
     r = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * EB + tl.arange(0, EB)
     e_ok = e < E
+    kk = tl.arange(0, BK)
+    w = tl.load(w_ptr + e.to(tl.int64)[:, None] * K + kk[None, :], mask=e_ok[:, None] & (kk < K)[None, :],
+                other=0.0).to(tl.float32)     # the gate's first chunk: a weight, read before the wait
+    pdl_enter(PDL)
     acc = tl.zeros((EB, BK), dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + tl.arange(0, BK)
         k_ok = kk < K
         x = tl.load(f_ptr + r * K + kk, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + e.to(tl.int64)[:, None] * K + kk[None, :], mask=e_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
+        if k0 > 0:
+            w = tl.load(w_ptr + e.to(tl.int64)[:, None] * K + kk[None, :], mask=e_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
         acc += w * x[None, :]
     tl.store(out_ptr + r * E + e, tl.sum(acc, axis=1).to(tl.float16), mask=e_ok)
 
@@ -210,16 +221,17 @@ def router_logits(f: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if n:
         _router_logits_kernel[(n, triton.cdiv(E, ROUTER_EB))](
             f.contiguous(), gate, out, E, k, EB=ROUTER_EB, BK=min(ROUTER_BK, triton.next_power_of_2(k)),
-            num_warps=8, **LAUNCH_OPTS)
+            num_warps=8, **launch_opts(out))
     return out
 
 
 @triton.jit
 def _route_kernel(lg_ptr, bsel_ptr, experts_ptr, weights_ptr, E, scaling,
-                  TOPK: tl.constexpr, EP: tl.constexpr):
+                  TOPK: tl.constexpr, EP: tl.constexpr, PDL: tl.constexpr):
     """`Router` on one row of fp16 logits: sc = sqrt(softplus(l)) (fp64 softplus), key = sc + bias (NaN -> -inf),
     top-k by key with ties to the lower id (the stable sort's order), weights f16(sc * scaling / (sum + 1e-20))
     with the sum in selection order."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EP)
     ok = e < E
@@ -256,5 +268,5 @@ def route(lg: torch.Tensor, bsel: torch.Tensor, top_k: int, scaling: float) -> t
     weights = torch.empty((n, top_k), dtype=F16, device=lg.device)
     if n:
         _route_kernel[(n,)](lg.contiguous(), bsel, experts, weights, E, float(scaling), TOPK=top_k,
-                            EP=triton.next_power_of_2(E), num_warps=4, **LAUNCH_OPTS)
+                            EP=triton.next_power_of_2(E), num_warps=4, **launch_opts(lg))
     return experts, weights

@@ -3,6 +3,10 @@ the norm scale, the head-norm weight rule, the SwiGLU math, the launch options; 
 `model/ops.py`: the RMS norm and the small-linear GEMM."""
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -11,10 +15,63 @@ from .gemm import rows_empty
 
 F16, F32 = torch.float16, torch.float32
 # No FMA contraction: a * b + c rounds twice, as the reference's separate torch ops do.
-LAUNCH_OPTS = dict(enable_fp_fusion=False)
+_PLAIN_OPTS = dict(enable_fp_fusion=False, PDL=False)
+_PDL_OPTS = dict(enable_fp_fusion=False, PDL=True, launch_pdl=True)
+_pdl_ok: bool | None = None          # decided at the first launch inside `pdl_launches`
+_scope = threading.local()
+
+
+def pdl_capable() -> bool:
+    """Whether this Triton can launch with programmatic dependent launch (`DSPARK_PDL=0` turns it off). What it
+    changes: a kernel's programs may be scheduled while the kernel before it in the stream drains; each waits
+    (`pdl_enter`) until that kernel has finished and its writes are visible before it reads anything but weights
+    or writes anything, so the arithmetic and the bits are the same either way."""
+    if os.environ.get("DSPARK_PDL", "1") == "0":
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    gdc = getattr(getattr(tl.extra, "cuda", None), "gdc_wait", None)
+    return gdc is not None and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+@contextlib.contextmanager
+def pdl_launches():
+    """Launch the fused kernels of this thread with PDL inside the block, on Hopper and later: the graph set's
+    warm-up and capture, so the graphs hold programmatic edges. Eager steps launch without it (under the
+    profiler, an eager pair step with PDL once ran into the push collectives' 2 s peer timeout; graph replays
+    under the profiler did not)."""
+    _scope.depth = getattr(_scope, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _scope.depth -= 1
+
+
+def launch_opts(t: torch.Tensor) -> dict:
+    """The launch options of a fused kernel whose output is t."""
+    global _pdl_ok
+    if not t.is_cuda or not getattr(_scope, "depth", 0):
+        return _PLAIN_OPTS
+    if _pdl_ok is None:
+        _pdl_ok = pdl_capable() and torch.cuda.get_device_capability(t.device)[0] >= 9
+    return _PDL_OPTS if _pdl_ok else _PLAIN_OPTS
 
 
 # ----------------------------------------------------------------------------------------------- device helpers
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """In every fused kernel, before it reads anything but weights and before its first write. Under programmatic
+    dependent launch: wait until the kernel before this one has finished and its writes are visible, then let the
+    next kernel's programs be scheduled (they wait here in turn). Without PDL: nothing. Weights are never written
+    inside a graph (derived copies such as the fp16 mixing rows are made before capture), so a kernel may load its
+    weight tile first, while the kernel before it drains."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
 
 @triton.jit
 def rsqrt64(x):
@@ -72,8 +129,9 @@ def swiglu_math(g, u, limit):
 # ------------------------------------------------------------------------------------------------ norms, RoPE
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, SX, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, SX, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """One program per row (rows SX elements apart: x may be a column slice of a wider GEMM output)."""
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     ss = tl.zeros((BLOCK,), dtype=tl.float32)
     for h0 in range(0, H, BLOCK):
@@ -102,7 +160,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = rows_2d(x)
     out = rows_empty(x2.shape[0], h, F16, x.device)
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, w, out, h, x2.stride(0), eps, BLOCK=1024, num_warps=4, **LAUNCH_OPTS)
+        _rms_norm_kernel[(x2.shape[0],)](x2, w, out, h, x2.stride(0), eps, BLOCK=1024, num_warps=4, **launch_opts(out))
     return out.reshape(x.shape)
 
 
@@ -110,9 +168,10 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 @triton.jit
 def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, OUT_F16: tl.constexpr, BM: tl.constexpr,
-                        BN: tl.constexpr, BK: tl.constexpr):
+                        BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     """out (M, N) = x (M, K) @ w (N, K).T, fp32 accumulation: program (block of BN outputs, block of BM rows).
     Each row is its own row of a tl.dot of a fixed tile shape, so its bits never depend on the other rows."""
+    pdl_enter(PDL)
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     c_ok = cols < N
@@ -146,5 +205,5 @@ def rows_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = F32) 
     if m:
         _rows_linear_kernel[(triton.cdiv(n, ROWS_BN), triton.cdiv(m, ROWS_BM))](
             x2, w.contiguous(), out, m, n, k, OUT_F16=out_dtype == F16, BM=ROWS_BM, BN=ROWS_BN, BK=ROWS_BK,
-            num_warps=4, num_stages=4, **LAUNCH_OPTS)
+            num_warps=4, num_stages=4, **launch_opts(out))
     return out.reshape(*lead, n)

@@ -14,6 +14,7 @@ on this CPU with torch 2.13: `x @ W.T` for 20 rows differs from the same rows on
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable
 
@@ -163,6 +164,14 @@ def branch(fn: Callable, *args):
     only reads its arguments, and the caller joins before it reads the result."""
     k = _fused.get("branch")
     return k(fn, *args) if k is not None else Ready(fn(*args))
+
+
+def graph_launches():
+    """The context the graph set warms up and captures in: there the fast path launches its kernels with
+    programmatic dependent launch (`kernels/fused_ops.pdl_launches`), so the graphs hold programmatic edges; the
+    same bits as without."""
+    k = _fused.get("graph_launches")
+    return k() if k is not None else contextlib.nullcontext()
 
 
 def linear_indexed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
