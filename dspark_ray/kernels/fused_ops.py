@@ -1,6 +1,6 @@
 """Shared pieces of the fused kernels (`kernels/fused.py`): fp64-evaluated transcendentals rounded once to fp32,
-the norm scale, the head-norm weight rule, the SwiGLU math, the launch options; and the two kernels of
-`model/ops.py`: the RMS norm and the small-linear GEMM."""
+the norm scale, the head-norm weight rule, the SwiGLU math, the launch options (programmatic dependent launch inside
+the graph set's capture); and the two kernels of `model/ops.py`: the RMS norm and the small-linear GEMM."""
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +14,7 @@ import triton.language as tl
 from .gemm import rows_empty
 
 F16, F32 = torch.float16, torch.float32
-# No FMA contraction: a * b + c rounds twice, as the reference's separate torch ops do.
+# Every launch: no FMA contraction (a * b + c rounds twice, as the reference's separate torch ops do).
 _PLAIN_OPTS = dict(enable_fp_fusion=False, PDL=False)
 _PDL_OPTS = dict(enable_fp_fusion=False, PDL=True, launch_pdl=True)
 _pdl_ok: bool | None = None          # decided at the first launch inside `pdl_launches`
