@@ -155,3 +155,5 @@ def test_programmatic_dependent_launch_keeps_the_bits(cfg, ckpt, matmul):
     assert outs[True] is (matmul == "fast" and hopper and os.environ.get("DSPARK_PDL") != "0"), outs
     if hopper:
         assert fused_ops.pdl_capable() or os.environ.get("DSPARK_PDL") == "0", "this Triton cannot launch with PDL"
+    from dspark_ray.kernels.gemm import describe_matmul
+    assert describe_matmul().endswith("pdl=graphs" if outs[True] else "pdl=off"), describe_matmul()
