@@ -27,7 +27,7 @@ from dspark_ray.config import full                                          # no
 from dspark_ray.engine import EntryOut                                      # noqa: E402
 from dspark_ray.frontend import Identity, StepService                       # noqa: E402
 from dspark_ray.wire import HEADER_SIZE, FrameWriter, decode_payload        # noqa: E402
-from tcp_roundtrip import _commit, emit                                              # noqa: E402
+from tcp_roundtrip import _commit, emit                                      # noqa: E402
 
 
 def timed(fn, n: int) -> dict:

@@ -27,7 +27,7 @@ from dspark_ray.engine import RankEngine                    # noqa: E402
 from dspark_ray.modes import make_drafter                   # noqa: E402
 from dspark_ray.weights.loader import Checkpoint            # noqa: E402
 from dspark_ray.weights.synth import synthesize             # noqa: E402
-from tcp_roundtrip import _commit, _device, emit                     # noqa: E402
+from tcp_roundtrip import _commit, _device, emit             # noqa: E402
 
 # (phase, from stamp, to stamp): "loop_*" stamps are this script's, the rest the engine's and the graph set's.
 PHASES = (("decode", "loop_got", "loop_decoded"), ("check", "engine_in", "checked"),

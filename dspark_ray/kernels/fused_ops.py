@@ -17,7 +17,7 @@ F16, F32 = torch.float16, torch.float32
 # Every launch: no FMA contraction (a * b + c rounds twice, as the reference's separate torch ops do).
 _PLAIN_OPTS = dict(enable_fp_fusion=False, PDL=False)
 _PDL_OPTS = dict(enable_fp_fusion=False, PDL=True, launch_pdl=True)
-_pdl_ok: bool | None = None          # decided at the first launch inside `pdl_launches`
+_pdl_ok: bool | None = None          # decided once (`pdl_active`)
 _scope = threading.local()
 
 
@@ -49,14 +49,20 @@ def pdl_launches():
         _scope.depth -= 1
 
 
+def pdl_active(device: torch.device | None = None) -> bool:
+    """Whether the graphs' fused kernels launch with PDL in this process: a capable Triton on a Hopper or later
+    card (decided once; one card kind per process)."""
+    global _pdl_ok
+    if _pdl_ok is None:
+        _pdl_ok = pdl_capable() and torch.cuda.get_device_capability(device)[0] >= 9
+    return _pdl_ok
+
+
 def launch_opts(t: torch.Tensor) -> dict:
     """The launch options of a fused kernel whose output is t."""
-    global _pdl_ok
     if not t.is_cuda or not getattr(_scope, "depth", 0):
         return _PLAIN_OPTS
-    if _pdl_ok is None:
-        _pdl_ok = pdl_capable() and torch.cuda.get_device_capability(t.device)[0] >= 9
-    return _PDL_OPTS if _pdl_ok else _PLAIN_OPTS
+    return _PDL_OPTS if pdl_active(t.device) else _PLAIN_OPTS
 
 
 # ----------------------------------------------------------------------------------------------- device helpers

@@ -234,7 +234,7 @@ def describe_matmul() -> str:
     fused = ",".join(sorted(ops.current_matmul()[3])) or "none"
     pdl = "off"                 # programmatic dependent launch of the graphs' fused kernels (Hopper and later)
     if mode == "fast" and torch.cuda.is_available():
-        from .fused_ops import pdl_capable
-        pdl = "graphs" if pdl_capable() and torch.cuda.get_device_capability()[0] >= 9 else "off"
+        from .fused_ops import pdl_active
+        pdl = "graphs" if pdl_active() else "off"
     return (f"matmul mode={mode} pad_rows={PAD_ROWS} triton(BLOCK_N={BLOCK_N},BLOCK_K={BLOCK_K},"
             f"num_warps={NUM_WARPS}) fused[{fused}] pinned[{pinned}] pdl={pdl}")

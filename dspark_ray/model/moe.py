@@ -60,10 +60,6 @@ class Experts:
         self.shared_w13, self.shared_i = torch.cat((s1, s3)), s1.shape[0]
         self.limit = limit
 
-    def __call__(self, f: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """f (n, h) fp16; returns the fp32 partial (n, h) = sum_k w_k d_{e_k} (ascending expert id) + shared."""
-        return self.routed(f, experts, weights, ops.Ready(self.shared(f)))
-
     def shared(self, f: torch.Tensor) -> torch.Tensor:
         """The shared expert's fp32 output (n, h). It needs no routing, so a caller may run it beside the router."""
         gu, i = linear(f, self.shared_w13), self.shared_i
