@@ -1,0 +1,169 @@
+"""Does a pair rank's draft graph launch slowly because of its push collectives? (GPU only; two cards.)
+
+`draft_step` saw a pair rank's launch call take 24-54 us of host time against 11-20 us for one card and a solo rank,
+whose graph holds the same kernels with local stand-ins for the collectives. Here each pair rank's process captures
+its shard twice, once with the push collectives and once with the solo stand-ins (a minimal graph set each: 1
+request, n_out 5), and times per replay the staging, the launch call alone (`CUDAGraph.replay`) and the wait,
+alternating the two graphs, both ranks at once behind a spinning barrier. Then one process alone on card 0 does the
+same with a solo and a one-card (tp1) graph. Same process, same core, same seconds: the push kernel nodes' own
+launch cost is the difference between the two graphs of one rank.
+
+    python bench/graph_launch.py --ckpt /tmp/full [--replays 400] [--pin-cpus 2,4] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.draft_step import SpinBarrier, _slots, connect_pair_rank, free_port, log  # noqa: E402
+from bench.tcp_roundtrip import _commit, _device, emit  # noqa: E402
+
+PIECES = ("stage", "launch_call", "wait")
+
+
+def us_stats(xs: list[float]) -> dict:
+    s = sorted(xs)
+    return {"p50_us": round(s[len(s) // 2], 1), "p99_us": round(s[min(len(s) - 1, int(0.99 * len(s)))], 1),
+            "min_us": round(s[0], 1), "n": len(s)}
+
+
+def graph_set(coll, rank: int, tp: int, ckpt: str):
+    """One shard's drafter on `coll`, its minimal graph set captured, one slot filled from position 900,000."""
+    from dspark_ray.graphs import GraphSet
+    from dspark_ray.kernels.gemm import use_matmul
+    from dspark_ray.model.drafter import Drafter
+    from dspark_ray.model.layout import Layout
+    from dspark_ray.modes import read_rank
+    from dspark_ray.weights.loader import Checkpoint
+    use_matmul("fast")
+    ck = Checkpoint(ckpt)
+    layout = Layout(ck.config, tp)
+    d = Drafter(ck.config, [read_rank(ck, layout, rank, "cuda")], [layout.vocab_range(rank)[0]], coll)
+    gs = GraphSet(d, n_slots=2, max_requests=1, n_outs=(5,), insert_buckets=(8,))
+    gs.capture()
+    return gs, _slots(gs, ck.config, 1, ck.config.sliding_window + 32, 900000)
+
+
+def time_launches(sets: dict, colls: dict, replays: int, barrier=None) -> dict:
+    """Per graph: the staging, the launch call alone and the wait until the download is on the host (us)."""
+    from dspark_ray.stamps import now
+    got = {k: {p: [] for p in PIECES} for k in sets}
+    for i in range(replays + 50):
+        for k, (gs, states) in sets.items():
+            if barrier:
+                barrier()
+            g = gs.draft_graphs[(1, 5, False)]
+            t0 = now()
+            gs._stage_draft(states, [17])
+            t1 = now()
+            guard = getattr(colls[k], "guard", None)
+            if guard is not None:          # the push backend's epoch book, as its replay() keeps it
+                guard.before_replay(g.n_collectives)
+            t2 = now()
+            g.graph.replay()
+            t3 = now()
+            gs.inp.mark()
+            gs.inp.synchronize()
+            t4 = now()
+            if i >= 50:
+                for p, a, b in zip(PIECES, (t0, t2, t3), (t1, t3, t4)):
+                    got[k][p].append((b - a) / 1e3)
+    return {k: {p: us_stats(v) for p, v in r.items()} for k, r in got.items()}
+
+
+def _pair_rank(rank: int, port: int, args, q, shm_name: str) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    if args.pin_cpus:
+        os.sched_setaffinity(0, {int(args.pin_cpus.split(",")[rank])})
+    torch.set_num_threads(1)
+    try:
+        import torch.distributed as dist
+        from dspark_ray.collectives import SoloCollectives
+        gloo, push = connect_pair_rank(rank, port, args.ckpt)
+        dist.barrier(group=gloo.group)
+        solo = SoloCollectives(rank)
+        sets = {"push": graph_set(push, rank, 2, args.ckpt), "solo": graph_set(solo, rank, 2, args.ckpt)}
+        log(f"pair rank {rank}: both graph sets captured")
+        dist.barrier(group=gloo.group)
+        res = time_launches(sets, {"push": push, "solo": solo}, args.replays, SpinBarrier(shm_name, rank))
+        push.check_error()
+        q.put((f"pair_rank{rank}", res))
+    except BaseException as e:       # noqa: BLE001 - reported to the parent
+        import traceback
+        q.put((f"pair_rank{rank}", {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}))
+
+
+def _alone(args, q) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = "0"
+    if args.pin_cpus:
+        os.sched_setaffinity(0, {int(args.pin_cpus.split(",")[0])})
+    torch.set_num_threads(1)
+    try:
+        from dspark_ray.collectives import LocalCollectives, SoloCollectives
+        solo, tp1 = SoloCollectives(0), LocalCollectives(1)
+        sets = {"solo": graph_set(solo, 0, 2, args.ckpt), "tp1": graph_set(tp1, 0, 1, args.ckpt)}
+        log("alone: both graph sets captured")
+        q.put(("alone", time_launches(sets, {"solo": solo, "tp1": tp1}, args.replays)))
+    except BaseException as e:       # noqa: BLE001
+        import traceback
+        q.put(("alone", {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ckpt", required=True, help="a full-preset checkpoint (bench/draft_step.py synthesizes one)")
+    ap.add_argument("--replays", type=int, default=400)
+    ap.add_argument("--pin-cpus", default="2,4", help="vCPU of rank 0, rank 1 (the process alone takes rank 0's)")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if torch.cuda.device_count() < 2:
+        print("graph_launch: needs two CUDA devices", file=sys.stderr)
+        return 2
+    import multiprocessing as mp
+    from multiprocessing import shared_memory
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    shm = shared_memory.SharedMemory(create=True, size=16)
+    shm.buf[:16] = bytes(16)
+    out = {"bench": "graph_launch", "command": "python bench/graph_launch.py " + " ".join(sys.argv[1:]),
+           "config": {"preset": "full", "requests": 1, "n_out": 5, "replays": args.replays,
+                      "pin_cpus": args.pin_cpus},
+           "device": f"{torch.cuda.get_device_name(0)}; host {_device()}", "cards": torch.cuda.device_count(),
+           "commit": _commit()}
+    try:
+        port = free_port()
+        ps = [ctx.Process(target=_pair_rank, args=(r, port, args, q, shm.name)) for r in (0, 1)]
+        for p in ps:
+            p.start()
+        for _ in ps:
+            k, v = q.get(timeout=600)
+            out[k] = v
+        for p in ps:
+            p.join(60)
+    finally:
+        shm.close()
+        shm.unlink()
+    p = ctx.Process(target=_alone, args=(args, q))
+    p.start()
+    k, v = q.get(timeout=600)
+    out[k] = v
+    p.join(60)
+    errors = [f"{k}: {v['error']}\n{v['tb']}" for k, v in out.items() if isinstance(v, dict) and "error" in v]
+    if errors:
+        print("\n".join(errors), file=sys.stderr)
+        return 1
+    out["launch_call_p50_us"] = {f"{k} {g}": out[k][g]["launch_call"]["p50_us"]
+                                 for k in ("pair_rank0", "pair_rank1", "alone") for g in out[k]}
+    emit(out, args.out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
