@@ -1,0 +1,130 @@
+"""The routed experts' grouped kernel over its tile settings, at the full preset's shapes (GPU only).
+
+At one request a block routes 5 rows x top-3 = 15 pairs to ~6 distinct experts. The grouped kernel
+(`kernels/fused_moe._grouped_expert_kernel`) gives each (expert, block of N outputs) one program that streams that
+tile of the expert's weights over K. This times each setting (BLOCK_N, BLOCK_K, num_warps, num_stages) on one
+card's and one pair rank's shapes, gated (w1 | w3 + SwiGLU) and plain (w2), on cold weights (a captured graph of 8
+launches, each routed to another set of experts, replayed), beside the time to read the bytes at 4.2 TB/s, and
+records whether each setting gives the bits of the base tiles (any fixed setting is batch invariant:
+tests/test_fused.py). On the H200 every setting gave the base tiles' bits, the 64 x 128 tiles ran at ~80 % of the
+byte rate, and narrower tiles (more programs per expert) ran slower (bench/results/gpu/expert_tiles_h200.json).
+
+    python bench/expert_tiles.py [--reps 200] [--out bench/results/gpu/expert_tiles_h200.json]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.tcp_roundtrip import _commit, _device, emit  # noqa: E402
+
+H, E, PAIRS, TOPK, SETS = 5120, 128, 15, 3, 8
+SHAPES = {"tp1_gated": (True, 2304, H), "tp1_w2": (False, H, 2304),
+          "rank_gated": (True, 1152, H), "rank_w2": (False, H, 1152)}       # (gated, N, K)
+BASE = (64, 128, 4, 3)             # the tiles before this bench (BLOCK_N, BLOCK_K, num_warps, Triton's default stages)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): narrower tiles spread an expert over more SMs; deeper stages keep more
+# bytes in flight per SM. Each setting compiles twice (gated, plain), ~1.5 s each: the list is kept short.
+SETTINGS = [BASE, (64, 128, 4, 4), (64, 128, 8, 3), (64, 64, 4, 4),
+            (32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 4), (32, 256, 4, 3), (32, 256, 8, 3),
+            (16, 128, 4, 3), (16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 256, 8, 3)]
+
+
+def routing(g: torch.Generator, device) -> list[torch.Tensor]:
+    """SETS routings of PAIRS pairs: 5 rows x 3 distinct experts each, ~6 distinct in all (as a full-preset block
+    at one request), each set on experts of its own so that the timed launches read cold weights."""
+    out = []
+    for s in range(SETS):
+        pool = torch.randperm(E // SETS, generator=g)[:6] + s * (E // SETS)
+        rows = [pool[torch.randperm(6, generator=g)[:TOPK]].sort().values for _ in range(PAIRS // TOPK)]
+        out.append(torch.cat(rows).to(torch.int32).to(device))
+    return out
+
+
+def launch(kern, x, w1, w3, idx, out, gated, n, k, setting, x_div):
+    import triton
+    bn, bk, warps, stages = setting
+    kern[(idx.numel(), triton.cdiv(n, bn))](x, w1, w3 if gated else w1, idx, out, idx.numel(), n, k, x_div, 7.0,
+                                            GATED=gated, BM=64, BLOCK_N=bn, BLOCK_K=bk, PDL=False,
+                                            num_warps=warps, num_stages=stages)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("expert_tiles: needs CUDA", file=sys.stderr)
+        return 2
+    from dspark_ray.kernels.fused_moe import GROUPED_TILES, _grouped_expert_kernel as kern
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)            # routing (host)
+    gw = torch.Generator(device=dev).manual_seed(0)  # weights and inputs, made on the card
+    res = {"bench": "expert_tiles", "command": "python bench/expert_tiles.py " + " ".join(sys.argv[1:]),
+           "config": {"pairs": PAIRS, "distinct_experts": 6, "experts": E, "routing_sets": SETS, "reps": args.reps,
+                      "base": BASE},
+           "device": f"{torch.cuda.get_device_name(0)}; host {_device()}", "commit": _commit(), "shapes": {}}
+    for name in args.shapes.split(","):
+        gated, n, k = SHAPES[name]
+        w1 = torch.randn((E, n, k), generator=gw, device=dev, dtype=torch.float16) * 0.02
+        w3 = torch.randn((E, n, k), generator=gw, device=dev, dtype=torch.float16) * 0.02 if gated else None
+        x = torch.randn((PAIRS // TOPK if gated else PAIRS, k), generator=gw, device=dev, dtype=torch.float16)
+        x_div = TOPK if gated else 1
+        sets = routing(g, dev)
+        out = torch.empty((PAIRS, n), dtype=torch.float16 if gated else torch.float32, device=dev)
+        launch(kern, x, w1, w3, sets[0], out, gated, n, k, BASE, x_div)
+        ref = out.clone()
+        byte_ms = 6 * n * k * 2 * (2 if gated else 1) / 4.2e12 * 1e3
+        rows = []
+        for st in SETTINGS:
+            try:
+                out.fill_(float("nan"))
+                launch(kern, x, w1, w3, sets[0], out, gated, n, k, st, x_div)
+                torch.cuda.synchronize()
+            except Exception as e:      # noqa: BLE001 - a setting that does not compile (shared memory) is skipped
+                rows.append({"setting": st, "error": f"{type(e).__name__}: {str(e)[:120]}"})
+                continue
+            same = bool(torch.equal(out.view(torch.int16) if gated else out.view(torch.int32),
+                                    ref.view(torch.int16) if gated else ref.view(torch.int32)))
+            graph = torch.cuda.CUDAGraph()      # SETS launches, one per routing set: no host launch cost timed
+            with torch.cuda.graph(graph):
+                for idx in sets:
+                    launch(kern, x, w1, w3, idx, out, gated, n, k, st, x_div)
+            for _ in range(3):
+                graph.replay()
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ts = []
+            for _ in range(args.reps):
+                ev[0].record()
+                graph.replay()
+                ev[1].record()
+                ev[1].synchronize()
+                ts.append(ev[0].elapsed_time(ev[1]) * 1e3 / SETS)
+            del graph
+            ts.sort()
+            rows.append({"setting": st, "same_bits": same, "p50_us": round(statistics.median(ts), 2),
+                         "p99_us": round(ts[int(0.99 * (len(ts) - 1))], 2), "min_us": round(ts[0], 2)})
+            print(f"[expert_tiles] {name} {st}: {rows[-1]['p50_us']} us same_bits={same}", file=sys.stderr,
+                  flush=True)
+        ok = [r for r in rows if "p50_us" in r]
+        best = min(ok, key=lambda r: r["p50_us"])
+        base = next(r for r in ok if tuple(r["setting"]) == BASE)
+        used = next((r for r in ok if tuple(r["setting"]) == GROUPED_TILES[gated]), None)
+        res["shapes"][name] = {"gated": gated, "N": n, "K": k, "byte_bound_us": round(byte_ms * 1e3, 1),
+                               "base": base, "in_use": used, "best": best, "all": rows}
+        del w1, w3
+        torch.cuda.empty_cache()
+    emit(res, args.out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
