@@ -2,12 +2,17 @@
 (`model/moe.py`)."""
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import triton
 import triton.language as tl
 
 from .fused_ops import F16, F32, launch_opts, pdl_enter, rows_2d, swiglu_math
 from .gemm import BLOCK_K, BLOCK_N, NUM_WARPS, rows_empty
+
+log = logging.getLogger(__name__)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -154,6 +159,30 @@ GROUP_BM = 64      # pairs of one expert per pass (a graph step has at most 4 x 
 GROUPED_TILES = {True: (64, 128, 4, 4), False: (64, 128, 4, 3)}
 
 
+def fit_stages(tiles: tuple[int, int, int, int], gated: bool, smem_limit: int) -> tuple[int, int, int, int]:
+    """The tiles with as many of their pipeline stages as `smem_limit` bytes of shared memory per block hold, by an
+    upper bound of the grouped kernel's use: each stage keeps its x tile and weight tile(s) (fp16)."""
+    bn, bk, warps, stages = tiles
+    while stages > 1 and stages * (GROUP_BM * bk + (2 if gated else 1) * bk * bn) * 2 > smem_limit:
+        stages -= 1
+    return bn, bk, warps, stages
+
+
+@functools.cache
+def grouped_tiles(gated: bool, device_index: int | None) -> tuple[int, int, int, int]:
+    """GROUPED_TILES[gated] for a card: the H200's 227 KiB per block holds the gated call's 4 stages (192 KiB), an
+    A100's 163 KiB 3 of them. Fixed per kind of card, so both ranks of a pair run the same tiles. device_index
+    None: a CPU (the interpreter)."""
+    if device_index is None:
+        return GROUPED_TILES[gated]
+    try:
+        limit = triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
+    except Exception as e:      # noqa: BLE001 - a query this Triton lacks must not stop the step; the tiles as set
+        log.warning("grouped experts: no shared-memory size for cuda:%s (%s); tiles as set", device_index, e)
+        return GROUPED_TILES[gated]
+    return fit_stages(GROUPED_TILES[gated], gated, limit)
+
+
 def _grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, experts: torch.Tensor, x_div: int,
              limit: float) -> torch.Tensor:
     p = experts.numel()
@@ -161,7 +190,7 @@ def _grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, experts
     gated = w3 is not None
     out = torch.empty((p, n), dtype=F16 if gated else F32, device=x.device)
     if p:
-        bn, bk, warps, stages = GROUPED_TILES[gated]
+        bn, bk, warps, stages = grouped_tiles(gated, x.device.index if x.is_cuda else None)
         _grouped_expert_kernel[(p, triton.cdiv(n, bn))](
             x.to(F16).contiguous(), w1, w3 if gated else w1, experts.contiguous(), out, p, n, k, x_div,
             float(limit), GATED=gated, BM=GROUP_BM, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
