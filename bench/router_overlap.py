@@ -1,0 +1,100 @@
+"""Is the router slow on its own, or only beside the shared expert's GEMM? (GPU only.)
+
+In a block's ffn site the router's logits and top-k are on the critical path (the grouped experts wait for them)
+while the shared expert's gate / up GEMM runs beside them on a side stream (`ops.branch`). In the kernel timeline
+the router took 13 us on a pair rank and 20 us on one card, beside a GEMM of 9 / 16 us. This times, at the full
+preset's shapes for one card and one pair rank, 5 rows (1 request, n_out 5):
+
+* the router's logits kernel alone, and the GEMM alone;
+* both at once on two streams of the same priority (as in the graphs);
+* both at once with the router's stream at the highest priority (where a stream's priority orders the
+  scheduling of waiting thread blocks).
+
+Both streams are held behind one event until the two launches are queued, so the host's launch order does not
+decide who starts first. p50 over `--reps` of the time from that event to each kernel's end.
+
+    python bench/router_overlap.py [--reps 300] [--out bench/results/gpu/router_overlap_h200.json]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.tcp_roundtrip import _commit, _device, emit  # noqa: E402
+
+H, E, ROWS = 5120, 128, 5
+SHARED_N = {"tp1": 2 * 2304, "rank": 2304}       # the shared expert's w1 | w3 rows: whole, or a pair rank's half
+GATE_CYCLES = 2_000_000                          # ~1 ms of the gate stream's sleep: both launches queue behind it
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("router_overlap: needs CUDA", file=sys.stderr)
+        return 2
+    from dspark_ray.kernels import gemm
+    from dspark_ray.kernels.fused_moe import router_logits
+    gemm.use_matmul("fast")
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    f = gemm.rows_empty(ROWS, H, torch.float16, dev)      # as the model's: the padded GEMM reads it in place
+    f.copy_(torch.randn((ROWS, H), generator=g, device=dev, dtype=torch.float16))
+    gate = torch.randn((E, H), generator=g, device=dev, dtype=torch.float16) * 0.02
+    least, greatest = torch.cuda.Stream.priority_range()
+    res = {"bench": "router_overlap", "command": "python bench/router_overlap.py " + " ".join(sys.argv[1:]),
+           "config": {"rows": ROWS, "hidden": H, "experts": E, "shared_n": SHARED_N, "reps": args.reps,
+                      "priority_range": [least, greatest]},
+           "device": f"{torch.cuda.get_device_name(0)}; host {_device()}", "commit": _commit(), "cases": {}}
+    for shape, n in SHARED_N.items():
+        w13 = torch.randn((n, H), generator=g, device=dev, dtype=torch.float16) * 0.02
+
+        def router():
+            router_logits(f, gate)
+
+        def shared(w=w13):
+            gemm.padded_linear(f, w)
+
+        for case, (a_prio, run_router, run_shared) in {
+                "router_alone": (0, True, False), "gemm_alone": (0, False, True),
+                "beside": (0, True, True), "beside_router_first": (greatest, True, True)}.items():
+            sa, sb, sg = (torch.cuda.Stream(priority=a_prio), torch.cuda.Stream(priority=least),
+                          torch.cuda.Stream(priority=least))
+            start, end_a, end_b = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            ta, tb = [], []
+            for r in range(args.reps + 20):
+                with torch.cuda.stream(sg):
+                    torch.cuda._sleep(GATE_CYCLES)
+                    start.record()
+                for s, on, fn, end in ((sa, run_router, router, end_a), (sb, run_shared, shared, end_b)):
+                    with torch.cuda.stream(s):
+                        s.wait_event(start)
+                        if on:
+                            fn()
+                        end.record()
+                torch.cuda.synchronize()
+                if r >= 20:
+                    ta.append(start.elapsed_time(end_a) * 1e3)
+                    tb.append(start.elapsed_time(end_b) * 1e3)
+            row = {}
+            if run_router:
+                row["router_end_p50_us"] = round(statistics.median(ta), 2)
+            if run_shared:
+                row["gemm_end_p50_us"] = round(statistics.median(tb), 2)
+            res["cases"][f"{shape}_{case}"] = row
+            print(f"[router_overlap] {shape} {case}: {row}", file=sys.stderr, flush=True)
+    emit(res, args.out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
