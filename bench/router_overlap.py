@@ -86,10 +86,11 @@ def main(argv=None) -> int:
                     ta.append(start.elapsed_time(end_a) * 1e3)
                     tb.append(start.elapsed_time(end_b) * 1e3)
             row = {}
-            if run_router:
-                row["router_end_p50_us"] = round(statistics.median(ta), 2)
-            if run_shared:
-                row["gemm_end_p50_us"] = round(statistics.median(tb), 2)
+            for name, on, ts in (("router_end", run_router, ta), ("gemm_end", run_shared, tb)):
+                if on:
+                    ts.sort()
+                    row[name] = {"p50_us": round(statistics.median(ts), 2),
+                                 "p99_us": round(ts[int(0.99 * (len(ts) - 1))], 2), "min_us": round(ts[0], 2)}
             res["cases"][f"{shape}_{case}"] = row
             print(f"[router_overlap] {shape} {case}: {row}", file=sys.stderr, flush=True)
     emit(res, args.out, indent=1)
