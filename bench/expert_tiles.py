@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("expert_tiles: needs CUDA", file=sys.stderr)
         return 2
-    from dspark_ray.kernels.fused_moe import GROUPED_TILES, _grouped_expert_kernel as kern
+    from dspark_ray.kernels.fused_moe import _grouped_expert_kernel as kern, grouped_tiles
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)            # routing (host)
     gw = torch.Generator(device=dev).manual_seed(0)  # weights and inputs, made on the card
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         ok = [r for r in rows if "p50_us" in r]
         best = min(ok, key=lambda r: r["p50_us"])
         base = next(r for r in ok if tuple(r["setting"]) == BASE)
-        used = next((r for r in ok if tuple(r["setting"]) == GROUPED_TILES[gated]), None)
+        used = next((r for r in ok if tuple(r["setting"]) == grouped_tiles(gated, dev.index or 0)), None)
         res["shapes"][name] = {"gated": gated, "N": n, "K": k, "byte_bound_us": round(byte_ms * 1e3, 1),
                                "base": base, "in_use": used, "best": best, "all": rows}
         del w1, w3
