@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.draft_step import SpinBarrier, _slots, connect_pair_rank, free_port, log  # noqa: E402
+from bench.draft_step import SpinBarrier, _pin, _slots, connect_pair_rank, free_port, log  # noqa: E402
 from bench.tcp_roundtrip import _commit, _device, emit  # noqa: E402
 
 PIECES = ("stage", "launch_call", "wait")
@@ -80,8 +80,7 @@ def time_launches(sets: dict, colls: dict, replays: int, barrier=None) -> dict:
 
 def _pair_rank(rank: int, port: int, args, q, shm_name: str) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
-    if args.pin_cpus:
-        os.sched_setaffinity(0, {int(args.pin_cpus.split(",")[rank])})
+    _pin(args, rank)
     torch.set_num_threads(1)
     try:
         import torch.distributed as dist
@@ -102,8 +101,7 @@ def _pair_rank(rank: int, port: int, args, q, shm_name: str) -> None:
 
 def _alone(args, q) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = "0"
-    if args.pin_cpus:
-        os.sched_setaffinity(0, {int(args.pin_cpus.split(",")[0])})
+    _pin(args, 0)
     torch.set_num_threads(1)
     try:
         from dspark_ray.collectives import LocalCollectives, SoloCollectives

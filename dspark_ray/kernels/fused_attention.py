@@ -205,7 +205,6 @@ def attend(q: torch.Tensor, window: torch.Tensor, valid: torch.Tensor, kv: torch
                                                         num_warps=2, num_stages=3, **launch_opts(scores))
     _attend_pv_kernel[(bsz, rows, (D - rope_dim) // bd + 1)](scores, wc, vb, kc, sink, pos.contiguous(), inv_freq,
                                                              out, nh, blk, W, hpg, gs, rs, D=D, RD=rope_dim,
-                                                             BM=bm, BW=bw,
-                                                             BB=bb, BD=bd, num_warps=8, num_stages=3,
-                                                             **launch_opts(scores))
+                                                             BM=bm, BW=bw, BB=bb, BD=bd, num_warps=8, num_stages=3,
+                                                             **launch_opts(out))
     return out

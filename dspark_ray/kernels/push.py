@@ -113,6 +113,7 @@ def exchange_threads(n_rows: int) -> int:
 
 
 CONTROL_WORDS = 6       # u32 from Layout.OFF_EPOCH: epoch, done, last nblk (2), error word, first failing epoch
+ERROR_WORD = (Layout.OFF_ERR - Layout.OFF_EPOCH) // 4          # its index among them
 
 
 class PushCollectives(Collectives):
@@ -425,7 +426,8 @@ class PushCollectives(Collectives):
 
     @staticmethod
     def _control(w) -> dict:
-        return {"epoch": int(w[0]), "last_nblk": (int(w[2]), int(w[3])), "error": int(w[4]), "error_epoch": int(w[5])}
+        return {"epoch": int(w[0]), "last_nblk": (int(w[2]), int(w[3])), "error": int(w[ERROR_WORD]),
+                "error_epoch": int(w[ERROR_WORD + 1])}
 
     def status_region(self) -> tuple[int, int]:
         """The six control words (epoch .. first failing epoch): a captured step copies them to the host after its
@@ -440,7 +442,7 @@ class PushCollectives(Collectives):
         if self._eager_since_check:
             return self.check_error()
         w = np.frombuffer(words, np.uint32, CONTROL_WORDS)
-        if w[4]:                               # the error word (the rest is read only to describe it)
+        if w[ERROR_WORD]:                      # the rest is read only to describe the error
             self._raise_if_failed(self._control(w))
 
     def error_word(self) -> int:
