@@ -26,6 +26,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from tcp_roundtrip import _commit                             # noqa: E402
 
+from dspark_ray.cli import cpu_list                          # noqa: E402
+
 
 def pct(xs, q):
     xs = sorted(xs)
@@ -59,6 +61,9 @@ def main() -> None:
     ap.add_argument("--ckpt", help="an existing checkpoint (else the preset's default, synthesized if missing)")
     ap.add_argument("--client-spin-us", type=float, default=3000.0,
                     help="the client polls this long for its reply before blocking (DrafterClient spin_us)")
+    ap.add_argument("--rank-cpus", type=cpu_list, help="pin the ranks' step loops: one vCPU per rank (9,12)")
+    ap.add_argument("--frontend-cpus", type=cpu_list, help="pin the front-end's endpoint threads (18)")
+    ap.add_argument("--client-cpu", type=int, help="pin this bench's client thread to one vCPU")
     ap.add_argument("--out")
     a = ap.parse_args()
 
@@ -112,12 +117,15 @@ def main() -> None:
     os.environ["DSPARK_STAMP_CPU"] = "1"
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
-    spec = PairSpec(checkpoint=ckpt, tp=2, n_slots=4, backend="push" if gpu else "gloo", device=device)
+    spec = PairSpec(checkpoint=ckpt, tp=2, n_slots=4, backend="push" if gpu else "gloo", device=device,
+                    rank_cpus=a.rank_cpus, frontend_cpus=a.frontend_cpus)
     log(f"deploying the pair ({spec.backend}, {spec.device})")
     fe, endpoint = deploy(spec, name="bench")
     log(f"serving on {endpoint}")
     host, port = endpoint.rsplit(":", 1)
     client = []                               # per round: (sent, received), stamps.now
+    if a.client_cpu is not None:
+        os.sched_setaffinity(0, {a.client_cpu})       # this (the client's) thread only
     with DrafterClient(host, int(port), timeout_s=60, spin_us=a.client_spin_us) as c:
         c.hello(client="step_latency bench")
         (gr,) = c.acquire(1)
@@ -155,7 +163,8 @@ def main() -> None:
         "command": "python bench/step_latency.py " + " ".join(sys.argv[1:]),
         "config": {"preset": a.preset, "tp": 2, "backend": spec.backend, "requests": 1, "rows_per_round": a.rows,
                    "n_out": 5, "rounds": a.rounds, "warmup_rounds": warm,
-                   "client_spin_us": a.client_spin_us, "server_and_ring_spin_us": spec.spin_us},
+                   "client_spin_us": a.client_spin_us, "server_and_ring_spin_us": spec.spin_us,
+                   "pinned_vcpus": {"ranks": a.rank_cpus, "frontend": a.frontend_cpus, "client": a.client_cpu}},
         "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or platform.machine(),
         "host_cpus": os.cpu_count(),
         "commit": _commit(),

@@ -97,7 +97,7 @@ def cmd_serve(a, *, then=None) -> int:
     ckpt = resolve_checkpoint(a.preset, a.checkpoint, device=device)
     print(connect_ray(a.address, a.detach), flush=True)
     spec = PairSpec(checkpoint=os.path.abspath(ckpt), tp=a.tp, n_slots=a.slots, backend=backend, device=device,
-                    collective_timeout_s=a.collective_timeout)
+                    collective_timeout_s=a.collective_timeout, rank_cpus=a.rank_cpus, frontend_cpus=a.frontend_cpus)
     t0 = time.monotonic()
     fe, endpoint = deploy(spec, host=a.host, port=a.port, name=a.name, detach=a.detach,
                           on_progress=_progress_bar(a.tp))
@@ -189,6 +189,11 @@ def cmd_synth(a) -> int:
     return synth_main(a.rest)
 
 
+def cpu_list(text: str) -> list[int]:
+    """"9,12" -> [9, 12] (for the step path's pinned vCPUs)."""
+    return [int(c) for c in text.split(",") if c.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     p = argparse.ArgumentParser(prog="dspark-ray", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -207,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--device", choices=["cpu", "cuda"])
         sp.add_argument("--backend", choices=["gloo", "push"])
         sp.add_argument("--collective-timeout", type=float, default=10.0)
+        sp.add_argument("--rank-cpus", type=cpu_list, help="vCPUs for the ranks' step loops, one per rank: 9,12")
+        sp.add_argument("--frontend-cpus", type=cpu_list, help="vCPUs for the front-end's endpoint threads")
 
     sp = sub.add_parser("serve", help="deploy one pair and serve STEP")
     serve_args(sp)

@@ -12,7 +12,7 @@ import torch
 
 from dspark_ray import workload
 from dspark_ray.actors.placement import teardown
-from dspark_ray.actors.scheduling import thread_deltas, thread_niceness
+from dspark_ray.actors.scheduling import pin_thread, thread_deltas, thread_niceness
 from dspark_ray.client import ClientError, DrafterClient
 from dspark_ray.contract import Code, make_entry
 from dspark_ray.engine import RankEngine
@@ -21,9 +21,15 @@ from dspark_ray.modes import make_drafter
 from conftest import deploy_pair
 
 
+# The step path's threads pinned as a user would (dspark serve --rank-cpus --frontend-cpus): on the 2-core CI machine
+# rank 0 on the first core, rank 1 and the front-end's endpoint on the last.
+CPUS = sorted(os.sched_getaffinity(0))
+RANK_CPUS, FRONTEND_CPUS = [CPUS[0], CPUS[-1]], [CPUS[-1]]
+
+
 @pytest.fixture(scope="module")
 def pair(ray_cluster, tiny_ckpt):
-    fe, host, port = deploy_pair(ray_cluster, tiny_ckpt, "e2e")
+    fe, host, port = deploy_pair(ray_cluster, tiny_ckpt, "e2e", rank_cpus=RANK_CPUS, frontend_cpus=FRONTEND_CPUS)
     yield fe, host, port
     teardown("e2e")
 
@@ -69,6 +75,39 @@ def test_every_actor_carries_the_no_multicast_environment(pair, ray_cluster):
             assert thread_niceness(rank["process"], f"dspark-rank{r}") == [0]
             if "RAY_worker_niceness" not in os.environ:
                 assert thread_niceness(rank["process"], "MainThread") == [15]
+
+
+def test_pin_thread_pins_the_calling_thread_only_and_refuses_a_bad_set():
+    seen = {}
+
+    def body():
+        seen["pinned"] = pin_thread([CPUS[-1]], "test thread")
+        seen["inside"] = os.sched_getaffinity(0)
+        seen["refused"] = pin_thread([max(CPUS) + 4096], "test thread")     # no such vCPU
+        seen["after"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen["pinned"] == seen["inside"] == seen["after"] == {CPUS[-1]}
+    assert seen["refused"] is None
+    assert sorted(os.sched_getaffinity(0)) == CPUS          # the creating thread keeps its set
+    assert pin_thread(None, "test") is None and sorted(os.sched_getaffinity(0)) == CPUS
+
+
+def test_step_path_threads_run_on_their_pinned_vcpus_only(pair, ray_cluster):
+    def allowed(facts, prefix):
+        return [v["allowed"] for k, v in facts["threads"].items() if k.startswith(prefix) and v]
+
+    with client(pair):              # a connection thread exists while its client is connected
+        st = ray_cluster.get(pair[0].status.remote())
+    for r, rank in enumerate(st["ranks"]):
+        assert allowed(rank["process"], f"dspark-rank{r}") == [str(RANK_CPUS[r])]
+        # only the step loop is pinned: the actor's other threads keep the process's cores
+        assert allowed(rank["process"], "MainThread") != [str(RANK_CPUS[r])] or len(CPUS) == 1
+    # the accept thread pins itself; the connection threads it starts inherit its set
+    assert allowed(st["process"], "tcp-accept") == [str(FRONTEND_CPUS[0])]
+    assert allowed(st["process"], "tcp-conn") == [str(FRONTEND_CPUS[0])]
 
 
 def test_hello_accepted_and_refused(pair, ckpt, cfg):

@@ -17,7 +17,7 @@ from ..stamps import Stamps, cpu_now, now
 from . import messages as M
 from .rank import SAFE_ENV, PairSpec, rank_actor_class
 from .ring import RingError, RingTimeout, StepRing
-from .scheduling import process_facts, raise_priority
+from .scheduling import pin_thread, process_facts, raise_priority
 
 log = logging.getLogger("dspark_ray.frontend")
 
@@ -229,7 +229,9 @@ def frontend_actor_class():
             self.manager = PairManager(self.spec, pg, rank_bundles, rank_resources, name)
             self.service = StepService(self.identity, self.limits, None, window=cfg.sliding_window)
             self.supervisor = Supervisor(self.service, self.manager.restart, threshold=restart_threshold)
-            self.server = TcpServer(self.service, host=host, port=port, spin_us=self.spec.spin_us)
+            cpus = self.spec.frontend_cpus
+            self.server = TcpServer(self.service, host=host, port=port, spin_us=self.spec.spin_us,
+                                    on_thread_start=lambda: pin_thread(cpus, f"front-end {name} endpoint"))
             self.host, self.port, self.name = host, port, name
             self.started = False
             self.load_progress = []

@@ -19,7 +19,7 @@ import torch
 from ..engine import EngineBroken, RankEngine, StepFailed
 from ..stamps import Stamps, cpu_now, now
 from . import messages as M
-from .scheduling import process_facts, raise_priority
+from .scheduling import pin_thread, process_facts, raise_priority
 
 log = logging.getLogger("dspark_ray.rank")
 
@@ -48,6 +48,10 @@ class PairSpec:
     # everywhere for a CPU reference to compare against bit for bit).
     graphs: bool | None = None
     matmul: str = "auto"
+    # vCPUs for the per-step threads (scheduling.pin_thread): rank r's step loop on rank_cpus[r], the front-end's
+    # endpoint threads on frontend_cpus. None: wherever the kernel puts them.
+    rank_cpus: list[int] | None = None
+    frontend_cpus: list[int] | None = None
 
     @property
     def spin_us(self) -> float:
@@ -143,6 +147,8 @@ class RankWorker:
     def _loop(self) -> None:
         from .ring import RingClosed, RingTimeout
         raise_priority(f"rank {self.rank} step loop")     # this thread only: loading and capture stay at Ray's 15
+        if self.spec.rank_cpus:
+            pin_thread(self.spec.rank_cpus[self.rank:self.rank + 1], f"rank {self.rank} step loop")
         width = self.engine.drafter.cfg.n_taps * self.engine.drafter.cfg.hidden_size
         while not self._stop:
             try:

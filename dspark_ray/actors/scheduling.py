@@ -10,6 +10,11 @@ thread, whose connection threads inherit it. Loading, capture and restarts keep 
 threads that answer (on the 2-core CI machine, a restarting pair at 0 slowed the front-end's UNAVAILABLE answers
 past 5 ms). Lowering a niceness needs CAP_SYS_NICE (root has it); without it the thread logs how to get it: start
 Ray with `RAY_worker_niceness=0` (cluster/dspark.env sets it).
+
+The same threads can also be pinned, each to vCPUs of its own (`PairSpec.rank_cpus` / `frontend_cpus`, `dspark
+serve --rank-cpus --frontend-cpus`): they spin between steps, so a pinned one keeps its core's caches and never
+shares a core with another spinner. Linux keeps the affinity per thread too, and a new thread inherits its creator's:
+the front-end's accept thread pins itself, and its connection threads inherit the set.
 """
 from __future__ import annotations
 
@@ -37,11 +42,27 @@ def raise_priority(who: str) -> int:
     return TARGET_NICENESS
 
 
+def pin_thread(cpus, who: str) -> set[int] | None:
+    """Restrict the calling thread to `cpus` (vCPU numbers; None or empty: leave it as it is); returns the set it
+    runs on. A set outside the process's allowed cores is refused with one log line, and the thread keeps its set."""
+    if not cpus:
+        return None
+    want = {int(c) for c in cpus}
+    try:
+        os.sched_setaffinity(0, want)       # pid 0: the calling thread
+    except (OSError, ValueError) as e:
+        log.warning("%s: cannot pin to vCPUs %s (%s); it runs on %s", who, sorted(want), e,
+                    sorted(os.sched_getaffinity(0)))
+        return None
+    log.info("%s: pinned to vCPUs %s", who, sorted(want))
+    return want
+
+
 _TICK_MS = 1e3 / os.sysconf("SC_CLK_TCK")
 
 
 def _thread_stat(native_id: int) -> dict | None:
-    """A thread of this process: the core it last ran on and its niceness (/proc stat fields 39 and 19), the CPU
+    """A thread of this process: the core it last ran on, the cores it may run on, and its niceness (/proc stat fields 39 and 19), the CPU
     time it used (fields 14 + 15), the time it waited runnable for a core (schedstat) and how often it was preempted
     (nonvoluntary context switches); or None. Two readings apart say whether a slow thread worked or waited."""
     try:
@@ -51,11 +72,12 @@ def _thread_stat(native_id: int) -> dict | None:
         with open(f"{base}/schedstat") as f:
             run_delay_ns = int(f.read().split()[1])
         with open(f"{base}/status") as f:
-            preempted = next(int(line.split()[1]) for line in f if line.startswith("nonvoluntary_ctxt_switches"))
-        return {"cpu": int(fields[36]), "nice": int(fields[16]),
+            status = dict(line.split(":", 1) for line in f if ":" in line)
+        preempted = int(status["nonvoluntary_ctxt_switches"])
+        return {"cpu": int(fields[36]), "allowed": status["Cpus_allowed_list"].strip(), "nice": int(fields[16]),
                 "cpu_ms": round((int(fields[11]) + int(fields[12])) * _TICK_MS, 1),
                 "run_delay_ms": round(run_delay_ns / 1e6, 3), "preempted": preempted}
-    except (OSError, IndexError, ValueError, StopIteration):
+    except (OSError, IndexError, ValueError, KeyError):
         return None
 
 

@@ -41,13 +41,15 @@ class TcpServer:
 
     def __init__(self, handler: StepHandler, host: str = "127.0.0.1", port: int = 0,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_timeout_s: float = 5.0, spin_us: float = 0.0,
-                 max_pollers: int = 2):
+                 max_pollers: int = 2, on_thread_start=None):
         """`spin_us`: how long a connection thread polls for the next frame before it blocks in recv (see
         wire.spinning_recv_into; the front-end passes the ring's spin: 2 ms on a GPU host, 50 us on a CPU). At most
         `max_pollers` threads poll at once, the others block at once: every poll takes the interpreter lock, and
-        many polling threads would slow the one that has a STEP to run."""
+        many polling threads would slow the one that has a STEP to run. `on_thread_start`: called first in the accept
+        thread (the front-end pins it there to its vCPUs; the connection threads it starts inherit its affinity)."""
         self.handler = handler
         self.spin_us = spin_us
+        self.on_thread_start = on_thread_start
         self._pollers = threading.BoundedSemaphore(max_pollers)
         self.host = host
         self.max_frame_bytes = max_frame_bytes
@@ -105,6 +107,8 @@ class TcpServer:
 
     # ---- threads -----------------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
+        if self.on_thread_start is not None:
+            self.on_thread_start()
         while not self._stopping.is_set():
             try:
                 sock, addr = self._listener.accept()
