@@ -199,15 +199,24 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
             states[0].rollback(top - rows)
             gs.run([(states[0], top - rows, taps)], states[:1], [17], 5, False)
         res["step"][str(rows)] = stats(timed(step, args.replays)) | {"host_p50": host_p50()}
-    res["profile_1req"] = profile(d, states, args)
-    res["graph_kernels_1req"] = graph_kernels(gs, states)
+    res["profile_1req"] = profile(d, states, args, barrier)
+    res["graph_kernels_1req"] = graph_kernels(gs, states, barrier)
     free, total = torch.cuda.mem_get_info()
     res["memory"] = {"peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
                      "card_used_gib": round((total - free) / 2**30, 3)}
     return res
 
 
-def profile(d, states, args) -> dict:
+def _both_profiling(barrier) -> None:
+    """In the pair, meet the peer once both profilers run: starting one (CUPTI) can take seconds, longer on one rank
+    than the other, and a rank that went ahead would wait in the push collectives past their peer timeout (seen on
+    the H200 pair: 'peer timeout' out of this profile)."""
+    torch.cuda.synchronize()
+    if barrier:
+        barrier()
+
+
+def profile(d, states, args, barrier=None) -> dict:
     """Kernel time per stage at 1 request, n_out 5 (eager, under torch.profiler; kernels of each `dspark.*` range)."""
     from torch.profiler import ProfilerActivity
     seeds = [17]
@@ -216,6 +225,7 @@ def profile(d, states, args) -> dict:
     torch.cuda.synchronize()
     n = 10
     with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _both_profiling(barrier)
         for _ in range(n):
             d.draft(states[:1], seeds, 5)
         torch.cuda.synchronize()
@@ -227,13 +237,14 @@ def profile(d, states, args) -> dict:
     return out
 
 
-def graph_kernels(gs, states, n: int = 10, top: int = 15) -> dict:
+def graph_kernels(gs, states, barrier=None, n: int = 10, top: int = 15) -> dict:
     """What one graph replay at 1 request, n_out 5 runs: kernels per step, their summed time, the top kernels."""
     from torch.profiler import ProfilerActivity
     for _ in range(3):
         gs.run([], states[:1], [17], 5, False)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _both_profiling(barrier)
         for _ in range(n):
             gs.run([], states[:1], [17], 5, False)
         torch.cuda.synchronize()
@@ -293,7 +304,9 @@ def connect_pair_rank(rank: int, port: int, ckpt: str):
     torch.cuda.set_device(0)
     cfg = Checkpoint(ckpt).config
     gloo = GlooCollectives(rank, 2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=600)
-    return gloo, connect_over(gloo.group, rank, Layout(cfg, 2).vocab_range(1 - rank), 2.0)
+    # The peer timeout is the service's default (10 s), not a tight one: an eager step's first pass may compile a
+    # kernel on one rank while the other waits in a collective.
+    return gloo, connect_over(gloo.group, rank, Layout(cfg, 2).vocab_range(1 - rank), 10.0)
 
 
 def _pair_rank(rank: int, port: int, args, q, shm_name: str) -> None:
