@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import sys
 import time
@@ -34,6 +32,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import card_procs  # noqa: E402
+from bench.card_procs import pinned, run_alone  # noqa: E402
 from bench.tcp_roundtrip import _commit  # noqa: E402
 from dspark_ray.kernels.fused_ops import pdl_capable  # noqa: E402
 
@@ -281,19 +281,6 @@ class SpinBarrier:
                 raise TimeoutError(f"pair rank {self.rank}: the peer did not reach barrier {self.n} in 60 s")
 
 
-def _pin(args, rank: int) -> None:
-    """--pin-cpus: this process on one vCPU of the list (rank r takes entry r)."""
-    if args.pin_cpus:
-        os.sched_setaffinity(0, {int(args.pin_cpus.split(",")[rank])})
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback for the pair's gloo rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def connect_pair_rank(rank: int, port: int, ckpt: str):
     """In a pair rank's process (CUDA_VISIBLE_DEVICES names its card alone): gloo over `port`, then the push
     collectives with the peer over it. Returns (gloo, push collectives)."""
@@ -309,77 +296,32 @@ def connect_pair_rank(rank: int, port: int, ckpt: str):
     return gloo, connect_over(gloo.group, rank, Layout(cfg, 2).vocab_range(1 - rank), 10.0)
 
 
-def _pair_rank(rank: int, port: int, args, q, shm_name: str) -> None:
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
-    _pin(args, rank)
-    torch.set_num_threads(1)       # as the rank actors: two processes of all-core OpenMP pools stall each other
+def _pair_rank(rank: int, port: int, shm_name: str, args) -> dict:
+    """One rank of the pair, in its own process (card_procs.run_pair)."""
     import torch.distributed as dist
-    try:
-        gloo, pc = connect_pair_rank(rank, port, args.ckpt)
+    gloo, pc = connect_pair_rank(rank, port, args.ckpt)
 
-        def share(obj):
-            out = [None, None]
-            dist.all_gather_object(out, obj, group=gloo.group)
-            return out
-        barrier = SpinBarrier(shm_name, rank) if args.barrier == "spin" else (lambda: dist.barrier(group=gloo.group))
-        dist.barrier(group=gloo.group)          # both attached to the shared counters
-        res = run_mode("pair", args, rank, pc, barrier=barrier, share=share)
-        pc.check_error()
-        res["collectives"] = pc.describe()
-        q.put((rank, res))
-    except BaseException as e:       # noqa: BLE001 - reported to the parent
-        import traceback
-        q.put((rank, {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-4000:]}))
-
-
-def _one_card(mode: str, args, q) -> None:
-    """tp1 / solo in a process of its own that sees card 0 alone, as each pair rank sees its card: every mode
-    starts from a fresh process and allocator, whatever ran before it."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = "0"
-    torch.set_num_threads(1)
-    _pin(args, 0)
-    try:
-        q.put(run_mode(mode, args))
-    except BaseException as e:       # noqa: BLE001 - reported to the parent
-        import traceback
-        q.put({"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-4000:]})
-
-
-def run_one_card(mode: str, args) -> dict:
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_one_card, args=(mode, args, q))
-    p.start()
-    res = q.get(timeout=args.pair_timeout)
-    p.join(60)
-    if "error" in res:
-        raise RuntimeError(f"{mode}: {res['error']}\n{res['tb']}")
+    def share(obj):
+        out = [None, None]
+        dist.all_gather_object(out, obj, group=gloo.group)
+        return out
+    barrier = SpinBarrier(shm_name, rank) if args.barrier == "spin" else (lambda: dist.barrier(group=gloo.group))
+    dist.barrier(group=gloo.group)          # both attached to the shared counters
+    res = run_mode("pair", args, rank, pc, barrier=barrier, share=share)
+    pc.check_error()
+    res["collectives"] = pc.describe()
     return res
 
 
+def run_one_card(mode: str, args) -> dict:
+    """tp1 / solo in a process of its own that sees card 0 alone, as each pair rank sees its card."""
+    return run_alone(run_mode, mode, args, cpu=pinned(args.pin_cpus, 0), timeout_s=args.pair_timeout)
+
+
 def run_pair(args) -> dict:
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    from multiprocessing import shared_memory
-    shm = shared_memory.SharedMemory(create=True, size=16)
-    shm.buf[:16] = bytes(16)
-    try:
-        ps = [ctx.Process(target=_pair_rank, args=(r, port, args, q, shm.name)) for r in (0, 1)]
-        for p in ps:
-            p.start()
-        got = dict(q.get(timeout=args.pair_timeout) for _ in ps)
-        for p in ps:
-            p.join(60)
-    finally:
-        shm.close()
-        shm.unlink()
-    for r in (0, 1):
-        if "error" in got[r]:
-            raise RuntimeError(f"pair rank {r}: {got[r]['error']}\n{got[r]['tb']}")
-    return {"rank0": got[0], "rank1": got[1]}
+    r0, r1 = card_procs.run_pair(_pair_rank, args, cpus=(pinned(args.pin_cpus, 0), pinned(args.pin_cpus, 1)),
+                                 timeout_s=args.pair_timeout)
+    return {"rank0": r0, "rank1": r1}
 
 
 def summary(out: dict) -> dict:

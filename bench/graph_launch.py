@@ -13,7 +13,6 @@ launch cost is the difference between the two graphs of one rank.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -22,7 +21,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.draft_step import SpinBarrier, _pin, _slots, connect_pair_rank, free_port, log  # noqa: E402
+from bench.card_procs import pinned, run_alone, run_pair  # noqa: E402
+from bench.draft_step import SpinBarrier, _slots, connect_pair_rank, log  # noqa: E402
 from bench.tcp_roundtrip import _commit, _device, emit  # noqa: E402
 
 PIECES = ("stage", "launch_call", "wait")
@@ -78,40 +78,26 @@ def time_launches(sets: dict, colls: dict, replays: int, barrier=None) -> dict:
     return {k: {p: us_stats(v) for p, v in r.items()} for k, r in got.items()}
 
 
-def _pair_rank(rank: int, port: int, args, q, shm_name: str) -> None:
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
-    _pin(args, rank)
-    torch.set_num_threads(1)
-    try:
-        import torch.distributed as dist
-        from dspark_ray.collectives import SoloCollectives
-        gloo, push = connect_pair_rank(rank, port, args.ckpt)
-        dist.barrier(group=gloo.group)
-        solo = SoloCollectives(rank)
-        sets = {"push": graph_set(push, rank, 2, args.ckpt), "solo": graph_set(solo, rank, 2, args.ckpt)}
-        log(f"pair rank {rank}: both graph sets captured")
-        dist.barrier(group=gloo.group)
-        res = time_launches(sets, {"push": push, "solo": solo}, args.replays, SpinBarrier(shm_name, rank))
-        push.check_error()
-        q.put((f"pair_rank{rank}", res))
-    except BaseException as e:       # noqa: BLE001 - reported to the parent
-        import traceback
-        q.put((f"pair_rank{rank}", {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}))
+def _pair_rank(rank: int, port: int, shm_name: str, args) -> dict:
+    import torch.distributed as dist
+    from dspark_ray.collectives import SoloCollectives
+    gloo, push = connect_pair_rank(rank, port, args.ckpt)
+    dist.barrier(group=gloo.group)
+    solo = SoloCollectives(rank)
+    sets = {"push": graph_set(push, rank, 2, args.ckpt), "solo": graph_set(solo, rank, 2, args.ckpt)}
+    log(f"pair rank {rank}: both graph sets captured")
+    dist.barrier(group=gloo.group)
+    res = time_launches(sets, {"push": push, "solo": solo}, args.replays, SpinBarrier(shm_name, rank))
+    push.check_error()
+    return res
 
 
-def _alone(args, q) -> None:
-    os.environ["CUDA_VISIBLE_DEVICES"] = "0"
-    _pin(args, 0)
-    torch.set_num_threads(1)
-    try:
-        from dspark_ray.collectives import LocalCollectives, SoloCollectives
-        solo, tp1 = SoloCollectives(0), LocalCollectives(1)
-        sets = {"solo": graph_set(solo, 0, 2, args.ckpt), "tp1": graph_set(tp1, 0, 1, args.ckpt)}
-        log("alone: both graph sets captured")
-        q.put(("alone", time_launches(sets, {"solo": solo, "tp1": tp1}, args.replays)))
-    except BaseException as e:       # noqa: BLE001
-        import traceback
-        q.put(("alone", {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-3000:]}))
+def _alone(args) -> dict:
+    from dspark_ray.collectives import LocalCollectives, SoloCollectives
+    solo, tp1 = SoloCollectives(0), LocalCollectives(1)
+    sets = {"solo": graph_set(solo, 0, 2, args.ckpt), "tp1": graph_set(tp1, 0, 1, args.ckpt)}
+    log("alone: both graph sets captured")
+    return time_launches(sets, {"solo": solo, "tp1": tp1}, args.replays)
 
 
 def main(argv=None) -> int:
@@ -124,39 +110,14 @@ def main(argv=None) -> int:
     if torch.cuda.device_count() < 2:
         print("graph_launch: needs two CUDA devices", file=sys.stderr)
         return 2
-    import multiprocessing as mp
-    from multiprocessing import shared_memory
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    shm = shared_memory.SharedMemory(create=True, size=16)
-    shm.buf[:16] = bytes(16)
     out = {"bench": "graph_launch", "command": "python bench/graph_launch.py " + " ".join(sys.argv[1:]),
            "config": {"preset": "full", "requests": 1, "n_out": 5, "replays": args.replays,
                       "pin_cpus": args.pin_cpus},
            "device": f"{torch.cuda.get_device_name(0)}; host {_device()}", "cards": torch.cuda.device_count(),
            "commit": _commit()}
-    try:
-        port = free_port()
-        ps = [ctx.Process(target=_pair_rank, args=(r, port, args, q, shm.name)) for r in (0, 1)]
-        for p in ps:
-            p.start()
-        for _ in ps:
-            k, v = q.get(timeout=600)
-            out[k] = v
-        for p in ps:
-            p.join(60)
-    finally:
-        shm.close()
-        shm.unlink()
-    p = ctx.Process(target=_alone, args=(args, q))
-    p.start()
-    k, v = q.get(timeout=600)
-    out[k] = v
-    p.join(60)
-    errors = [f"{k}: {v['error']}\n{v['tb']}" for k, v in out.items() if isinstance(v, dict) and "error" in v]
-    if errors:
-        print("\n".join(errors), file=sys.stderr)
-        return 1
+    cpus = (pinned(args.pin_cpus, 0), pinned(args.pin_cpus, 1))
+    out["pair_rank0"], out["pair_rank1"] = run_pair(_pair_rank, args, cpus=cpus)
+    out["alone"] = run_alone(_alone, args, cpu=cpus[0])
     out["launch_call_p50_us"] = {f"{k} {g}": out[k][g]["launch_call"]["p50_us"]
                                  for k in ("pair_rank0", "pair_rank1", "alone") for g in out[k]}
     emit(out, args.out, indent=1)

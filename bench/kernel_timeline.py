@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -75,30 +74,16 @@ def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None) -> dict:
     return res
 
 
-def _pair_rank(rank: int, port: int, ckpt: str, start: int, q) -> None:
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
-    torch.set_num_threads(1)
-    try:
-        from bench.draft_step import connect_pair_rank
-        _, pc = connect_pair_rank(rank, port, ckpt)
-        q.put((rank, timeline("pair", rank, ckpt, start, pc)))
-    except BaseException as e:      # noqa: BLE001 - reported to the parent
-        q.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+def _pair_rank(rank: int, port: int, shm_name: str, ckpt: str, start: int) -> dict:
+    from bench.draft_step import connect_pair_rank
+    _, pc = connect_pair_rank(rank, port, ckpt)
+    return timeline("pair", rank, ckpt, start, pc)
 
 
 def run_pair(ckpt: str, start: int) -> dict:
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    from bench.draft_step import free_port
-    port = free_port()
-    ps = [ctx.Process(target=_pair_rank, args=(r, port, ckpt, start, q)) for r in (0, 1)]
-    for p in ps:
-        p.start()
-    got = dict(q.get(timeout=300) for _ in ps)
-    for p in ps:
-        p.join(30)
-    return {f"pair_rank{r}": got[r] for r in (0, 1)}
+    from bench.card_procs import run_pair as in_two_processes
+    r0, r1 = in_two_processes(_pair_rank, ckpt, start, timeout_s=300)
+    return {"pair_rank0": r0, "pair_rank1": r1}
 
 
 def main() -> int:
