@@ -51,14 +51,28 @@ def graph_set(coll, rank: int, tp: int, ckpt: str):
     return gs, _slots(gs, ck.config, 1, ck.config.sliding_window + 32, 900000)
 
 
-def time_launches(sets: dict, colls: dict, replays: int, barrier=None) -> dict:
-    """Per graph: the staging, the launch call alone and the wait until the download is on the host (us)."""
+def time_launches(sets: dict, colls: dict, replays: int, barrier=None, stagger_us: float = 0.0,
+                  waits: bool = False) -> dict:
+    """Per graph: the staging, the launch call alone and the wait until the download is on the host (us).
+
+    With `stagger_us`, each graph is also timed staggered (key "<graph> staggered", alternating with the plain runs):
+    the process that `waits` (the pair's rank 1) spins that long after the barrier, so its peer has staged and
+    launched before it starts: neither stages or launches while the other does (rank 0 is then in its wait). Both
+    ranks run the same loop (the barrier counts must match); only the waiting one delays."""
     from dspark_ray.stamps import now
-    got = {k: {p: [] for p in PIECES} for k in sets}
+    variants = [(k, k, 0.0) for k in sets]
+    if stagger_us:
+        variants += [(f"{k} staggered", k, stagger_us if waits else 0.0) for k in sets]
+    got = {name: {p: [] for p in PIECES} for name, _, _ in variants}
     for i in range(replays + 50):
-        for k, (gs, states) in sets.items():
+        for name, k, delay in variants:
+            gs, states = sets[k]
             if barrier:
                 barrier()
+            if delay:
+                until = now() + delay * 1e3
+                while now() < until:
+                    pass
             g = gs.draft_graphs[(1, 5, False)]
             t0 = now()
             gs._stage_draft(states, [17])
@@ -74,7 +88,7 @@ def time_launches(sets: dict, colls: dict, replays: int, barrier=None) -> dict:
             t4 = now()
             if i >= 50:
                 for p, a, b in zip(PIECES, (t0, t2, t3), (t1, t3, t4)):
-                    got[k][p].append((b - a) / 1e3)
+                    got[name][p].append((b - a) / 1e3)
     return {k: {p: us_stats(v) for p, v in r.items()} for k, r in got.items()}
 
 
@@ -87,7 +101,8 @@ def _pair_rank(rank: int, port: int, shm_name: str, args) -> dict:
     sets = {"push": graph_set(push, rank, 2, args.ckpt), "solo": graph_set(solo, rank, 2, args.ckpt)}
     log(f"pair rank {rank}: both graph sets captured")
     dist.barrier(group=gloo.group)
-    res = time_launches(sets, {"push": push, "solo": solo}, args.replays, SpinBarrier(shm_name, rank))
+    res = time_launches(sets, {"push": push, "solo": solo}, args.replays, SpinBarrier(shm_name, rank),
+                        stagger_us=args.stagger_us, waits=rank == 1)
     push.check_error()
     return res
 
@@ -105,6 +120,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ckpt", required=True, help="a full-preset checkpoint (bench/draft_step.py synthesizes one)")
     ap.add_argument("--replays", type=int, default=400)
     ap.add_argument("--pin-cpus", default="2,4", help="vCPU of rank 0, rank 1 (the process alone takes rank 0's)")
+    ap.add_argument("--stagger-us", type=float, default=0.0,
+                    help="also time each graph with rank 1 starting this long after rank 0 (e.g. 150): are the two "
+                         "hosts slower when they stage and launch at the same time?")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
@@ -112,7 +130,7 @@ def main(argv=None) -> int:
         return 2
     out = {"bench": "graph_launch", "command": "python bench/graph_launch.py " + " ".join(sys.argv[1:]),
            "config": {"preset": "full", "requests": 1, "n_out": 5, "replays": args.replays,
-                      "pin_cpus": args.pin_cpus},
+                      "pin_cpus": args.pin_cpus, "stagger_us": args.stagger_us},
            "device": f"{torch.cuda.get_device_name(0)}; host {_device()}", "cards": torch.cuda.device_count(),
            "commit": _commit()}
     cpus = (pinned(args.pin_cpus, 0), pinned(args.pin_cpus, 1))
