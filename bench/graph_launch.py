@@ -6,7 +6,9 @@ its shard twice, once with the push collectives and once with the solo stand-ins
 request, n_out 5), and times per replay the staging, the launch call alone (`CUDAGraph.replay`) and the wait,
 alternating the two graphs, both ranks at once behind a spinning barrier. Then one process alone on card 0 does the
 same with a solo and a one-card (tp1) graph. Same process, same core, same seconds: the push kernel nodes' own
-launch cost is the difference between the two graphs of one rank.
+launch cost is the difference between the two graphs of one rank. Each pair rank then times its solo graph once more
+while its peer sleeps ("solo, peer idle"), and `--stagger-us` adds runs where rank 1 starts after rank 0 has
+launched: whether the two ranks' hosts slow each other, or a pair rank's process is slow by itself.
 
     python bench/graph_launch.py --ckpt /tmp/full [--replays 400] [--pin-cpus 2,4] [--out FILE]
 """
@@ -104,6 +106,14 @@ def _pair_rank(rank: int, port: int, shm_name: str, args) -> dict:
     res = time_launches(sets, {"push": push, "solo": solo}, args.replays, SpinBarrier(shm_name, rank),
                         stagger_us=args.stagger_us, waits=rank == 1)
     push.check_error()
+    # The solo graph again, each rank in turn while its peer sleeps in a blocking barrier: the same process (its
+    # peer's memory still mapped), no host and no GPU of the peer working. Fast here and slow above: the two
+    # ranks slow each other; slow in both: this process is slow by itself.
+    for turn in (0, 1):
+        dist.barrier(group=gloo.group)
+        if rank == turn:
+            res["solo, peer idle"] = time_launches({"solo": sets["solo"]}, {"solo": solo}, args.replays)["solo"]
+    dist.barrier(group=gloo.group)
     return res
 
 
