@@ -95,9 +95,14 @@ def cmd_serve(a, *, then=None) -> int:
     device = a.device or ("cuda" if _gpus() >= a.tp else "cpu")
     backend = a.backend or ("push" if device == "cuda" and a.tp == 2 else "gloo")
     ckpt = resolve_checkpoint(a.preset, a.checkpoint, device=device)
+    try:
+        spec = PairSpec(checkpoint=os.path.abspath(ckpt), tp=a.tp, n_slots=a.slots, backend=backend, device=device,
+                        collective_timeout_s=a.collective_timeout, rank_cpus=a.rank_cpus,
+                        frontend_cpus=a.frontend_cpus)
+    except ValueError as e:
+        print(f"dspark-ray serve: {e}", file=sys.stderr)
+        return 2
     print(connect_ray(a.address, a.detach), flush=True)
-    spec = PairSpec(checkpoint=os.path.abspath(ckpt), tp=a.tp, n_slots=a.slots, backend=backend, device=device,
-                    collective_timeout_s=a.collective_timeout, rank_cpus=a.rank_cpus, frontend_cpus=a.frontend_cpus)
     t0 = time.monotonic()
     fe, endpoint = deploy(spec, host=a.host, port=a.port, name=a.name, detach=a.detach,
                           on_progress=_progress_bar(a.tp))

@@ -95,6 +95,23 @@ def test_pin_thread_pins_the_calling_thread_only_and_refuses_a_bad_set():
     assert pin_thread(None, "test") is None and sorted(os.sched_getaffinity(0)) == CPUS
 
 
+def test_a_bad_pinning_is_refused_before_anything_starts():
+    from dspark_ray.actors.rank import PairSpec
+    with pytest.raises(ValueError, match="one vCPU per rank, 2 for tp 2"):
+        PairSpec(checkpoint="x", tp=2, rank_cpus=[3])
+    with pytest.raises(ValueError, match="frontend_cpus"):
+        PairSpec(checkpoint="x", frontend_cpus=[])
+    with pytest.raises(ValueError, match="vCPU numbers >= 0"):
+        PairSpec(checkpoint="x", rank_cpus=[0, -1])
+    assert PairSpec(checkpoint="x", tp=1, rank_cpus=[3]).rank_cpus == [3]
+
+
+def test_serve_refuses_a_bad_pinning_before_it_starts_ray(capsys, tiny_ckpt):
+    from dspark_ray.cli import main
+    assert main(["serve", "--checkpoint", str(tiny_ckpt), "--rank-cpus", "0"]) == 2
+    assert "rank_cpus [0]: one vCPU per rank" in capsys.readouterr().err
+
+
 def test_step_path_threads_run_on_their_pinned_vcpus_only(pair, ray_cluster):
     def allowed(facts, prefix):
         return [v["allowed"] for k, v in facts["threads"].items() if k.startswith(prefix) and v]

@@ -53,6 +53,15 @@ class PairSpec:
     rank_cpus: list[int] | None = None
     frontend_cpus: list[int] | None = None
 
+    def __post_init__(self):
+        # A bad pinning is refused here, before any actor starts, not found later as a thread left unpinned.
+        if self.rank_cpus is not None and len(self.rank_cpus) != self.tp:
+            raise ValueError(f"rank_cpus {list(self.rank_cpus)}: one vCPU per rank, {self.tp} for tp {self.tp}")
+        for name in ("rank_cpus", "frontend_cpus"):
+            cpus = getattr(self, name)
+            if cpus is not None and (not cpus or any(int(c) < 0 for c in cpus)):
+                raise ValueError(f"{name} {list(cpus)}: vCPU numbers >= 0, at least one")
+
     @property
     def spin_us(self) -> float:
         if self.ring_spin_us is not None:
