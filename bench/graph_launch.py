@@ -8,7 +8,8 @@ alternating the two graphs, both ranks at once behind a spinning barrier. Then o
 same with a solo and a one-card (tp1) graph. Same process, same core, same seconds: the push kernel nodes' own
 launch cost is the difference between the two graphs of one rank. Each pair rank then times its solo graph once more
 while its peer sleeps ("solo, peer idle"), and `--stagger-us` adds runs where rank 1 starts after rank 0 has
-launched: whether the two ranks' hosts slow each other, or a pair rank's process is slow by itself.
+launched: whether the two ranks' hosts slow each other, or a pair rank's process is slow by itself. `--no-push`
+builds the pair without the push collectives (gloo only, no CUDA IPC mappings in either process).
 
     python bench/graph_launch.py --ckpt /tmp/full [--replays 400] [--pin-cpus 2,4] [--out FILE]
 """
@@ -96,23 +97,29 @@ def time_launches(sets: dict, colls: dict, replays: int, barrier=None, stagger_u
 
 def _pair_rank(rank: int, port: int, shm_name: str, args) -> dict:
     import torch.distributed as dist
-    from dspark_ray.collectives import SoloCollectives
-    gloo, push = connect_pair_rank(rank, port, args.ckpt)
+    from dspark_ray.collectives import GlooCollectives, SoloCollectives
+    if args.no_push:          # the pair's processes without the peer's memory mapped: gloo only, solo graphs
+        torch.cuda.set_device(0)
+        gloo = GlooCollectives(rank, 2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=600)
+        colls = {"solo": SoloCollectives(rank)}
+    else:
+        gloo, push = connect_pair_rank(rank, port, args.ckpt)
+        colls = {"push": push, "solo": SoloCollectives(rank)}
     dist.barrier(group=gloo.group)
-    solo = SoloCollectives(rank)
-    sets = {"push": graph_set(push, rank, 2, args.ckpt), "solo": graph_set(solo, rank, 2, args.ckpt)}
-    log(f"pair rank {rank}: both graph sets captured")
+    sets = {k: graph_set(c, rank, 2, args.ckpt) for k, c in colls.items()}
+    log(f"pair rank {rank}: graph sets {', '.join(sets)} captured")
     dist.barrier(group=gloo.group)
-    res = time_launches(sets, {"push": push, "solo": solo}, args.replays, SpinBarrier(shm_name, rank),
-                        stagger_us=args.stagger_us, waits=rank == 1)
-    push.check_error()
+    res = time_launches(sets, colls, args.replays, SpinBarrier(shm_name, rank), stagger_us=args.stagger_us,
+                        waits=rank == 1)
+    if "push" in colls:
+        colls["push"].check_error()
     # The solo graph again, each rank in turn while its peer sleeps in a blocking barrier: the same process (its
     # peer's memory still mapped), no host and no GPU of the peer working. Fast here and slow above: the two
     # ranks slow each other; slow in both: this process is slow by itself.
     for turn in (0, 1):
         dist.barrier(group=gloo.group)
         if rank == turn:
-            res["solo, peer idle"] = time_launches({"solo": sets["solo"]}, {"solo": solo}, args.replays)["solo"]
+            res["solo, peer idle"] = time_launches({"solo": sets["solo"]}, colls, args.replays)["solo"]
     dist.barrier(group=gloo.group)
     return res
 
@@ -133,6 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stagger-us", type=float, default=0.0,
                     help="also time each graph with rank 1 starting this long after rank 0 (e.g. 150): are the two "
                          "hosts slower when they stage and launch at the same time?")
+    ap.add_argument("--no-push", action="store_true",
+                    help="the pair's processes meet over gloo only (no CUDA IPC mappings) and time solo graphs")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if torch.cuda.device_count() < 2:
@@ -140,7 +149,7 @@ def main(argv=None) -> int:
         return 2
     out = {"bench": "graph_launch", "command": "python bench/graph_launch.py " + " ".join(sys.argv[1:]),
            "config": {"preset": "full", "requests": 1, "n_out": 5, "replays": args.replays,
-                      "pin_cpus": args.pin_cpus, "stagger_us": args.stagger_us},
+                      "pin_cpus": args.pin_cpus, "stagger_us": args.stagger_us, "no_push": args.no_push},
            "device": f"{torch.cuda.get_device_name(0)}; host {_device()}", "cards": torch.cuda.device_count(),
            "commit": _commit()}
     cpus = (pinned(args.pin_cpus, 0), pinned(args.pin_cpus, 1))
