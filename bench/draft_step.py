@@ -347,8 +347,26 @@ def summary(out: dict) -> dict:
             row["pair_over_byte_bound"] = round(pair / out["pair"]["rank0"]["draft"][k]["byte_bound_ms"], 2)
         if "tp1" in out:
             row["tp1_byte_bound_ms"] = out["tp1"]["draft"][k]["byte_bound_ms"]
+        # The GPU's part alone (the wait after the last launch, the first run of each mode): steadier than the
+        # step, whose host share moves by tens of us from one process to the next.
+        tp1_w, solo_w, pair_w = gpu_wait_us(out, "tp1", k), gpu_wait_us(out, "solo", k), gpu_wait_us(out, "pair", k)
+        row |= {"tp1_gpu_us": tp1_w, "solo_gpu_us": solo_w, "pair_gpu_us": pair_w}
+        if pair_w and tp1_w:
+            row["pair_over_tp1_gpu"] = round(pair_w / tp1_w, 3)
+        if pair_w and solo_w:
+            row["collectives_share_gpu"] = round((pair_w - solo_w) / pair_w, 3)
         rows[k] = row
     return rows
+
+
+def gpu_wait_us(out: dict, mode: str, k: str) -> float | None:
+    """The mode's p50 wait after its last launch at shape k (the pair: the smaller of its two ranks', as the pair's
+    step is the smaller of theirs); None when not measured."""
+    if mode not in out:
+        return None
+    runs = [out[mode]["rank0"], out[mode]["rank1"]] if mode == "pair" else [out[mode]]
+    waits = [r["draft"][k].get("host_p50", {}).get("wait_us") for r in runs]
+    return min(waits) if all(w is not None for w in waits) else None
 
 
 def markdown(out: dict) -> str:
@@ -363,6 +381,13 @@ def markdown(out: dict) -> str:
         lines.append(f"| {k} | {r.get('tp1_ms')} | {r.get('pair_ms')} | {r.get('pair_over_tp1', '')} | "
                      f"{r.get('solo_ms')} | {r.get('collectives_share', '')} | {r.get('pair_over_byte_bound', '')} "
                      f"| {ex} |")
+    lines += ["", "The GPU's part: the wait after the last launch, p50 us (the pair: the smaller of its ranks'; the first "
+                  "run of each mode), and the same ratios on it:", "",
+              "| requests, n_out | one card (tp1) | pair (tp2) | pair / one card | solo rank | collectives share |",
+              "|---|---|---|---|---|---|"]
+    for k, r in out["summary"].items():
+        lines.append(f"| {k} | {r.get('tp1_gpu_us')} | {r.get('pair_gpu_us')} | {r.get('pair_over_tp1_gpu', '')} | "
+                     f"{r.get('solo_gpu_us')} | {r.get('collectives_share_gpu', '')} |")
     modes = [m for m in ("tp1", "solo", "pair") if m in out]
     for title, key, row_counts in (
             ("Context insert alone (the taps' upload + the insert replay, rows scattered into the slot pool), p50 ms:",
