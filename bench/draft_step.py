@@ -381,8 +381,8 @@ def markdown(out: dict) -> str:
         lines.append(f"| {k} | {r.get('tp1_ms')} | {r.get('pair_ms')} | {r.get('pair_over_tp1', '')} | "
                      f"{r.get('solo_ms')} | {r.get('collectives_share', '')} | {r.get('pair_over_byte_bound', '')} "
                      f"| {ex} |")
-    lines += ["", "The GPU's part: the wait after the last launch, p50 us (the pair: the smaller of its ranks'; the first "
-                  "run of each mode), and the same ratios on it:", "",
+    lines += ["", "The GPU's part: the wait after the last launch, p50 us (the pair: the smaller of its ranks'; the "
+                  "first run of each mode), and the same ratios on it:", "",
               "| requests, n_out | one card (tp1) | pair (tp2) | pair / one card | solo rank | collectives share |",
               "|---|---|---|---|---|---|"]
     for k, r in out["summary"].items():

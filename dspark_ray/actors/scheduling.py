@@ -62,9 +62,10 @@ _TICK_MS = 1e3 / os.sysconf("SC_CLK_TCK")
 
 
 def _thread_stat(native_id: int) -> dict | None:
-    """A thread of this process: the core it last ran on, the cores it may run on, and its niceness (/proc stat fields 39 and 19), the CPU
-    time it used (fields 14 + 15), the time it waited runnable for a core (schedstat) and how often it was preempted
-    (nonvoluntary context switches); or None. Two readings apart say whether a slow thread worked or waited."""
+    """A thread of this process: the core it last ran on and its niceness (/proc stat fields 39 and 19), the cores it
+    may run on (status Cpus_allowed_list), the CPU time it used (fields 14 + 15), the time it waited runnable for a
+    core (schedstat) and how often it was preempted (nonvoluntary context switches); or None. Two readings apart say
+    whether a slow thread worked or waited."""
     try:
         base = f"/proc/self/task/{native_id}"
         with open(f"{base}/stat") as f:
