@@ -125,6 +125,13 @@ def cmd_serve(a, *, then=None) -> int:
     return 0
 
 
+def step_threads(facts: dict | None, prefix: str) -> str:
+    """Where a process's step-path threads run (actors/scheduling.process_facts): "vCPUs 2 (last on 2), niceness 0"
+    per thread whose name starts with `prefix`; "-" when there is none."""
+    threads = [t for k, t in ((facts or {}).get("threads") or {}).items() if k.startswith(prefix) and t]
+    return "; ".join(f"vCPUs {t['allowed']} (last on {t['cpu']}), niceness {t['nice']}" for t in threads) or "-"
+
+
 def cmd_status(a) -> int:
     import ray
     from .actors.placement import find
@@ -142,9 +149,11 @@ def cmd_status(a) -> int:
     print(f"  slots {st['slots']['held']}/{st['slots']['capacity']} held, {st['sessions']} sessions; "
           f"steps {st['stats']['steps']}, batches {st['stats']['batches']}, entries {st['stats']['entries']}")
     print(f"  supervisor: {st['supervisor']}")
+    print(f"  endpoint threads: {step_threads(st.get('process'), 'tcp-')}")
     for r in st["ranks"]:
+        loop = step_threads(r.get("process"), f"dspark-rank{r.get('rank')}")
         print(f"  rank {r.get('rank')}: pid {r.get('pid')}, steps {r.get('steps')}, failed {r.get('failed_steps')},"
-              f" broken {r.get('broken')}, last error {r.get('last_error') or '-'}")
+              f" broken {r.get('broken')}, last error {r.get('last_error') or '-'}; step loop: {loop}")
     for e in st["last_errors"]:
         print(f"  error: {e}")
     return 0

@@ -125,6 +125,11 @@ def test_step_path_threads_run_on_their_pinned_vcpus_only(pair, ray_cluster):
     # the accept thread pins itself; the connection threads it starts inherit its set
     assert allowed(st["process"], "tcp-accept") == [str(FRONTEND_CPUS[0])]
     assert allowed(st["process"], "tcp-conn") == [str(FRONTEND_CPUS[0])]
+    # `dspark-ray status` says where they run
+    from dspark_ray.cli import step_threads
+    assert step_threads(st["ranks"][0]["process"], "dspark-rank0").startswith(f"vCPUs {RANK_CPUS[0]} (last on ")
+    assert step_threads(st["process"], "tcp-").count(f"vCPUs {FRONTEND_CPUS[0]} (last on") == 2   # accept + conn
+    assert step_threads(st["process"], "no-such-thread") == "-"
 
 
 def test_hello_accepted_and_refused(pair, ckpt, cfg):
