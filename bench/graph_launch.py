@@ -1,4 +1,4 @@
-"""Does a pair rank's draft graph launch slowly because of its push collectives? (GPU only; two cards.)
+"""Why does a pair rank stage and launch its draft graph slower than one card does? (GPU only; two cards.)
 
 `draft_step` saw a pair rank's launch call take 24-54 us of host time against 11-20 us for one card and a solo rank,
 whose graph holds the same kernels with local stand-ins for the collectives. Here each pair rank's process captures
