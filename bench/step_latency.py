@@ -10,6 +10,8 @@ deployment: the service's overhead is the TCP round trip minus that. Every party
 Prints one JSON object (p50 / p99 / min in ms, config, device, commit).
 
     .venv/bin/python bench/step_latency.py [--rounds 60] [--out bench/results/step_latency_cpu.json]
+    python bench/step_latency.py --preset full --ckpt /tmp/full --rounds 2000 --repeats 3 --pin-ab \
+        --rank-cpus 2,3 --frontend-cpus 5 --client-cpu 7        # fresh pairs, alternating, medians of each
 """
 from __future__ import annotations
 
@@ -64,6 +66,10 @@ def main() -> None:
     ap.add_argument("--rank-cpus", type=cpu_list, help="pin the ranks' step loops: one vCPU per rank (9,12)")
     ap.add_argument("--frontend-cpus", type=cpu_list, help="pin the front-end's endpoint threads (18)")
     ap.add_argument("--client-cpu", type=int, help="pin this bench's client thread to one vCPU")
+    ap.add_argument("--repeats", type=int, default=1, help="deploy a fresh pair this many times (per variant)")
+    ap.add_argument("--pin-ab", action="store_true",
+                    help="alternate unpinned deployments with ones pinned as --rank-cpus / --frontend-cpus / "
+                         "--client-cpu say; the medians of each are reported")
     ap.add_argument("--out")
     a = ap.parse_args()
 
@@ -117,85 +123,126 @@ def main() -> None:
     os.environ["DSPARK_STAMP_CPU"] = "1"
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
-    spec = PairSpec(checkpoint=ckpt, tp=2, n_slots=4, backend="push" if gpu else "gloo", device=device,
-                    rank_cpus=a.rank_cpus, frontend_cpus=a.frontend_cpus)
-    log(f"deploying the pair ({spec.backend}, {spec.device})")
-    fe, endpoint = deploy(spec, name="bench")
-    log(f"serving on {endpoint}")
-    host, port = endpoint.rsplit(":", 1)
-    client = []                               # per round: (sent, received), stamps.now
-    if a.client_cpu is not None:
-        os.sched_setaffinity(0, {a.client_cpu})       # this (the client's) thread only
-    with DrafterClient(host, int(port), timeout_s=60, spin_us=a.client_spin_us) as c:
-        c.hello(client="step_latency bench")
-        (gr,) = c.acquire(1)
-        log(f"warm-up rounds: {warm}")
-        for i, e in enumerate(entries):
-            if i == warm:
-                before = ray.get(fe.status.remote())      # while connected: the connection's thread is listed too
-                log(f"timed rounds: {a.rounds}")
-            ent = make_entry(slot=gr.slot, generation=gr.generation, seed_token=e.seed, start_pos=e.start,
-                             token_ids=e.token_ids.numpy(), taps=e.taps.numpy(), n_out=5)
-            t0 = now()
-            (res,) = c.step([ent], deadline_ms=60_000)
-            if i >= warm:
-                client.append((t0, now()))
-            assert res.code == Code.OK, res.reason
-        log("timed rounds: done")
-        status = ray.get(fe.status.remote())
-    st = ray.get(fe.stamps.remote())
-    processes = {"frontend": status.get("process"), "ranks": [r.get("process") for r in status["ranks"]]}
-    # Per thread over the timed rounds: CPU used, time waited runnable for a core, preemptions.
-    threads = {"frontend": thread_deltas(before["process"], status["process"]),
-               "ranks": [thread_deltas(b["process"], a["process"]) for b, a in zip(before["ranks"], status["ranks"])]}
-    teardown("bench")
+    all_cpus = os.sched_getaffinity(0)
+    pinning = {"ranks": a.rank_cpus, "frontend": a.frontend_cpus, "client": a.client_cpu}
+    unpinned = {"ranks": None, "frontend": None, "client": None}
+
+    def deploy_and_step(pins: dict) -> dict:
+        """One fresh deployment: the warm-up and timed rounds over TCP; the stamps of every party."""
+        spec = PairSpec(checkpoint=ckpt, tp=2, n_slots=4, backend="push" if gpu else "gloo", device=device,
+                        rank_cpus=pins["ranks"], frontend_cpus=pins["frontend"])
+        log(f"deploying the pair ({spec.backend}, {spec.device}; pinned {pins})")
+        fe, endpoint = deploy(spec, name="bench")
+        log(f"serving on {endpoint}")
+        host, port = endpoint.rsplit(":", 1)
+        client = []                               # per round: (sent, received), stamps.now
+        os.sched_setaffinity(0, {pins["client"]} if pins["client"] is not None else all_cpus)  # the client's thread
+        with DrafterClient(host, int(port), timeout_s=60, spin_us=a.client_spin_us) as c:
+            c.hello(client="step_latency bench")
+            (gr,) = c.acquire(1)
+            log(f"warm-up rounds: {warm}")
+            for i, e in enumerate(entries):
+                if i == warm:
+                    before = ray.get(fe.status.remote())      # while connected: the connection's thread is listed
+                    log(f"timed rounds: {a.rounds}")
+                ent = make_entry(slot=gr.slot, generation=gr.generation, seed_token=e.seed, start_pos=e.start,
+                                 token_ids=e.token_ids.numpy(), taps=e.taps.numpy(), n_out=5)
+                t0 = now()
+                (res,) = c.step([ent], deadline_ms=60_000)
+                if i >= warm:
+                    client.append((t0, now()))
+                assert res.code == Code.OK, res.reason
+            log("timed rounds: done")
+            status = ray.get(fe.status.remote())
+        st = ray.get(fe.stamps.remote())
+        teardown("bench")
+        os.sched_setaffinity(0, all_cpus)
+        return {"spec": spec, "pins": pins, "client": client, "stamps": st, "before": before, "status": status}
+
+    def analyze(run: dict) -> dict:
+        """The round trip, its hops, the ranks' phases, the threads: one deployment's figures."""
+        status, before = run["status"], run["before"]
+        steps = join_round_trips(run["client"], run["stamps"])
+        tcp = [(s["client_recv"] - s["client_send"]) / 1e6 for s in steps]
+        rank_ms = [(s["r0_engine_out"] - s["r0_engine_in"]) / 1e6 for s in steps]
+        res = {
+            # The per-step processes: cores, load, each thread's last core and niceness (Ray starts workers at 15)
+            # (actors/scheduling.py).
+            "processes": {"frontend": status.get("process"), "ranks": [r.get("process") for r in status["ranks"]]},
+            "rank0_engine_step": summary(rank_ms),
+            "tcp_step": summary(tcp),
+            # What the service adds around the ranks' own step: front-end checks, batching, ring, TCP, client.
+            "overhead_p50_ms": round(statistics.median(tcp) - statistics.median(rank_ms), 3),
+            # Where a round trip goes, hop by hop (p50 of each hop over the rounds; the hops of one round add up to
+            # its round trip). The rank hops are the rank that completed last (the critical path); its peer's are
+            # under "ranks".
+            "timeline": {name: summary([(s[b] - s[a]) / 1e6 for s in steps]) for name, a, b in HOPS
+                         if all(a in s and b in s for s in steps)},        # (an eager engine has no graph stamps)
+            "ranks": {f"rank{r}_{k}": summary([(s[f"r{r}_{b}"] - s[f"r{r}_{a}"]) / 1e6 for s in steps])
+                      for r in range(2) for k, a, b in RANK_PHASES},
+            # Hops run by one thread: the CPU time its thread used in them against their wall time (p50 each). CPU
+            # ~ wall: the code is slow; CPU << wall: the thread was off the CPU (preempted, or waiting for the GIL).
+            "cpu_in_hops": {name: {"wall_p50_ms": summary([(s[b] - s[a]) / 1e6 for s in steps])["p50_ms"],
+                                   "cpu_p50_ms": summary([(s[cpu_key(b)] - s[cpu_key(a)]) / 1e6
+                                                          for s in steps])["p50_ms"]}
+                            for name, a, b in CPU_HOPS if all(cpu_key(a) in s and cpu_key(b) in s for s in steps)},
+            # Per thread over the timed rounds: CPU used, time waited runnable for a core, preemptions.
+            "threads_over_the_rounds": {
+                "frontend": thread_deltas(before["process"], status["process"]),
+                "ranks": [thread_deltas(b["process"], a_["process"]) for b, a_ in zip(before["ranks"],
+                                                                                     status["ranks"])]},
+        }
+        # The issue's target, from this one run: the round trip at most the pair's graph work (the slower rank's
+        # run phase: upload, insert and draft replays, download) + 0.1 ms.
+        work = max(res["ranks"][f"rank{r}_run"]["p50_ms"] for r in range(2))
+        res["target"] = {"round_trip_p50_ms": res["tcp_step"]["p50_ms"], "pair_work_p50_ms": work,
+                         "limit_ms": round(work + 0.1, 3), "met": res["tcp_step"]["p50_ms"] <= work + 0.1}
+        return res
+
+    # With --pin-ab the deployments alternate unpinned / pinned; each is a fresh pair (the time outside the work
+    # moves by ~0.05 ms from one deployment to the next, so one run each decides nothing).
+    if a.pin_ab and pinning == unpinned:
+        ap.error("--pin-ab needs the pinned variant: --rank-cpus, --frontend-cpus and/or --client-cpu")
+    label = "pinned" if pinning != unpinned else "unpinned"
+    plan = [("unpinned", unpinned), ("pinned", pinning)] * a.repeats if a.pin_ab else [(label, pinning)] * a.repeats
+    runs = []
+    for k, (name, pins) in enumerate(plan):
+        log(f"run {k + 1} / {len(plan)}: {name}")
+        res = analyze(deploy_and_step(pins))
+        res["variant"], res["pinned_vcpus"] = name, pins
+        runs.append(res)
     ray.shutdown()
+    spec_backend = "push" if gpu else "gloo"
 
     # The ring alone (2 readers, 1 KB), from its own bench.
     ring = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "ring_roundtrip.py"),
                            "--n", "2000", "--n-woken", "100"], capture_output=True, text=True)
     ring_rows = [json.loads(line) for line in ring.stdout.splitlines() if line.startswith("{")]
-    steps = join_round_trips(client, st)
-    tcp = [(s["client_recv"] - s["client_send"]) / 1e6 for s in steps]
-    rank_ms = [(s["r0_engine_out"] - s["r0_engine_in"]) / 1e6 for s in steps]
+    first = runs[0]
     out = {
         "bench": "step_latency",
         "command": "python bench/step_latency.py " + " ".join(sys.argv[1:]),
-        "config": {"preset": a.preset, "tp": 2, "backend": spec.backend, "requests": 1, "rows_per_round": a.rows,
-                   "n_out": 5, "rounds": a.rounds, "warmup_rounds": warm,
-                   "client_spin_us": a.client_spin_us, "server_and_ring_spin_us": spec.spin_us,
-                   "pinned_vcpus": {"ranks": a.rank_cpus, "frontend": a.frontend_cpus, "client": a.client_cpu}},
+        "config": {"preset": a.preset, "tp": 2, "backend": spec_backend, "requests": 1, "rows_per_round": a.rows,
+                   "n_out": 5, "rounds": a.rounds, "warmup_rounds": warm, "repeats": a.repeats,
+                   "pin_ab": a.pin_ab, "client_spin_us": a.client_spin_us,
+                   "server_and_ring_spin_us": PairSpec(checkpoint=ckpt, device=device).spin_us,
+                   "pinned_vcpus": pinning},
         "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or platform.machine(),
         "host_cpus": os.cpu_count(),
         "commit": _commit(),
-        # The per-step processes: cores, load, each thread's last core and niceness (Ray starts workers at 15)
-        # (actors/scheduling.py).
-        "processes": processes,
         "in_process_emulated_pair": summary(inproc[warm:]) if inproc else None,
-        "rank0_engine_step": summary(rank_ms),
-        "tcp_step": summary(tcp),
-        # What the service adds around the ranks' own step: front-end checks, batching, ring, TCP, client.
-        "overhead_p50_ms": round(statistics.median(tcp) - statistics.median(rank_ms), 3),
-        # Where a round trip goes, hop by hop (p50 of each hop over the rounds; the hops of one round add up to
-        # its round trip). The rank hops are the rank that completed last (the critical path); its peer's are
-        # under "ranks".
-        "timeline": {name: summary([(s[b] - s[a]) / 1e6 for s in steps]) for name, a, b in HOPS
-                     if all(a in s and b in s for s in steps)},        # (an eager engine has no graph stamps)
-        "ranks": {f"rank{r}_{k}": summary([(s[f"r{r}_{b}"] - s[f"r{r}_{a}"]) / 1e6 for s in steps])
-                  for r in range(2) for k, a, b in RANK_PHASES},
-        # Hops run by one thread: the CPU time its thread used in them against their wall time (p50 each). CPU
-        # ~ wall: the code is slow; CPU << wall: the thread was off the CPU (preempted, or waiting for the GIL).
-        "cpu_in_hops": {name: {"wall_p50_ms": summary([(s[b] - s[a]) / 1e6 for s in steps])["p50_ms"],
-                               "cpu_p50_ms": summary([(s[cpu_key(b)] - s[cpu_key(a)]) / 1e6 for s in steps])["p50_ms"]}
-                        for name, a, b in CPU_HOPS if all(cpu_key(a) in s and cpu_key(b) in s for s in steps)},
-        "threads_over_the_rounds": threads,
+        # every figure below is the first run's; "runs" and "medians" hold each run's headline
+        **{k: v for k, v in first.items() if k not in ("variant", "pinned_vcpus")},
         "ring_roundtrip": ring_rows,
+        "runs": [{"variant": r["variant"], "pinned_vcpus": r["pinned_vcpus"], **r["target"],
+                  "outside_the_work_ms": round(r["target"]["round_trip_p50_ms"] - r["target"]["pair_work_p50_ms"], 3)}
+                 for r in runs],
     }
-    # The issue's target, from this one run: the round trip at most the pair's graph work (the slower rank's run
-    # phase: upload, insert and draft replays, download) + 0.1 ms.
-    work = max(out["ranks"][f"rank{r}_run"]["p50_ms"] for r in range(2))
-    out["target"] = {"round_trip_p50_ms": out["tcp_step"]["p50_ms"], "pair_work_p50_ms": work,
-                     "limit_ms": round(work + 0.1, 3), "met": out["tcp_step"]["p50_ms"] <= work + 0.1}
+    out["medians"] = {}
+    for name in dict.fromkeys(r["variant"] for r in out["runs"]):
+        mine = [r for r in out["runs"] if r["variant"] == name]
+        out["medians"][name] = {k: round(statistics.median(r[k] for r in mine), 3)
+                                for k in ("round_trip_p50_ms", "pair_work_p50_ms", "outside_the_work_ms")}
     print(json.dumps(out, indent=1))
     if a.out:
         with open(a.out, "w") as f:
