@@ -71,6 +71,7 @@ def run_pair(fn, *fn_args, cpus=(None, None), timeout_s: float = 600) -> tuple[d
     return got["pair rank 0"], got["pair rank 1"]
 
 
-def pinned(cpu_list: str, index: int) -> int | None:
+def pinned(cpus: str, index: int) -> int | None:
     """Entry `index` of a "--pin-cpus 2,3" list, or None when the list is empty."""
-    return int(cpu_list.split(",")[index]) if cpu_list else None
+    from dspark_ray.cli import cpu_list
+    return cpu_list(cpus)[index] if cpus else None

@@ -281,16 +281,19 @@ class SpinBarrier:
                 raise TimeoutError(f"pair rank {self.rank}: the peer did not reach barrier {self.n} in 60 s")
 
 
-def connect_pair_rank(rank: int, port: int, ckpt: str):
+def connect_pair_rank(rank: int, port: int, ckpt: str, push: bool = True):
     """In a pair rank's process (CUDA_VISIBLE_DEVICES names its card alone): gloo over `port`, then the push
-    collectives with the peer over it. Returns (gloo, push collectives)."""
+    collectives with the peer over it. Returns (gloo, push collectives), or (gloo, None) without `push` (the
+    processes then never map each other's memory)."""
     from dspark_ray.collectives import GlooCollectives
     from dspark_ray.kernels.push import connect_over
     from dspark_ray.model.layout import Layout
     from dspark_ray.weights.loader import Checkpoint
     torch.cuda.set_device(0)
-    cfg = Checkpoint(ckpt).config
     gloo = GlooCollectives(rank, 2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=600)
+    if not push:
+        return gloo, None
+    cfg = Checkpoint(ckpt).config
     # The peer timeout is the service's default (10 s), not a tight one: an eager step's first pass may compile a
     # kernel on one rank while the other waits in a collective.
     return gloo, connect_over(gloo.group, rank, Layout(cfg, 2).vocab_range(1 - rank), 10.0)

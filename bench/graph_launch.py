@@ -97,14 +97,10 @@ def time_launches(sets: dict, colls: dict, replays: int, barrier=None, stagger_u
 
 def _pair_rank(rank: int, port: int, shm_name: str, args) -> dict:
     import torch.distributed as dist
-    from dspark_ray.collectives import GlooCollectives, SoloCollectives
-    if args.no_push:          # the pair's processes without the peer's memory mapped: gloo only, solo graphs
-        torch.cuda.set_device(0)
-        gloo = GlooCollectives(rank, 2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=600)
-        colls = {"solo": SoloCollectives(rank)}
-    else:
-        gloo, push = connect_pair_rank(rank, port, args.ckpt)
-        colls = {"push": push, "solo": SoloCollectives(rank)}
+    from dspark_ray.collectives import SoloCollectives
+    # --no-push: the pair's processes without the peer's memory mapped (gloo only), solo graphs alone
+    gloo, push = connect_pair_rank(rank, port, args.ckpt, push=not args.no_push)
+    colls = {"solo": SoloCollectives(rank)} if push is None else {"push": push, "solo": SoloCollectives(rank)}
     dist.barrier(group=gloo.group)
     sets = {k: graph_set(c, rank, 2, args.ckpt) for k, c in colls.items()}
     log(f"pair rank {rank}: graph sets {', '.join(sets)} captured")

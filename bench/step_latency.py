@@ -16,6 +16,7 @@ Prints one JSON object (p50 / p99 / min in ms, config, device, commit).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -124,13 +125,13 @@ def main() -> None:
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
     all_cpus = os.sched_getaffinity(0)
+    base = PairSpec(checkpoint=ckpt, tp=2, n_slots=4, backend="push" if gpu else "gloo", device=device)
     pinning = {"ranks": a.rank_cpus, "frontend": a.frontend_cpus, "client": a.client_cpu}
     unpinned = {"ranks": None, "frontend": None, "client": None}
 
     def deploy_and_step(pins: dict) -> dict:
         """One fresh deployment: the warm-up and timed rounds over TCP; the stamps of every party."""
-        spec = PairSpec(checkpoint=ckpt, tp=2, n_slots=4, backend="push" if gpu else "gloo", device=device,
-                        rank_cpus=pins["ranks"], frontend_cpus=pins["frontend"])
+        spec = dataclasses.replace(base, rank_cpus=pins["ranks"], frontend_cpus=pins["frontend"])
         log(f"deploying the pair ({spec.backend}, {spec.device}; pinned {pins})")
         fe, endpoint = deploy(spec, name="bench")
         log(f"serving on {endpoint}")
@@ -157,7 +158,7 @@ def main() -> None:
         st = ray.get(fe.stamps.remote())
         teardown("bench")
         os.sched_setaffinity(0, all_cpus)
-        return {"spec": spec, "pins": pins, "client": client, "stamps": st, "before": before, "status": status}
+        return {"client": client, "stamps": st, "before": before, "status": status}
 
     def analyze(run: dict) -> dict:
         """The round trip, its hops, the ranks' phases, the threads: one deployment's figures."""
@@ -212,7 +213,6 @@ def main() -> None:
         res["variant"], res["pinned_vcpus"] = name, pins
         runs.append(res)
     ray.shutdown()
-    spec_backend = "push" if gpu else "gloo"
 
     # The ring alone (2 readers, 1 KB), from its own bench.
     ring = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "ring_roundtrip.py"),
@@ -222,10 +222,10 @@ def main() -> None:
     out = {
         "bench": "step_latency",
         "command": "python bench/step_latency.py " + " ".join(sys.argv[1:]),
-        "config": {"preset": a.preset, "tp": 2, "backend": spec_backend, "requests": 1, "rows_per_round": a.rows,
+        "config": {"preset": a.preset, "tp": 2, "backend": base.backend, "requests": 1, "rows_per_round": a.rows,
                    "n_out": 5, "rounds": a.rounds, "warmup_rounds": warm, "repeats": a.repeats,
                    "pin_ab": a.pin_ab, "client_spin_us": a.client_spin_us,
-                   "server_and_ring_spin_us": PairSpec(checkpoint=ckpt, device=device).spin_us,
+                   "server_and_ring_spin_us": base.spin_us,
                    "pinned_vcpus": pinning},
         "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or platform.machine(),
         "host_cpus": os.cpu_count(),

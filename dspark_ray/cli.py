@@ -128,8 +128,9 @@ def cmd_serve(a, *, then=None) -> int:
 def step_threads(facts: dict | None, prefix: str) -> str:
     """Where a process's step-path threads run (actors/scheduling.process_facts): "vCPUs 2 (last on 2), niceness 0"
     per thread whose name starts with `prefix`; "-" when there is none."""
-    threads = [t for k, t in ((facts or {}).get("threads") or {}).items() if k.startswith(prefix) and t]
-    return "; ".join(f"vCPUs {t['allowed']} (last on {t['cpu']}), niceness {t['nice']}" for t in threads) or "-"
+    from .actors.scheduling import threads_named
+    return "; ".join(f"vCPUs {t['allowed']} (last on {t['cpu']}), niceness {t['nice']}"
+                     for t in threads_named(facts, prefix)) or "-"
 
 
 def cmd_status(a) -> int:

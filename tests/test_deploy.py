@@ -12,7 +12,7 @@ import torch
 
 from dspark_ray import workload
 from dspark_ray.actors.placement import teardown
-from dspark_ray.actors.scheduling import pin_thread, thread_deltas, thread_niceness
+from dspark_ray.actors.scheduling import pin_thread, thread_deltas, thread_niceness, threads_named
 from dspark_ray.client import ClientError, DrafterClient
 from dspark_ray.contract import Code, make_entry
 from dspark_ray.engine import RankEngine
@@ -114,7 +114,7 @@ def test_serve_refuses_a_bad_pinning_before_it_starts_ray(capsys, tiny_ckpt):
 
 def test_step_path_threads_run_on_their_pinned_vcpus_only(pair, ray_cluster):
     def allowed(facts, prefix):
-        return [v["allowed"] for k, v in facts["threads"].items() if k.startswith(prefix) and v]
+        return [t["allowed"] for t in threads_named(facts, prefix)]
 
     with client(pair):              # a connection thread exists while its client is connected
         st = ray_cluster.get(pair[0].status.remote())

@@ -157,7 +157,7 @@ class RankWorker:
         from .ring import RingClosed, RingTimeout
         raise_priority(f"rank {self.rank} step loop")     # this thread only: loading and capture stay at Ray's 15
         if self.spec.rank_cpus:
-            pin_thread(self.spec.rank_cpus[self.rank:self.rank + 1], f"rank {self.rank} step loop")
+            pin_thread([self.spec.rank_cpus[self.rank]], f"rank {self.rank} step loop")
         width = self.engine.drafter.cfg.n_taps * self.engine.drafter.cfg.hidden_size
         while not self._stop:
             try:

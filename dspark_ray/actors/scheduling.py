@@ -99,6 +99,11 @@ def thread_deltas(before: dict, after: dict) -> dict:
     return out
 
 
+def threads_named(facts: dict | None, prefix: str) -> list[dict]:
+    """The threads in a `process_facts()` reading (None: none) whose names start with `prefix`, as it read them."""
+    return [v for k, v in ((facts or {}).get("threads") or {}).items() if k.startswith(prefix) and v]
+
+
 def thread_niceness(facts: dict, prefix: str) -> list[int]:
     """The niceness of the threads in `process_facts()` whose names start with `prefix`."""
-    return [v["nice"] for k, v in facts["threads"].items() if k.startswith(prefix) and v]
+    return [t["nice"] for t in threads_named(facts, prefix)]
