@@ -1,6 +1,7 @@
 """The deployment end to end on a real local Ray cluster: tiny preset, tp2 over gloo, STEP over TCP."""
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import struct
@@ -206,8 +207,13 @@ def test_bad_frames_close_only_their_own_connection(pair, cfg):
         for junk in (b"\x00" * 64, b"DSPK" + b"\xff" * 20, struct.pack("<4sHHHHQI", b"DSPK", 1, 7, 0, 0, 1, 1 << 31)):
             s = socket.create_connection((pair[1], pair[2]), timeout=10)
             s.sendall(junk)
-            s.shutdown(socket.SHUT_WR)
-            assert s.recv(1 << 16) is not None      # the server answers or closes; it never hangs
+            try:
+                s.shutdown(socket.SHUT_WR)
+                assert s.recv(1 << 16) is not None      # the server answers or closes; it never hangs
+            except OSError as e:
+                # The server may close (and reset) the junk connection before this end shuts its side; a hang
+                # would be a timeout here (no errno) and fails.
+                assert e.errno in (errno.ENOTCONN, errno.ECONNRESET), e
             s.close()
             r = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=1, start_pos=pos,
                                    token_ids=[3, 4], taps=taps)])
