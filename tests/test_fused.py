@@ -248,6 +248,28 @@ def kernel_checks(dev: str) -> dict:
     res["markov_confidences"] = _rel(out.confidences, ref.confidences)
     one = dh(normed[1:2], prenorm[1:2], seeds[1:2], 5, True, keep_logits=True)
     res["markov_alone"] = torch.equal(one.drafts[0], out.drafts[1]) and torch.equal(one.margins[0], out.margins[1])
+    # Every tiling of the Markov step gives the default's bits: on 200 vocab rows (part-filled and empty tiles), a
+    # tie across tiles (ids 20 and 37: the lower wins, the runner-up equals the top), a NaN logit.
+    from dspark_ray.kernels.fused_head import MARKOV_TILING
+    lg_t = rn(2, 5, 200, s=2.0).half()
+    lg_t[:, :, 20] = lg_t[:, :, 37] = 60.0
+    lg_t[0, :, 5] = float("nan")
+    w2_t, b2_t = w2[:200].clone(), b2[:200].nan_to_num()
+    w2_t[37], b2_t[37] = w2_t[20], b2_t[20]
+
+    def markov_bits(tiling):
+        prev, out = seeds[:2], []
+        for i in range(5):
+            me_, t1, t2, idx, lgt = fused.markov_step(lg_t, i, prev, w1, w2_t, b2_t, 7, True,
+                                                      tiling=tiling)
+            out += [me_.view(torch.int16).flatten().long(), t1.view(torch.int32).long(), t2.view(torch.int32).long(),
+                    idx, lgt.view(torch.int32).flatten().long()]
+            prev = idx - 7
+        return torch.cat(out), out
+    base_bits, base = markov_bits(MARKOV_TILING)
+    res["markov_tie_across_tiles"] = bool((base[3] == 27).all()) and torch.equal(base[1], base[2])
+    res["markov_tilings_same_bits"] = all(torch.equal(markov_bits(t)[0], base_bits)
+                                          for t in ((16, 1, 2), (16, 4, 1), (32, 2, 4), (64, 4, 4), (32, 1, 4)))
     # The confidence head in one kernel: close to the reference chain; its prefix lengths are exactly
     # confident_prefix of its own scores (threshold at the median: the prefixes vary); a request alone, the same bits.
     from dspark_ray.model.heads import confident_prefix

@@ -10,24 +10,28 @@ from .fused_ops import F16, F32, launch_opts, pdl_enter, sigmoid64
 
 
 @triton.jit
-def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_ptr, logits_ptr, part_ptr,
-                           V, NB, R: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr, KEEP: tl.constexpr,
-                           PDL: tl.constexpr):
-    """Program (request b, block of BV vocab rows) of one Markov step: me = f16(markov_w1[prev[b]]);
-    l = lg[b, step] + f16(markov_w2 me + b2), NaN -> -inf; the block's (max, first argmax, runner-up)."""
-    b = tl.program_id(0).to(tl.int64)
-    nb = tl.program_id(1)
+def _markov_weights(w2_ptr, b2_ptr, v0, V, R: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """markov_w2 rows [v0, v0 + BV) as fp32, and their bias (zeros without one)."""
     r = tl.arange(0, R)
-    v = nb * BV + tl.arange(0, BV)
+    v = v0 + tl.arange(0, BV)
     ok = v < V
-    # The weight tile and the bias first: they are weights, so they may be read before the wait.
     w2 = tl.load(w2_ptr + v.to(tl.int64)[:, None] * R + r[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     if HAS_BIAS:
         b2 = tl.load(b2_ptr + v, mask=ok, other=0.0).to(tl.float32)
-    pdl_enter(PDL)
-    me = tl.load(w1_ptr + tl.load(prev_ptr + b) * R + r).to(tl.float16)
-    if nb == 0:
-        tl.store(me_ptr + b * R + r, me)
+    else:
+        b2 = tl.zeros((BV,), dtype=tl.float32)
+    return w2, b2
+
+
+@triton.jit
+def _markov_tile(lg_ptr, lg_row, logits_ptr, b, me, w2, b2, v0, V, BV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 KEEP: tl.constexpr):
+    """Vocab rows [v0, v0 + BV) of one Markov step (their weights w2, b2 loaded): l = lg[b, step] +
+    f16(markov_w2 me + b2), NaN -> -inf; the tile's (max, first argmax, runner-up). A row's dot product is one row
+    of a (BV, R) tile summed along R, its order fixed by R and the layout along R (a warp's 32 lanes, 8 elements
+    each), never by BV or the grid."""
+    v = v0 + tl.arange(0, BV)
+    ok = v < V
     y = tl.sum(w2 * me.to(tl.float32)[None, :], axis=1)
     if HAS_BIAS:
         y = y + b2
@@ -38,6 +42,36 @@ def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_
     m1 = tl.max(l, axis=0)
     i1 = tl.min(tl.where(l == m1, v, 2147483647), axis=0)
     m2 = tl.max(tl.where(v == i1, float("-inf"), l), axis=0)
+    return m1, i1, m2
+
+
+@triton.jit
+def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_ptr, logits_ptr, part_ptr,
+                           V, NB, R: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           KEEP: tl.constexpr, PDL: tl.constexpr):
+    """Program (request b, SUB consecutive tiles of BV vocab rows) of one Markov step: me = f16(markov_w1[prev[b]])
+    and the tiles' (max, first argmax, runner-up), merged in vocabulary order (exact: a merge only compares)."""
+    b = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    v0 = nb * (SUB * BV)
+    # The first tile's weights before the wait: they are weights, so they may be read while the kernel before
+    # this one drains.
+    w2, b2 = _markov_weights(w2_ptr, b2_ptr, v0, V, R, BV, HAS_BIAS)
+    pdl_enter(PDL)
+    r = tl.arange(0, R)
+    me = tl.load(w1_ptr + tl.load(prev_ptr + b) * R + r).to(tl.float16)
+    if nb == 0:
+        tl.store(me_ptr + b * R + r, me)
+    m1, i1, m2 = _markov_tile(lg_ptr, lg_row, logits_ptr, b, me, w2, b2, v0, V, BV, HAS_BIAS, KEEP)
+    for k in tl.static_range(1, SUB):
+        w2, b2 = _markov_weights(w2_ptr, b2_ptr, v0 + k * BV, V, R, BV, HAS_BIAS)
+        n1, j1, n2 = _markov_tile(lg_ptr, lg_row, logits_ptr, b, me, w2, b2, v0 + k * BV, V, BV, HAS_BIAS, KEEP)
+        # the lower rows (m) win a tie: the first argmax; the runner-up is the larger of the loser's max and the
+        # winner's own runner-up
+        lo = m1 >= n1
+        m2 = tl.where(lo, tl.maximum(m2, n1), tl.maximum(m1, n2))
+        i1 = tl.where(lo, i1, j1)
+        m1 = tl.where(lo, m1, n1)
     base = part_ptr + (b * NB + nb) * 3
     tl.store(base, m1)
     tl.store(base + 1, i1.to(tl.float32))         # < 2^24: exact in fp32
@@ -46,8 +80,8 @@ def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_
 
 @triton.jit
 def _markov_top_kernel(part_ptr, top1_ptr, top2_ptr, idx_ptr, NB, start, NBP: tl.constexpr, PDL: tl.constexpr):
-    """Per request: the blocks' partials -> (max, first argmax + start, runner-up). Blocks are in vocabulary
-    order, so the lowest block holding the max holds the first argmax."""
+    """Per request: the programs' partials -> (max, first argmax + start, runner-up). Partials are in vocabulary
+    order, so the lowest one holding the max holds the first argmax."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, NBP)
@@ -63,18 +97,21 @@ def _markov_top_kernel(part_ptr, top1_ptr, top2_ptr, idx_ptr, NB, start, NBP: tl
     tl.store(idx_ptr + b, tl.sum(tl.where(k == win, i1, 0.0), axis=0).to(tl.int64) + start)
 
 
-MARKOV_BV = 128
+# (rows per tile, tiles per program, warps): MARKOV_TILING below; `bench/markov_step.py` times the choices
+MARKOV_TILING = (128, 1, 8)
 
 
 def markov_step(lg: torch.Tensor, step: int, prev: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                b2: torch.Tensor | None, start: int, keep_logits: bool):
+                b2: torch.Tensor | None, start: int, keep_logits: bool, tiling: tuple[int, int, int] | None = None):
     """One step of the Markov loop on one vocabulary shard: lg (bsz, n_out, V) fp16 / fp32 trunk logits,
     prev (bsz,) the previous tokens -> (me (bsz, r) fp16, top1 (bsz,) fp32, top2 (bsz,) fp32, global argmax
-    (bsz,) int64, logits (bsz, V) fp32 or None). Ties go to the lower id; a NaN logit never wins."""
+    (bsz,) int64, logits (bsz, V) fp32 or None). Ties go to the lower id; a NaN logit never wins. Every tiling
+    gives the same bits (a row's sum does not depend on it; the merges only compare)."""
     bsz, _, V = lg.shape
     R = w2.shape[1]
     dev = lg.device
-    nb = triton.cdiv(V, MARKOV_BV)
+    bv, sub, warps = tiling or MARKOV_TILING
+    nb = triton.cdiv(V, bv * sub)
     me = torch.empty((bsz, R), dtype=F16, device=dev)
     logits = torch.empty((bsz, V), dtype=F32, device=dev) if keep_logits else me
     part = torch.empty((bsz, nb, 3), dtype=F32, device=dev)
@@ -83,8 +120,8 @@ def markov_step(lg: torch.Tensor, step: int, prev: torch.Tensor, w1: torch.Tenso
     idx = torch.empty(bsz, dtype=torch.int64, device=dev)
     lg_s = lg[:, step]
     _markov_partial_kernel[(bsz, nb)](lg_s, lg.stride(0), prev.contiguous(), w1, w2, w2 if b2 is None else b2, me,
-                                      logits, part, V, nb, R=R, BV=MARKOV_BV, HAS_BIAS=b2 is not None,
-                                      KEEP=keep_logits, num_warps=8, **launch_opts(me))
+                                      logits, part, V, nb, R=R, BV=bv, SUB=sub, HAS_BIAS=b2 is not None,
+                                      KEEP=keep_logits, num_warps=warps, **launch_opts(me))
     _markov_top_kernel[(bsz,)](part, top1, top2, idx, nb, start, NBP=triton.next_power_of_2(nb), num_warps=8,
                                **launch_opts(part))
     return me, top1, top2, idx, (logits if keep_logits else None)
