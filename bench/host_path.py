@@ -26,6 +26,8 @@ from dspark_ray.actors import messages as M                                 # no
 from dspark_ray.config import full                                          # noqa: E402
 from dspark_ray.engine import EntryOut                                      # noqa: E402
 from dspark_ray.frontend import Identity, StepService                       # noqa: E402
+from dspark_ray.graphs import GraphSet                                      # noqa: E402
+from dspark_ray.model.state import SlotState                                # noqa: E402
 from dspark_ray.wire import HEADER_SIZE, FrameWriter, decode_payload        # noqa: E402
 from tcp_roundtrip import _commit, emit                                      # noqa: E402
 
@@ -53,6 +55,18 @@ class InstantPair:
         self.last_seq += 1
         r = M.RankResult(0, "", np.arange(5, dtype="<i4").tobytes(), np.full(5, 0.75, "<f4").tobytes(), b"", 5)
         return [r for _ in batch.entries]
+
+
+class ShapesOnly:
+    """What a GraphSet reads of its drafter to build its buffers: the config, no weights (its staging and unpacking
+    at full shapes, without a checkpoint)."""
+
+    def __init__(self, cfg):
+        self.cfg, self.device, self.coll = cfg, torch.device("cpu"), None
+
+    def new_slot(self) -> SlotState:
+        c = self.cfg
+        return SlotState(c.n_blocks, c.sliding_window, 128, c.head_dim)
 
 
 def measure(rows: int, n: int) -> dict:
@@ -100,6 +114,16 @@ def measure(rows: int, n: int) -> dict:
         r = service.step(session, C.Step(entries=[e]), time.monotonic_ns())
         assert r.results[0].code == C.Code.OK, r.results[0].reason
 
+    # The rank's graph set around its replays: staging the insert (its chunks, positions, pool rows and taps) and the
+    # draft's inputs into the pinned buffer, and reading the downloaded outputs. `memcpy` set: as on a GPU, where the
+    # graphs copy their inputs and outputs themselves (no host copy is timed).
+    gs = GraphSet(ShapesOnly(cfg), 16)
+    gs.memcpy = lambda *a: None
+    slot = gs.slots[0]
+    slot.advance(0, 200)
+    inserts = [(slot, 200, M.to_step_entries(M.decode_batch(in_slot), width)[0].taps)]
+    packed = torch.zeros(1, 3 * 5 + 1, dtype=torch.float64)
+
     def py_loop():
         x = 0
         for i in range(1000):
@@ -120,6 +144,9 @@ def measure(rows: int, n: int) -> dict:
         "ring_publish_copy": timed(lambda: slot_view.__setitem__(slice(0, len(batch_bytes)), batch_bytes), n),
         "rank_decode_batch": timed(lambda: M.decode_batch(in_slot), n),
         "rank_to_step_entries": timed(lambda: M.to_step_entries(M.decode_batch(in_slot), width), n),
+        "rank_stage_insert": timed(lambda: [gs._stage_insert(c) for c in gs._chunks(inserts)], n),
+        "rank_stage_draft": timed(lambda: gs._stage_draft([slot], [5]), n),
+        "rank_unpack": timed(lambda: gs._unpack(packed, 5, False, True), n),
         "rank_results_encode": timed(lambda: M.encode(M.RankReply(M.to_rank_results([out]))), n),
         "frontend_decode_reply": timed(lambda: M.decode_reply(reply), n),
         "reply_encode": timed(lambda: writer._encode(C.StepReply(results=[C.EntryResult(
