@@ -183,17 +183,30 @@ class GraphSet:
                       for i in range(n_slots)]
         self.scratch = n_slots
         self.n_blocks, self.T = c.n_blocks, max(insert_buckets)
-        # pool row of (slot, block, ring row 0), and the window's ring offsets (oldest first): the staging's tables
+        # The staging's tables, made once so that a step copies slices instead of computing indices (each numpy call
+        # costs several us on the GPU host with the caches cold after the wait for a step). The pool row of (slot,
+        # block, ring row), with the ring unrolled past its end: any run of consecutive positions, wrapped or not,
+        # is one slice (a window: W rows from ring row (p0 - W) % capacity; an insert chunk: <= T rows).
         self._row0 = ((np.arange(n_slots + 1)[:, None] * c.n_blocks + np.arange(c.n_blocks)[None, :])
                       * self.capacity)[..., None]
-        self._back = np.arange(-self.W, 0)
+        self._ring_rows = self._row0 + np.arange(self.capacity + max(self.W, self.T)) % self.capacity
+        # A window's valid flags when the slot holds h history rows (the newest h of W): _valid_from[h:h + W].
+        self._valid_from = np.arange(2 * self.W) >= self.W
         self._rows = np.arange(max(insert_buckets))      # an insert chunk's row offsets
+        self._bucket_for = [min(b for b in insert_buckets if b >= n) for n in range(self.T + 1)]   # by row count
         self.inp = _Inputs(max_requests, self.W, self.T, c.n_blocks, c.n_taps * c.hidden_size, dev)
+        h = self.inp.h                                   # shaped views of the pinned buffer, made once
+        self._win_h = [h["win_rows"][:c.n_blocks * b * self.W].reshape(c.n_blocks, b, self.W)
+                       for b in range(max_requests + 1)]
+        self._valid_h = h["valid"].reshape(-1, self.W)
+        self._ins_dst = h["ins_rows"].reshape(c.n_blocks, self.T)
+        self._ins_taps = h["taps"].reshape(-1, self.inp.width)
         self._scratch_rows = self._pool_rows(self.scratch, np.zeros(self.T, np.int64))    # pad rows' target
-        self.inp.h["ins_rows"][:] = self._scratch_rows.reshape(-1)
+        self._ins_dst[:] = self._scratch_rows
         self.inp.upload(self.inp.nbytes)
         n_out_max = max(self.n_outs)
         self.out_host = torch.zeros(max_requests * (3 * n_out_max + 1), dtype=torch.float64, pin_memory=self.cuda)
+        self._out_np = self.out_host.numpy()             # the unpacking reads the download through it
         # The copies inside the graphs (module docstring); the collectives' control words land in status_host.
         self.memcpy = _raw_memcpy() if self.cuda else None
         self.status = self.coll.status_region() if self.memcpy else None
@@ -307,13 +320,13 @@ class GraphSet:
 
     def _stage_draft(self, states: list[SlotState], seeds: list[int]) -> None:
         """Write the draft's inputs into the pinned buffer (numpy into made views: no device work, no torch op)."""
-        h, W, bsz, back = self.inp.h, self.W, len(states), self._back
-        win_h = h["win_rows"][:self.n_blocks * bsz * W].reshape(self.n_blocks, bsz, W)
-        valid_h = h["valid"].reshape(-1, W)
+        h, W = self.inp.h, self.W
+        win_h = self._win_h[len(states)]
         for r, s in enumerate(states):
             h["seeds"][r], h["p0"][r] = seeds[r], s.position
-            np.add(self._row0[s.index], (s.position + back) % self.capacity, out=win_h[:, r])
-            np.greater_equal(back, -s.hist_len(), out=valid_h[r])
+            first, held = (s.position - W) % self.capacity, s.hist_len()      # the window's oldest ring row
+            win_h[:, r] = self._ring_rows[s.index, :, first:first + W]
+            self._valid_h[r] = self._valid_from[held:held + W]
 
     def run(self, inserts: list[tuple[SlotState, int, torch.Tensor]], states: list[SlotState], seeds: list[int],
             n_out: int, want_margins: bool, host: bool = False) -> DraftOut | HostDraft | None:
@@ -390,32 +403,29 @@ class GraphSet:
     def _stage_insert(self, chunk) -> tuple[int, int]:
         """Write a chunk's positions, slots, ring rows and taps into the pinned buffer, the rows of the smallest
         bucket that holds it past them padded (they go to the scratch slot); returns (the chunk's rows, bucket)."""
-        h, inp = self.inp.h, self.inp
-        pos, dst = h["ins_pos"], h["ins_rows"].reshape(self.n_blocks, self.T)
-        taps = h["taps"].reshape(-1, inp.width)
+        pos, dst, taps = self.inp.h["ins_pos"], self._ins_dst, self._ins_taps
         at = 0
         for s, p, t in chunk:
-            n = t.shape[0]
+            n, first = t.shape[0], p % self.capacity
             np.add(self._rows[:n], p, out=pos[at:at + n])
-            np.add(self._row0[s.index], pos[at:at + n] % self.capacity, out=dst[:, at:at + n])
+            dst[:, at:at + n] = self._ring_rows[s.index, :, first:first + n]
             taps[at:at + n] = t
             at += n
-        bucket = next(b for b in self.insert_buckets if b >= at)
+        bucket = self._bucket_for[at]
         pos[at:bucket] = 0
         dst[:, at:bucket] = self._scratch_rows[:, at:bucket]
         return at, bucket
 
     def _unpack(self, packed: torch.Tensor, n_out: int, want_margins: bool, host_draft: bool) -> DraftOut | HostDraft:
-        bsz = packed.shape[0]
-        host = self.out_host[:packed.numel()]
+        bsz, size = packed.shape[0], packed.numel()
         if not self.memcpy:              # else the draft graph has downloaded it
-            host.copy_(packed.reshape(-1), non_blocking=True)
+            self.out_host[:size].copy_(packed.reshape(-1), non_blocking=True)
             self.inp.mark()
         if self.cuda:
             self.inp.synchronize()     # the event recorded behind the draft replay and its download
             self._status_fresh = self.status is not None
         self.last_stamps["synced"] = now()
-        a = host.numpy().reshape(bsz, -1)
+        a = self._out_np[:size].reshape(bsz, -1)
         drafts, confs, lens = a[:, :n_out], a[:, n_out:2 * n_out], a[:, (2 + want_margins) * n_out]
         margins = a[:, 2 * n_out:3 * n_out] if want_margins else None
         # (astype copies: the pinned buffer is the next step's)

@@ -9,7 +9,7 @@ import torch
 
 from dspark_ray import workload
 from dspark_ray.engine import BAD_ENTRY, OK, RankEngine, StepEntry
-from dspark_ray.graphs import HostDraft
+from dspark_ray.graphs import GraphSet, HostDraft
 from dspark_ray.model.heads import confident_prefix
 from dspark_ray.modes import make_drafter
 
@@ -126,3 +126,29 @@ def test_a_rank_reads_the_ring_slot_in_place():
     base = np.frombuffer(slot, np.uint8)
     assert np.shares_memory(a.taps.numpy(), base)                              # a view of the slot
     assert b.token_ids.numel() == 0 and b.taps.shape == (0, width) and b.want_margins
+
+
+def test_the_staged_pool_rows_are_the_ring_rows_of_every_position(cfg, ckpt):
+    """The staging copies slices of tables made once: a window's pool rows and valid flags, and an insert chunk's
+    positions and pool rows (pads on the scratch slot), are the ring arithmetic's at every ring offset, wrapped or
+    not, for a fresh slot, a partial window and a full one."""
+    gs = GraphSet(make_drafter(cfg, "tp1", ckpt=ckpt), 4)
+    W, cap, NB, h = gs.W, gs.capacity, gs.n_blocks, gs.inp.h
+    slot = gs.slots[2]
+    row0 = (np.arange(NB) + 2 * NB) * cap                       # pool row of (slot 2, block b, ring row 0)
+    for p0 in list(range(0, 2 * cap + 3)) + [900_001]:
+        for base in {-1, max(0, p0 - 5), 0}:                     # fresh, partial window, (full for p0 >= W)
+            slot.base, slot.position = base, p0
+            gs._stage_draft([gs.slots[0], slot], [3, 7])
+            win = h["win_rows"][:NB * 2 * W].reshape(NB, 2, W)[:, 1]
+            assert np.array_equal(win, row0[:, None] + (p0 + np.arange(-W, 0)) % cap)
+            held = 0 if base < 0 else min(W, p0 - base)
+            assert np.array_equal(h["valid"][W:2 * W], np.arange(W) >= W - held)
+            assert (h["seeds"][1], h["p0"][1]) == (7, p0)
+        n = 1 + p0 % 11
+        rows, bucket = gs._stage_insert([(slot, p0, np.ones((n, gs.inp.width), np.float16))])
+        assert (rows, bucket) == (n, min(b for b in gs.insert_buckets if b >= n))
+        assert np.array_equal(h["ins_pos"][:bucket], np.r_[p0 + np.arange(n), np.zeros(bucket - n)])
+        dst = h["ins_rows"].reshape(NB, gs.T)[:, :bucket]
+        assert np.array_equal(dst[:, :n], row0[:, None] + (p0 + np.arange(n)) % cap)
+        assert (dst[:, n:] == (gs.scratch * NB + np.arange(NB))[:, None] * cap).all()
