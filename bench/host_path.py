@@ -88,7 +88,7 @@ def measure(rows: int, n: int) -> dict:
     msg = decode_payload(C.MsgType.STEP, payload)
     batch = M.RankBatch([], [M.RankEntry(0, 5, 5, 0, msg.entries[0].token_ids, msg.entries[0].taps, -1, False)])
     batch_bytes = M.encode(batch)
-    ring_slot = np.zeros(1 << 20, np.uint8)
+    ring_slot = np.zeros(max(1 << 20, len(batch_bytes)), np.uint8)     # (a larger batch spills on the ring)
     slot_view = memoryview(ring_slot)
     slot_view[:len(batch_bytes)] = batch_bytes
     in_slot = slot_view[:len(batch_bytes)].toreadonly()

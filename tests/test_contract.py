@@ -121,6 +121,16 @@ def test_validate_entry_names_the_slot_field_value_and_rule(change, reason):
     assert C.validate_entry(good_entry(**change), LIMITS) == reason
 
 
+def test_the_finite_scan_refuses_exactly_the_fp16_infs_and_nans_of_every_bit_pattern():
+    """first_nonfinite_row against np.isfinite on all 65536 fp16 values, each alone in a row between finite rows."""
+    from dspark_ray.finite import first_nonfinite_row
+    every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
+    rows = np.zeros((every.size, 3, 2), np.float16)
+    rows[:, 1, 1] = every
+    found = [first_nonfinite_row(r.tobytes(), 2) for r in rows]
+    assert found == [None if np.isfinite(v) else 1 for v in every]
+
+
 def test_validate_entry_refuses_token_bytes_that_are_not_int32():
     e = good_entry()
     e.token_ids = e.token_ids[:-1]
