@@ -26,8 +26,8 @@ from bench.tcp_roundtrip import _commit, _device, emit  # noqa: E402
 
 R, N_OUT = 256, 5
 SHAPES = {"tp1": 129280, "pair_rank": 64768}          # the vocab a card holds: all of it, or rank 0's shard
-TILINGS = [(128, 1, 8), (64, 1, 4), (64, 1, 8), (32, 1, 4), (32, 1, 2), (16, 1, 2), (16, 1, 1), (32, 2, 4),
-           (32, 4, 4), (64, 2, 4)]
+TILINGS = [(128, 1, 8), (64, 1, 4), (32, 1, 4), (16, 1, 1), (32, 2, 4), (32, 2, 2), (16, 2, 2), (16, 4, 2),
+           (32, 3, 4), (64, 2, 8), (32, 4, 4)]
 FLUSH_BYTES = 256 << 20
 
 
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
                 print(f"markov_step: {name}: {cold_us:.1f} us after a flush, {warm_us:.1f} us warm, "
                       f"bits {'equal' if same else 'DIFFER'}", file=sys.stderr, flush=True)
                 del graph, warm
-    emit(res, args.out)
+    emit(res, args.out, indent=1)
     return 0
 
 

@@ -97,8 +97,11 @@ def _markov_top_kernel(part_ptr, top1_ptr, top2_ptr, idx_ptr, NB, start, NBP: tl
     tl.store(idx_ptr + b, tl.sum(tl.where(k == win, i1, 0.0), axis=0).to(tl.int64) + start)
 
 
-# (rows per tile, tiles per program, warps): MARKOV_TILING below; `bench/markov_step.py` times the choices
-MARKOV_TILING = (128, 1, 8)
+# (rows per tile, tiles per program, warps). 128-row tiles of 8 warps held one 64 KB tile per SM at a time and read
+# markov_w2 at 2.7 TB/s; 32-row tiles, two per 4-warp program, took the 5-step loop from 152 to 108 us on one H200
+# (66 MB), from 72 to 53 us on a pair rank's shard, with the same bits (`bench/markov_step.py`,
+# bench/results/gpu/markov_step_h200.json).
+MARKOV_TILING = (32, 2, 4)
 
 
 def markov_step(lg: torch.Tensor, step: int, prev: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
