@@ -212,6 +212,7 @@ class GraphSet:
         self.status = self.coll.status_region() if self.memcpy else None
         self.status_host = torch.zeros(max(self.status[1], 1) if self.status else 1, dtype=torch.uint8,
                                        pin_memory=self.cuda)
+        self._status_np = self.status_host.numpy()       # what the fail-closed check reads, a view made once
         self._status_fresh = False
         # The last run's stamps (stamps.now), in order: entered, the pinned buffer free, the first replay launched
         # (after the inserts' staging), the insert replays launched, the draft's inputs staged, every replay
@@ -380,7 +381,7 @@ class GraphSet:
     def fresh_status(self) -> np.ndarray | None:
         """The collectives' control words as the last run's draft graph left them (it has been synchronised), or
         None when that run downloaded none (no draft, or no in-graph copies)."""
-        return self.status_host.numpy() if self._status_fresh else None
+        return self._status_np if self._status_fresh else None
 
     def _chunks(self, inserts):
         """The inserts' rows in chunks of at most the largest bucket, as runs (slot, first position, taps rows);
