@@ -13,7 +13,6 @@ byte rate, and narrower tiles (more programs per expert) ran slower (bench/resul
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +22,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.tcp_roundtrip import _commit, _device, emit  # noqa: E402
+from bench import kernel_bench  # noqa: E402
+from bench.tcp_roundtrip import emit  # noqa: E402
 
 H, E, PAIRS, TOPK, SETS = 5120, 128, 15, 3, 8
 SHAPES = {"tp1_gated": (True, 2304, H), "tp1_w2": (False, H, 2304),
@@ -56,22 +56,16 @@ def launch(kern, x, w1, w3, idx, out, gated, n, k, setting, x_div):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--out")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("expert_tiles: needs CUDA", file=sys.stderr)
+    args = kernel_bench.parse("expert_tiles", __doc__, 200, argv,
+                              extra=lambda ap: ap.add_argument("--shapes", default=",".join(SHAPES)))
+    if args is None:
         return 2
     from dspark_ray.kernels.fused_moe import _grouped_expert_kernel as kern, grouped_tiles
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)            # routing (host)
     gw = torch.Generator(device=dev).manual_seed(0)  # weights and inputs, made on the card
-    res = {"bench": "expert_tiles", "command": "python bench/expert_tiles.py " + " ".join(sys.argv[1:]),
-           "config": {"pairs": PAIRS, "distinct_experts": 6, "experts": E, "routing_sets": SETS, "reps": args.reps,
-                      "base": BASE},
-           "device": f"{torch.cuda.get_device_name(0)}; host {_device()}", "commit": _commit(), "shapes": {}}
+    res = kernel_bench.header("expert_tiles", {"pairs": PAIRS, "distinct_experts": 6, "experts": E,
+                                               "routing_sets": SETS, "reps": args.reps, "base": BASE}, shapes={})
     for name in args.shapes.split(","):
         gated, n, k = SHAPES[name]
         w1 = torch.randn((E, n, k), generator=gw, device=dev, dtype=torch.float16) * 0.02

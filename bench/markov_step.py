@@ -12,7 +12,6 @@ every tiling gives the bits of the first: drafts, Markov embeddings, top-1 / run
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -22,7 +21,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.tcp_roundtrip import _commit, _device, emit  # noqa: E402
+from bench import kernel_bench  # noqa: E402
+from bench.tcp_roundtrip import emit  # noqa: E402
 
 R, N_OUT = 256, 5
 SHAPES = {"tp1": 129280, "pair_rank": 64768}          # the vocab a card holds: all of it, or rank 0's shard
@@ -42,22 +42,17 @@ def chain(step, lg, seeds, w1, w2, tiling, keep):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=300)
-    ap.add_argument("--out")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("markov_step: needs CUDA", file=sys.stderr)
+    args = kernel_bench.parse("markov_step", __doc__, 300, argv)
+    if args is None:
         return 2
     from dspark_ray.kernels import fused_ops
     from dspark_ray.kernels.fused_head import markov_step
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
-    res = {"bench": "markov_step", "command": "python bench/markov_step.py " + " ".join(sys.argv[1:]),
-           "config": {"rank": R, "n_out": N_OUT, "shapes": SHAPES, "reps": args.reps, "flush_mib": FLUSH_BYTES >> 20,
-                      "pdl": fused_ops.pdl_active(dev)},
-           "device": f"{torch.cuda.get_device_name(0)}; host {_device()}", "commit": _commit(), "cases": {}}
+    res = kernel_bench.header("markov_step", {"rank": R, "n_out": N_OUT, "shapes": SHAPES, "reps": args.reps,
+                                              "flush_mib": FLUSH_BYTES >> 20, "pdl": fused_ops.pdl_active(dev)},
+                              cases={})
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
 
     def replay_us(graph) -> float:

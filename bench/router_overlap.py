@@ -17,7 +17,6 @@ decide who starts first. p50 over `--reps` of the time from that event to each k
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.tcp_roundtrip import _commit, _device, emit  # noqa: E402
+from bench import kernel_bench  # noqa: E402
+from bench.tcp_roundtrip import emit  # noqa: E402
 
 H, E, ROWS = 5120, 128, 5
 SHARED_N = {"tp1": 2 * 2304, "rank": 2304}       # the shared expert's w1 | w3 rows: whole, or a pair rank's half
@@ -35,12 +35,8 @@ GATE_CYCLES = 2_000_000                          # ~1 ms of the gate stream's sl
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--reps", type=int, default=300)
-    ap.add_argument("--out")
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("router_overlap: needs CUDA", file=sys.stderr)
+    args = kernel_bench.parse("router_overlap", __doc__, 300, argv)
+    if args is None:
         return 2
     from dspark_ray.kernels import gemm
     from dspark_ray.kernels.fused_moe import router_logits
@@ -51,10 +47,8 @@ def main(argv=None) -> int:
     f.copy_(torch.randn((ROWS, H), generator=g, device=dev, dtype=torch.float16))
     gate = torch.randn((E, H), generator=g, device=dev, dtype=torch.float16) * 0.02
     least, greatest = torch.cuda.Stream.priority_range()
-    res = {"bench": "router_overlap", "command": "python bench/router_overlap.py " + " ".join(sys.argv[1:]),
-           "config": {"rows": ROWS, "hidden": H, "experts": E, "shared_n": SHARED_N, "reps": args.reps,
-                      "priority_range": [least, greatest]},
-           "device": f"{torch.cuda.get_device_name(0)}; host {_device()}", "commit": _commit(), "cases": {}}
+    res = kernel_bench.header("router_overlap", {"rows": ROWS, "hidden": H, "experts": E, "shared_n": SHARED_N,
+                                                 "reps": args.reps, "priority_range": [least, greatest]}, cases={})
     for shape, n in SHARED_N.items():
         w13 = torch.randn((n, H), generator=g, device=dev, dtype=torch.float16) * 0.02
 
