@@ -17,12 +17,14 @@ drafts, confidences, margins and confident lengths into one fp64 tensor that com
 (int64 ids and fp32 scores are exact in fp64). Between the two replays the host stages the draft's inputs, while the
 GPU runs the inserts (the draft graph uploads them itself).
 
-The copies are nodes of the graphs themselves: each graph starts with the upload of the bytes it reads and the
+The copies are part of the graphs themselves: each graph starts with the upload of the bytes it reads and the
 draft graph ends with the download of its packed outputs and of the collectives' control words (the fail-closed
 check reads them there: `Collectives.status_region`). A step on the host is then: write the pinned buffer, launch,
 synchronise, read. (A torch `copy_` costs 50-75 us of host time per call on the GPU host; a captured copy nothing.
-The copies go through CuPy's `cudaMemcpyAsync`, which torch's pinned-memory bookkeeping does not see; without
-CuPy the graphs leave them out and the host issues them around the replays.)
+The copies are a kernel that reads and writes the pinned buffers directly (`kernels/host_copy.py`; a memcpy node
+started several us after the kernel before it), or, without Triton, CuPy's `cudaMemcpyAsync` nodes, which torch's
+pinned-memory bookkeeping does not see; with neither the graphs leave them out and the host issues them around
+the replays.)
 
 Replaying a graph runs the very kernels the eager path runs (`Drafter.forward`, `Drafter.context_rows`), so a replay
 gives the eager bits; a bucket with more rows than the request needs pads with rows whose results are dropped (every
@@ -39,6 +41,7 @@ collective sequence.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -64,6 +67,28 @@ def _raw_memcpy() -> Callable[[int, int, int], None] | None:
 
     def copy(dst: int, src: int, nbytes: int) -> None:
         runtime.memcpyAsync(dst, src, nbytes, runtime.memcpyDefault, torch.cuda.current_stream().cuda_stream)
+    return copy
+
+
+def _copier(like: torch.Tensor) -> Callable[..., None] | None:
+    """copy(*(dst, src, nbytes)): capturable copies on torch's current stream between pinned host memory and the
+    device. Every segment in one kernel where Triton runs (`kernels/host_copy.py`: a memcpy node waits for a copy
+    engine, several us per copy), else a memcpy node per segment through CuPy; None without either.
+    `DSPARK_COPY_KERNEL=0` takes the memcpy nodes (an A/B)."""
+    if os.environ.get("DSPARK_COPY_KERNEL", "1") != "0":
+        try:
+            from .kernels.host_copy import copy_bytes
+        except ImportError:         # no Triton
+            copy_bytes = None
+        if copy_bytes is not None:
+            return lambda *segments: copy_bytes(like, *segments)
+    memcpy = _raw_memcpy()
+    if memcpy is None:
+        return None
+
+    def copy(*segments) -> None:
+        for seg in segments:
+            memcpy(*seg)
     return copy
 
 
@@ -208,7 +233,7 @@ class GraphSet:
         self.out_host = torch.zeros(max_requests * (3 * n_out_max + 1), dtype=torch.float64, pin_memory=self.cuda)
         self._out_np = self.out_host.numpy()             # the unpacking reads the download through it
         # The copies inside the graphs (module docstring); the collectives' control words land in status_host.
-        self.memcpy = _raw_memcpy() if self.cuda else None
+        self.memcpy = _copier(self.inp.dev) if self.cuda else None
         self.status = self.coll.status_region() if self.memcpy else None
         self.status_host = torch.zeros(max(self.status[1], 1) if self.status else 1, dtype=torch.uint8,
                                        pin_memory=self.cuda)
@@ -271,12 +296,12 @@ class GraphSet:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    for _, fn in fns:        # every shape once: a kernel specialised by shape compiles here
-                        fn()
+                    for (kind, key), fn in fns:      # every shape once: a kernel specialised by shape compiles here
+                        self._with_copies(fn, self._upload_bytes(kind, key), kind == "draft")
                 torch.cuda.current_stream().wait_stream(side)
                 torch.cuda.synchronize()
             for (kind, key), fn in fns:
-                upload = self.inp.draft_bytes if kind == "draft" else self.inp.insert_bytes(key)
+                upload = self._upload_bytes(kind, key)
                 g = self._capture(fn, upload, kind == "draft") if self.cuda else _Graph(None, fn, None, 0)
                 (self.draft_graphs if kind == "draft" else self.insert_graphs)[key] = g
                 done += 1
@@ -287,20 +312,28 @@ class GraphSet:
             self.graph_bytes = max(0, free0 - torch.cuda.mem_get_info()[0])
         self.capture_seconds = time.monotonic() - t0
 
-    def _capture(self, fn, upload: int, download: bool) -> _Graph:
-        """Capture fn between its copies: the upload of its input bytes first; a draft's packed outputs and the
-        control words last (behind its last collective)."""
-        g = torch.cuda.CUDAGraph()
+    def _upload_bytes(self, kind: str, key) -> int:
+        return self.inp.draft_bytes if kind == "draft" else self.inp.insert_bytes(key)
+
+    def _with_copies(self, fn, upload: int, download: bool):
+        """fn between its copies: the upload of its input bytes first; a draft's packed outputs and the control
+        words last (behind its last collective), in one copy. Without in-graph copies, fn alone."""
         cp = self.memcpy
+        if cp:
+            cp((self.inp.dev.data_ptr(), self.inp.host.data_ptr(), upload))
+        out = fn()
+        if cp and download:
+            segments = [(self.out_host.data_ptr(), out.data_ptr(), out.numel() * out.element_size())]
+            if self.status:
+                segments.append((self.status_host.data_ptr(), self.status[0], self.status[1]))
+            cp(*segments)
+        return out
+
+    def _capture(self, fn, upload: int, download: bool) -> _Graph:
+        g = torch.cuda.CUDAGraph()
         with self.coll.graph_capture() as info:
             with torch.cuda.graph(g, pool=self.mempool, capture_error_mode="thread_local"):
-                if cp:
-                    cp(self.inp.dev.data_ptr(), self.inp.host.data_ptr(), upload)
-                out = fn()
-                if cp and download:
-                    cp(self.out_host.data_ptr(), out.data_ptr(), out.numel() * out.element_size())
-                    if self.status:
-                        cp(self.status_host.data_ptr(), self.status[0], self.status[1])
+                out = self._with_copies(fn, upload, download)
         self.mempool = self.mempool or g.pool()
         return _Graph(g, fn, out, info.n_collectives)
 

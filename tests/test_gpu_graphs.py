@@ -157,3 +157,45 @@ def test_programmatic_dependent_launch_keeps_the_bits(cfg, ckpt, matmul):
         assert fused_ops.pdl_capable() or os.environ.get("DSPARK_PDL") == "0", "this Triton cannot launch with PDL"
     from dspark_ray.kernels.gemm import describe_matmul
     assert describe_matmul().endswith("pdl=graphs" if outs[True] else "pdl=off"), describe_matmul()
+
+
+def test_host_copy_kernel_moves_every_byte():
+    """`kernels/host_copy.copy_bytes`, the graph set's upload and download: pinned host <-> device, sizes that are
+    not a multiple of anything, one or two segments, eager and replayed from a graph (under PDL), byte for byte;
+    bytes past a segment's end are left alone."""
+    from dspark_ray.kernels.host_copy import copy_bytes
+    from dspark_ray.model import ops
+    g = torch.Generator().manual_seed(3)
+    sizes = (1, 4095, 4096, 4097, 70001)
+    host = [torch.randint(0, 256, (n + 64,), generator=g, dtype=torch.uint8).pin_memory() for n in sizes]
+    dev = [torch.zeros(n + 64, dtype=torch.uint8, device="cuda") for n in sizes]
+    back = [torch.zeros(n + 64, dtype=torch.uint8).pin_memory() for n in sizes]
+    for h, d_, n in zip(host, dev, sizes):
+        copy_bytes(d_, (d_.data_ptr(), h.data_ptr(), n))
+    torch.cuda.synchronize()
+    for h, d_, n in zip(host, dev, sizes):
+        assert torch.equal(d_[:n].cpu(), h[:n]) and not d_[n:].any(), n
+    for i in range(0, len(sizes) - 1, 2):       # two segments of different sizes in one launch
+        copy_bytes(dev[0], (back[i].data_ptr(), dev[i].data_ptr(), sizes[i]),
+                   (back[i + 1].data_ptr(), dev[i + 1].data_ptr(), sizes[i + 1]))
+    torch.cuda.synchronize()
+    for i in range(len(sizes) - 1):
+        assert torch.equal(back[i][:sizes[i]], host[i][:sizes[i]]) and not back[i][sizes[i]:].any(), sizes[i]
+    # captured with programmatic dependent launch, behind a kernel that writes what it copies
+    src = torch.zeros(5000, dtype=torch.uint8, device="cuda")
+    out = torch.zeros(5000, dtype=torch.uint8).pin_memory()
+    with ops.graph_launches():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            src.add_(1)
+            copy_bytes(src, (out.data_ptr(), src.data_ptr(), 4999))
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            src.add_(1)
+            copy_bytes(src, (out.data_ptr(), src.data_ptr(), 4999))
+    for k in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (out[:4999] == 2 + k).all() and out[4999] == 0, k

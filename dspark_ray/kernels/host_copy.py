@@ -1,0 +1,59 @@
+"""Copies between pinned host memory and the device as one kernel: the graph set's captured upload and download.
+
+In a CUDA graph a memcpy node waits for a copy engine. In the kernel timeline of a pair rank's draft graph (H200),
+the download of the packed outputs began 7-9 us after the last kernel had ended, and the copy of the collectives'
+control words 2 us after that: ~15 us from the last result to the last byte for ~1 KB. Under unified addressing
+a pinned host buffer's address is valid on the device, so a kernel reads or writes it directly; in the graphs it
+launches behind the kernel before it with programmatic dependent launch and moves a step's bytes at once (every
+segment of a copy in the same launch). Byte for byte, no arithmetic: the bits cannot change.
+
+`DSPARK_COPY_KERNEL=0` makes the graph set use memcpy nodes instead (`graphs.py`), for an A/B.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_ops import launch_opts, pdl_enter
+
+COPY_BLOCK = 4096           # bytes per program
+
+
+class Address:
+    """A raw device-visible address (a pinned host buffer, a CuPy allocation) as a Triton pointer argument."""
+
+    dtype = torch.uint8
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+@triton.jit(do_not_specialize=["n0", "n1"])     # one compiled kernel for every size
+def _copy_kernel(dst0, src0, n0, dst1, src1, n1, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program (i, s): bytes [i * BLOCK, (i + 1) * BLOCK) of segment s; a program past its segment's end copies
+    nothing. The wait first: the source may be what the kernel before this one wrote."""
+    pdl_enter(PDL)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if tl.program_id(1) == 0:
+        m = offs < n0
+        tl.store(dst0 + offs, tl.load(src0 + offs, mask=m), mask=m)
+    else:
+        m = offs < n1
+        tl.store(dst1 + offs, tl.load(src1 + offs, mask=m), mask=m)
+
+
+def copy_bytes(like: torch.Tensor, *segments: tuple[int, int, int]) -> None:
+    """Copy each (dst address, src address, nbytes), at most two, in one launch on torch's current stream of
+    `like`'s device (a tensor there: it picks the launch options)."""
+    if not 1 <= len(segments) <= 2:
+        raise ValueError(f"copy_bytes takes one or two segments, not {len(segments)}")
+    (d0, s0, n0), (d1, s1, n1) = segments[0], segments[1] if len(segments) == 2 else (0, 0, 0)
+    if d1 == 0:                                  # no second segment: point it at the first, copy none of it
+        d1, s1 = d0, s0
+    blocks = triton.cdiv(max(n0, n1, 1), COPY_BLOCK)
+    _copy_kernel[(blocks, len(segments))](Address(d0), Address(s0), n0, Address(d1), Address(s1), n1,
+                                          BLOCK=COPY_BLOCK, num_warps=4, **launch_opts(like))
