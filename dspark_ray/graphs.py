@@ -226,7 +226,7 @@ class GraphSet:
         self._valid_h = h["valid"].reshape(-1, self.W)
         self._ins_dst = h["ins_rows"].reshape(c.n_blocks, self.T)
         self._ins_taps = h["taps"].reshape(-1, self.inp.width)
-        self._scratch_rows = self._pool_rows(self.scratch, np.zeros(self.T, np.int64))    # pad rows' target
+        self._scratch_rows = np.repeat(self._row0[self.scratch], self.T, axis=1)    # pad rows' target: ring row 0
         self._ins_dst[:] = self._scratch_rows
         self.inp.upload(self.inp.nbytes)
         n_out_max = max(self.n_outs)
@@ -348,10 +348,6 @@ class GraphSet:
         return g.out
 
     # -- a step ----------------------------------------------------------------------------------------------------
-    def _pool_rows(self, slot, ring: np.ndarray) -> np.ndarray:
-        """Rows of the flattened pool (blocks, len(ring)) holding ring rows `ring` of `slot`'s every block."""
-        return self._row0[slot] + ring[None, :]
-
     def _stage_draft(self, states: list[SlotState], seeds: list[int]) -> None:
         """Write the draft's inputs into the pinned buffer (numpy into made views: no device work, no torch op)."""
         h, W = self.inp.h, self.W
