@@ -1,13 +1,12 @@
-"""The Markov loop's tiling and L2 hint: time and bits of `fused_head.markov_step` per variant (GPU only).
+"""The Markov loop's tiling: time and bits of `fused_head.markov_step` per tiling (GPU only).
 
 The loop is 5 dependent steps, each reading all of markov_w2 (vocab x 256 fp16: 66 MB on one card, 33 MB on a pair
 rank) to add a bigram bias to the head's logits and take the argmax. In the kernel timeline a step took 24.5 us on
 one card and 10-14 us on a pair rank: 2.7 TB/s, under the card's byte rate, with 128-row tiles (one 64 KB tile
 per 8-warp program, about one program per SM at a time). This times the 5 chained steps of one replay, as the
-graphs run them (captured with programmatic dependent launch), for each (rows per tile, tiles per program, warps)
-and, at the default tiling, for markov_w2's first rows loaded with a hint to stay in L2 for the next steps, behind
-an L2 flush (in the draft step the head GEMM streams 0.7-1.3 GB just before the loop), and checks that
-every variant gives the bits of the first: drafts, Markov embeddings, top-1 / runner-up, and the logits.
+graphs run them (captured with programmatic dependent launch), for each (rows per tile, tiles per program, warps),
+behind an L2 flush (in the draft step the head GEMM streams 0.7-1.3 GB just before the loop), and checks that
+every tiling gives the bits of the first: drafts, Markov embeddings, top-1 / runner-up, and the logits.
 
     python bench/markov_step.py [--reps 300] [--out bench/results/gpu/markov_step_h200.json]
 """
@@ -29,17 +28,14 @@ R, N_OUT = 256, 5
 SHAPES = {"tp1": 129280, "pair_rank": 64768}          # the vocab a card holds: all of it, or rank 0's shard
 TILINGS = [(128, 1, 8), (64, 1, 4), (32, 1, 4), (16, 1, 1), (32, 2, 4), (32, 2, 2), (16, 2, 2), (16, 4, 2),
            (32, 3, 4), (64, 2, 8), (32, 4, 4)]
-# markov_w2's first rows kept in L2 across the loop's steps (a load hint), at the default tiling
-L2_ROWS = [16384, 32768, 49152, 65536]
 FLUSH_BYTES = 256 << 20
 
 
-def chain(step, lg, seeds, w1, w2, variant, keep):
+def chain(step, lg, seeds, w1, w2, tiling, keep):
     """The loop's 5 steps, each fed the last one's argmax: per step (me, top1, top2, idx, logits)."""
     prev, out = seeds, []
-    tiling, l2_rows = variant
     for i in range(N_OUT):
-        res = step(lg, i, prev, w1, w2, None, 0, keep, tiling=tiling, l2_rows=l2_rows)
+        res = step(lg, i, prev, w1, w2, None, 0, keep, tiling=tiling)
         out.append(res)
         prev = res[3]
     return out
@@ -50,7 +46,7 @@ def main(argv=None) -> int:
     if args is None:
         return 2
     from dspark_ray.kernels import fused_ops
-    from dspark_ray.kernels.fused_head import MARKOV_TILING, markov_step
+    from dspark_ray.kernels.fused_head import markov_step
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
@@ -93,20 +89,18 @@ def main(argv=None) -> int:
             seeds = torch.randint(0, V, (bsz,), generator=g, device=dev)
             ref = None
             flush_us = replay_us(flush_graph)
-            for tiling, l2_rows in [(t, 0) for t in TILINGS] + [(MARKOV_TILING, n) for n in L2_ROWS]:
-                name = f"{shape} bsz{bsz} {tiling[0]}x{tiling[1]} w{tiling[2]}" + (f" l2 {l2_rows}" if l2_rows else "")
-                variant = (tiling, l2_rows)
-                out = chain(markov_step, lg, seeds, w1, w2, variant, True)
+            for tiling in TILINGS:
+                name = f"{shape} bsz{bsz} {tiling[0]}x{tiling[1]} w{tiling[2]}"
+                out = chain(markov_step, lg, seeds, w1, w2, tiling, True)
                 bits = [torch.cat([t.reshape(-1).view(torch.uint8) for t in step]) for step in out]
                 if ref is None:
                     ref = bits
                 same = all(torch.equal(a, b) for a, b in zip(ref, bits))
-                graph = capture(lambda: (flush.fill_(1), chain(markov_step, lg, seeds, w1, w2, variant, False)))
-                warm = capture(lambda: chain(markov_step, lg, seeds, w1, w2, variant, False))
+                graph = capture(lambda: (flush.fill_(1), chain(markov_step, lg, seeds, w1, w2, tiling, False)))
+                warm = capture(lambda: chain(markov_step, lg, seeds, w1, w2, tiling, False))
                 cold_us = replay_us(graph) - flush_us
                 warm_us = replay_us(warm)
                 res["cases"][name] = {"shape": shape, "vocab": V, "bsz": bsz, "tiling": list(tiling),
-                                      "l2_rows": l2_rows,
                                       "loop_us_after_flush": round(cold_us, 1), "loop_us_l2_warm": round(warm_us, 1),
                                       "bits_equal_first_tiling": same}
                 print(f"markov_step: {name}: {cold_us:.1f} us after a flush, {warm_us:.1f} us warm, "

@@ -10,17 +10,12 @@ from .fused_ops import F16, F32, launch_opts, pdl_enter, sigmoid64
 
 
 @triton.jit
-def _markov_weights(w2_ptr, b2_ptr, v0, V, L2_ROWS, R: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """markov_w2 rows [v0, v0 + BV) as fp32, and their bias (zeros without one). Rows below L2_ROWS are loaded to
-    stay in L2 (the loop's next steps read them again), the others to leave it first."""
+def _markov_weights(w2_ptr, b2_ptr, v0, V, R: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """markov_w2 rows [v0, v0 + BV) as fp32, and their bias (zeros without one)."""
     r = tl.arange(0, R)
     v = v0 + tl.arange(0, BV)
     ok = v < V
-    ptrs = w2_ptr + v.to(tl.int64)[:, None] * R + r[None, :]
-    if v0 < L2_ROWS:
-        w2 = tl.load(ptrs, mask=ok[:, None], other=0.0, eviction_policy="evict_last").to(tl.float32)
-    else:
-        w2 = tl.load(ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    w2 = tl.load(w2_ptr + v.to(tl.int64)[:, None] * R + r[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     if HAS_BIAS:
         b2 = tl.load(b2_ptr + v, mask=ok, other=0.0).to(tl.float32)
     else:
@@ -52,8 +47,8 @@ def _markov_tile(lg_ptr, lg_row, logits_ptr, b, me, w2, b2, v0, V, BV: tl.conste
 
 @triton.jit
 def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_ptr, logits_ptr, part_ptr,
-                           V, NB, L2_ROWS, R: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr):
+                           V, NB, R: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           KEEP: tl.constexpr, PDL: tl.constexpr):
     """Program (request b, SUB consecutive tiles of BV vocab rows) of one Markov step: me = f16(markov_w1[prev[b]])
     and the tiles' (max, first argmax, runner-up), merged in vocabulary order (exact: a merge only compares)."""
     b = tl.program_id(0).to(tl.int64)
@@ -61,7 +56,7 @@ def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_
     v0 = nb * (SUB * BV)
     # The first tile's weights before the wait: they are weights, so they may be read while the kernel before
     # this one drains.
-    w2, b2 = _markov_weights(w2_ptr, b2_ptr, v0, V, L2_ROWS, R, BV, HAS_BIAS)
+    w2, b2 = _markov_weights(w2_ptr, b2_ptr, v0, V, R, BV, HAS_BIAS)
     pdl_enter(PDL)
     r = tl.arange(0, R)
     me = tl.load(w1_ptr + tl.load(prev_ptr + b) * R + r).to(tl.float16)
@@ -69,7 +64,7 @@ def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_
         tl.store(me_ptr + b * R + r, me)
     m1, i1, m2 = _markov_tile(lg_ptr, lg_row, logits_ptr, b, me, w2, b2, v0, V, BV, HAS_BIAS, KEEP)
     for k in tl.static_range(1, SUB):
-        w2, b2 = _markov_weights(w2_ptr, b2_ptr, v0 + k * BV, V, L2_ROWS, R, BV, HAS_BIAS)
+        w2, b2 = _markov_weights(w2_ptr, b2_ptr, v0 + k * BV, V, R, BV, HAS_BIAS)
         n1, j1, n2 = _markov_tile(lg_ptr, lg_row, logits_ptr, b, me, w2, b2, v0 + k * BV, V, BV, HAS_BIAS, KEEP)
         # the lower rows (m) win a tie: the first argmax; the runner-up is the larger of the loser's max and the
         # winner's own runner-up
@@ -107,17 +102,14 @@ def _markov_top_kernel(part_ptr, top1_ptr, top2_ptr, idx_ptr, NB, start, NBP: tl
 # (66 MB), from 72 to 53 us on a pair rank's shard, with the same bits (`bench/markov_step.py`,
 # bench/results/gpu/markov_step_h200.json).
 MARKOV_TILING = (32, 2, 4)
-MARKOV_L2_ROWS = 0
 
 
 def markov_step(lg: torch.Tensor, step: int, prev: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                b2: torch.Tensor | None, start: int, keep_logits: bool, tiling: tuple[int, int, int] | None = None,
-                l2_rows: int | None = None):
+                b2: torch.Tensor | None, start: int, keep_logits: bool, tiling: tuple[int, int, int] | None = None):
     """One step of the Markov loop on one vocabulary shard: lg (bsz, n_out, V) fp16 / fp32 trunk logits,
     prev (bsz,) the previous tokens -> (me (bsz, r) fp16, top1 (bsz,) fp32, top2 (bsz,) fp32, global argmax
     (bsz,) int64, logits (bsz, V) fp32 or None). Ties go to the lower id; a NaN logit never wins. Every tiling
-    gives the same bits (a row's sum does not depend on it; the merges only compare). The first `l2_rows` rows of
-    w2 are read with a hint to stay in L2 (default MARKOV_L2_ROWS)."""
+    gives the same bits (a row's sum does not depend on it; the merges only compare)."""
     bsz, _, V = lg.shape
     R = w2.shape[1]
     dev = lg.device
@@ -131,9 +123,8 @@ def markov_step(lg: torch.Tensor, step: int, prev: torch.Tensor, w1: torch.Tenso
     idx = torch.empty(bsz, dtype=torch.int64, device=dev)
     lg_s = lg[:, step]
     _markov_partial_kernel[(bsz, nb)](lg_s, lg.stride(0), prev.contiguous(), w1, w2, w2 if b2 is None else b2, me,
-                                      logits, part, V, nb, MARKOV_L2_ROWS if l2_rows is None else l2_rows, R=R,
-                                      BV=bv, SUB=sub, HAS_BIAS=b2 is not None, KEEP=keep_logits, num_warps=warps,
-                                      **launch_opts(me))
+                                      logits, part, V, nb, R=R, BV=bv, SUB=sub, HAS_BIAS=b2 is not None,
+                                      KEEP=keep_logits, num_warps=warps, **launch_opts(me))
     _markov_top_kernel[(bsz,)](part, top1, top2, idx, nb, start, NBP=triton.next_power_of_2(nb), num_warps=8,
                                **launch_opts(part))
     return me, top1, top2, idx, (logits if keep_logits else None)
