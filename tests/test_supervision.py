@@ -122,7 +122,9 @@ def test_restart_happens_at_the_threshold_and_not_before(sup, ray_cluster, cfg):
             codes.append(q.step().code)
             lat.append((time.perf_counter() - t0) * 1e3)
         assert set(codes) == {Code.UNAVAILABLE}, codes
-        assert statistics.median(lat) < 5.0, lat
+        # refused at once, not held behind the restart (which takes seconds): on a loaded 2-core CI host a refusal
+        # read a median of 8 ms once while the new pair's processes started, so the bound leaves room for that
+        assert statistics.median(lat) < 50.0, lat
         st = _wait_serving(ray_cluster, fe)
         assert st["supervisor"]["restarts"] == 1 and st["worker_generation"] == gen0 + 1
         r = q.step()
