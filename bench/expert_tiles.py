@@ -56,14 +56,13 @@ def launch(kern, x, w1, w3, idx, out, gated, n, k, setting, x_div):
 
 
 def main(argv=None) -> int:
-    args = kernel_bench.parse("expert_tiles", __doc__, 200, argv,
-                              extra=lambda ap: ap.add_argument("--shapes", default=",".join(SHAPES)))
-    if args is None:
+    started = kernel_bench.start("expert_tiles", __doc__, 200, argv,
+                                 extra=lambda ap: ap.add_argument("--shapes", default=",".join(SHAPES)))
+    if started is None:
         return 2
+    args, dev, gw = started                         # gw: weights and inputs, made on the card
     from dspark_ray.kernels.fused_moe import _grouped_expert_kernel as kern, grouped_tiles
-    dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)            # routing (host)
-    gw = torch.Generator(device=dev).manual_seed(0)  # weights and inputs, made on the card
     res = kernel_bench.header("expert_tiles", {"pairs": PAIRS, "distinct_experts": 6, "experts": E,
                                                "routing_sets": SETS, "reps": args.reps, "base": BASE}, shapes={})
     for name in args.shapes.split(","):

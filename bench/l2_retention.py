@@ -30,23 +30,20 @@ from bench.tcp_roundtrip import emit  # noqa: E402
 
 K, ROWS = 5120, 5
 SIZES_MB = (8, 12, 16, 20, 24, 32, 40, 48, 64)
-FLUSH_BYTES = 256 << 20
 
 
 def main(argv=None) -> int:
-    args = kernel_bench.parse("l2_retention", __doc__, 200, argv)
-    if args is None:
+    started = kernel_bench.start("l2_retention", __doc__, 200, argv, matmul="fast")
+    if started is None:
         return 2
+    args, dev, g = started
     from dspark_ray.kernels import gemm
-    gemm.use_matmul("fast")
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    flush = torch.empty(kernel_bench.FLUSH_BYTES, dtype=torch.uint8, device=dev)
     x = gemm.rows_empty(ROWS, K, torch.float16, dev)
     x.copy_(torch.randn((ROWS, K), generator=g, device=dev, dtype=torch.float16))
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     res = kernel_bench.header("l2_retention", {"k": K, "rows": ROWS, "sizes_mb": SIZES_MB, "reps": args.reps,
-                                               "flush_mib": FLUSH_BYTES >> 20,
+                                               "flush_mib": kernel_bench.FLUSH_BYTES >> 20,
                                                "l2_bytes": torch.cuda.get_device_properties(dev).L2_cache_size},
                               sizes={})
     for mb in SIZES_MB:

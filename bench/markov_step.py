@@ -28,7 +28,6 @@ R, N_OUT = 256, 5
 SHAPES = {"tp1": 129280, "pair_rank": 64768}          # the vocab a card holds: all of it, or rank 0's shard
 TILINGS = [(128, 1, 8), (64, 1, 4), (32, 1, 4), (16, 1, 1), (32, 2, 4), (32, 2, 2), (16, 2, 2), (16, 4, 2),
            (32, 3, 4), (64, 2, 8), (32, 4, 4)]
-FLUSH_BYTES = 256 << 20
 
 
 def chain(step, lg, seeds, w1, w2, tiling, keep):
@@ -42,16 +41,16 @@ def chain(step, lg, seeds, w1, w2, tiling, keep):
 
 
 def main(argv=None) -> int:
-    args = kernel_bench.parse("markov_step", __doc__, 300, argv)
-    if args is None:
+    started = kernel_bench.start("markov_step", __doc__, 300, argv)
+    if started is None:
         return 2
+    args, dev, g = started
     from dspark_ray.kernels import fused_ops
     from dspark_ray.kernels.fused_head import markov_step
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    flush = torch.empty(kernel_bench.FLUSH_BYTES, dtype=torch.uint8, device=dev)
     res = kernel_bench.header("markov_step", {"rank": R, "n_out": N_OUT, "shapes": SHAPES, "reps": args.reps,
-                                              "flush_mib": FLUSH_BYTES >> 20, "pdl": fused_ops.pdl_active(dev)},
+                                              "flush_mib": kernel_bench.FLUSH_BYTES >> 20,
+                                              "pdl": fused_ops.pdl_active(dev)},
                               cases={})
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
 

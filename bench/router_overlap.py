@@ -35,14 +35,12 @@ GATE_CYCLES = 2_000_000                          # ~1 ms of the gate stream's sl
 
 
 def main(argv=None) -> int:
-    args = kernel_bench.parse("router_overlap", __doc__, 300, argv)
-    if args is None:
+    started = kernel_bench.start("router_overlap", __doc__, 300, argv, matmul="fast")
+    if started is None:
         return 2
+    args, dev, g = started
     from dspark_ray.kernels import gemm
     from dspark_ray.kernels.fused_moe import router_logits
-    gemm.use_matmul("fast")
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(0)
     f = gemm.rows_empty(ROWS, H, torch.float16, dev)      # as the model's: the padded GEMM reads it in place
     f.copy_(torch.randn((ROWS, H), generator=g, device=dev, dtype=torch.float16))
     gate = torch.randn((E, H), generator=g, device=dev, dtype=torch.float16) * 0.02
