@@ -40,3 +40,17 @@ def test_table_reports_the_gpu_part_beside_the_step():
     assert rows["1,5"]["pair_gpu_us"] is None and "pair_over_tp1_gpu" not in rows["1,5"]
     one["summary"] = rows
     assert f"| 1,5 | {r['tp1_gpu_us']} | None |  | None |  |" in markdown(one)
+
+
+def test_kernel_benches_refuse_cleanly_without_cuda(capsys):
+    """The one-card kernel benches parse their command line and, on a host without CUDA, say so and exit 2 (what
+    `kernel_bench.start` gives them) instead of failing somewhere in their set-up."""
+    import importlib
+
+    import pytest
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: the benches would run")
+    for name in ("markov_step", "l2_retention", "router_overlap", "expert_tiles"):
+        assert importlib.import_module(f"bench.{name}").main(["--reps", "1"]) == 2, name
+        assert f"{name}: needs CUDA" in capsys.readouterr().err
