@@ -13,6 +13,7 @@ byte rate, and narrower tiles (more programs per expert) ran slower (bench/resul
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 from pathlib import Path
@@ -87,22 +88,9 @@ def main(argv=None) -> int:
                 continue
             same = bool(torch.equal(out.view(torch.int16) if gated else out.view(torch.int32),
                                     ref.view(torch.int16) if gated else ref.view(torch.int32)))
-            graph = torch.cuda.CUDAGraph()      # SETS launches, one per routing set: no host launch cost timed
-            with torch.cuda.graph(graph):
-                for idx in sets:
-                    launch(kern, x, w1, w3, idx, out, gated, n, k, st, x_div)
-            for _ in range(3):
-                graph.replay()
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-            ts = []
-            for _ in range(args.reps):
-                ev[0].record()
-                graph.replay()
-                ev[1].record()
-                ev[1].synchronize()
-                ts.append(ev[0].elapsed_time(ev[1]) * 1e3 / SETS)
-            del graph
-            ts.sort()
+            # SETS launches in one graph, one per routing set: no host launch cost timed
+            calls = [functools.partial(launch, kern, x, w1, w3, idx, out, gated, n, k, st, x_div) for idx in sets]
+            ts = sorted(kernel_bench.graph_time(calls, SETS, args.reps))
             rows.append({"setting": st, "same_bits": same, "p50_us": round(statistics.median(ts), 2),
                          "p99_us": round(ts[int(0.99 * (len(ts) - 1))], 2), "min_us": round(ts[0], 2)})
             print(f"[expert_tiles] {name} {st}: {rows[-1]['p50_us']} us same_bits={same}", file=sys.stderr,

@@ -24,6 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from bench.kernel_bench import graph_time  # noqa: E402
 from bench.tcp_roundtrip import _commit  # noqa: E402
 
 # (name, N, K) of the dense GEMMs one rank runs (tp2 halves where the layer is split; wq_a | wkv and the shared
@@ -39,32 +40,6 @@ def stats(ts):
     ts = sorted(ts)
     return {"p50_us": round(statistics.median(ts), 2), "p99_us": round(ts[min(len(ts) - 1, int(0.99 * len(ts)))], 2),
             "min_us": round(ts[0], 2)}
-
-
-def graph_time(torch, fns, calls, replays):
-    """Capture fns[i % len(fns)]() for i < calls in one graph; per-call microseconds of each timed replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):                      # warm-up off capture (Triton compiles, cuBLAS handles)
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fns[i % len(fns)]()
-    for _ in range(5):
-        g.replay()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(replays):
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000.0 / calls)
-    del g
-    return ts
 
 
 def entry(kind, name, m, n, k, wbytes, ours, base, extra=None):
@@ -104,8 +79,8 @@ def main():
             ws = [(torch.randn(n, k, device=dev, generator=gen) / k ** 0.5).half() for _ in range(copies)]
             for m in rows_list:
                 x = torch.randn(m, k, device=dev, generator=gen).half()
-                ours = graph_time(torch, [lambda w=w: gemm.padded_linear(x, w) for w in ws], args.calls, args.replays)
-                base = graph_time(torch, [lambda w=w: torch.mm(x, w.t(), out_dtype=f32) for w in ws],
+                ours = graph_time([lambda w=w: gemm.padded_linear(x, w) for w in ws], args.calls, args.replays)
+                base = graph_time([lambda w=w: torch.mm(x, w.t(), out_dtype=f32) for w in ws],
                                   args.calls, args.replays)
                 full = gemm.padded_linear(x, ws[0])
                 inv = bool(torch.equal(gemm.padded_linear(x[:1], ws[0]), full[:1]))
@@ -127,8 +102,8 @@ def main():
             idx = torch.randint(0, e_, (p,), device=dev, generator=gen)
             distinct = int(torch.unique(idx).numel())
             wbytes = distinct * n * k * 2
-            ours = graph_time(torch, [lambda: gemm.indexed_linear(x, w, idx)], args.calls, args.replays)
-            base = graph_time(torch, [lambda: torch.bmm(x[:, None], w[idx].transpose(1, 2))],
+            ours = graph_time([lambda: gemm.indexed_linear(x, w, idx)], args.calls, args.replays)
+            base = graph_time([lambda: torch.bmm(x[:, None], w[idx].transpose(1, 2))],
                               args.calls, args.replays)
             ref = gemm.indexed_linear_reference(x, w, idx)
             err = (gemm.indexed_linear(x, w, idx).double() - ref.double()).abs().max().item()

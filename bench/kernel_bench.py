@@ -1,9 +1,10 @@
-"""What the one-card kernel benches (`expert_tiles`, `router_overlap`, `markov_step`, `l2_retention`) share: their
-command line (`--reps`, `--out`, and their own flags), the CUDA check, the card and its seeded generator, an L2
-flush buffer, and the result's header."""
+"""What the one-card kernel benches (`expert_tiles`, `router_overlap`, `markov_step`, `l2_retention`, `gemm`)
+share: their command line (`--reps`, `--out`, and their own flags), the CUDA check, the card and its seeded
+generator, an L2 flush buffer, the timing of a captured graph, and the result's header."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -37,3 +38,34 @@ def header(name: str, config: dict, **sections) -> dict:
     """bench, command, config, device (the card and the host), commit, and the bench's empty result sections."""
     return {"bench": name, "command": f"python bench/{name}.py " + " ".join(sys.argv[1:]), "config": config,
             "device": f"{torch.cuda.get_device_name(0)}; host {_device()}", "commit": _commit(), **sections}
+
+
+def graph_time(fns, calls: int, replays: int, pdl: bool = False) -> list[float]:
+    """Capture fns[i % len(fns)]() for i < calls in one graph (each fn run once first on a side stream, so Triton
+    compiles and cuBLAS picks its handles outside the capture); us per call of each of `replays` replays timed with
+    CUDA events around g.replay(), after 5 untimed. With `pdl` the fused kernels launch with programmatic dependent
+    launch, as in the graph set's capture."""
+    from dspark_ray.kernels.fused_ops import pdl_launches
+    scope = pdl_launches if pdl else contextlib.nullcontext
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), scope():
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), scope():
+        for i in range(calls):
+            fns[i % len(fns)]()
+    for _ in range(5):
+        g.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(replays):
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1000.0 / calls)
+    del g
+    return ts

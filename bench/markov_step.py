@@ -52,33 +52,10 @@ def main(argv=None) -> int:
                                               "flush_mib": kernel_bench.FLUSH_BYTES >> 20,
                                               "pdl": fused_ops.pdl_active(dev)},
                               cases={})
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
 
-    def replay_us(graph) -> float:
-        times = []
-        for i in range(args.reps + 20):
-            ev[0].record()
-            graph.replay()
-            ev[1].record()
-            ev[1].synchronize()
-            if i >= 20:
-                times.append(ev[0].elapsed_time(ev[1]) * 1e3)
-        return statistics.median(times)
+    def replay_us(fn) -> float:         # as the graphs run it: captured with programmatic dependent launch
+        return statistics.median(kernel_bench.graph_time([fn], 1, args.reps, pdl=True))
 
-    def capture(fn):
-        torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s), fused_ops.pdl_launches():
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), fused_ops.pdl_launches():
-            fn()
-        return graph
-
-    flush_graph = capture(lambda: flush.fill_(1))
     for shape, V in SHAPES.items():
         w2 = torch.randn((V, R), generator=g, device=dev, dtype=torch.float16) * 0.05
         w1 = (torch.randn((V, R), generator=g, device=dev) * 0.5).to(torch.bfloat16)
@@ -87,7 +64,7 @@ def main(argv=None) -> int:
             lg[:, :, 1000:1003] = 30.0              # a tie at the top of every step: the lower id must win
             seeds = torch.randint(0, V, (bsz,), generator=g, device=dev)
             ref = None
-            flush_us = replay_us(flush_graph)
+            flush_us = replay_us(lambda: flush.fill_(1))
             for tiling in TILINGS:
                 name = f"{shape} bsz{bsz} {tiling[0]}x{tiling[1]} w{tiling[2]}"
                 out = chain(markov_step, lg, seeds, w1, w2, tiling, True)
@@ -95,16 +72,14 @@ def main(argv=None) -> int:
                 if ref is None:
                     ref = bits
                 same = all(torch.equal(a, b) for a, b in zip(ref, bits))
-                graph = capture(lambda: (flush.fill_(1), chain(markov_step, lg, seeds, w1, w2, tiling, False)))
-                warm = capture(lambda: chain(markov_step, lg, seeds, w1, w2, tiling, False))
-                cold_us = replay_us(graph) - flush_us
-                warm_us = replay_us(warm)
+                cold_us = replay_us(lambda: (flush.fill_(1), chain(markov_step, lg, seeds, w1, w2, tiling, False)))
+                cold_us -= flush_us
+                warm_us = replay_us(lambda: chain(markov_step, lg, seeds, w1, w2, tiling, False))
                 res["cases"][name] = {"shape": shape, "vocab": V, "bsz": bsz, "tiling": list(tiling),
                                       "loop_us_after_flush": round(cold_us, 1), "loop_us_l2_warm": round(warm_us, 1),
                                       "bits_equal_first_tiling": same}
                 print(f"markov_step: {name}: {cold_us:.1f} us after a flush, {warm_us:.1f} us warm, "
                       f"bits {'equal' if same else 'DIFFER'}", file=sys.stderr, flush=True)
-                del graph, warm
     emit(res, args.out, indent=1)
     return 0
 

@@ -51,9 +51,8 @@ def copy_bytes(like: torch.Tensor, *segments: tuple[int, int, int]) -> None:
     `like`'s device (a tensor there: it picks the launch options)."""
     if not 1 <= len(segments) <= 2:
         raise ValueError(f"copy_bytes takes one or two segments, not {len(segments)}")
-    (d0, s0, n0), (d1, s1, n1) = segments[0], segments[1] if len(segments) == 2 else (0, 0, 0)
-    if d1 == 0:                                  # no second segment: point it at the first, copy none of it
-        d1, s1 = d0, s0
+    d0, s0, n0 = segments[0]
+    d1, s1, n1 = segments[1] if len(segments) == 2 else (d0, s0, 0)      # none: the first's, none of its bytes
     blocks = triton.cdiv(max(n0, n1, 1), COPY_BLOCK)
     _copy_kernel[(blocks, len(segments))](Address(d0), Address(s0), n0, Address(d1), Address(s1), n1,
                                           BLOCK=COPY_BLOCK, num_warps=4, **launch_opts(like))
