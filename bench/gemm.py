@@ -3,6 +3,8 @@ shapes (rank 0 of a tp2 pair), all inside CUDA graphs.
 
 * dense: `padded_linear` (cuBLAS, always 32 rows) vs plain `torch.mm(x, w.t(), out_dtype=fp32)` at the true row
   count (cuBLAS's own choice, not batch invariant), for M = 5, 10, 15, 20 rows.
+* grouped: `padded_grouped_linear` (the attention's wo_a, one batched GEMM writing the row-major layout wo_b reads)
+  vs the same batched GEMM written group-major and transposed by a copy kernel (the form before 2026-11-30).
 * experts: `indexed_linear` (Triton, each pair reads its own expert) vs gather + bmm
   (`torch.bmm(x[:, None], w[idx].transpose(1, 2))`), E = 128 experts of (1152, 5120), P = 3 * M pairs, random idx.
 
@@ -31,6 +33,7 @@ from bench.tcp_roundtrip import _commit  # noqa: E402
 # expert's w1 | w3 run as one GEMM each in the draft, wkv alone in the insert).
 DENSE = [("main_proj", 5120, 15360), ("wq_a|wkv", 1792, 5120), ("wq_b", 16384, 1280), ("wkv", 512, 5120),
          ("wo_b", 5120, 4096), ("shared_w1|w3", 2304, 5120), ("shared_w2", 5120, 1152), ("head", 64640, 5120)]
+GROUPED = (4, 1024, 4096)            # a pair rank's wo_a: G = 4 of the 8 o_groups, R = o_lora_rank, K = 8 heads * D
 EXPERTS = (128, 1152, 5120)          # E, N, K: one rank's half of a routed expert's w1 / w3
 TOP_K = 3
 COLD_BYTES = 256 << 20
@@ -57,7 +60,7 @@ def main():
     ap.add_argument("--rows", default="5,10,15,20", help="draft row counts M (comma separated)")
     ap.add_argument("--calls", type=int, default=20, help="calls captured per graph")
     ap.add_argument("--replays", type=int, default=200, help="timed replays per entry")
-    ap.add_argument("--only", choices=["dense", "experts"], help="run one half only")
+    ap.add_argument("--only", choices=["dense", "grouped", "experts"], help="run one half only")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args()
 
@@ -92,6 +95,33 @@ def main():
                       f"ratio {r['ratio_p50']:.2f}", file=sys.stderr, flush=True)
             del ws
             torch.cuda.empty_cache()
+
+    if args.only in (None, "grouped"):
+        g_, r_, k = GROUPED
+        wbytes = g_ * r_ * k * 2
+        copies = max(1, min(args.calls, -(-COLD_BYTES // wbytes)))
+        ws = [(torch.randn(g_ * r_, k, device=dev, generator=gen) / k ** 0.5).half() for _ in range(copies)]
+
+        def group_major(x, w):          # the batched GEMM group-major, then a transposing copy
+            xp, _ = gemm._padded_rows(x.transpose(0, 1), (g_,))
+            out = torch.bmm(xp, w.view(g_, r_, k).transpose(1, 2))
+            res = gemm.rows_empty(x.shape[0], g_ * r_, torch.float16, dev)
+            res.view(-1, g_, r_).copy_(out[:, :x.shape[0]].transpose(0, 1))
+            return res
+
+        for m in rows_list:
+            x = torch.randn(m, g_, k, device=dev, generator=gen).half()
+            ours = graph_time([lambda w=w: gemm.padded_grouped_linear(x, w) for w in ws], args.calls, args.replays)
+            base = graph_time([lambda w=w: group_major(x, w) for w in ws], args.calls, args.replays)
+            same = bool(torch.equal(gemm.padded_grouped_linear(x, ws[0]), group_major(x, ws[0])))
+            rows.append(entry("grouped", "wo_a", m, g_ * r_, k, wbytes, ours, base,
+                              {"groups": g_, "weight_copies": copies, "same_bits_as_baseline": same}))
+            r = rows[-1]
+            print(f"grouped wo_a M={m:3d}  fast {r['fast']['p50_us']:8.1f} us ({r['fast_tbs']:.2f} TB/s)  "
+                  f"group-major + copy {r['baseline']['p50_us']:8.1f} us  ratio {r['ratio_p50']:.2f}  "
+                  f"same bits {same}", file=sys.stderr, flush=True)
+        del ws
+        torch.cuda.empty_cache()
 
     if args.only in (None, "experts"):
         e_, n, k = EXPERTS

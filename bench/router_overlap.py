@@ -13,7 +13,11 @@ preset's shapes for one card and one pair rank, 5 rows (1 request, n_out 5):
 Both streams are held behind one event until the two launches are queued, so the host's launch order does not
 decide who starts first. p50 over `--reps` of the time from that event to each kernel's end.
 
-    python bench/router_overlap.py [--reps 300] [--out bench/results/gpu/router_overlap_h200.json]
+With `--tilings`: instead, the router's logits in each tiling of TILINGS and its top-k in each warp count, at
+5 and 20 rows, each captured 20 times back to back in one graph with programmatic dependent launch (as in the
+graph set), us per call (p50 over `--reps` replays); `fused_moe.ROUTER_TILING` / `ROUTE_WARPS` take the fastest.
+
+    python bench/router_overlap.py [--reps 300] [--tilings] [--out bench/results/gpu/router_overlap_h200.json]
 """
 from __future__ import annotations
 
@@ -32,13 +36,44 @@ from bench.tcp_roundtrip import emit  # noqa: E402
 H, E, ROWS = 5120, 128, 5
 SHARED_N = {"tp1": 2 * 2304, "rank": 2304}       # the shared expert's w1 | w3 rows: whole, or a pair rank's half
 GATE_CYCLES = 2_000_000                          # ~1 ms of the gate stream's sleep: both launches queue behind it
+# (rows per program, K chunk, warps) of the router's logits to time with --tilings
+TILINGS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (8, 1024, 8), (4, 2048, 4), (8, 512, 4),
+           (16, 512, 4), (8, 2048, 8), (4, 512, 2), (8, 256, 2)]
+
+
+def tilings(args, dev, g) -> dict:
+    """The router's logits per tiling and its top-k per warp count, in PDL graphs (see the module doc)."""
+    from bench.gemm import stats
+    from dspark_ray.kernels.fused_moe import route, router_logits
+    gate = torch.randn((E, H), generator=g, device=dev, dtype=torch.float16) * 0.02
+    bsel = torch.randn(E, generator=g, device=dev) * 0.1
+    res = {}
+    for rows in (ROWS, 20):
+        f = torch.randn((rows, H), generator=g, device=dev, dtype=torch.float16)
+        lg = router_logits(f, gate, TILINGS[0])
+        for t in TILINGS:
+            ts = kernel_bench.graph_time([lambda t=t: router_logits(f, gate, t)], 20, args.reps, pdl=True)
+            res[f"logits_rows{rows}_{'x'.join(map(str, t))}"] = stats(ts)
+        for w in (1, 2, 4, 8):
+            ts = kernel_bench.graph_time([lambda w=w: route(lg, bsel, 3, 1.5, w)], 20, args.reps, pdl=True)
+            res[f"route_rows{rows}_warps{w}"] = stats(ts)
+    for k, v in res.items():
+        print(f"[router_overlap] {k}: {v}", file=sys.stderr, flush=True)
+    return res
 
 
 def main(argv=None) -> int:
-    started = kernel_bench.start("router_overlap", __doc__, 300, argv, matmul="fast")
+    started = kernel_bench.start("router_overlap", __doc__, 300, argv, matmul="fast",
+                                 extra=lambda ap: ap.add_argument("--tilings", action="store_true"))
     if started is None:
         return 2
     args, dev, g = started
+    if args.tilings:
+        res = kernel_bench.header("router_overlap", {"rows": [ROWS, 20], "hidden": H, "experts": E,
+                                                     "reps": args.reps, "calls_per_graph": 20, "pdl": True},
+                                  tilings=tilings(args, dev, g))
+        emit(res, args.out, indent=1)
+        return 0
     from dspark_ray.kernels import gemm
     from dspark_ray.kernels.fused_moe import router_logits
     f = gemm.rows_empty(ROWS, H, torch.float16, dev)      # as the model's: the padded GEMM reads it in place

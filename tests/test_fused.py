@@ -122,17 +122,16 @@ def kernel_checks(dev: str) -> dict:
     r1, w1 = fused.route(lg, router.bsel, 3, router.scaling_f)
     res["route_exact"] = torch.equal(r0, r1) and torch.equal(w0, w1)
     res["route_alone"] = _alone_equals_batch(lambda s: fused.route(lg[s], router.bsel, 3, router.scaling_f), 9)
-    # The router's GEMV: close to the reference GEMM; one row alone gives its bits; a K wider than one chunk and an
-    # odd expert count take the kernel's loop and masks.
-    from dspark_ray.kernels import fused_moe
+    res["route_warps"] = all(all(map(torch.equal, fused.route(lg, router.bsel, 3, router.scaling_f, w), (r1, w1)))
+                             for w in (1, 2, 8))
+    # The router's GEMV: close to the reference GEMM; one row alone gives its bits, in the default tiling and in
+    # ones with several row blocks, a K wider than one chunk (a part-filled last chunk) and an odd expert count.
     fr, gate = rn(5, 300).half(), rn(E + 1, 300, s=0.06).half()
-    res["router_logits"] = _rel(fused.router_logits(fr, gate), ops.f16(ops.linear_tree(fr, gate)))
-    res["router_logits_alone"] = _alone_equals_batch(lambda s: (fused.router_logits(fr[s], gate),), 5)
-    saved_bk, fused_moe.ROUTER_BK = fused_moe.ROUTER_BK, 128
-    try:
-        res["router_logits_looped"] = _rel(fused.router_logits(fr, gate), ops.f16(ops.linear_tree(fr, gate)))
-    finally:
-        fused_moe.ROUTER_BK = saved_bk
+    ref = ops.f16(ops.linear_tree(fr, gate))
+    for tiling in (None, (2, 128, 4), (8, 512, 2), (1, 64, 1)):
+        name = "router_logits" + ("" if tiling is None else "_" + "x".join(map(str, tiling)))
+        res[name] = _rel(fused.router_logits(fr, gate, tiling), ref)
+        res[name + "_alone"] = _alone_equals_batch(lambda s, t=tiling: (fused.router_logits(fr[s], gate, t),), 5)
 
     # Experts, grouped by expert: close to the per-pair reference, every row alone equals its batched bits (rows
     # share experts here), and more pairs than one pass of the kernel takes (GROUP_BM) on a few experts.
@@ -219,6 +218,13 @@ def kernel_checks(dev: str) -> dict:
     wo_a2 = (torch.randn(4 * 64, 2 * D2, generator=torch.Generator().manual_seed(5)) * 0.05).half().to(dev)
     res["grouped_linear_in_place"] = torch.equal(gemm.padded_grouped_linear(u2, wo_a2),
                                                  gemm.padded_grouped_linear(u2.contiguous(), wo_a2))
+    if dev == "cuda":       # the batched GEMM writes the row-major layout itself: two chunks, rows alone, the value
+        xg = rn(40, 4, 2 * D2).half()
+        yg = gemm.padded_grouped_linear(xg, wo_a2)
+        refg = torch.cat([ops.f16(ops.linear_tree(xg[:, i], wo_a2[i * 64:(i + 1) * 64])) for i in range(4)], dim=-1)
+        res["grouped_linear"] = _rel(yg, refg)
+        res["grouped_linear_alone"] = all(torch.equal(gemm.padded_grouped_linear(xg[i:i + 1], wo_a2), yg[i:i + 1])
+                                          for i in (0, 31, 32, 39))
     res["attend_wide_alone"] = all(torch.equal(
         fused.attend(q2[i:i + 1], win2[i:i + 1], valid2[i:i + 1], kv2[i:i + 1], *args2, pos2[i * B:(i + 1) * B],
                      rope.inv_freq, rd), s2[i:i + 1]) for i in range(n2))

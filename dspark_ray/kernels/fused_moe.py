@@ -219,43 +219,48 @@ def expert_out(act: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weigh
 
 
 @triton.jit
-def _router_logits_kernel(f_ptr, w_ptr, out_ptr, E, K, EB: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, block of EB experts): f16(f_row . gate_e) for each of its experts, fp32 sums over K in BK
-    chunks (one chunk when K <= BK: one round of loads). A row is one program's alone: batch invariant."""
-    r = tl.program_id(0).to(tl.int64)
-    e = tl.program_id(1) * EB + tl.arange(0, EB)
-    e_ok = e < E
+def _router_logits_kernel(f_ptr, w_ptr, out_ptr, n, E, K: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr,
+                          PDL: tl.constexpr):
+    """Program (expert, block of RB rows): f16(f_row . gate_e) for each of its rows. Lane j of a row sums the
+    products of columns j, j + BK, ... in order, then one fixed tl.sum tree over the BK lanes: a row's bits depend
+    on neither n nor the other rows (batch invariant). The K loop is unrolled, so every chunk's loads can be in
+    flight at once; the expert's row is read from HBM once for all the rows (the rows come from L2)."""
+    e = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * RB + tl.arange(0, RB)
+    r_ok = rows < n
     kk = tl.arange(0, BK)
-    w = tl.load(w_ptr + e.to(tl.int64)[:, None] * K + kk[None, :], mask=e_ok[:, None] & (kk < K)[None, :],
-                other=0.0).to(tl.float32)     # the gate's first chunk: a weight, read before the wait
+    w = tl.load(w_ptr + e * K + kk, mask=kk < K, other=0.0).to(tl.float32)   # the first chunk: read before the wait
     pdl_enter(PDL)
-    acc = tl.zeros((EB, BK), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + tl.arange(0, BK)
-        k_ok = kk < K
-        x = tl.load(f_ptr + r * K + kk, mask=k_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros((RB, BK), dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BK):
+        kc = k0 + kk
+        k_ok = kc < K
         if k0 > 0:
-            w = tl.load(w_ptr + e.to(tl.int64)[:, None] * K + kk[None, :], mask=e_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-        acc += w * x[None, :]
-    tl.store(out_ptr + r * E + e, tl.sum(acc, axis=1).to(tl.float16), mask=e_ok)
+            w = tl.load(w_ptr + e * K + kc, mask=k_ok, other=0.0).to(tl.float32)
+        x = tl.load(f_ptr + rows.to(tl.int64)[:, None] * K + kc[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += x * w[None, :]              # fp16 x fp16 products are exact in fp32
+    tl.store(out_ptr + rows.to(tl.int64) * E + e, tl.sum(acc, axis=1).to(tl.float16), mask=r_ok)
 
 
-ROUTER_EB = 2            # experts per program: E / 2 programs a row, each one round of loads at h = 5120
-ROUTER_BK = 8192
+# (rows per program, K chunk, warps): a fixed choice (no autotune: it would change the bits per process). The
+# fastest of `bench/router_overlap.py --tilings` on the H200 at the full preset's shapes.
+ROUTER_TILING = (8, 1024, 4)
 
 
-def router_logits(f: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """fp16 (n, E) = f16(f @ gate.T): the router's GEMM as a GEMV spread over (row, expert block) programs. The
-    padded cuBLAS GEMM ran 5 us plus a 2 us split-K reduce at the full size (E = 128: too few outputs to fill the
-    card without splitting K)."""
+def router_logits(f: torch.Tensor, gate: torch.Tensor, tiling: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """fp16 (n, E) = f16(f @ gate.T): the router's GEMM as a GEMV over (expert, row block) programs. (The padded
+    cuBLAS GEMM ran 5 us plus a 2 us split-K reduce at the full size: E = 128 outputs are too few to fill the card
+    without splitting K. A program per (row, 2 experts) with all of K in one tile held one program per SM and read
+    the gate once per row.)"""
     n, k = f.shape
     E = gate.shape[0]
+    rb, bk, warps = tiling or ROUTER_TILING
     out = torch.empty((n, E), dtype=F16, device=f.device)
     if n:
-        _router_logits_kernel[(n, triton.cdiv(E, ROUTER_EB))](
-            f.contiguous(), gate, out, E, k, EB=ROUTER_EB, BK=min(ROUTER_BK, triton.next_power_of_2(k)),
-            num_warps=8, **launch_opts(out))
+        _router_logits_kernel[(E, triton.cdiv(n, rb))](
+            f.contiguous(), gate, out, n, E, K=k, RB=rb, BK=min(bk, triton.next_power_of_2(k)), num_warps=warps,
+            **launch_opts(out))
     return out
 
 
@@ -295,12 +300,17 @@ def _route_kernel(lg_ptr, bsel_ptr, experts_ptr, weights_ptr, E, scaling,
         tl.store(weights_ptr + r * TOPK + t, tl.math.div_rn(c * scaling, den + 1e-20).to(tl.float16))
 
 
-def route(lg: torch.Tensor, bsel: torch.Tensor, top_k: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+# Warps of the top-k program. Its reductions are maxes, mins and one-hot sums, so any count gives the same bits.
+ROUTE_WARPS = 4
+
+
+def route(lg: torch.Tensor, bsel: torch.Tensor, top_k: int, scaling: float,
+          warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """lg (n, E) fp16 router logits -> (experts (n, k) int64 in selection order, weights (n, k) fp16)."""
     n, E = lg.shape
     experts = torch.empty((n, top_k), dtype=torch.int64, device=lg.device)
     weights = torch.empty((n, top_k), dtype=F16, device=lg.device)
     if n:
         _route_kernel[(n,)](lg.contiguous(), bsel, experts, weights, E, float(scaling), TOPK=top_k,
-                            EP=triton.next_power_of_2(E), num_warps=4, **launch_opts(lg))
+                            EP=triton.next_power_of_2(E), num_warps=warps or ROUTE_WARPS, **launch_opts(lg))
     return experts, weights
