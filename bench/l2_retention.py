@@ -9,7 +9,8 @@ rate every time (`gpu/markov_step_h200.json`).
 
 This times the batch-invariant GEMM (`gemm.padded_linear_f16`: 5 rows padded to 32, fp16 out) of a (N, 5120)
 weight of each size, behind a 256 MB L2 flush ("cold"), and behind the flush and one read of the weight
-("read ahead": a sum over it, on the same stream), p50 of `--reps` each. A ratio well under 1 at a shard's size
+("read ahead": a sum over it, on the same stream), p50 of `--reps` each. Each case is queued behind a GPU sleep,
+so the events time the GEMM and not the host's launch of it. A ratio well under 1 at a shard's size
 means the read-ahead would pay.
 
     python bench/l2_retention.py [--reps 200] [--out bench/results/gpu/l2_retention_h200.json]
@@ -30,6 +31,7 @@ from bench.tcp_roundtrip import emit  # noqa: E402
 
 K, ROWS = 5120, 5
 SIZES_MB = (8, 12, 16, 20, 24, 32, 40, 48, 64)
+HOLD_CYCLES = 1_000_000      # ~0.5 ms: longer than the host takes to queue a case (its first run timed the launches)
 
 
 def main(argv=None) -> int:
@@ -52,6 +54,7 @@ def main(argv=None) -> int:
         times = {"cold": [], "read_ahead": []}
         for i in range(args.reps + 10):
             for case in times:
+                torch.cuda._sleep(HOLD_CYCLES)     # the GPU waits while the host queues the rest: no launch gap
                 flush.fill_(i & 0xFF)
                 if case == "read_ahead":
                     w.sum(dtype=torch.float32)

@@ -123,7 +123,7 @@ def kernel_checks(dev: str) -> dict:
     res["route_exact"] = torch.equal(r0, r1) and torch.equal(w0, w1)
     res["route_alone"] = _alone_equals_batch(lambda s: fused.route(lg[s], router.bsel, 3, router.scaling_f), 9)
     res["route_warps"] = all(all(map(torch.equal, fused.route(lg, router.bsel, 3, router.scaling_f, w), (r1, w1)))
-                             for w in (1, 2, 8))
+                             for w in (2, 4, 8))
     # The router's GEMV: close to the reference GEMM; one row alone gives its bits, in the default tiling and in
     # ones with several row blocks, a K wider than one chunk (a part-filled last chunk) and an odd expert count.
     fr, gate = rn(5, 300).half(), rn(E + 1, 300, s=0.06).half()

@@ -243,9 +243,10 @@ def _router_logits_kernel(f_ptr, w_ptr, out_ptr, n, E, K: tl.constexpr, RB: tl.c
     tl.store(out_ptr + rows.to(tl.int64) * E + e, tl.sum(acc, axis=1).to(tl.float16), mask=r_ok)
 
 
-# (rows per program, K chunk, warps): a fixed choice (no autotune: it would change the bits per process). The
-# fastest of `bench/router_overlap.py --tilings` on the H200 at the full preset's shapes.
-ROUTER_TILING = (8, 1024, 4)
+# (rows per program, K chunk, warps): a fixed choice (no autotune: it would change the bits per process). From
+# `bench/router_overlap.py --tilings` on the H200 (PDL graphs, us a call at 5 / 20 rows): (4, 1024, 4) 2.71 / 4.30,
+# (1, 1024, 4) 2.45 / 5.19, (8, 1024, 4) 2.96 / 5.04, (16, 512, 4) 6.49 / 8.20.
+ROUTER_TILING = (4, 1024, 4)
 
 
 def router_logits(f: torch.Tensor, gate: torch.Tensor, tiling: tuple[int, int, int] | None = None) -> torch.Tensor:
@@ -301,7 +302,8 @@ def _route_kernel(lg_ptr, bsel_ptr, experts_ptr, weights_ptr, E, scaling,
 
 
 # Warps of the top-k program. Its reductions are maxes, mins and one-hot sums, so any count gives the same bits.
-ROUTE_WARPS = 4
+# One warp's reductions are shuffles only: 2.87 us a call at 5 rows on the H200 against 3.06 with four.
+ROUTE_WARPS = 1
 
 
 def route(lg: torch.Tensor, bsel: torch.Tensor, top_k: int, scaling: float,
