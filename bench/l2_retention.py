@@ -10,7 +10,10 @@ rate every time (`gpu/markov_step_h200.json`).
 This times the batch-invariant GEMM (`gemm.padded_linear_f16`: 5 rows padded to 32, fp16 out) of a (N, 5120)
 weight of each size, behind a 256 MB L2 flush ("cold"), and behind the flush and one read of the weight
 ("read ahead": a sum over it, on the same stream), p50 of `--reps` each. Each case is queued behind a GPU sleep,
-so the events time the GEMM and not the host's launch of it. A ratio well under 1 at a shard's size
+so the events time the GEMM and not the host's launch of it. The chain cases put ~25 us of GPU sleep (a stand-in
+for a block's latency-bound chain) before the GEMM: "chain" alone, "chain_prefetch" with `kernels/l2_prefetch.py`
+reading the weight into L2 on a side stream beside it (one prefetch per 32-byte sector; "chain_prefetch128": per
+128-byte line). A ratio well under 1 at a shard's size
 means the read-ahead would pay.
 
     python bench/l2_retention.py [--reps 200] [--out bench/results/gpu/l2_retention_h200.json]
@@ -32,6 +35,8 @@ from bench.tcp_roundtrip import emit  # noqa: E402
 K, ROWS = 5120, 5
 SIZES_MB = (8, 12, 16, 20, 24, 32, 40, 48, 64)
 HOLD_CYCLES = 1_000_000      # ~0.5 ms: longer than the host takes to queue a case (its first run timed the launches)
+CHAIN_CYCLES = 50_000        # ~25 us of "latency-bound chain" (a sleep) before the GEMM in the chain cases
+CASES = ("cold", "read_ahead", "chain", "chain_prefetch", "chain_prefetch128")
 
 
 def main(argv=None) -> int:
@@ -39,7 +44,7 @@ def main(argv=None) -> int:
     if started is None:
         return 2
     args, dev, g = started
-    from dspark_ray.kernels import gemm
+    from dspark_ray.kernels import gemm, l2_prefetch
     flush = torch.empty(kernel_bench.FLUSH_BYTES, dtype=torch.uint8, device=dev)
     x = gemm.rows_empty(ROWS, K, torch.float16, dev)
     x.copy_(torch.randn((ROWS, K), generator=g, device=dev, dtype=torch.float16))
@@ -48,10 +53,11 @@ def main(argv=None) -> int:
                                                "flush_mib": kernel_bench.FLUSH_BYTES >> 20,
                                                "l2_bytes": torch.cuda.get_device_properties(dev).L2_cache_size},
                               sizes={})
+    side = torch.cuda.Stream()
     for mb in SIZES_MB:
         n = (mb << 20) // (2 * K) // 128 * 128
         w = torch.randn((n, K), generator=g, device=dev, dtype=torch.float16) * 0.02
-        times = {"cold": [], "read_ahead": []}
+        times = {c: [] for c in CASES}
         for i in range(args.reps + 10):
             for case in times:
                 torch.cuda._sleep(HOLD_CYCLES)     # the GPU waits while the host queues the rest: no launch gap
@@ -59,17 +65,27 @@ def main(argv=None) -> int:
                 if case == "read_ahead":
                     w.sum(dtype=torch.float32)
                 ev[0].record()
+                if case.startswith("chain_prefetch"):       # the prefetch beside a latency-bound chain
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        l2_prefetch.prefetch(w, stride=32 if case == "chain_prefetch" else 128, force=True)
+                if case.startswith("chain"):
+                    torch.cuda._sleep(CHAIN_CYCLES)
                 gemm.padded_linear_f16(x, w)
                 ev[1].record()
                 ev[1].synchronize()
+                torch.cuda.current_stream().wait_stream(side)
                 if i >= 10:
                     times[case].append(ev[0].elapsed_time(ev[1]) * 1e3)
-        cold, ahead = statistics.median(times["cold"]), statistics.median(times["read_ahead"])
-        res["sizes"][f"{mb} MB"] = {"rows": n, "bytes": n * K * 2, "cold_us": round(cold, 1),
-                                    "read_ahead_us": round(ahead, 1), "ratio": round(ahead / cold, 3),
-                                    "cold_tb_s": round(n * K * 2 / cold / 1e6, 2)}
-        print(f"l2_retention: {mb} MB: cold {cold:.1f} us, read ahead {ahead:.1f} us ({ahead / cold:.2f})",
-              file=sys.stderr, flush=True)
+        med = {c: statistics.median(t) for c, t in times.items()}
+        row = {"rows": n, "bytes": n * K * 2, **{f"{c}_us": round(v, 1) for c, v in med.items()},
+               "ratio": round(med["read_ahead"] / med["cold"], 3),
+               "prefetch_saves_us": round(med["chain"] - med["chain_prefetch"], 1),
+               "cold_tb_s": round(n * K * 2 / med["cold"] / 1e6, 2)}
+        res["sizes"][f"{mb} MB"] = row
+        print(f"l2_retention: {mb} MB: " + ", ".join(f"{c} {v:.1f} us" for c, v in med.items())
+              + f"; read ahead / cold {row['ratio']:.2f}; the prefetch beside the chain saves "
+              f"{row['prefetch_saves_us']:.1f} us", file=sys.stderr, flush=True)
         del w
     emit(res, args.out, indent=1)
     return 0
