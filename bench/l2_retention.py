@@ -11,9 +11,15 @@ This times the batch-invariant GEMM (`gemm.padded_linear_f16`: 5 rows padded to 
 weight of each size, behind a 256 MB L2 flush ("cold"), and behind the flush and one read of the weight
 ("read ahead": a sum over it, on the same stream), p50 of `--reps` each. Each case is queued behind a GPU sleep,
 so the events time the GEMM and not the host's launch of it. The chain cases put ~25 us of GPU sleep (a stand-in
-for a block's latency-bound chain) before the GEMM: "chain" alone, "chain_prefetch" with `kernels/l2_prefetch.py`
-reading the weight into L2 on a side stream beside it (one prefetch per 32-byte sector; "chain_prefetch128": per
-128-byte line). A ratio well under 1 at a shard's size
+for a block's latency-bound chain) before the GEMM: "chain" alone, "chain_prefetch" with `prefetch` below reading
+the weight into L2 on a side stream beside it (one prefetch per 32-byte sector; "chain_prefetch128": per 128-byte
+line).
+
+What it found on the H200 (`bench/results/gpu/l2_retention_h200.json`): a whole read ahead leaves a 32-64 MB
+weight's GEMM 0.81-0.84x as long, but prefetch instructions beside the chain save only 0.3-4 us (1.4 us at 32 MB),
+and as a hint in the draft step (a pair rank's wq_b, wo_a, the shared expert's w1 | w3) they made the step slower:
+the GPU's part 803 / 802 -> 817 / 817 us on a pair rank, and 1250 -> 1300 us on one card, whose shared w1 | w3 sat
+at the fit line (tried at a5003b6, removed). A ratio well under 1 at a shard's size
 means the read-ahead would pay.
 
     python bench/l2_retention.py [--reps 200] [--out bench/results/gpu/l2_retention_h200.json]
@@ -25,6 +31,8 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -39,12 +47,31 @@ CHAIN_CYCLES = 50_000        # ~25 us of "latency-bound chain" (a sleep) before 
 CASES = ("cold", "read_ahead", "chain", "chain_prefetch", "chain_prefetch128")
 
 
+@triton.jit
+def _prefetch_kernel(base_ptr, n, STRIDE_BYTES: tl.constexpr, BLOCK: tl.constexpr):
+    """Program p prefetches (into L2, evict-last) the addresses base + STRIDE_BYTES * i of its BLOCK-wide steps."""
+    p = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK
+    for start in range(p * BLOCK, n, step):
+        i = start + tl.arange(0, BLOCK)
+        addr = base_ptr + tl.where(i < n, i, 0).to(tl.int64) * STRIDE_BYTES    # past the end: the first again
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
+                                  [addr.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def prefetch(w: torch.Tensor, stride: int, programs: int = 16) -> None:
+    """Queue prefetches of every `stride` bytes of w (contiguous) from a few programs: they hold no registers for
+    the data and the kernel ends once they are issued."""
+    n = -(-w.numel() * w.element_size() // stride)
+    _prefetch_kernel[(programs,)](w.view(-1).view(torch.uint8), n, STRIDE_BYTES=stride, BLOCK=1024, num_warps=4)
+
+
 def main(argv=None) -> int:
     started = kernel_bench.start("l2_retention", __doc__, 200, argv, matmul="fast")
     if started is None:
         return 2
     args, dev, g = started
-    from dspark_ray.kernels import gemm, l2_prefetch
+    from dspark_ray.kernels import gemm
     flush = torch.empty(kernel_bench.FLUSH_BYTES, dtype=torch.uint8, device=dev)
     x = gemm.rows_empty(ROWS, K, torch.float16, dev)
     x.copy_(torch.randn((ROWS, K), generator=g, device=dev, dtype=torch.float16))
@@ -68,7 +95,7 @@ def main(argv=None) -> int:
                 if case.startswith("chain_prefetch"):       # the prefetch beside a latency-bound chain
                     side.wait_stream(torch.cuda.current_stream())
                     with torch.cuda.stream(side):
-                        l2_prefetch.prefetch(w, stride=32 if case == "chain_prefetch" else 128, force=True)
+                        prefetch(w, stride=32 if case == "chain_prefetch" else 128)
                 if case.startswith("chain"):
                     torch.cuda._sleep(CHAIN_CYCLES)
                 gemm.padded_linear_f16(x, w)

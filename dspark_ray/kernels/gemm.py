@@ -222,11 +222,10 @@ def use_matmul(mode: str) -> str:
     elif mode == "fast":
         pin_determinism()
         from . import fused             # imports triton: only the fast path needs it
-        from .l2_prefetch import prefetch
         from .streams import branch
         ops.set_matmul(padded_linear, indexed_linear, mode="fast",
                        fused_table={**fused.TABLE, "linear_grouped": padded_grouped_linear,
-                                    "linear_f16": padded_linear_f16, "branch": branch, "l2_prefetch": prefetch})
+                                    "linear_f16": padded_linear_f16, "branch": branch})
     else:
         raise ValueError(f"matmul mode must be exact, fast or auto, not {mode!r}")
     return mode

@@ -75,13 +75,9 @@ class Attention:
         H, D = self.n_heads, self.D
         n = a.shape[0]
         bsz = n // block
-        # Hints (no value changes): wq_b read into L2 beside the wq_a | wkv GEMM and the norms, wo_a beside the
-        # attention after wq_b's GEMM, where they fit (a pair rank's shards do; one card's do not).
-        ahead = [ops.branch(ops.prefetch, self.wq_b)]
         qkv = linear(a, self.wqkv_a)
         kv = ops.branch(self._kv, qkv[:, self.q_rank:], pos)           # the kv row beside the q path
         q = linear(rms_norm(qkv[:, :self.q_rank], self.q_norm, self.eps), self.wq_b).reshape(n, H, D)
-        ahead.append(ops.branch(ops.prefetch, self.wo_a_all))
         q = self._norm_rope(q, None, pos).reshape(bsz, block, H, D)
         kv = kv.join().reshape(bsz, block, D)
         fused_attend = ops.fused("attend")
@@ -100,8 +96,6 @@ class Attention:
             z = grouped(u, self.wo_a_all)
         else:
             z = torch.cat([linear(u[:, g], self.wo_a[g]) for g in range(self.n_groups)], dim=-1)
-        for b in ahead:
-            b.join()
         return linear(z, self.wo_b, out_dtype=F32)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor,

@@ -74,8 +74,6 @@ class _Block:
             y = coll.all_reduce(parts)
         with stage("dspark.mhc_norm"):
             x = HcSite.expand(x, y, post, comb)
-            # A hint (no value changes): the shared expert's w1 | w3 read into L2 beside the mHC site, where it fits
-            ahead = [ops.branch(ops.prefetch, ex.shared_w13) for ex in self.experts]
             f, post, comb = self.hc_ffn.collapse_norm(x, self.ffn_norm)
         with stage("dspark.routing"):
             # The shared expert needs no routing: a branch beside the router (H200, one card: beside the routed
@@ -84,8 +82,6 @@ class _Block:
             experts, weights = self.router(f)
         with stage("dspark.experts"):
             parts = [ex.routed(f, experts, weights, s) for ex, s in zip(self.experts, shared)]
-            for b in ahead:
-                b.join()
         with stage("dspark.all_reduce"):
             y = coll.all_reduce(parts)
         with stage("dspark.mhc_norm"):

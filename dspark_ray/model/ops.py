@@ -166,14 +166,6 @@ def branch(fn: Callable, *args):
     return k(fn, *args) if k is not None else Ready(fn(*args))
 
 
-def prefetch(w: torch.Tensor) -> None:
-    """A hint that w is read soon: the fast path reads it into the card's L2 when it fits (`kernels/l2_prefetch.py`;
-    run it as a branch, beside the chain before the read). It writes nothing, so no value changes either way."""
-    k = _fused.get("l2_prefetch")
-    if k is not None:
-        k(w)
-
-
 def graph_launches():
     """The context the graph set warms up and captures in: there the fast path launches its kernels with
     programmatic dependent launch (`kernels/fused_ops.pdl_launches`), so the graphs hold programmatic edges; the
