@@ -55,6 +55,13 @@ def entry(kind, name, m, n, k, wbytes, ours, base, extra=None):
     return e
 
 
+def add(rows: list, e: dict, label: str, base_name: str, extra: str = "") -> None:
+    """Keep an entry and say it in one line."""
+    rows.append(e)
+    print(f"{label}  fast {e['fast']['p50_us']:8.1f} us ({e['fast_tbs']:.2f} TB/s)  {base_name} "
+          f"{e['baseline']['p50_us']:8.1f} us  ratio {e['ratio_p50']:.2f}{extra}", file=sys.stderr, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="5,10,15,20", help="draft row counts M (comma separated)")
@@ -87,12 +94,9 @@ def main():
                                   args.calls, args.replays)
                 full = gemm.padded_linear(x, ws[0])
                 inv = bool(torch.equal(gemm.padded_linear(x[:1], ws[0]), full[:1]))
-                rows.append(entry("dense", name, m, n, k, wbytes, ours, base,
-                                  {"weight_copies": copies, "row0_alone_equal": inv}))
-                r = rows[-1]
-                print(f"dense {name:10s} M={m:3d} N={n:6d} K={k:6d}  fast {r['fast']['p50_us']:8.1f} us "
-                      f"({r['fast_tbs']:.2f} TB/s)  cublas {r['baseline']['p50_us']:8.1f} us  "
-                      f"ratio {r['ratio_p50']:.2f}", file=sys.stderr, flush=True)
+                add(rows, entry("dense", name, m, n, k, wbytes, ours, base,
+                                {"weight_copies": copies, "row0_alone_equal": inv}),
+                    f"dense {name:10s} M={m:3d} N={n:6d} K={k:6d}", "cublas")
             del ws
             torch.cuda.empty_cache()
 
@@ -114,12 +118,9 @@ def main():
             ours = graph_time([lambda w=w: gemm.padded_grouped_linear(x, w) for w in ws], args.calls, args.replays)
             base = graph_time([lambda w=w: group_major(x, w) for w in ws], args.calls, args.replays)
             same = bool(torch.equal(gemm.padded_grouped_linear(x, ws[0]), group_major(x, ws[0])))
-            rows.append(entry("grouped", "wo_a", m, g_ * r_, k, wbytes, ours, base,
-                              {"groups": g_, "weight_copies": copies, "same_bits_as_baseline": same}))
-            r = rows[-1]
-            print(f"grouped wo_a M={m:3d}  fast {r['fast']['p50_us']:8.1f} us ({r['fast_tbs']:.2f} TB/s)  "
-                  f"group-major + copy {r['baseline']['p50_us']:8.1f} us  ratio {r['ratio_p50']:.2f}  "
-                  f"same bits {same}", file=sys.stderr, flush=True)
+            add(rows, entry("grouped", "wo_a", m, g_ * r_, k, wbytes, ours, base,
+                            {"groups": g_, "weight_copies": copies, "same_bits_as_baseline": same}),
+                f"grouped wo_a M={m:3d}", "group-major + copy", f"  same bits {same}")
         del ws
         torch.cuda.empty_cache()
 
@@ -137,12 +138,9 @@ def main():
                               args.calls, args.replays)
             ref = gemm.indexed_linear_reference(x, w, idx)
             err = (gemm.indexed_linear(x, w, idx).double() - ref.double()).abs().max().item()
-            rows.append(entry("experts", "routed_w1", m, n, k, wbytes, ours, base,
-                              {"E": e_, "pairs": p, "distinct_experts": distinct, "max_abs_err_vs_fp64": err}))
-            r = rows[-1]
-            print(f"experts P={p:3d} distinct={distinct:3d}  fast {r['fast']['p50_us']:8.1f} us "
-                  f"({r['fast_tbs']:.2f} TB/s)  gather+bmm {r['baseline']['p50_us']:8.1f} us  "
-                  f"ratio {r['ratio_p50']:.2f}", file=sys.stderr, flush=True)
+            add(rows, entry("experts", "routed_w1", m, n, k, wbytes, ours, base,
+                            {"E": e_, "pairs": p, "distinct_experts": distinct, "max_abs_err_vs_fp64": err}),
+                f"experts P={p:3d} distinct={distinct:3d}", "gather+bmm")
 
     result = {"bench": "gemm", "device": torch.cuda.get_device_name(), "commit": _commit(),
               "torch": torch.__version__, "calls_per_graph": args.calls, "replays": args.replays,
