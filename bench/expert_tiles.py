@@ -14,7 +14,6 @@ byte rate, and narrower tiles (more programs per expert) ran slower (bench/resul
 from __future__ import annotations
 
 import functools
-import statistics
 import sys
 from pathlib import Path
 
@@ -90,9 +89,8 @@ def main(argv=None) -> int:
                                     ref.view(torch.int16) if gated else ref.view(torch.int32)))
             # SETS launches in one graph, one per routing set: no host launch cost timed
             calls = [functools.partial(launch, kern, x, w1, w3, idx, out, gated, n, k, st, x_div) for idx in sets]
-            ts = sorted(kernel_bench.graph_time(calls, SETS, args.reps))
-            rows.append({"setting": st, "same_bits": same, "p50_us": round(statistics.median(ts), 2),
-                         "p99_us": round(ts[int(0.99 * (len(ts) - 1))], 2), "min_us": round(ts[0], 2)})
+            rows.append({"setting": st, "same_bits": same,
+                         **kernel_bench.stats(kernel_bench.graph_time(calls, SETS, args.reps))})
             print(f"[expert_tiles] {name} {st}: {rows[-1]['p50_us']} us same_bits={same}", file=sys.stderr,
                   flush=True)
         ok = [r for r in rows if "p50_us" in r]

@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from bench.kernel_bench import graph_time  # noqa: E402
+from bench.kernel_bench import graph_time, stats  # noqa: E402
 from bench.tcp_roundtrip import _commit  # noqa: E402
 
 # (name, N, K) of the dense GEMMs one rank runs (tp2 halves where the layer is split; wq_a | wkv and the shared
@@ -37,12 +36,6 @@ GROUPED = (4, 1024, 4096)            # a pair rank's wo_a: G = 4 of the 8 o_grou
 EXPERTS = (128, 1152, 5120)          # E, N, K: one rank's half of a routed expert's w1 / w3
 TOP_K = 3
 COLD_BYTES = 256 << 20
-
-
-def stats(ts):
-    ts = sorted(ts)
-    return {"p50_us": round(statistics.median(ts), 2), "p99_us": round(ts[min(len(ts) - 1, int(0.99 * len(ts)))], 2),
-            "min_us": round(ts[0], 2)}
 
 
 def entry(kind, name, m, n, k, wbytes, ours, base, extra=None):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 
 import torch
@@ -32,6 +33,13 @@ def start(name: str, doc: str, reps: int, argv=None, extra=None, matmul: str | N
         gemm.use_matmul(matmul)
     dev = torch.device("cuda")
     return args, dev, torch.Generator(device=dev).manual_seed(0)
+
+
+def stats(ts) -> dict:
+    """p50 / p99 / min (us) of per-call times in us."""
+    ts = sorted(ts)
+    return {"p50_us": round(statistics.median(ts), 2), "p99_us": round(ts[min(len(ts) - 1, int(0.99 * len(ts)))], 2),
+            "min_us": round(ts[0], 2)}
 
 
 def header(name: str, config: dict, **sections) -> dict:

@@ -21,7 +21,6 @@ graph set), us per call (p50 over `--reps` replays); `fused_moe.ROUTER_TILING` /
 """
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -43,7 +42,6 @@ TILINGS = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (8, 1024, 8),
 
 def tilings(args, dev, g) -> dict:
     """The router's logits per tiling and its top-k per warp count, in PDL graphs (see the module doc)."""
-    from bench.gemm import stats
     from dspark_ray.kernels.fused_moe import route, router_logits
     gate = torch.randn((E, H), generator=g, device=dev, dtype=torch.float16) * 0.02
     bsel = torch.randn(E, generator=g, device=dev) * 0.1
@@ -53,10 +51,10 @@ def tilings(args, dev, g) -> dict:
         lg = router_logits(f, gate, TILINGS[0])
         for t in TILINGS:
             ts = kernel_bench.graph_time([lambda t=t: router_logits(f, gate, t)], 20, args.reps, pdl=True)
-            res[f"logits_rows{rows}_{'x'.join(map(str, t))}"] = stats(ts)
+            res[f"logits_rows{rows}_{'x'.join(map(str, t))}"] = kernel_bench.stats(ts)
         for w in (1, 2, 4, 8):
             ts = kernel_bench.graph_time([lambda w=w: route(lg, bsel, 3, 1.5, w)], 20, args.reps, pdl=True)
-            res[f"route_rows{rows}_warps{w}"] = stats(ts)
+            res[f"route_rows{rows}_warps{w}"] = kernel_bench.stats(ts)
     for k, v in res.items():
         print(f"[router_overlap] {k}: {v}", file=sys.stderr, flush=True)
     return res
@@ -115,9 +113,7 @@ def main(argv=None) -> int:
             row = {}
             for name, on, ts in (("router_end", run_router, ta), ("gemm_end", run_shared, tb)):
                 if on:
-                    ts.sort()
-                    row[name] = {"p50_us": round(statistics.median(ts), 2),
-                                 "p99_us": round(ts[int(0.99 * (len(ts) - 1))], 2), "min_us": round(ts[0], 2)}
+                    row[name] = kernel_bench.stats(ts)
             res["cases"][f"{shape}_{case}"] = row
             print(f"[router_overlap] {shape} {case}: {row}", file=sys.stderr, flush=True)
     emit(res, args.out, indent=1)

@@ -10,7 +10,6 @@ spins on each other vCPU in turn; the ratio is the slowdown. The step path's thr
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
