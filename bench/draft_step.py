@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -192,7 +193,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
             gs.run([(st, 0, taps)], [], [], 1, False)
         res["insert"][str(rows)] = stats(timed(insert, args.replays // 3))
     top = states[0].position
-    for rows in STEP_ROWS:               # a STEP's engine work: one upload, the insert replay, the draft replay, one D2H
+    for rows in STEP_ROWS:               # a STEP's engine work: the step graph (insert beside the draft), or both apart
         taps = workload.make_taps(cfg, rows, torch.Generator().manual_seed(rows))
 
         def step():
@@ -395,8 +396,10 @@ def markdown(out: dict) -> str:
     for title, key, row_counts in (
             ("Context insert alone (the taps' upload + the insert replay, rows scattered into the slot pool), p50 ms:",
              "insert", INSERT_ROWS),
-            ("A STEP's engine work at 1 request, n_out 5 (`GraphSet.run`: one upload, the insert replay, the draft "
-             "replay, one download), p50 ms:", "step", STEP_ROWS)):
+            ("A STEP's engine work at 1 request, n_out 5 (`GraphSet.run`: " + (
+                "the rows inserted beside the draft in one step graph replay, its upload and download" if
+                out.get("step_graphs") else "one upload, the insert replay, the draft replay, one download") +
+             "), p50 ms:", "step", STEP_ROWS)):
         lines += ["", title, "", "| rows | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
         for rows in row_counts:
             vals = [str((out[m]["rank0"] if m == "pair" else out[m])[key][str(rows)]["p50_ms"]) for m in modes]
@@ -462,7 +465,8 @@ def main(argv=None) -> int:
     out = {"bench": "draft_step", "preset": args.preset, "device": torch.cuda.get_device_name(0),
            "cards": torch.cuda.device_count(), "commit": _commit(), "replays": args.replays,
            "command": "python bench/draft_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "torch": torch.__version__, "start": args.start, "pdl": pdl_capable()}
+           "torch": torch.__version__, "start": args.start, "pdl": pdl_capable(),
+           "step_graphs": os.environ.get("DSPARK_STEP_GRAPHS", "1") != "0"}
     from dspark_ray.weights.loader import Checkpoint
     cfg = Checkpoint(args.ckpt).config
     half = cfg.qk_rope_head_dim // 2

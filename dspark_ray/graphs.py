@@ -17,6 +17,13 @@ drafts, confidences, margins and confident lengths into one fp64 tensor that com
 (int64 ids and fp32 scores are exact in fp64). Between the two replays the host stages the draft's inputs, while the
 GPU runs the inserts (the draft graph uploads them itself).
 
+A decode round's STEP brings both: each request's seed and accepted drafts to insert, then its draft. For each draft
+key a step graph runs both in one replay: the insert of up to 8 rows per request (STEP_INSERT_ROWS), and the gather
+of the windows that reads what it writes, on a branch beside the draft's first kernels, joined by each block's
+attention (`ops.joined`). The insert's GEMMs (main_proj: 157 MB on the full preset) then read their weights while
+the draft's latency-bound kernels leave the memory idle, and the step is staged and launched once. Rows past that
+(a prefill) go through the insert graphs first.
+
 The copies are part of the graphs themselves: each graph starts with the upload of the bytes it reads and the
 draft graph ends with the download of its packed outputs and of the collectives' control words (the fail-closed
 check reads them there: `Collectives.status_region`). A step on the host is then: write the pinned buffer, launch,
@@ -55,6 +62,9 @@ from .model.state import SlotState
 from .stamps import now
 
 INSERT_BUCKETS = (8, 16, 32, 64, 128)
+# A step graph runs an insert of up to this many rows per request beside the draft (a decode round brings a request's
+# seed and accepted drafts: at most block_size + 1 rows). `DSPARK_STEP_GRAPHS=0` leaves them out (an A/B).
+STEP_INSERT_ROWS = 8
 
 
 def _raw_memcpy() -> Callable[[int, int, int], None] | None:
@@ -245,15 +255,27 @@ class GraphSet:
         self.last_stamps: dict[str, int] = {}
         self.draft_graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.insert_graphs: dict[int, _Graph] = {}
+        # The step graphs: a draft key's draft with an insert of up to step_rows[requests] rows beside it.
+        on = os.environ.get("DSPARK_STEP_GRAPHS", "1") != "0"
+        self.step_rows = {b: min(STEP_INSERT_ROWS * b, self.T) for b in range(1, max_requests + 1)} if on else {}
+        self.step_graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.mempool = None
         self.capture_seconds = 0.0
         self.graph_bytes = 0
 
     # -- what the graphs run -------------------------------------------------------------------------------------
-    def _draft_fn(self, bsz: int, n_out: int, margins: bool) -> torch.Tensor:
-        """Gather the windows from the pool, draft, pack the outputs: (bsz, n_out * (2 or 3) + 1) fp64."""
+    def _draft_fn(self, bsz: int, n_out: int, margins: bool, insert_rows: int = 0) -> torch.Tensor:
+        """Gather the windows from the pool, draft, pack the outputs: (bsz, n_out * (2 or 3) + 1) fp64. With
+        `insert_rows`, a step graph's: first the insert of that many staged rows, on a branch beside the draft's
+        first kernels together with the gather that reads what it writes; each block's attention joins it there
+        (the insert's GEMMs read their weights while the draft's latency-bound kernels leave the memory idle)."""
         v = self.inp.dev_view
-        windows, valid = self._windows(bsz)
+        if insert_rows:
+            inserted = ops.branch(self._insert_then_gather, self.pool, insert_rows, bsz)
+            windows = [ops.Part(inserted, n) for n in range(self.n_blocks)]
+            valid = self._valid(bsz)
+        else:
+            windows, valid = self._windows(bsz)
         out = self.d.forward(v("seeds")[:bsz], v("p0")[:bsz], windows, valid, n_out, margins)
         pack = ops.fused("pack_outputs")
         if pack is not None:
@@ -266,7 +288,14 @@ class GraphSet:
         `Drafter.window_inputs` gives for the same slots."""
         v, W, NB = self.inp.dev_view, self.W, self.n_blocks
         rows = self.pool.view(-1, self.pool.shape[-1]).index_select(0, v("win_rows")[:NB * bsz * W])
-        return list(rows.view(NB, bsz, W, -1).unbind(0)), v("valid")[:bsz * W].view(bsz, W)
+        return list(rows.view(NB, bsz, W, -1).unbind(0)), self._valid(bsz)
+
+    def _valid(self, bsz: int) -> torch.Tensor:
+        return self.inp.dev_view("valid")[:bsz * self.W].view(bsz, self.W)
+
+    def _insert_then_gather(self, pool: torch.Tensor, rows: int, bsz: int) -> list[torch.Tensor]:
+        self._insert_fn(rows)
+        return self._windows(bsz)[0]
 
     def _insert_fn(self, rows: int) -> None:
         """The main-kv of `rows` tap rows, scattered into the pool at (slot, block, ring row)."""
@@ -285,9 +314,11 @@ class GraphSet:
         inside a capture). On a CPU, only record the functions."""
         t0 = time.monotonic()
         keys = [(b, k, m) for b in range(1, self.max_requests + 1) for k in self.n_outs for m in (False, True)]
-        total, done = len(keys) + len(self.insert_buckets), 0
         fns = [(("draft", key), lambda key=key: self._draft_fn(*key)) for key in keys]
         fns += [(("insert", rows), lambda rows=rows: self._insert_fn(rows)) for rows in self.insert_buckets]
+        fns += [(("step", key), lambda key=key: self._draft_fn(*key, self.step_rows[key[0]]))
+                for key in keys if self.step_rows]
+        total, done = len(fns), 0
         with ops.graph_launches():       # the fast path's kernels launch with PDL here (Hopper and later)
             if self.cuda:
                 torch.cuda.synchronize()
@@ -297,13 +328,13 @@ class GraphSet:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for (kind, key), fn in fns:      # every shape once: a kernel specialised by shape compiles here
-                        self._with_copies(fn, self._upload_bytes(kind, key), kind == "draft")
+                        self._with_copies(fn, self._upload_bytes(kind, key), kind != "insert")
                 torch.cuda.current_stream().wait_stream(side)
                 torch.cuda.synchronize()
             for (kind, key), fn in fns:
                 upload = self._upload_bytes(kind, key)
-                g = self._capture(fn, upload, kind == "draft") if self.cuda else _Graph(None, fn, None, 0)
-                (self.draft_graphs if kind == "draft" else self.insert_graphs)[key] = g
+                g = self._capture(fn, upload, kind != "insert") if self.cuda else _Graph(None, fn, None, 0)
+                {"draft": self.draft_graphs, "insert": self.insert_graphs, "step": self.step_graphs}[kind][key] = g
                 done += 1
                 if progress:
                     progress(done, total)
@@ -313,7 +344,9 @@ class GraphSet:
         self.capture_seconds = time.monotonic() - t0
 
     def _upload_bytes(self, kind: str, key) -> int:
-        return self.inp.draft_bytes if kind == "draft" else self.inp.insert_bytes(key)
+        if kind == "draft":
+            return self.inp.draft_bytes
+        return self.inp.insert_bytes(key if kind == "insert" else self.step_rows[key[0]])
 
     def _with_copies(self, fn, upload: int, download: bool):
         """fn between its copies: the upload of its input bytes first; a draft's packed outputs and the control
@@ -339,7 +372,7 @@ class GraphSet:
 
     @property
     def n_graphs(self) -> int:
-        return len(self.draft_graphs) + len(self.insert_graphs)
+        return len(self.draft_graphs) + len(self.insert_graphs) + len(self.step_graphs)
 
     def _replay(self, g: _Graph):
         if g.graph is None:
@@ -380,6 +413,9 @@ class GraphSet:
         chunks = list(self._chunks(inserts))
         for s, start, taps in inserts:        # the draft reads the slots as they stand after the inserts
             s.advance(start, taps.shape[0])
+        # The last chunk runs in the draft's step graph when it fits there (a decode round's rows always do).
+        fits = states and chunks and sum(len(t) for _, _, t in chunks[-1]) <= self.step_rows.get(len(states), 0)
+        beside = chunks.pop() if fits else None
         for k, chunk in enumerate(chunks):
             if k:
                 inp.writable()
@@ -391,14 +427,27 @@ class GraphSet:
             inp.mark()
         if not states:
             return None
-        # Staged while the GPU runs the inserts, off the step's critical path. The insert graphs' uploads cover the
-        # draft's region too but never read it, so what they copy of it does not matter; the draft graph uploads
-        # its own region when it starts, behind the inserts in stream order, after these writes.
-        self._stage_draft(states, seeds)
-        stamps["draft_staged"] = now()
-        self._upload(inp.draft_bytes)
-        stamps.setdefault("first_launch", now())
-        packed = self._replay(self.draft_graphs[(len(states), n_out, want_margins)])
+        key = (len(states), n_out, want_margins)
+        if beside is not None:          # one graph: the insert beside the draft; both staged before it starts
+            if chunks:
+                inp.writable()
+            rows = self.step_rows[len(states)]
+            self._stage_insert(beside, rows)
+            self._stage_draft(states, seeds)
+            stamps["draft_staged"] = now()
+            for k in ("first_launch", "insert_launched"):
+                stamps.setdefault(k, stamps["draft_staged"])
+            self._upload(inp.insert_bytes(rows))
+            packed = self._replay(self.step_graphs[key])
+        else:
+            # Staged while the GPU runs the inserts, off the step's critical path. The insert graphs' uploads cover
+            # the draft's region too but never read it, so what they copy of it does not matter; the draft graph
+            # uploads its own region when it starts, behind the inserts in stream order, after these writes.
+            self._stage_draft(states, seeds)
+            stamps["draft_staged"] = now()
+            self._upload(inp.draft_bytes)
+            stamps.setdefault("first_launch", now())
+            packed = self._replay(self.draft_graphs[key])
         stamps["launched"] = now()
         inp.mark()
         return self._unpack(packed, n_out, want_margins, host)
@@ -430,9 +479,10 @@ class GraphSet:
         if chunk:
             yield chunk
 
-    def _stage_insert(self, chunk) -> tuple[int, int]:
-        """Write a chunk's positions, slots, ring rows and taps into the pinned buffer, the rows of the smallest
-        bucket that holds it past them padded (they go to the scratch slot); returns (the chunk's rows, bucket)."""
+    def _stage_insert(self, chunk, bucket: int | None = None) -> tuple[int, int]:
+        """Write a chunk's positions, slots, ring rows and taps into the pinned buffer, the rows of `bucket` (by
+        default the smallest insert bucket that holds it) past them padded (they go to the scratch slot); returns
+        (the chunk's rows, bucket)."""
         pos, dst, taps = self.inp.h["ins_pos"], self._ins_dst, self._ins_taps
         at = 0
         for s, p, t in chunk:
@@ -441,7 +491,7 @@ class GraphSet:
             dst[:, at:at + n] = self._ring_rows[s.index, :, first:first + n]
             taps[at:at + n] = t
             at += n
-        bucket = self._bucket_for[at]
+        bucket = bucket or self._bucket_for[at]
         pos[at:bucket] = 0
         dst[:, at:bucket] = self._scratch_rows[:, at:bucket]
         return at, bucket

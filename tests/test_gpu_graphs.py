@@ -122,6 +122,36 @@ def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt, matmul):
         assert not gs.pool[:4].sub(torch.stack([e.kv for e in eager])).any()     # other slots untouched
 
 
+def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, matmul):
+    """Every step graph (an insert on a branch beside the draft, joined by each block's attention) writes the eager
+    insert's rows and drafts the eager bits, over rounds that wrap the slots' rings."""
+    from dspark_ray.graphs import GraphSet
+    d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda")
+    gs = GraphSet(d, n_slots=8)
+    gs.capture()
+    rows = [6, 11, 3, 20]
+    eager = _slots(d, cfg, rows, 31)
+    for r, n in enumerate(rows):
+        gs.run([(gs.slots[r], 0, workload.make_taps(cfg, n, torch.Generator().manual_seed(31 + r)))], [], [], 1, False)
+    g = torch.Generator().manual_seed(4)
+    assert len(gs.step_graphs) == 4 * cfg.block_size * 2
+    for (bsz, n_out, margins) in gs.step_graphs:
+        inserts = []
+        for r in range(bsz):
+            n = int(torch.randint(1, gs.step_rows[bsz] // bsz + 1, (1,), generator=g))
+            taps, pos = workload.make_taps(cfg, n, g), eager[r].position
+            inserts.append((gs.slots[r], pos, taps))
+            d.insert(eager[r], pos, torch.zeros(n, dtype=torch.int64), taps)
+        seeds = [int(x) for x in torch.randint(0, cfg.vocab_size, (bsz,), generator=g)]
+        got = gs.run(inserts, gs.slots[:bsz], seeds, n_out, margins)
+        want = d.draft(eager[:bsz], seeds, n_out, margins)
+        for k in ("drafts", "confidences", "confident_len") + (("margins",) if margins else ()):
+            assert torch.equal(getattr(got, k), getattr(want, k).cpu()), (bsz, n_out, margins, k)
+        for r in range(bsz):
+            assert torch.equal(gs.slots[r].kv, eager[r].kv), (bsz, n_out, margins, r)
+            assert gs.slots[r].position == eager[r].position
+
+
 def test_programmatic_dependent_launch_keeps_the_bits(cfg, ckpt, matmul):
     """Inside `ops.graph_launches()` the fast path's kernels launch with programmatic dependent launch on Hopper
     and later: a graph captured there replays the bits of one captured outside it, and of the eager step."""

@@ -19,7 +19,7 @@ N_SLOTS = 6
 def _engines(cfg, ckpt):
     eager = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS)
     graph = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
-    assert graph.graphs is not None and graph.graphs.n_graphs == 4 * cfg.block_size * 2 + 5
+    assert graph.graphs is not None and graph.graphs.n_graphs == 2 * (4 * cfg.block_size * 2) + 5       # draft, step; insert
     return eager, graph
 
 
@@ -71,6 +71,45 @@ def test_graph_engine_equals_the_eager_engine_bit_for_bit(cfg, ckpt):
     _same_step(eager, graph, [entry(s, 1 + s) for s in range(5)])
     _same_rings(eager, graph)
     assert graph.slots[5].fresh and not graph.slots[5].kv.any()       # pad rows went to the scratch slot only
+
+
+def _replays(engine) -> list[str]:
+    """The kinds of the graphs `engine` replays from now on, in order."""
+    gs, log = engine.graphs, []
+    kinds = {id(g): kind for kind, graphs in (("draft", gs.draft_graphs), ("insert", gs.insert_graphs),
+                                               ("step", gs.step_graphs)) for g in graphs.values()}
+    replay = gs._replay
+    gs._replay = lambda g: (log.append(kinds[id(g)]), replay(g))[1]
+    return log
+
+
+def test_a_decode_round_is_one_step_graph_with_the_separate_graphs_bits(cfg, ckpt, monkeypatch):
+    """A round whose rows fit the step graph (<= 8 per request) replays it alone: the insert beside the draft. More
+    rows go through the insert graphs first, their last chunk beside the draft when it fits; a draft without rows
+    runs the draft graph. Every answer and ring is the separate graphs' (DSPARK_STEP_GRAPHS=0) bit for bit."""
+    monkeypatch.setenv("DSPARK_STEP_GRAPHS", "0")
+    apart = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
+    assert not apart.graphs.step_graphs
+    monkeypatch.delenv("DSPARK_STEP_GRAPHS")
+    _, graph = _engines(cfg, ckpt)
+    log = _replays(graph)
+    for batch in workload.rounds(cfg, n_requests=4, n_rounds=8, far_start=900_000):
+        _same_step(apart, graph, batch)
+    assert log == ["step"] * 8
+    g = torch.Generator().manual_seed(5)
+
+    def entry(slot, rows):
+        return StepEntry(slot=slot, seed=3 + slot, n_out=4, start=graph.slots[slot].position,
+                         token_ids=torch.randint(0, cfg.vocab_size, (rows,), generator=g),
+                         taps=workload.make_taps(cfg, rows, g))
+    for rows, kinds in (({0: 100, 1: 30}, ["insert", "step"]),      # a 128-row chunk, then 2 rows beside the draft
+                        ({0: 40}, ["insert", "draft"]),              # 40 > 8: one insert chunk, then the draft
+                        ({0: 6, 1: 9}, ["step"]),                    # 15 <= 2 x 8
+                        ({2: 0}, ["draft"])):
+        del log[:]
+        _same_step(apart, graph, [entry(slot, n) for slot, n in rows.items()])
+        assert log == kinds, (log, kinds)
+    _same_rings(apart, graph)
 
 
 def test_a_request_drafts_the_same_in_every_batch_bucket(cfg, ckpt):

@@ -43,9 +43,11 @@ class Branch:
         self.args = args        # held to the join: the main stream must not reuse their memory while the side reads
 
     def join(self) -> Any:
-        """The branch's result, with the current stream made to wait for it."""
-        self.main.wait_stream(self.side)
-        self.args = None
+        """The branch's result, with the current stream made to wait for it (at the first join: the later ones,
+        e.g. each block reading its part of an insert's windows, find it done)."""
+        if self.args is not None:
+            self.main.wait_stream(self.side)
+            self.args = None
         return self.value
 
 

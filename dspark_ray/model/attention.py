@@ -67,7 +67,7 @@ class Attention:
         """a (bsz*B, h) fp16, rows of request r at positions pos (bsz*B,) = p0[r] + j (int64, on a's device: made
         once per step by the drafter, every block reads the same); window (bsz, W, D) fp16: the main-kv rows of
         positions p0-W .. p0-1, of which `valid` (bsz, W) marks those the slot holds (a partial window masks its
-        oldest rows). Returns this shard's fp32 partial of the wo_b output (bsz*B, h).
+        oldest rows); it may be a branch's result (`ops.joined`), joined after the q path. Returns this shard's fp32 partial of the wo_b output (bsz*B, h).
 
         Every request attends over the same fixed layout [W window rows ; B block rows] (non-causal, V = K), masked
         rows taking exactly zero probability mass: no shape depends on the data, so the step has no host sync and
@@ -80,6 +80,7 @@ class Attention:
         q = linear(rms_norm(qkv[:, :self.q_rank], self.q_norm, self.eps), self.wq_b).reshape(n, H, D)
         q = self._norm_rope(q, None, pos).reshape(bsz, block, H, D)
         kv = kv.join().reshape(bsz, block, D)
+        window = ops.joined(window)        # it may come from a branch (an insert beside the step): read from here on
         fused_attend = ops.fused("attend")
         if fused_attend is not None:       # o straight into the grouped output projection's input layout
             o = fused_attend(q, window, valid, kv, self.sink, self.scale_f, pos, self.rope.inv_freq, self.rd,

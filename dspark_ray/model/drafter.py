@@ -195,7 +195,8 @@ class Drafter:
                 n_out: int, want_margins: bool = False, debug: bool = False) -> DraftOut:
         """The draft step's math, tensors only: no shape depends on the data and nothing syncs with the host, so a
         GPU engine can capture it in a CUDA graph over static input buffers. seeds, p0 (bsz,) int64; windows: per
-        block (bsz, W, D) fp16; valid (bsz, W) bool (see `Attention.__call__`)."""
+        block (bsz, W, D) fp16, each possibly a branch's result that the block's attention joins (`ops.joined`);
+        valid (bsz, W) bool (see `Attention.__call__`)."""
         c = self.cfg
         B, bsz = c.block_size, seeds.shape[0]
         k = ops.fused("embed_streams")

@@ -158,6 +158,23 @@ class Ready:
         return self.value
 
 
+class Part:
+    """Item i of a branch's result (a sequence): the branch is joined only when the item is read (`joined`)."""
+
+    def __init__(self, whole, i: int):
+        self.whole, self.i = whole, i
+
+    def join(self):
+        return self.whole.join()[self.i]
+
+
+def joined(x):
+    """x, or when x is a branch (or a `Part` of one) its value, the caller's stream made to wait for it there: an
+    input that a branch computes is joined by the op that reads it, as late as it can be."""
+    join = getattr(x, "join", None)
+    return join() if join is not None else x
+
+
 def branch(fn: Callable, *args):
     """fn(*args) as a branch that may run beside what the caller does next; `.join()` gives its result. The fast
     path runs it on a side stream (`kernels/streams.py`); here it runs at once. Either way the same bits: a branch
