@@ -18,9 +18,9 @@ drafts, confidences, margins and confident lengths into one fp64 tensor that com
 GPU runs the inserts (the draft graph uploads them itself).
 
 A decode round's STEP brings both: each request's seed and accepted drafts to insert, then its draft. For each draft
-key a step graph runs both in one replay: the insert of up to 8 rows per request (STEP_INSERT_ROWS), and the gather
-of the windows that reads what it writes, on a branch beside the draft's first kernels, joined by each block's
-attention (`ops.joined`). The insert's GEMMs (main_proj: 157 MB on the full preset) then read their weights while
+key a step graph runs both in one replay: the insert of up to 8 rows per request (STEP_INSERT_ROWS) runs beside the
+draft on a stream of its own, block by block, each block's rows followed by the gather of its windows (which reads
+them), and each drafter block's attention joins its own part (`ops.branch_parts`, `ops.joined`). The insert's GEMMs (main_proj: 157 MB on the full preset) then read their weights while
 the draft's latency-bound kernels leave the memory idle, and the step is staged and launched once. Rows past that
 (a prefill) go through the insert graphs first.
 
@@ -266,13 +266,13 @@ class GraphSet:
     # -- what the graphs run -------------------------------------------------------------------------------------
     def _draft_fn(self, bsz: int, n_out: int, margins: bool, insert_rows: int = 0) -> torch.Tensor:
         """Gather the windows from the pool, draft, pack the outputs: (bsz, n_out * (2 or 3) + 1) fp64. With
-        `insert_rows`, a step graph's: first the insert of that many staged rows, on a branch beside the draft's
-        first kernels together with the gather that reads what it writes; each block's attention joins it there
-        (the insert's GEMMs read their weights while the draft's latency-bound kernels leave the memory idle)."""
+        `insert_rows`, a step graph's: the insert of that many staged rows runs block by block beside the draft,
+        each block's rows followed by the gather of its windows (which reads them), and each block's attention
+        joins its own part (the insert's GEMMs read their weights while the draft's latency-bound kernels leave the
+        memory idle)."""
         v = self.inp.dev_view
         if insert_rows:
-            inserted = ops.branch(self._insert_then_gather, self.pool, insert_rows, bsz)
-            windows = [ops.Part(inserted, n) for n in range(self.n_blocks)]
+            windows = ops.branch_parts(self._insert_by_block, self.pool, insert_rows, bsz)
             valid = self._valid(bsz)
         else:
             windows, valid = self._windows(bsz)
@@ -293,9 +293,16 @@ class GraphSet:
     def _valid(self, bsz: int) -> torch.Tensor:
         return self.inp.dev_view("valid")[:bsz * self.W].view(bsz, self.W)
 
-    def _insert_then_gather(self, pool: torch.Tensor, rows: int, bsz: int) -> list[torch.Tensor]:
-        self._insert_fn(rows)
-        return self._windows(bsz)[0]
+    def _insert_by_block(self, pool: torch.Tensor, rows: int, bsz: int):
+        """`_insert_fn`, then each block's windows as `_windows` gathers them, block by block (a generator)."""
+        v, W = self.inp.dev_view, self.W
+        taps = v("taps")[:rows * self.inp.width].view(rows, self.inp.width)
+        dst = v("ins_rows").view(self.n_blocks, self.T)
+        win = v("win_rows")[:self.n_blocks * bsz * W].view(self.n_blocks, bsz * W)
+        flat = pool.view(-1, pool.shape[-1])
+        for b, kv in enumerate(self.d.context_rows_by_block(taps, v("ins_pos")[:rows])):
+            flat.index_copy_(0, dst[b, :rows], kv)
+            yield flat.index_select(0, win[b]).view(bsz, W, -1)
 
     def _insert_fn(self, rows: int) -> None:
         """The main-kv of `rows` tap rows, scattered into the pool at (slot, block, ring row)."""

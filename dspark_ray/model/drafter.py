@@ -8,6 +8,7 @@ layout table's business (`model/layout.py`); replicated tensors are read from th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch.profiler import record_function as stage     # names the step's stages for bench/draft_step.py's profile
@@ -160,8 +161,13 @@ class Drafter:
     def context_rows(self, taps: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
         """The context insert's math, tensors only (capturable): taps (n, n_taps*h) fp16 at positions pos (n,) ->
         one main-kv row block (n, D) per drafter block."""
+        return list(self.context_rows_by_block(taps, pos))
+
+    def context_rows_by_block(self, taps: torch.Tensor, pos: torch.Tensor) -> Iterator[torch.Tensor]:
+        """`context_rows` one block at a time: a caller may use block n's rows before the next are computed."""
         x = rms_norm(linear(taps, self.main_proj), self.main_norm, self.cfg.rms_norm_eps)
-        return [b.attn[0].kv_rows(x, pos) for b in self.blocks]
+        for b in self.blocks:
+            yield b.attn[0].kv_rows(x, pos)
 
     # -- draft forward + head (spec 3b, 3c, 3d) --------------------------------------------------------------------
     def check_draft(self, seed: int, n_out: int) -> str | None:

@@ -158,16 +158,6 @@ class Ready:
         return self.value
 
 
-class Part:
-    """Item i of a branch's result (a sequence): the branch is joined only when the item is read (`joined`)."""
-
-    def __init__(self, whole, i: int):
-        self.whole, self.i = whole, i
-
-    def join(self):
-        return self.whole.join()[self.i]
-
-
 def joined(x):
     """x, or when x is a branch (or a `Part` of one) its value, the caller's stream made to wait for it there: an
     input that a branch computes is joined by the op that reads it, as late as it can be."""
@@ -181,6 +171,14 @@ def branch(fn: Callable, *args):
     only reads its arguments, and the caller joins before it reads the result."""
     k = _fused.get("branch")
     return k(fn, *args) if k is not None else Ready(fn(*args))
+
+
+def branch_parts(fn: Callable, *args) -> list:
+    """The values the generator fn(*args) yields, as branches that may run beside what the caller does next, each
+    joined alone (`.join()` or `joined`) by the op that reads it: a reader of the first part need not wait for the
+    work that makes the later ones. The serial form runs the generator at once."""
+    k = _fused.get("branch_parts")
+    return k(fn, *args) if k is not None else [Ready(v) for v in fn(*args)]
 
 
 def graph_launches():
