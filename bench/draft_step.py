@@ -466,7 +466,7 @@ def main(argv=None) -> int:
            "cards": torch.cuda.device_count(), "commit": _commit(), "replays": args.replays,
            "command": "python bench/draft_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "torch": torch.__version__, "start": args.start, "pdl": pdl_capable(),
-           "step_graphs": os.environ.get("DSPARK_STEP_GRAPHS", "1") != "0"}
+           "step_graphs": os.environ.get("DSPARK_STEP_GRAPHS", "0") == "1"}
     from dspark_ray.weights.loader import Checkpoint
     cfg = Checkpoint(args.ckpt).config
     half = cfg.qk_rope_head_dim // 2

@@ -226,7 +226,7 @@ def main() -> None:
                    "n_out": 5, "rounds": a.rounds, "warmup_rounds": warm, "repeats": a.repeats,
                    "pin_ab": a.pin_ab, "client_spin_us": a.client_spin_us,
                    "server_and_ring_spin_us": base.spin_us,
-                   "pinned_vcpus": pinning, "step_graphs": os.environ.get("DSPARK_STEP_GRAPHS", "1") != "0"},
+                   "pinned_vcpus": pinning, "step_graphs": os.environ.get("DSPARK_STEP_GRAPHS", "0") == "1"},
         "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or platform.machine(),
         "host_cpus": os.cpu_count(),
         "commit": _commit(),

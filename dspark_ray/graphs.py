@@ -17,12 +17,13 @@ drafts, confidences, margins and confident lengths into one fp64 tensor that com
 (int64 ids and fp32 scores are exact in fp64). Between the two replays the host stages the draft's inputs, while the
 GPU runs the inserts (the draft graph uploads them itself).
 
-A decode round's STEP brings both: each request's seed and accepted drafts to insert, then its draft. For each draft
-key a step graph runs both in one replay: the insert of up to 8 rows per request (STEP_INSERT_ROWS) runs beside the
-draft on a stream of its own, block by block, each block's rows followed by the gather of its windows (which reads
-them), and each drafter block's attention joins its own part (`ops.branch_parts`, `ops.joined`). The insert's GEMMs (main_proj: 157 MB on the full preset) then read their weights while
-the draft's latency-bound kernels leave the memory idle, and the step is staged and launched once. Rows past that
-(a prefill) go through the insert graphs first.
+A decode round's STEP brings both: each request's seed and accepted drafts to insert, then its draft. With
+`DSPARK_STEP_GRAPHS=1`, each draft key also has a step graph that runs both in one replay. The insert of up to 8 rows
+per request (STEP_INSERT_ROWS) runs beside the draft on a stream of its own, block by block, each block's rows
+followed by the gather of its windows (which reads them); each drafter block's attention joins its own part
+(`ops.branch_parts`, `ops.joined`). The insert's GEMMs (main_proj: 157 MB on the full preset) then read their
+weights while the draft's latency-bound kernels leave the memory idle, and the step is staged and launched once.
+Rows past that (a prefill) go through the insert graphs first.
 
 The copies are part of the graphs themselves: each graph starts with the upload of the bytes it reads and the
 draft graph ends with the download of its packed outputs and of the collectives' control words (the fail-closed
@@ -63,8 +64,14 @@ from .stamps import now
 
 INSERT_BUCKETS = (8, 16, 32, 64, 128)
 # A step graph runs an insert of up to this many rows per request beside the draft (a decode round brings a request's
-# seed and accepted drafts: at most block_size + 1 rows). `DSPARK_STEP_GRAPHS=0` leaves them out (an A/B).
+# seed and accepted drafts: at most block_size + 1 rows).
 STEP_INSERT_ROWS = 8
+
+
+def step_graphs_enabled() -> bool:
+    """Whether graph sets capture step graphs: opt-in (`DSPARK_STEP_GRAPHS=1`) until the supervision suite has
+    passed with them on the GPU pair (notes/engine.md, thirteenth session)."""
+    return os.environ.get("DSPARK_STEP_GRAPHS", "0") == "1"
 
 
 def _raw_memcpy() -> Callable[[int, int, int], None] | None:
@@ -256,7 +263,7 @@ class GraphSet:
         self.draft_graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.insert_graphs: dict[int, _Graph] = {}
         # The step graphs: a draft key's draft with an insert of up to step_rows[requests] rows beside it.
-        on = os.environ.get("DSPARK_STEP_GRAPHS", "1") != "0"
+        on = step_graphs_enabled()
         self.step_rows = {b: min(STEP_INSERT_ROWS * b, self.T) for b in range(1, max_requests + 1)} if on else {}
         self.step_graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.mempool = None

@@ -122,10 +122,11 @@ def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt, matmul):
         assert not gs.pool[:4].sub(torch.stack([e.kv for e in eager])).any()     # other slots untouched
 
 
-def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, matmul):
-    """Every step graph (an insert on a branch beside the draft, joined by each block's attention) writes the eager
-    insert's rows and drafts the eager bits, over rounds that wrap the slots' rings."""
+def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, matmul, monkeypatch):
+    """Every step graph (the insert block by block beside the draft, each part joined by its block's attention)
+    writes the eager insert's rows and drafts the eager bits, over rounds that wrap the slots' rings."""
     from dspark_ray.graphs import GraphSet
+    monkeypatch.setenv("DSPARK_STEP_GRAPHS", "1")
     d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda")
     gs = GraphSet(d, n_slots=8)
     gs.capture()
