@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from bench import card_procs  # noqa: E402
 from bench.card_procs import pinned, run_alone  # noqa: E402
 from bench.tcp_roundtrip import _commit  # noqa: E402
+from dspark_ray.graphs import step_graphs_enabled      # noqa: E402
 from dspark_ray.kernels.fused_ops import pdl_capable  # noqa: E402
 
 SEED000 = ((1, 5), (1, 4), (2, 5), (2, 4), (3, 5), (3, 4), (4, 5), (4, 4))
@@ -466,7 +466,7 @@ def main(argv=None) -> int:
            "cards": torch.cuda.device_count(), "commit": _commit(), "replays": args.replays,
            "command": "python bench/draft_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "torch": torch.__version__, "start": args.start, "pdl": pdl_capable(),
-           "step_graphs": os.environ.get("DSPARK_STEP_GRAPHS", "0") == "1"}
+           "step_graphs": step_graphs_enabled()}
     from dspark_ray.weights.loader import Checkpoint
     cfg = Checkpoint(args.ckpt).config
     half = cfg.qk_rope_head_dim // 2

@@ -293,33 +293,39 @@ class GraphSet:
     def _windows(self, bsz: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The staged requests' windows, per block (bsz, W, D), and their valid flags (bsz, W): what
         `Drafter.window_inputs` gives for the same slots."""
-        v, W, NB = self.inp.dev_view, self.W, self.n_blocks
-        rows = self.pool.view(-1, self.pool.shape[-1]).index_select(0, v("win_rows")[:NB * bsz * W])
-        return list(rows.view(NB, bsz, W, -1).unbind(0)), self._valid(bsz)
+        rows = self._flat_pool().index_select(0, self._window_rows(bsz).flatten())
+        return list(rows.view(self.n_blocks, bsz, self.W, -1).unbind(0)), self._valid(bsz)
+
+    def _flat_pool(self) -> torch.Tensor:
+        return self.pool.view(-1, self.pool.shape[-1])
+
+    def _window_rows(self, bsz: int) -> torch.Tensor:
+        """The staged pool rows of the windows, (blocks, bsz * W)."""
+        return self.inp.dev_view("win_rows")[:self.n_blocks * bsz * self.W].view(self.n_blocks, bsz * self.W)
 
     def _valid(self, bsz: int) -> torch.Tensor:
         return self.inp.dev_view("valid")[:bsz * self.W].view(bsz, self.W)
 
-    def _insert_by_block(self, pool: torch.Tensor, rows: int, bsz: int):
-        """`_insert_fn`, then each block's windows as `_windows` gathers them, block by block (a generator)."""
-        v, W = self.inp.dev_view, self.W
-        taps = v("taps")[:rows * self.inp.width].view(rows, self.inp.width)
-        dst = v("ins_rows").view(self.n_blocks, self.T)
-        win = v("win_rows")[:self.n_blocks * bsz * W].view(self.n_blocks, bsz * W)
-        flat = pool.view(-1, pool.shape[-1])
-        for b, kv in enumerate(self.d.context_rows_by_block(taps, v("ins_pos")[:rows])):
-            flat.index_copy_(0, dst[b, :rows], kv)
-            yield flat.index_select(0, win[b]).view(bsz, W, -1)
-
     def _insert_fn(self, rows: int) -> None:
         """The main-kv of `rows` tap rows, scattered into the pool at (slot, block, ring row)."""
+        for _ in self._scatter_by_block(rows):
+            pass
+
+    def _scatter_by_block(self, rows: int):
+        """`_insert_fn` block by block: yields each block's index once its rows are in the pool."""
         v = self.inp.dev_view
         taps = v("taps")[:rows * self.inp.width].view(rows, self.inp.width)
-        kv = self.d.context_rows(taps, v("ins_pos")[:rows])
-        flat, dst = self.pool.view(-1, self.pool.shape[-1]), v("ins_rows").view(self.n_blocks, self.T)
-        for b, r in enumerate(kv):
-            flat.index_copy_(0, dst[b, :rows], r)      # pad rows all land on the scratch slot's row 0
-        return None
+        flat, dst = self._flat_pool(), v("ins_rows").view(self.n_blocks, self.T)
+        for b, kv in enumerate(self.d.context_rows_by_block(taps, v("ins_pos")[:rows])):
+            flat.index_copy_(0, dst[b, :rows], kv)      # pad rows all land on the scratch slot's row 0
+            yield b
+
+    def _insert_by_block(self, pool: torch.Tensor, rows: int, bsz: int):
+        """`_insert_fn`, each block's rows followed by the gather of that block's windows as `_windows` gathers
+        them (a generator of the windows; `pool`, the set's own, names the device to `ops.branch_parts`)."""
+        win = self._window_rows(bsz)
+        for b in self._scatter_by_block(rows):
+            yield self._flat_pool().index_select(0, win[b]).view(bsz, self.W, -1)
 
     # -- capture ---------------------------------------------------------------------------------------------------
     @torch.inference_mode()

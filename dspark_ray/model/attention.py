@@ -67,7 +67,8 @@ class Attention:
         """a (bsz*B, h) fp16, rows of request r at positions pos (bsz*B,) = p0[r] + j (int64, on a's device: made
         once per step by the drafter, every block reads the same); window (bsz, W, D) fp16: the main-kv rows of
         positions p0-W .. p0-1, of which `valid` (bsz, W) marks those the slot holds (a partial window masks its
-        oldest rows); it may be a branch's result (`ops.joined`), joined after the q path. Returns this shard's fp32 partial of the wo_b output (bsz*B, h).
+        oldest rows); it may be a branch's result (`ops.joined`), joined after the q path. Returns this shard's fp32
+        partial of the wo_b output (bsz*B, h).
 
         Every request attends over the same fixed layout [W window rows ; B block rows] (non-causal, V = K), masked
         rows taking exactly zero probability mass: no shape depends on the data, so the step has no host sync and

@@ -159,8 +159,8 @@ class Ready:
 
 
 def joined(x):
-    """x, or when x is a branch (or a `Part` of one) its value, the caller's stream made to wait for it there: an
-    input that a branch computes is joined by the op that reads it, as late as it can be."""
+    """x, or when x is a branch (`branch`, or one part of `branch_parts`) its value, the caller's stream made to
+    wait for it there: an input that a branch computes is joined by the op that reads it, as late as it can be."""
     join = getattr(x, "join", None)
     return join() if join is not None else x
 
