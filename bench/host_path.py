@@ -32,11 +32,49 @@ from dspark_ray.wire import HEADER_SIZE, FrameWriter, decode_payload        # no
 from tcp_roundtrip import _commit, emit                                      # noqa: E402
 
 
+def between_calls(kind: str):
+    """What runs between two timed calls: nothing ("none": the piece runs hot, back to back), or what a step-path
+    thread does between STEPs, for `us` microseconds: "spin:us" polls the clock, "yield:us" polls with
+    `os.sched_yield()` between checks (as the ring's waiters do), "sleep:us" sleeps. "+warm:us" after either: the
+    piece also runs once, untimed, `us` before the timed call. A piece slower after a gap runs from cold caches in
+    the service; a piece as fast with "+warm" can be kept warm by running it while the thread waits."""
+    if kind == "none":
+        return lambda fn: None
+    gap, _, warm = kind.partition("+warm:")
+    how, us = gap.split(":")
+    ns = int(float(us) * 1e3)
+    warm_ns = int(float(warm) * 1e3) if warm else None
+
+    def wait(n):
+        if how == "sleep":
+            time.sleep(n / 1e9)
+            return
+        if how not in ("spin", "yield"):
+            raise ValueError(f"--between {kind!r}: none, spin:US, yield:US or sleep:US, optionally +warm:US")
+        end = time.perf_counter_ns() + n
+        while time.perf_counter_ns() < end:
+            if how == "yield":
+                os.sched_yield()
+
+    def between(fn):
+        if warm_ns is None:
+            wait(ns)
+        else:
+            wait(max(0, ns - warm_ns))
+            fn()
+            wait(warm_ns)
+    return between
+
+
+BETWEEN = between_calls("none")
+
+
 def timed(fn, n: int) -> dict:
     for _ in range(min(200, n)):
         fn()
     ts = []
     for _ in range(n):
+        BETWEEN(fn)
         t0 = time.perf_counter_ns()
         fn()
         ts.append(time.perf_counter_ns() - t0)
@@ -177,11 +215,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=3)
     ap.add_argument("--n", type=int, default=5000)
     ap.add_argument("--in-actor", action="store_true", help="also time every piece inside a Ray worker process")
+    ap.add_argument("--between", default="none", help="none, spin:US, yield:US or sleep:US between two timed calls, optionally +warm:US")
     ap.add_argument("--out")
     a = ap.parse_args()
+    global BETWEEN
+    BETWEEN = between_calls(a.between)
     pieces = measure(a.rows, a.n)
     res = {"bench": "host_path", "command": "python bench/host_path.py " + " ".join(sys.argv[1:]),
-           "config": {"preset": "full", "rows": a.rows, "taps_bytes": a.rows * full().n_taps * full().hidden_size * 2,
+           "config": {"preset": "full", "rows": a.rows, "between": a.between, "taps_bytes": a.rows * full().n_taps * full().hidden_size * 2,
                       "n_out": 5},
            "device": platform.processor() or platform.machine(), "host_cpus": os.cpu_count(),
            "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,

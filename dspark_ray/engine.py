@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -233,6 +233,25 @@ class RankEngine:
             log.warning("rank %d: step failed (pair still in step): %s", self.rank, self.last_error)
             raise StepFailed(self.last_error) from e
         return outs  # type: ignore[return-value]
+
+    def rehearse(self, entries: list[StepEntry]) -> None:
+        """The host side of `step(entries)` without running it or changing a slot (keep_warm.py): the entry checks,
+        and the graph set's staging and output reading. Each entry is taken at its slot's current position (the
+        last step's entries, rehearsed, have moved on)."""
+        if self.broken or self.graphs is None:
+            return
+        good: list[StepEntry] = []
+        for e in entries:
+            if 0 <= e.slot < len(self.slots):
+                e = replace(e, start=self.slots[e.slot].position, rollback_to=-1)
+                if self.check(e) is None:
+                    good.append(e)
+        if not good or len(good) > self.graphs.max_requests:
+            return
+        states = [self.slots[e.slot] for e in good]
+        inserts = [(self.slots[e.slot], e.start, t) for e in good if (t := self._taps(e)).shape[0]]
+        self.graphs.rehearse(inserts, states, [e.seed for e in good], max(e.n_out for e in good),
+                             any(e.want_margins for e in good))
 
     def _run(self, entries: list[StepEntry], good: list[int]):
         """Rollbacks and inserts of the checked entries, then one batched draft. The graph engine takes every

@@ -209,6 +209,11 @@ class StepService(C.StepHandler):
                          "cpu_admitted": cpu_admitted, "cpu_reply": cpu_now(), "seq": pend[0].seq if pend else None})
         return reply
 
+    def rehearse(self, msg: C.Step) -> None:
+        """The stateless checks of a STEP, without admitting it: keeps them warm between frames (keep_warm.py)."""
+        C.validate_step(msg, self.limits)
+        C.validate_entries(msg, self.limits)
+
     def _admit(self, session: int, e: C.Entry, why: str | None) -> C.EntryResult | None:
         """The stateful checks (caller holds the lock): None to run the entry, else its answer."""
         if why:

@@ -17,8 +17,8 @@ drafts, confidences, margins and confident lengths into one fp64 tensor that com
 (int64 ids and fp32 scores are exact in fp64). Between the two replays the host stages the draft's inputs, while the
 GPU runs the inserts (the draft graph uploads them itself).
 
-A decode round's STEP brings both: each request's seed and accepted drafts to insert, then its draft. With
-`DSPARK_STEP_GRAPHS=1`, each draft key also has a step graph that runs both in one replay. The insert of up to 8 rows
+A decode round's STEP brings both: each request's seed and accepted drafts to insert, then its draft. Each draft key
+also has a step graph that runs both in one replay (`DSPARK_STEP_GRAPHS=0` leaves them out). The insert of up to 8 rows
 per request (STEP_INSERT_ROWS) runs beside the draft on a stream of its own, block by block, each block's rows
 followed by the gather of its windows (which reads them); each drafter block's attention joins its own part
 (`ops.branch_parts`, `ops.joined`). The insert's GEMMs (main_proj: 157 MB on the full preset) then read their
@@ -69,9 +69,9 @@ STEP_INSERT_ROWS = 8
 
 
 def step_graphs_enabled() -> bool:
-    """Whether graph sets capture step graphs: opt-in (`DSPARK_STEP_GRAPHS=1`) until the supervision suite has
-    passed with them on the GPU pair (notes/engine.md, thirteenth session)."""
-    return os.environ.get("DSPARK_STEP_GRAPHS", "0") == "1"
+    """Whether graph sets capture step graphs: on unless `DSPARK_STEP_GRAPHS=0` (the separate insert and draft graphs
+    only: 40 fewer graphs, ~60 MiB less graph memory on the full preset, ~70 us more per decode round)."""
+    return os.environ.get("DSPARK_STEP_GRAPHS", "1") != "0"
 
 
 def _raw_memcpy() -> Callable[[int, int, int], None] | None:
@@ -180,8 +180,12 @@ class _Inputs:
         if self.uploaded is not None and self.in_use:
             self.synchronize()
 
-    def synchronize(self) -> None:
-        """Wait for all the work queued up to the last `mark`."""
+    def synchronize(self, idle: Callable[[], None] | None = None) -> None:
+        """Wait for all the work queued up to the last `mark`; with `idle`, by polling the event and running `idle`
+        between the polls (a `keep_warm.KeepWarm`: the host path after the wait stays warm)."""
+        if idle is not None:
+            while not self.uploaded.query():
+                idle()
         self.uploaded.synchronize()
         self.in_use = False
 
@@ -260,6 +264,8 @@ class GraphSet:
         # (after the inserts' staging), the insert replays launched, the draft's inputs staged, every replay
         # launched, synced.
         self.last_stamps: dict[str, int] = {}
+        # Runs while the host waits for the draft (`_unpack`): the engine's keep-warm rehearsals (keep_warm.py).
+        self.while_waiting: Callable[[], None] | None = None
         self.draft_graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.insert_graphs: dict[int, _Graph] = {}
         # The step graphs: a draft key's draft with an insert of up to step_rows[requests] rows beside it.
@@ -472,6 +478,23 @@ class GraphSet:
         inp.mark()
         return self._unpack(packed, n_out, want_margins, host)
 
+    def rehearse(self, inserts: list[tuple[SlotState, int, torch.Tensor]], states: list[SlotState],
+                 seeds: list[int], n_out: int, want_margins: bool) -> None:
+        """What `run` does on the host for these arguments, without a replay, a stamp or a change to a slot: keeps
+        that code warm between steps (keep_warm.py). The staging writes the pinned buffer only while no upload
+        can read it (every step stages all it uploads before it launches); the outputs are read, not used."""
+        if not self.inp.in_use:
+            chunks = list(self._chunks(inserts))
+            if chunks:
+                rows = sum(len(t) for _, _, t in chunks[-1])
+                beside = self.step_rows.get(len(states), 0) if states else 0
+                self._stage_insert(chunks[-1], beside if rows <= beside else None)
+            if states:
+                self._stage_draft(states, seeds)
+        if states:
+            bsz = len(states)
+            self._read_outputs(bsz, bsz * ((2 + want_margins) * n_out + 1), n_out, want_margins, True)
+
     def _upload(self, end: int) -> None:
         if not self.memcpy:              # the graphs upload their inputs themselves when they can
             self.inp.upload(end)
@@ -522,9 +545,13 @@ class GraphSet:
             self.out_host[:size].copy_(packed.reshape(-1), non_blocking=True)
             self.inp.mark()
         if self.cuda:
-            self.inp.synchronize()     # the event recorded behind the draft replay and its download
+            self.inp.synchronize(self.while_waiting)   # the event recorded behind the draft replay and its download
             self._status_fresh = self.status is not None
         self.last_stamps["synced"] = now()
+        return self._read_outputs(bsz, size, n_out, want_margins, host_draft)
+
+    def _read_outputs(self, bsz: int, size: int, n_out: int, want_margins: bool,
+                      host_draft: bool) -> DraftOut | HostDraft:
         a = self._out_np[:size].reshape(bsz, -1)
         drafts, confs, lens = a[:, :n_out], a[:, n_out:2 * n_out], a[:, (2 + want_margins) * n_out]
         margins = a[:, 2 * n_out:3 * n_out] if want_margins else None

@@ -137,6 +137,7 @@ class FrameReader:
         self._wait_between_frames = wait_between_frames
         self._header = memoryview(bytearray(HEADER_SIZE))
         self._payload = bytearray(64 << 10)       # grows to the largest frame seen, never shrinks
+        self.last_length = 0
 
     def read(self) -> Frame:
         """The next frame. ConnectionClosed at a clean end of stream; FrameError for anything else wrong; a timeout
@@ -148,7 +149,12 @@ class FrameReader:
             self._payload = bytearray(length)
         payload = memoryview(self._payload)[:length]
         self._fill(payload, at_boundary=False)
+        self.last_length = length
         return Frame(request_id, decode_payload(mtype, payload), received_ns)
+
+    def last_payload(self) -> memoryview:
+        """The last frame's payload, in the reader's buffer (the next `read` overwrites it)."""
+        return memoryview(self._payload)[:self.last_length]
 
     def _fill(self, view: memoryview, at_boundary: bool) -> None:
         got = 0
@@ -182,10 +188,11 @@ def bound_blocking_io(sock: socket.socket, timeout_s: float | None) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None) -> Callable[[memoryview], int]:
+def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None,
+                       idle: Callable[[], None] | None = None) -> Callable[[memoryview], int]:
     """`sock.recv_into` that polls (non-blocking reads) for up to `spin_us` before it blocks; for a blocking socket
     (`bound_blocking_io`). `gate` (a semaphore, optional) bounds how many threads poll at once: a read that cannot
-    take it blocks at once.
+    take it blocks at once. `idle` runs between the polls (a `keep_warm.KeepWarm`).
 
     Why: a thread blocked in recv sleeps, and a core idle for the ~1.5 ms of a step goes into a deeper sleep state;
     waking it cost 20-50 us per hop on the GPU host (and ~50 us on the 2-core VM, bench/tcp_roundtrip.py), against
@@ -205,6 +212,8 @@ def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None) -> Callab
                     except BlockingIOError:
                         if clock() > deadline:
                             break
+                        if idle is not None:
+                            idle()
             finally:
                 if gate is not None:
                     gate.release()

@@ -19,7 +19,7 @@ from dspark_ray.contract import Code, make_entry
 from dspark_ray.engine import RankEngine
 from dspark_ray.modes import make_drafter
 
-from conftest import deploy_pair
+from conftest import PAIR_BACKEND, deploy_pair
 
 
 # The step path's threads pinned as a user would (dspark serve --rank-cpus --frontend-cpus): on the 2-core CI machine
@@ -67,7 +67,7 @@ def test_every_actor_carries_the_no_multicast_environment(pair, ray_cluster):
     want = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
     assert st["env"] == want
     assert [r["env"] for r in st["ranks"]] == [want, want]
-    assert st["tp"] == 2 and st["backend"] == "gloo"
+    assert st["tp"] == 2 and st["backend"] == PAIR_BACKEND
     # The per-step path's threads run at niceness 0; Ray starts workers at 15, and lowering it needs CAP_SYS_NICE
     # (as root). The loading threads keep 15.
     if os.geteuid() == 0:
@@ -309,6 +309,23 @@ def test_status_reports_each_step_threads_cpu_time_and_waits(pair, cfg, ray_clus
         assert set(d) == {"cpu_ms", "run_delay_ms", "preempted"} and min(d.values()) >= 0, d
     t = after["ranks"][0]["process"]["threads"]["dspark-rank0"]
     assert t["cpu_ms"] > 0 and t["run_delay_ms"] >= 0 and t["preempted"] >= 0
+
+
+def test_every_party_keeps_its_step_path_warm_between_steps(pair, cfg, ray_cluster):
+    """The front-end rehearses a STEP's decode, checks and coding, each rank its decode, checks and staging (rank 0
+    its reply's encoding too), between steps; none of them fails (test_rounds_over_the_wire checks the bits with
+    them running)."""
+    with client(pair) as c:
+        (gr,) = acquire_when_free(c, 1)
+        for k in range(4):
+            e = make_entry(slot=gr.slot, generation=gr.generation, seed_token=5, start_pos=3 * k,
+                           token_ids=np.arange(3), taps=workload.make_taps(cfg, 3, torch.Generator()).numpy())
+            assert c.step([e], deadline_ms=60_000)[0].code == Code.OK
+    st = ray_cluster.get(pair[0].status.remote())
+    fe, ranks = st["keep_warm"], [r["keep_warm"] for r in st["ranks"]]
+    assert fe["enabled"] and fe["pieces"] == ["batch", "frame", "reply"] and fe["runs"] > 0 and not fe["dropped"]
+    assert ranks[0]["pieces"] == ["reply", "step"] and ranks[1]["pieces"] == ["step"]
+    assert all(r["runs"] > 0 and not r["dropped"] for r in ranks), ranks
 
 
 def test_every_party_stamps_a_step_and_the_hops_join_in_path_order(pair, cfg, ray_cluster):

@@ -126,7 +126,7 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, matmul, 
     """Every step graph (the insert block by block beside the draft, each part joined by its block's attention)
     writes the eager insert's rows and drafts the eager bits, over rounds that wrap the slots' rings."""
     from dspark_ray.graphs import GraphSet
-    monkeypatch.setenv("DSPARK_STEP_GRAPHS", "1")
+    monkeypatch.delenv("DSPARK_STEP_GRAPHS", raising=False)
     d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda")
     gs = GraphSet(d, n_slots=8)
     gs.capture()

@@ -19,7 +19,7 @@ N_SLOTS = 6
 def _engines(cfg, ckpt):
     eager = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS)
     graph = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
-    assert graph.graphs is not None and graph.graphs.n_graphs == 4 * cfg.block_size * 2 + 5
+    assert graph.graphs is not None and graph.graphs.n_graphs == 2 * (4 * cfg.block_size * 2) + 5  # draft, step; insert
     return eager, graph
 
 
@@ -86,10 +86,11 @@ def _replays(engine) -> list[str]:
 def test_a_decode_round_is_one_step_graph_with_the_separate_graphs_bits(cfg, ckpt, monkeypatch):
     """A round whose rows fit the step graph (<= 8 per request) replays it alone: the insert beside the draft. More
     rows go through the insert graphs first, their last chunk beside the draft when it fits; a draft without rows
-    runs the draft graph. Every answer and ring is the separate graphs' (the default) bit for bit."""
+    runs the draft graph. Every answer and ring is the separate graphs' (`DSPARK_STEP_GRAPHS=0`) bit for bit."""
+    monkeypatch.setenv("DSPARK_STEP_GRAPHS", "0")
     apart = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
     assert not apart.graphs.step_graphs
-    monkeypatch.setenv("DSPARK_STEP_GRAPHS", "1")
+    monkeypatch.delenv("DSPARK_STEP_GRAPHS")
     graph = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
     assert graph.graphs.n_graphs == 2 * (4 * cfg.block_size * 2) + 5       # draft, step; insert
     log = _replays(graph)

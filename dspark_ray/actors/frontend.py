@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict
 
 from ..frontend import PairFailure, StepService
+from ..keep_warm import KeepWarm
 from ..stamps import Stamps, cpu_now, now
 from . import messages as M
 from .rank import SAFE_ENV, PairSpec, rank_actor_class
@@ -45,6 +46,8 @@ class PairManager:
         # Hung-step bound: a collective's own timeout plus slack, so a timed-out collective reports itself
         # ("broken") before the watchdog calls the step hung.
         self.step_bound_s = spec.step_timeout_s or spec.collective_timeout_s * 2 + 5.0
+        self.keep_warm = None          # a keep_warm.KeepWarm: the wait for completions rehearses the batch's coding
+        self._warm_len = -1
 
     def _actor_options(self, r: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -131,7 +134,8 @@ class PairManager:
             while True:
                 # Slices of the bound, so a dead rank is noticed within ~0.1 s instead of at the bound.
                 try:
-                    comps = self.ring.wait_completions(seq, timeout_s=min(0.1, max(0.0, deadline - time.monotonic())))
+                    comps = self.ring.wait_completions(seq, timeout_s=min(0.1, max(0.0, deadline - time.monotonic())),
+                                                       idle=self.keep_warm)
                     break
                 except RingTimeout:
                     dead = self.ring.dead_readers()
@@ -155,6 +159,10 @@ class PairManager:
         results = M.decode_reply(comps[0][1]).results
         self.last_seq = seq
         self.stamps.add(row)
+        if self.keep_warm is not None and len(payload) != self._warm_len:     # a new shape of batch
+            self._warm_len = len(payload)
+            self.keep_warm.set("batch", lambda: M.encode(batch))
+            self.keep_warm.set("reply", lambda reply=comps[0][1]: M.decode_reply(reply))
         return results
 
     def status(self) -> list[dict]:
@@ -227,11 +235,15 @@ def frontend_actor_class():
             self.identity = Identity(ck.identity_digest, cfg.digest(), self.spec.tp, cfg.max_model_len)
             self.limits = Limits.for_config(cfg, slot_capacity=self.spec.n_slots)
             self.manager = PairManager(self.spec, pg, rank_bundles, rank_resources, name)
+            # The endpoint's threads rehearse the last STEP's host path while they wait (keep_warm.py).
+            self.keep_warm = KeepWarm(f"front-end {name}")
+            self.manager.keep_warm = self.keep_warm if self.keep_warm.enabled else None
             self.service = StepService(self.identity, self.limits, None, window=cfg.sliding_window)
             self.supervisor = Supervisor(self.service, self.manager.restart, threshold=restart_threshold)
             cpus = self.spec.frontend_cpus
             self.server = TcpServer(self.service, host=host, port=port, spin_us=self.spec.spin_us,
-                                    on_thread_start=lambda: pin_thread(cpus, f"front-end {name} endpoint"))
+                                    on_thread_start=lambda: pin_thread(cpus, f"front-end {name} endpoint"),
+                                    keep_warm=self.keep_warm)
             self.host, self.port, self.name = host, port, name
             self.started = False
             self.load_progress = []
@@ -275,7 +287,7 @@ def frontend_actor_class():
                     "tp": self.spec.tp, "backend": self.spec.backend, "model_digest": self.identity.model_digest,
                     "pid": os.getpid(), "env": {k: os.environ.get(k) for k in SAFE_ENV},
                     **self.service.status(), "supervisor": self.supervisor.status(),
-                    "ranks": self.manager.status()}
+                    "keep_warm": self.keep_warm.status(), "ranks": self.manager.status()}
 
         def set_fault(self, rank: int, kind: str | None, **params) -> str:
             import ray

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine import EngineBroken, RankEngine, StepFailed
+from ..keep_warm import KeepWarm
 from ..stamps import Stamps, cpu_now, now
 from . import messages as M
 from .scheduling import pin_thread, process_facts, raise_priority
@@ -82,6 +83,7 @@ class RankWorker:
         self._thread: threading.Thread | None = None
         self._stop = False
         self.stamps = Stamps()           # per step: the ring's seq, got / the engine's phases / encoded
+        self.keep_warm = KeepWarm(f"rank {rank}")
 
     # -- start-up --------------------------------------------------------------------------------------------------
     def load(self) -> dict:
@@ -159,9 +161,14 @@ class RankWorker:
         if self.spec.rank_cpus:
             pin_thread([self.spec.rank_cpus[self.rank]], f"rank {self.rank} step loop")
         width = self.engine.drafter.cfg.n_taps * self.engine.drafter.cfg.hidden_size
+        # Between steps (the ring's wait, the GPU's) this thread rehearses the last step's host path (keep_warm.py).
+        warm = self.keep_warm
+        if self.engine.graphs is not None and warm.enabled:
+            self.engine.graphs.while_waiting = warm
+        last_len = -1
         while not self._stop:
             try:
-                seq, view = self.reader.next(timeout_s=1.0)
+                seq, view = self.reader.next(timeout_s=1.0, idle=warm)
             except RingTimeout:
                 continue
             except RingClosed:
@@ -189,12 +196,24 @@ class RankWorker:
                 status, payload = M.STATUS_BROKEN, M.encode(M.RankReply([], self.engine.broken))
             # stamped before the hand-off: the front-end may see the completion at once
             row["encoded"], row["cpu_encoded"] = now(), cpu_now()
+            if status == M.STATUS_OK and warm.enabled and len(view) != last_len:
+                last_len = len(view)             # a new shape of batch: rehearse from a copy of it (the view is
+                self._rehearse_from(bytes(view), width, outs)    # the ring's until complete())
             self.reader.complete(seq, status, payload)
+            warm.ran()
             self.stamps.add(row)
+
+    def _rehearse_from(self, batch: bytes, width: int, outs) -> None:
+        """Rehearse this batch's decode, checks and staging (and rank 0 its answer's encoding) between steps."""
+        engine = self.engine
+        self.keep_warm.set("step", lambda: engine.rehearse(M.to_step_entries(M.decode_batch(batch), width)))
+        if self.rank == 0:
+            self.keep_warm.set("reply", lambda: M.encode(M.RankReply(M.to_rank_results(outs))))
 
     def status(self) -> dict:
         st = self.engine.status() if self.engine else {"rank": self.rank, "loading": self.progress()}
         st["pid"] = os.getpid()
+        st["keep_warm"] = self.keep_warm.status()
         st["process"] = process_facts()
         st["env"] = {k: os.environ.get(k) for k in SAFE_ENV}
         return st

@@ -276,9 +276,11 @@ class _End:
             raise RingClosed(f"{self._label}: the ring was closed by the writer")
 
     def _wait(self, ready: Callable[[], bool], what: Callable[[], str], timeout_s: float,
-              bell: _Bell, sleeping_word: int, spin_us: float | None = None) -> None:
+              bell: _Bell, sleeping_word: int, spin_us: float | None = None,
+              idle: Callable[[], None] | None = None) -> None:
         """Return once `ready()` holds; spin `spin_us` (the ring's default if None), then sleep on `bell` in naps
-        of `nap_s`. Bounded by `timeout_s` (RingTimeout with `what()`), stopped by `closed` (RingClosed)."""
+        of `nap_s`. Bounded by `timeout_s` (RingTimeout with `what()`), stopped by `closed` (RingClosed).
+        `idle` runs between the spin's checks (a `keep_warm.KeepWarm`)."""
         if ready():
             return
         w = self._w
@@ -289,6 +291,8 @@ class _End:
             self._check()
             if now < spin_until:
                 os.sched_yield()
+                if idle is not None:
+                    idle()
             else:
                 w[sleeping_word] = 1
                 _full_fence()                 # the flag store must be visible before the re-check's loads
@@ -411,10 +415,11 @@ class RingWriter(_End):
         late = [self._reader_line(i) for i, k in enumerate(self._ack_words) if self._w[k] < need]
         return f"space: publishing seq {seq} needs every reader's ack >= {need}; " + ", ".join(late)
 
-    def wait_completions(self, seq: int, timeout_s: float = 2.0,
-                         spin_us: float | None = None) -> list[tuple[int, bytes]]:
+    def wait_completions(self, seq: int, timeout_s: float = 2.0, spin_us: float | None = None,
+                         idle: Callable[[], None] | None = None) -> list[tuple[int, bytes]]:
         """Wait until every reader completed `seq`; return [(status, payload bytes)] in reader order.
-        `spin_us` overrides the ring's spin for this wait (a host with cores to spare may spin a whole step).
+        `spin_us` overrides the ring's spin for this wait (a host with cores to spare may spin a whole step);
+        `idle` runs between its checks.
 
         Each reader has one completion record: collect `seq`'s completions before the readers complete a later
         step (a record already showing a later seq raises RingError: its `seq` contents are gone)."""
@@ -424,7 +429,7 @@ class RingWriter(_End):
         for k in words:
             if w[k] != seq:
                 self._wait(lambda: self._completed(seq), lambda: self._completion_report(seq), timeout_s,
-                           self._bell, _W_SLEEPING, spin_us)
+                           self._bell, _W_SLEEPING, spin_us, idle)
                 break
         out = []
         for i, k in enumerate(words):
@@ -578,9 +583,10 @@ class RingReader(_End):
             if w[_W_SLEEPING]:
                 self._writer_bell.ring()
 
-    def next(self, timeout_s: float, spin_us: float | None = None) -> tuple[int, memoryview]:
+    def next(self, timeout_s: float, spin_us: float | None = None,
+             idle: Callable[[], None] | None = None) -> tuple[int, memoryview]:
         """Wait (bounded) for the next message; return (seq, a read-only view of its payload). `spin_us`
-        overrides the ring's spin for this wait.
+        overrides the ring's spin for this wait; `idle` runs between its checks.
 
         The view points into the ring: it is valid until this reader's next `next()` or `complete()`, which ack
         the message (copy what must outlive that). Raises RingTimeout, or RingClosed on close or reset."""
@@ -598,7 +604,7 @@ class RingReader(_End):
                 raise RingError(f"{self._label}: slot holds seq {got} while seq {want} was expected")
             self._wait(lambda: w[hw + _S_SEQ] == want,
                        lambda: f"message seq {want} (writer published up to {w[_C_WRITE_SEQ]})",
-                       timeout_s, self._bell, self._sleep_word, spin_us)
+                       timeout_s, self._bell, self._sleep_word, spin_us, idle)
         n = w[hw + _S_LEN]
         spill = w[hw + _S_SPILL]
         if spill:

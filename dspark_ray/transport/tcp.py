@@ -18,10 +18,11 @@ import socket
 import threading
 import time
 
-from ..contract import (Acquire, Code, ErrorReply, Hello, HelloReply, Release, Step, StepHandler)
+from ..contract import (Acquire, Code, ErrorReply, Hello, HelloReply, MsgType, Release, Step, StepHandler,
+                        StepReply)
 from ..stamps import Stamps, cpu_now, now
 from ..wire import (DEFAULT_MAX_FRAME_BYTES, ConnectionClosed, FrameError, FrameReader, FrameWriter,
-                    VersionMismatch, bound_blocking_io, spinning_recv_into)
+                    VersionMismatch, bound_blocking_io, decode_payload, spinning_recv_into)
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,15 @@ class TcpServer:
 
     def __init__(self, handler: StepHandler, host: str = "127.0.0.1", port: int = 0,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_timeout_s: float = 5.0, spin_us: float = 0.0,
-                 max_pollers: int = 2, on_thread_start=None):
+                 max_pollers: int = 2, on_thread_start=None, keep_warm=None):
         """`spin_us`: how long a connection thread polls for the next frame before it blocks in recv (see
         wire.spinning_recv_into; the front-end passes the ring's spin: 2 ms on a GPU host, 50 us on a CPU). At most
         `max_pollers` threads poll at once, the others block at once: every poll takes the interpreter lock, and
         many polling threads would slow the one that has a STEP to run. `on_thread_start`: called first in the accept
-        thread (the front-end pins it there to its vCPUs; the connection threads it starts inherit its affinity)."""
+        thread (the front-end pins it there to its vCPUs; the connection threads it starts inherit its affinity).
+        `keep_warm` (a keep_warm.KeepWarm): the polls for the next frame rehearse the last STEP's decode, checks
+        and reply encoding."""
+        self.keep_warm = keep_warm
         self.handler = handler
         self.spin_us = spin_us
         self.on_thread_start = on_thread_start
@@ -135,8 +139,10 @@ class TcpServer:
 
     def _serve(self, conn: _Conn) -> None:
         sock = conn.sock
-        reader = FrameReader(spinning_recv_into(sock, self.spin_us, self._pollers), self.max_frame_bytes,
+        warm = self.keep_warm if self.keep_warm is not None and self.keep_warm.enabled else None
+        reader = FrameReader(spinning_recv_into(sock, self.spin_us, self._pollers, warm), self.max_frame_bytes,
                              wait_between_frames=True)
+        warm_len = -1
         writer = FrameWriter(self.max_frame_bytes)
         why = "closed by peer"
         try:
@@ -159,6 +165,11 @@ class TcpServer:
                     raise RuntimeError(f"cannot send the reply to {type(msg).__name__}: {e}") from e
                 if isinstance(msg, Step):
                     self.stamps.add({"recv": received_ns, "read": t_read, "sent": now(), "cpu_read": cpu_read})
+                    if warm is not None:
+                        warm.ran()
+                        if reader.last_length != warm_len and isinstance(reply, StepReply):
+                            warm_len = reader.last_length      # a new shape of STEP: rehearse from a copy of it
+                            self._rehearse_from(bytes(reader.last_payload()), reply)
         except ConnectionClosed:
             if self._stopping.is_set():
                 why = "closed by server (stopping)"
@@ -186,6 +197,19 @@ class TcpServer:
             # A bad frame is worth a warning: it is a client bug or a stranger on the port.
             log.log(logging.WARNING if why.startswith("bad frame") else logging.INFO,
                     "disconnect %s session %s: %s", conn.peer, conn.session, why)
+
+    def _rehearse_from(self, payload: bytes, reply: StepReply) -> None:
+        """Rehearse this STEP's decode, the handler's checks (its `rehearse`) and the reply's encoding between
+        frames (keep_warm.py); into a writer of its own, since any connection's thread may run it."""
+        handler_rehearse = getattr(self.handler, "rehearse", None)
+        scratch = FrameWriter(self.max_frame_bytes)
+
+        def piece():
+            msg = decode_payload(MsgType.STEP, payload)
+            if handler_rehearse is not None:
+                handler_rehearse(msg)
+            scratch._encode(reply, 0)
+        self.keep_warm.set("frame", piece)
 
     def _dispatch(self, conn: _Conn, msg: object, received_ns: int, greeted: bool) -> object:
         session = conn.session

@@ -1,0 +1,108 @@
+"""Keeping the step path's host code warm between steps (keep_warm.py): the rehearsals run when a waiter polls, at
+most once a period, never fail a step, and never change an answer or a slot."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from dspark_ray import workload
+from dspark_ray.actors.ring import RingTimeout, StepRing
+from dspark_ray.engine import RankEngine, StepEntry
+from dspark_ray.keep_warm import KeepWarm
+from dspark_ray.modes import make_drafter
+from dspark_ray.wire import spinning_recv_into
+
+from test_graph_set import N_SLOTS, _same_rings, _same_step
+
+
+def test_pieces_run_at_most_once_a_period_and_a_failing_one_is_dropped_alone(caplog):
+    kw = KeepWarm("test", every_us=50_000, enabled=True)
+    calls = []
+    kw()                                              # nothing set: nothing to do
+    kw.set("a", lambda: calls.append("a"))
+    kw.set("bad", lambda: 1 / 0)
+    kw()
+    kw()                                              # within the period: no second run
+    assert calls == ["a"] and kw.runs == 1
+    assert "bad" not in kw.pieces and kw.dropped["bad"].startswith("ZeroDivisionError")
+    assert "keep-warm piece 'bad' dropped" in caplog.text
+    kw.set("bad", lambda: None)                      # a dropped piece stays dropped
+    assert "bad" not in kw.pieces
+    time.sleep(0.06)
+    kw.set("a", lambda: calls.append("a2"))          # the newest piece of a name replaces the last
+    kw()
+    assert calls == ["a", "a2"]
+    kw.ran()                                          # the real path just ran: the next rehearsal waits a period
+    kw()
+    assert calls == ["a", "a2"]
+
+
+def test_keep_warm_off_takes_no_pieces(monkeypatch):
+    monkeypatch.setenv("DSPARK_KEEP_WARM", "0")
+    kw = KeepWarm("off")
+    kw.set("a", lambda: pytest.fail("rehearsed while off"))
+    kw()
+    assert not kw.enabled and not kw.pieces and kw.status()["runs"] == 0
+
+
+def test_a_rehearsing_graph_engine_answers_and_writes_the_bits_of_one_that_does_not(cfg, ckpt):
+    """Before every step, the engine rehearses the step before it (whose entries have moved on) and the one to
+    come: the answers and every slot's ring are those of an engine that never rehearses, bit for bit. The
+    rehearsal does stage into the pinned buffer, and does not while an upload may read it."""
+    plain = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
+    warm = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
+    staged = warm.graphs.inp.host_np
+    last: list[StepEntry] = []
+    n_staged = 0
+    for batch in workload.rounds(cfg, n_requests=3, n_rounds=10, far_start=900_000):
+        for rehearsed in (last, batch):
+            before = staged.copy()
+            warm.rehearse(rehearsed)
+            n_staged += not np.array_equal(before, staged)
+        _same_step(plain, warm, batch)
+        last = batch
+    _same_rings(plain, warm)
+    assert n_staged >= 10
+    warm.graphs.inp.in_use = True                    # as while a GPU upload is in flight
+    before = staged.copy()
+    warm.rehearse(last)
+    assert np.array_equal(before, staged)
+    warm.graphs.inp.in_use = False
+
+
+def test_the_ring_and_socket_waiters_run_their_idle_hook_while_they_spin():
+    calls = []
+    w = StepRing.create("dsr-warm", n_readers=1, spin_us=20_000)
+    try:
+        r = StepRing.attach(w.handle, 0)
+        with pytest.raises(RingTimeout):
+            r.next(timeout_s=0.01, idle=lambda: calls.append("ring"))
+        r.close()
+    finally:
+        w.unlink()
+    assert len(calls) > 1
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(None)
+        recv = spinning_recv_into(a, 200_000.0, idle=lambda: calls.append("socket"))
+        late = threading.Timer(0.01, lambda: b.sendall(b"abcd"))      # arrives while the receive polls
+        late.start()
+        buf = bytearray(4)
+        assert recv(memoryview(buf)) == 4 and bytes(buf) == b"abcd"
+        late.join()
+    assert calls.count("socket") > 1
+
+
+def test_rehearsing_an_entry_whose_slot_is_gone_or_full_does_nothing(cfg, ckpt):
+    eng = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
+    taps = workload.make_taps(cfg, 3, torch.Generator().manual_seed(0))
+    before = eng.graphs.inp.host_np.copy()
+    eng.rehearse([StepEntry(slot=N_SLOTS + 3, seed=1, n_out=5, token_ids=torch.arange(3), taps=taps)])
+    eng.rehearse([StepEntry(slot=0, seed=1, n_out=5, token_ids=torch.arange(3), taps=taps[:, :7])])   # bad shape
+    assert np.array_equal(before, eng.graphs.inp.host_np)
+    assert all(s.position == 0 for s in eng.slots)
