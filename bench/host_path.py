@@ -6,6 +6,8 @@ host's own speed come with it: a pure-Python loop and a numpy copy of one STEP's
 Full preset shapes (1 entry, `--rows` rows of 3 x 5120 fp16 taps, n_out 5); no GPU, no checkpoint needed.
 
     .venv/bin/python bench/host_path.py [--rows 3] [--out bench/results/host_path_cpu.json]
+    .venv/bin/python bench/host_path.py --between spin:1000          # each piece after a 1 ms wait: cold
+    .venv/bin/python bench/host_path.py --between spin:1000+warm:50  # ... having run 50 us before: warm
 """
 from __future__ import annotations
 
@@ -215,15 +217,16 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=3)
     ap.add_argument("--n", type=int, default=5000)
     ap.add_argument("--in-actor", action="store_true", help="also time every piece inside a Ray worker process")
-    ap.add_argument("--between", default="none", help="none, spin:US, yield:US or sleep:US between two timed calls, optionally +warm:US")
+    ap.add_argument("--between", default="none",
+                    help="none, spin:US, yield:US or sleep:US between two timed calls, optionally +warm:US")
     ap.add_argument("--out")
     a = ap.parse_args()
     global BETWEEN
     BETWEEN = between_calls(a.between)
     pieces = measure(a.rows, a.n)
     res = {"bench": "host_path", "command": "python bench/host_path.py " + " ".join(sys.argv[1:]),
-           "config": {"preset": "full", "rows": a.rows, "between": a.between, "taps_bytes": a.rows * full().n_taps * full().hidden_size * 2,
-                      "n_out": 5},
+           "config": {"preset": "full", "rows": a.rows, "between": a.between,
+                      "taps_bytes": a.rows * full().n_taps * full().hidden_size * 2, "n_out": 5},
            "device": platform.processor() or platform.machine(), "host_cpus": os.cpu_count(),
            "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
            "commit": _commit(), "pieces": pieces}

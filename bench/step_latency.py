@@ -31,6 +31,7 @@ from tcp_roundtrip import _commit                             # noqa: E402
 
 from dspark_ray.cli import cpu_list                          # noqa: E402
 from dspark_ray.graphs import step_graphs_enabled              # noqa: E402
+from dspark_ray.keep_warm import keep_warm_enabled, keep_warm_period_us   # noqa: E402
 
 
 def pct(xs, q):
@@ -227,7 +228,8 @@ def main() -> None:
                    "n_out": 5, "rounds": a.rounds, "warmup_rounds": warm, "repeats": a.repeats,
                    "pin_ab": a.pin_ab, "client_spin_us": a.client_spin_us,
                    "server_and_ring_spin_us": base.spin_us,
-                   "pinned_vcpus": pinning, "step_graphs": step_graphs_enabled()},
+                   "pinned_vcpus": pinning, "step_graphs": step_graphs_enabled(),
+                   "keep_warm_us": keep_warm_period_us() if keep_warm_enabled() else None},
         "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or platform.machine(),
         "host_cpus": os.cpu_count(),
         "commit": _commit(),

@@ -180,12 +180,13 @@ class _Inputs:
         if self.uploaded is not None and self.in_use:
             self.synchronize()
 
-    def synchronize(self, idle: Callable[[], None] | None = None) -> None:
-        """Wait for all the work queued up to the last `mark`; with `idle`, by polling the event and running `idle`
-        between the polls (a `keep_warm.KeepWarm`: the host path after the wait stays warm)."""
+    def synchronize(self, idle: Callable[[Callable[[], bool]], None] | None = None) -> None:
+        """Wait for all the work queued up to the last `mark`; with `idle`, by polling the event and running
+        `idle(ready)` between the polls (a `keep_warm.KeepWarm`: the host path after the wait stays warm)."""
         if idle is not None:
-            while not self.uploaded.query():
-                idle()
+            done = self.uploaded.query
+            while not done():
+                idle(done)
         self.uploaded.synchronize()
         self.in_use = False
 
@@ -265,7 +266,7 @@ class GraphSet:
         # launched, synced.
         self.last_stamps: dict[str, int] = {}
         # Runs while the host waits for the draft (`_unpack`): the engine's keep-warm rehearsals (keep_warm.py).
-        self.while_waiting: Callable[[], None] | None = None
+        self.while_waiting: Callable[[Callable[[], bool]], None] | None = None
         self.draft_graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.insert_graphs: dict[int, _Graph] = {}
         # The step graphs: a draft key's draft with an insert of up to step_rows[requests] rows beside it.

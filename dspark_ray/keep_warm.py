@@ -7,11 +7,12 @@ fast again when it last ran 50 us before (`--between spin:1000+warm:50`). The se
 figures (a rank's decode 46 us against 7 hot, its insert staging 60 against 13).
 
 So a party registers rehearsals of its next step's pieces, built from its last step's inputs (`set(name, fn)`),
-and its waiters call the `KeepWarm` on every poll: at most every `every_us` it runs them. A rehearsal computes
-what the real piece computes and throws it away; it must not change anything a step reads (pure functions, or
-writes to buffers the next step rewrites before it reads them and that nothing reads meanwhile). The first one
-that raises is dropped, with one log line; a rehearsal never fails a step. `DSPARK_KEEP_WARM=0` turns it off,
-`DSPARK_KEEP_WARM_US` sets the period.
+and its waiters call the `KeepWarm` on every poll: at most every `every_us` it runs them. Pieces are small and the
+waiter's own readiness check runs between them, so a STEP that comes during a rehearsal waits for one piece at
+most. A rehearsal computes what the real piece computes and throws it away; it must not change anything a step
+reads (pure functions, or writes to buffers the next step rewrites before it reads them and that nothing reads
+meanwhile). The first one that raises is dropped, with one log line; a rehearsal never fails a step.
+`DSPARK_KEEP_WARM=0` turns it off, `DSPARK_KEEP_WARM_US` sets the period.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class KeepWarm:
         self.runs = 0
         self.dropped: dict[str, str] = {}
         self._next_ns = 0
+        self._start = 0                   # where the next run starts (a run stopped by `ready` resumes there)
         self._lock = threading.Lock()
 
     def set(self, name: str, fn: Callable[[], object]) -> None:
@@ -55,17 +57,28 @@ class KeepWarm:
         """The real path has just run (it is warm): the next rehearsal waits a period from now."""
         self._next_ns = time.monotonic_ns() + self.every_ns
 
-    def __call__(self) -> None:
+    def __call__(self, ready: Callable[[], bool] | None = None) -> None:
+        """Run the pieces if a period has passed. `ready` (the waiter's own check, optional) is asked before each
+        piece: once what the thread waits for has come, the rest waits for the next wait, and that run starts
+        where this one stopped (so an early piece cannot starve a later one)."""
         if not self.pieces or time.monotonic_ns() < self._next_ns or not self._lock.acquire(blocking=False):
             return
         try:
-            for name, fn in list(self.pieces.items()):
+            names = list(self.pieces)
+            for k in range(len(names)):
+                name = names[(self._start + k) % len(names)]
+                if ready is not None and ready():
+                    self._start = (self._start + k) % len(names)
+                    return
+                fn = self.pieces.get(name)
                 try:
-                    fn()
+                    if fn is not None:
+                        fn()
                 except Exception as e:        # a rehearsal is never worth a step: drop it, say so once
                     self.pieces.pop(name, None)
                     self.dropped[name] = f"{type(e).__name__}: {e}"
                     log.warning("%s: keep-warm piece %r dropped: %s", self.name, name, self.dropped[name])
+            self._start = 0
             self.runs += 1
         finally:
             self._next_ns = time.monotonic_ns() + self.every_ns

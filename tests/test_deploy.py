@@ -62,6 +62,16 @@ def to_entry(e, slot, gen, **over):
     return make_entry(**kw)
 
 
+def step_one_request(pair, cfg, n_rounds: int, rows: int) -> None:
+    """`n_rounds` STEPs of one request with `rows` fresh rows each, every one answered OK."""
+    with client(pair) as c:
+        (gr,) = acquire_when_free(c, 1)
+        for k in range(n_rounds):
+            e = make_entry(slot=gr.slot, generation=gr.generation, seed_token=5, start_pos=rows * k,
+                           token_ids=np.arange(rows), taps=workload.make_taps(cfg, rows, torch.Generator()).numpy())
+            assert c.step([e], deadline_ms=60_000)[0].code == Code.OK
+
+
 def test_every_actor_carries_the_no_multicast_environment(pair, ray_cluster):
     st = ray_cluster.get(pair[0].status.remote())
     want = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -297,12 +307,7 @@ def test_status_reports_each_step_threads_cpu_time_and_waits(pair, cfg, ray_clus
     """What the latency bench diffs over its rounds: each step thread's CPU time, run-queue wait and preemptions,
     growing (never shrinking) between two readings with steps in between."""
     before = ray_cluster.get(pair[0].status.remote())
-    with client(pair) as c:
-        (gr,) = acquire_when_free(c, 1)
-        for k in range(3):
-            e = make_entry(slot=gr.slot, generation=gr.generation, seed_token=5, start_pos=2 * k,
-                           token_ids=np.arange(2), taps=workload.make_taps(cfg, 2, torch.Generator()).numpy())
-            assert c.step([e], deadline_ms=60_000)[0].code == Code.OK
+    step_one_request(pair, cfg, n_rounds=3, rows=2)
     after = ray_cluster.get(pair[0].status.remote())
     for r in range(2):
         d = thread_deltas(before["ranks"][r]["process"], after["ranks"][r]["process"])[f"dspark-rank{r}"]
@@ -315,16 +320,11 @@ def test_every_party_keeps_its_step_path_warm_between_steps(pair, cfg, ray_clust
     """The front-end rehearses a STEP's decode, checks and coding, each rank its decode, checks and staging (rank 0
     its reply's encoding too), between steps; none of them fails (test_rounds_over_the_wire checks the bits with
     them running)."""
-    with client(pair) as c:
-        (gr,) = acquire_when_free(c, 1)
-        for k in range(4):
-            e = make_entry(slot=gr.slot, generation=gr.generation, seed_token=5, start_pos=3 * k,
-                           token_ids=np.arange(3), taps=workload.make_taps(cfg, 3, torch.Generator()).numpy())
-            assert c.step([e], deadline_ms=60_000)[0].code == Code.OK
+    step_one_request(pair, cfg, n_rounds=4, rows=3)
     st = ray_cluster.get(pair[0].status.remote())
     fe, ranks = st["keep_warm"], [r["keep_warm"] for r in st["ranks"]]
     assert fe["enabled"] and fe["pieces"] == ["batch", "frame", "reply"] and fe["runs"] > 0 and not fe["dropped"]
-    assert ranks[0]["pieces"] == ["reply", "step"] and ranks[1]["pieces"] == ["step"]
+    assert ranks[0]["pieces"] == ["decode", "engine", "reply"] and ranks[1]["pieces"] == ["decode", "engine"]
     assert all(r["runs"] > 0 and not r["dropped"] for r in ranks), ranks
 
 

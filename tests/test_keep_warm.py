@@ -42,6 +42,20 @@ def test_pieces_run_at_most_once_a_period_and_a_failing_one_is_dropped_alone(cap
     assert calls == ["a", "a2"]
 
 
+def test_a_rehearsal_stops_between_pieces_once_the_wait_is_over_and_resumes_there():
+    kw = KeepWarm("test", every_us=0, enabled=True)
+    calls = []
+    for name in "abc":
+        kw.set(name, lambda name=name: calls.append(name))
+    arrived = iter([False, True])                    # the awaited message comes while "a" runs
+    kw(lambda: next(arrived))
+    assert calls == ["a"] and kw.runs == 0
+    kw(lambda: False)                                # the next wait starts at "b": "a" cannot starve the rest
+    assert calls == ["a", "b", "c", "a"] and kw.runs == 1
+    kw(lambda: True)                                 # nothing runs once the wait is over
+    assert calls == ["a", "b", "c", "a"]
+
+
 def test_keep_warm_off_takes_no_pieces(monkeypatch):
     monkeypatch.setenv("DSPARK_KEEP_WARM", "0")
     kw = KeepWarm("off")
@@ -81,11 +95,12 @@ def test_the_ring_and_socket_waiters_run_their_idle_hook_while_they_spin():
     try:
         r = StepRing.attach(w.handle, 0)
         with pytest.raises(RingTimeout):
-            r.next(timeout_s=0.01, idle=lambda: calls.append("ring"))
+            r.next(timeout_s=0.01, idle=lambda ready: calls.append(("ring", ready())))
         r.close()
     finally:
         w.unlink()
-    assert len(calls) > 1
+    assert len(calls) > 1 and set(calls) == {("ring", False)}      # its readiness check comes along
+    calls.clear()
     a, b = socket.socketpair()
     with a, b:
         a.settimeout(None)
@@ -106,3 +121,26 @@ def test_rehearsing_an_entry_whose_slot_is_gone_or_full_does_nothing(cfg, ckpt):
     eng.rehearse([StepEntry(slot=0, seed=1, n_out=5, token_ids=torch.arange(3), taps=taps[:, :7])])   # bad shape
     assert np.array_equal(before, eng.graphs.inp.host_np)
     assert all(s.position == 0 for s in eng.slots)
+
+
+def test_the_gpu_wait_polls_its_event_and_runs_the_hook_with_the_events_own_check():
+    """`_Inputs.synchronize(idle)` (the rank's wait for the draft): polls the event, runs `idle(event.query)` until
+    it has completed, then synchronizes; a CPU stand-in for the CUDA event."""
+    from dspark_ray.graphs import _Inputs
+
+    class Event:
+        def __init__(self):
+            self.polls, self.synced = 0, False
+
+        def query(self):
+            self.polls += 1
+            return self.polls > 3
+
+        def synchronize(self):
+            self.synced = True
+    inp = _Inputs(1, 4, 8, 1, 16, torch.device("cpu"))
+    inp.uploaded, inp.in_use = Event(), True
+    seen = []
+    inp.synchronize(lambda ready: seen.append(ready.__self__ is inp.uploaded))
+    assert seen == [True] * 3 and inp.uploaded.synced and not inp.in_use
+

@@ -205,8 +205,12 @@ class RankWorker:
 
     def _rehearse_from(self, batch: bytes, width: int, outs) -> None:
         """Rehearse this batch's decode, checks and staging (and rank 0 its answer's encoding) between steps."""
-        engine = self.engine
-        self.keep_warm.set("step", lambda: engine.rehearse(M.to_step_entries(M.decode_batch(batch), width)))
+        engine, entries = self.engine, []
+
+        def decode():
+            entries[:] = M.to_step_entries(M.decode_batch(batch), width)
+        self.keep_warm.set("decode", decode)
+        self.keep_warm.set("engine", lambda: engine.rehearse(entries))
         if self.rank == 0:
             self.keep_warm.set("reply", lambda: M.encode(M.RankReply(M.to_rank_results(outs))))
 

@@ -277,10 +277,11 @@ class _End:
 
     def _wait(self, ready: Callable[[], bool], what: Callable[[], str], timeout_s: float,
               bell: _Bell, sleeping_word: int, spin_us: float | None = None,
-              idle: Callable[[], None] | None = None) -> None:
+              idle: Callable[[Callable[[], bool]], None] | None = None) -> None:
         """Return once `ready()` holds; spin `spin_us` (the ring's default if None), then sleep on `bell` in naps
         of `nap_s`. Bounded by `timeout_s` (RingTimeout with `what()`), stopped by `closed` (RingClosed).
-        `idle` runs between the spin's checks (a `keep_warm.KeepWarm`)."""
+        `idle(ready)` runs between the spin's checks (a `keep_warm.KeepWarm`, which asks `ready` between its
+        pieces)."""
         if ready():
             return
         w = self._w
@@ -292,7 +293,7 @@ class _End:
             if now < spin_until:
                 os.sched_yield()
                 if idle is not None:
-                    idle()
+                    idle(ready)
             else:
                 w[sleeping_word] = 1
                 _full_fence()                 # the flag store must be visible before the re-check's loads
@@ -416,7 +417,7 @@ class RingWriter(_End):
         return f"space: publishing seq {seq} needs every reader's ack >= {need}; " + ", ".join(late)
 
     def wait_completions(self, seq: int, timeout_s: float = 2.0, spin_us: float | None = None,
-                         idle: Callable[[], None] | None = None) -> list[tuple[int, bytes]]:
+                         idle: Callable[[Callable[[], bool]], None] | None = None) -> list[tuple[int, bytes]]:
         """Wait until every reader completed `seq`; return [(status, payload bytes)] in reader order.
         `spin_us` overrides the ring's spin for this wait (a host with cores to spare may spin a whole step);
         `idle` runs between its checks.
@@ -584,7 +585,7 @@ class RingReader(_End):
                 self._writer_bell.ring()
 
     def next(self, timeout_s: float, spin_us: float | None = None,
-             idle: Callable[[], None] | None = None) -> tuple[int, memoryview]:
+             idle: Callable[[Callable[[], bool]], None] | None = None) -> tuple[int, memoryview]:
         """Wait (bounded) for the next message; return (seq, a read-only view of its payload). `spin_us`
         overrides the ring's spin for this wait; `idle` runs between its checks.
 
