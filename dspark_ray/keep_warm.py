@@ -6,7 +6,8 @@ instructions, branch history and data are gone from the core: `bench/host_path.p
 fast again when it last ran 50 us before (`--between spin:1000+warm:50`). The service's hops read at the cold
 figures (a rank's decode 46 us against 7 hot, its insert staging 60 against 13).
 
-So a party registers rehearsals of its next step's pieces, built from its last step's inputs (`set(name, fn)`),
+So a party registers rehearsals of its next step's pieces, built from a recent step's inputs (`set(name, fn)`;
+`wants_sample` says when to take a new one),
 and its waiters call the `KeepWarm` on every poll: at most every `every_us` it runs them. Pieces are small and the
 waiter's own readiness check runs between them, so a STEP that comes during a rehearsal waits for one piece at
 most. A rehearsal computes what the real piece computes and throws it away; it must not change anything a step
@@ -46,12 +47,26 @@ class KeepWarm:
         self.dropped: dict[str, str] = {}
         self._next_ns = 0
         self._start = 0                   # where the next run starts (a run stopped by `ready` resumes there)
+        self._samples: dict[str, tuple[int, int]] = {}     # per source: (size, time) of the last sample taken
         self._lock = threading.Lock()
 
     def set(self, name: str, fn: Callable[[], object]) -> None:
         """Rehearse `fn` from now on in place of the last piece of that name (a dropped piece stays dropped)."""
         if self.enabled and name not in self.dropped:
             self.pieces[name] = fn
+
+    def wants_sample(self, source: str, size: int, every_s: float = 0.5) -> bool:
+        """Whether to build `source`'s rehearsal from the step just run (its inputs are `size` bytes): yes for the
+        first, then only for a new size and at most every `every_s`. A sample costs a copy of the inputs on the
+        step's path; batches of changing sizes (a serving engine's) would otherwise copy at every step."""
+        if not self.enabled:
+            return False
+        t = time.monotonic_ns()
+        last = self._samples.get(source)
+        if last is not None and (last[0] == size or t - last[1] < every_s * 1e9):
+            return False
+        self._samples[source] = (size, t)
+        return True
 
     def ran(self) -> None:
         """The real path has just run (it is warm): the next rehearsal waits a period from now."""

@@ -56,6 +56,20 @@ def test_a_rehearsal_stops_between_pieces_once_the_wait_is_over_and_resumes_ther
     assert calls == ["a", "b", "c", "a"]
 
 
+def test_a_party_samples_its_inputs_once_per_size_and_at_most_every_so_often():
+    """A sample is a copy of a step's inputs on the step's path: the first step's, then a new size's, but never
+    twice within `every_s` (a serving engine's batches change size every step)."""
+    kw = KeepWarm("test", enabled=True)
+    assert kw.wants_sample("batch", 100, every_s=0.05)
+    assert not kw.wants_sample("batch", 100, every_s=0.05)        # the same size: the sample stands
+    assert not kw.wants_sample("batch", 200, every_s=0.05)        # a new size, too soon
+    assert kw.wants_sample("frame", 200, every_s=0.05)            # each source on its own
+    time.sleep(0.06)
+    assert not kw.wants_sample("batch", 100, every_s=0.05)
+    assert kw.wants_sample("batch", 300, every_s=0.05)
+    assert not KeepWarm("off", enabled=False).wants_sample("batch", 1)
+
+
 def test_keep_warm_off_takes_no_pieces(monkeypatch):
     monkeypatch.setenv("DSPARK_KEEP_WARM", "0")
     kw = KeepWarm("off")

@@ -47,7 +47,6 @@ class PairManager:
         # ("broken") before the watchdog calls the step hung.
         self.step_bound_s = spec.step_timeout_s or spec.collective_timeout_s * 2 + 5.0
         self.keep_warm = None          # a keep_warm.KeepWarm: the wait for completions rehearses the batch's coding
-        self._warm_len = -1
 
     def _actor_options(self, r: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -159,8 +158,7 @@ class PairManager:
         results = M.decode_reply(comps[0][1]).results
         self.last_seq = seq
         self.stamps.add(row)
-        if self.keep_warm is not None and len(payload) != self._warm_len:     # a new shape of batch
-            self._warm_len = len(payload)
+        if self.keep_warm is not None and self.keep_warm.wants_sample("batch", len(payload)):
             self.keep_warm.set("batch", lambda: M.encode(batch))
             self.keep_warm.set("reply", lambda reply=comps[0][1]: M.decode_reply(reply))
         return results

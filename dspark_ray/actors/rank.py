@@ -165,7 +165,6 @@ class RankWorker:
         warm = self.keep_warm
         if self.engine.graphs is not None and warm.enabled:
             self.engine.graphs.while_waiting = warm
-        last_len = -1
         while not self._stop:
             try:
                 seq, view = self.reader.next(timeout_s=1.0, idle=warm)
@@ -196,9 +195,8 @@ class RankWorker:
                 status, payload = M.STATUS_BROKEN, M.encode(M.RankReply([], self.engine.broken))
             # stamped before the hand-off: the front-end may see the completion at once
             row["encoded"], row["cpu_encoded"] = now(), cpu_now()
-            if status == M.STATUS_OK and warm.enabled and len(view) != last_len:
-                last_len = len(view)             # a new shape of batch: rehearse from a copy of it (the view is
-                self._rehearse_from(bytes(view), width, outs)    # the ring's until complete())
+            if status == M.STATUS_OK and warm.wants_sample("batch", len(view)):
+                self._rehearse_from(bytes(view), width, outs)    # a copy: the view is the ring's until complete()
             self.reader.complete(seq, status, payload)
             warm.ran()
             self.stamps.add(row)

@@ -142,7 +142,6 @@ class TcpServer:
         warm = self.keep_warm if self.keep_warm is not None and self.keep_warm.enabled else None
         reader = FrameReader(spinning_recv_into(sock, self.spin_us, self._pollers, warm), self.max_frame_bytes,
                              wait_between_frames=True)
-        warm_len = -1
         writer = FrameWriter(self.max_frame_bytes)
         why = "closed by peer"
         try:
@@ -167,8 +166,7 @@ class TcpServer:
                     self.stamps.add({"recv": received_ns, "read": t_read, "sent": now(), "cpu_read": cpu_read})
                     if warm is not None:
                         warm.ran()
-                        if reader.last_length != warm_len and isinstance(reply, StepReply):
-                            warm_len = reader.last_length      # a new shape of STEP: rehearse from a copy of it
+                        if isinstance(reply, StepReply) and warm.wants_sample("frame", reader.last_length):
                             self._rehearse_from(bytes(reader.last_payload()), reply)
         except ConnectionClosed:
             if self._stopping.is_set():
