@@ -100,4 +100,4 @@ class KeepWarm:
 
     def status(self) -> dict:
         return {"enabled": self.enabled, "every_us": self.every_ns / 1e3, "pieces": sorted(self.pieces),
-                "runs": self.runs, "dropped": self.dropped}
+                "runs": self.runs, "dropped": dict(self.dropped)}      # copies: status is read from other threads
