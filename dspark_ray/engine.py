@@ -246,38 +246,33 @@ class RankEngine:
                 e = replace(e, start=self.slots[e.slot].position, rollback_to=-1)
                 if self.check(e) is None:
                     good.append(e)
-        if not good or len(good) > self.graphs.max_requests:
-            return
-        states = [self.slots[e.slot] for e in good]
-        inserts = [(self.slots[e.slot], e.start, t) for e in good if (t := self._taps(e)).shape[0]]
-        self.graphs.rehearse(inserts, states, [e.seed for e in good], max(e.n_out for e in good),
-                             any(e.want_margins for e in good))
+        if good and len(good) <= self.graphs.max_requests:
+            self.graphs.rehearse(*self._batch_args(good))
 
     def _run(self, entries: list[StepEntry], good: list[int]):
         """Rollbacks and inserts of the checked entries, then one batched draft. The graph engine takes every
         insert and the draft in back-to-back replays (no host work between them); the eager path inserts entry by
         entry. A batch wider than the graph set drafts eagerly over the same slots."""
-        n_out = max(entries[i].n_out for i in good)
-        margins = any(entries[i].want_margins for i in good)
-        states = [self.slots[entries[i].slot] for i in good]
-        seeds = [entries[i].seed for i in good]
+        es = [entries[i] for i in good]
+        inserts, states, seeds, n_out, margins = self._batch_args(es)
         if self.graphs is None:
-            for i in good:
-                e = entries[i]
+            for e in es:
                 self.drafter.insert(self.slots[e.slot], e.start, e.token_ids, self._taps(e), e.rollback_to)
             return HostDraft.of(self.drafter.draft(states, seeds, n_out, margins))
-        inserts = []
-        for i in good:
-            e = entries[i]
+        for e in es:
             if e.rollback_to >= 0:
                 self.slots[e.slot].rollback(e.rollback_to)
-            taps = self._taps(e)
-            if taps.shape[0]:
-                inserts.append((self.slots[e.slot], e.start, taps))
         if len(good) <= self.graphs.max_requests:
             return self.graphs.run(inserts, states, seeds, n_out, margins, host=True)
         self.graphs.run(inserts, [], [], n_out, margins)
         return HostDraft.of(self.drafter.draft(states, seeds, n_out, margins))
+
+    def _batch_args(self, es: list[StepEntry]):
+        """A checked batch as the graph set takes it: (inserts (slot, start, taps) of the entries with rows, the
+        drafting slots, seeds, the batch's n_out, whether it wants margins)."""
+        inserts = [(self.slots[e.slot], e.start, t) for e in es if (t := self._taps(e)).shape[0]]
+        return (inserts, [self.slots[e.slot] for e in es], [e.seed for e in es], max(e.n_out for e in es),
+                any(e.want_margins for e in es))
 
     def _hook(self, phase: str) -> None:
         if self.fault_hook is not None:

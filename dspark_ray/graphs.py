@@ -441,8 +441,8 @@ class GraphSet:
         for s, start, taps in inserts:        # the draft reads the slots as they stand after the inserts
             s.advance(start, taps.shape[0])
         # The last chunk runs in the draft's step graph when it fits there (a decode round's rows always do).
-        fits = states and chunks and sum(len(t) for _, _, t in chunks[-1]) <= self.step_rows.get(len(states), 0)
-        beside = chunks.pop() if fits else None
+        beside_rows = self._beside_rows(chunks, len(states))
+        beside = chunks.pop() if beside_rows else None
         for k, chunk in enumerate(chunks):
             if k:
                 inp.writable()
@@ -458,13 +458,12 @@ class GraphSet:
         if beside is not None:          # one graph: the insert beside the draft; both staged before it starts
             if chunks:
                 inp.writable()
-            rows = self.step_rows[len(states)]
-            self._stage_insert(beside, rows)
+            self._stage_insert(beside, beside_rows)
             self._stage_draft(states, seeds)
             stamps["draft_staged"] = now()
             for k in ("first_launch", "insert_launched"):
                 stamps.setdefault(k, stamps["draft_staged"])
-            self._upload(inp.insert_bytes(rows))
+            self._upload(inp.insert_bytes(beside_rows))
             packed = self._replay(self.step_graphs[key])
         else:
             # Staged while the GPU runs the inserts, off the step's critical path. The insert graphs' uploads cover
@@ -487,14 +486,20 @@ class GraphSet:
         if not self.inp.in_use:
             chunks = list(self._chunks(inserts))
             if chunks:
-                rows = sum(len(t) for _, _, t in chunks[-1])
-                beside = self.step_rows.get(len(states), 0) if states else 0
-                self._stage_insert(chunks[-1], beside if rows <= beside else None)
+                self._stage_insert(chunks[-1], self._beside_rows(chunks, len(states)))
             if states:
                 self._stage_draft(states, seeds)
         if states:
             bsz = len(states)
             self._read_outputs(bsz, bsz * ((2 + want_margins) * n_out + 1), n_out, want_margins, True)
+
+    def _beside_rows(self, chunks: list, n_states: int) -> int | None:
+        """The rows of the step graph the last chunk runs in, beside the draft of `n_states` requests, when it fits
+        there; else None (it runs in an insert graph)."""
+        rows = self.step_rows.get(n_states, 0)
+        if chunks and rows and sum(len(t) for _, _, t in chunks[-1]) <= rows:
+            return rows
+        return None
 
     def _upload(self, end: int) -> None:
         if not self.memcpy:              # the graphs upload their inputs themselves when they can
