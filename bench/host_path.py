@@ -44,6 +44,8 @@ def between_calls(kind: str):
         return lambda fn: None
     gap, _, warm = kind.partition("+warm:")
     how, us = gap.split(":")
+    if how not in ("spin", "yield", "sleep"):
+        raise ValueError(f"--between {kind!r}: none, spin:US, yield:US or sleep:US, optionally +warm:US")
     ns = int(float(us) * 1e3)
     warm_ns = int(float(warm) * 1e3) if warm else None
 
@@ -51,8 +53,6 @@ def between_calls(kind: str):
         if how == "sleep":
             time.sleep(n / 1e9)
             return
-        if how not in ("spin", "yield"):
-            raise ValueError(f"--between {kind!r}: none, spin:US, yield:US or sleep:US, optionally +warm:US")
         end = time.perf_counter_ns() + n
         while time.perf_counter_ns() < end:
             if how == "yield":
