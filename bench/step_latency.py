@@ -12,6 +12,8 @@ Prints one JSON object (p50 / p99 / min in ms, config, device, commit).
     .venv/bin/python bench/step_latency.py [--rounds 60] [--out bench/results/step_latency_cpu.json]
     python bench/step_latency.py --preset full --ckpt /tmp/full --rounds 2000 --repeats 3 --pin-ab \
         --rank-cpus 2,3 --frontend-cpus 5 --client-cpu 7        # fresh pairs, alternating, medians of each
+    python bench/step_latency.py --preset full --ckpt /tmp/full --rounds 400 --warmup-rounds 200 --gap-us 20000
+        # as a serving engine steps: its trunk's forward (here 20 ms) between two STEPs
 """
 from __future__ import annotations
 
@@ -69,6 +71,12 @@ def main() -> None:
     ap.add_argument("--rank-cpus", type=cpu_list, help="pin the ranks' step loops: one vCPU per rank (9,12)")
     ap.add_argument("--frontend-cpus", type=cpu_list, help="pin the front-end's endpoint threads (18)")
     ap.add_argument("--client-cpu", type=int, help="pin this bench's client thread to one vCPU")
+    ap.add_argument("--gap-us", type=float, default=0.0,
+                    help="the client busy-waits this long between a reply and its next STEP (the serving engine's "
+                         "trunk forward between two decode rounds: ~10-50 ms); 0: back to back")
+    ap.add_argument("--ring-spin-us", type=float, default=None,
+                    help="PairSpec.ring_spin_us: how long the ranks and the front-end poll before they sleep "
+                         "(default: the spec's, 2 ms on a GPU host)")
     ap.add_argument("--repeats", type=int, default=1, help="deploy a fresh pair this many times (per variant)")
     ap.add_argument("--pin-ab", action="store_true",
                     help="alternate unpinned deployments with ones pinned as --rank-cpus / --frontend-cpus / "
@@ -127,7 +135,9 @@ def main() -> None:
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
     all_cpus = os.sched_getaffinity(0)
-    base = PairSpec(checkpoint=ckpt, tp=2, n_slots=4, backend="push" if gpu else "gloo", device=device)
+    base = PairSpec(checkpoint=ckpt, tp=2, n_slots=4, backend="push" if gpu else "gloo", device=device,
+                    ring_spin_us=a.ring_spin_us)
+    gap_ns = int(a.gap_us * 1e3)
     pinning = {"ranks": a.rank_cpus, "frontend": a.frontend_cpus, "client": a.client_cpu}
     unpinned = {"ranks": None, "frontend": None, "client": None}
 
@@ -150,6 +160,11 @@ def main() -> None:
                     log(f"timed rounds: {a.rounds}")
                 ent = make_entry(slot=gr.slot, generation=gr.generation, seed_token=e.seed, start_pos=e.start,
                                  token_ids=e.token_ids.numpy(), taps=e.taps.numpy(), n_out=5)
+                if gap_ns:
+                    # Busy, like an engine's thread driving its trunk's forward (a sleep would also cool this core).
+                    until = now() + gap_ns
+                    while now() < until:
+                        pass
                 t0 = now()
                 (res,) = c.step([ent], deadline_ms=60_000)
                 if i >= warm:
@@ -226,7 +241,7 @@ def main() -> None:
         "command": "python bench/step_latency.py " + " ".join(sys.argv[1:]),
         "config": {"preset": a.preset, "tp": 2, "backend": base.backend, "requests": 1, "rows_per_round": a.rows,
                    "n_out": 5, "rounds": a.rounds, "warmup_rounds": warm, "repeats": a.repeats,
-                   "pin_ab": a.pin_ab, "client_spin_us": a.client_spin_us,
+                   "pin_ab": a.pin_ab, "client_spin_us": a.client_spin_us, "gap_us": a.gap_us,
                    "server_and_ring_spin_us": base.spin_us,
                    "pinned_vcpus": pinning, "step_graphs": step_graphs_enabled(),
                    "keep_warm_us": keep_warm_period_us() if keep_warm_enabled() else None},

@@ -323,7 +323,8 @@ def test_every_party_keeps_its_step_path_warm_between_steps(pair, cfg, ray_clust
     step_one_request(pair, cfg, n_rounds=4, rows=3)
     st = ray_cluster.get(pair[0].status.remote())
     fe, ranks = st["keep_warm"], [r["keep_warm"] for r in st["ranks"]]
-    assert fe["enabled"] and fe["pieces"] == ["batch", "frame", "reply"] and fe["runs"] > 0 and not fe["dropped"]
+    assert fe["pieces"] == ["batch", "frame_checks", "frame_decode", "frame_reply", "reply"]
+    assert fe["enabled"] and fe["runs"] > 0 and not fe["dropped"]
     assert ranks[0]["pieces"] == ["decode", "engine", "reply"] and ranks[1]["pieces"] == ["decode", "engine"]
     assert all(r["runs"] > 0 and not r["dropped"] for r in ranks), ranks
 

@@ -118,13 +118,29 @@ def test_the_ring_and_socket_waiters_run_their_idle_hook_while_they_spin():
     a, b = socket.socketpair()
     with a, b:
         a.settimeout(None)
-        recv = spinning_recv_into(a, 200_000.0, idle=lambda: calls.append("socket"))
+        recv = spinning_recv_into(a, 200_000.0, idle=lambda ready: calls.append(("socket", ready())))
         late = threading.Timer(0.01, lambda: b.sendall(b"abcd"))      # arrives while the receive polls
         late.start()
         buf = bytearray(4)
         assert recv(memoryview(buf)) == 4 and bytes(buf) == b"abcd"
         late.join()
-    assert calls.count("socket") > 1
+    assert calls.count(("socket", False)) > 1
+
+
+def test_the_socket_waiters_readiness_check_sees_a_frame_that_came_during_a_rehearsal():
+    """A STEP that arrives while the connection thread rehearses stops the rehearsal at the next piece."""
+    a, b = socket.socketpair()
+    ran = []
+    kw = KeepWarm("t", every_us=0, enabled=True)
+    kw.set("first", lambda: (ran.append("first"), b.sendall(b"abcd")))     # the frame comes during this piece
+    kw.set("second", lambda: ran.append("second"))
+    with a, b:
+        a.settimeout(None)
+        recv = spinning_recv_into(a, 200_000.0, idle=kw)
+        buf = bytearray(4)
+        assert recv(memoryview(buf)) == 4 and bytes(buf) == b"abcd"
+    assert ran == ["first"]                     # the second piece waits for the next wait
+    assert kw._start == 1                       # ... and runs first then
 
 
 def test_rehearsing_an_entry_whose_slot_is_gone_or_full_does_nothing(cfg, ckpt):

@@ -198,16 +198,19 @@ class TcpServer:
 
     def _rehearse_from(self, payload: bytes, reply: StepReply) -> None:
         """Rehearse this STEP's decode, the handler's checks (its `rehearse`) and the reply's encoding between
-        frames (keep_warm.py); into a writer of its own, since any connection's thread may run it."""
+        frames (keep_warm.py); into a writer of its own, since any connection's thread may run it. Three pieces, so
+        a frame that arrives during a rehearsal waits for one of them at most (the poll's readiness check runs
+        between pieces)."""
         handler_rehearse = getattr(self.handler, "rehearse", None)
         scratch = FrameWriter(self.max_frame_bytes)
+        decoded = [decode_payload(MsgType.STEP, payload)]    # the checks' input, renewed by each decode piece
 
-        def piece():
-            msg = decode_payload(MsgType.STEP, payload)
-            if handler_rehearse is not None:
-                handler_rehearse(msg)
-            scratch._encode(reply, 0)
-        self.keep_warm.set("frame", piece)
+        def decode():
+            decoded[0] = decode_payload(MsgType.STEP, payload)
+        self.keep_warm.set("frame_decode", decode)
+        if handler_rehearse is not None:
+            self.keep_warm.set("frame_checks", lambda: handler_rehearse(decoded[0]))
+        self.keep_warm.set("frame_reply", lambda: scratch._encode(reply, 0))
 
     def _dispatch(self, conn: _Conn, msg: object, received_ns: int, greeted: bool) -> object:
         session = conn.session
