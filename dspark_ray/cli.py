@@ -98,7 +98,8 @@ def cmd_serve(a, *, then=None) -> int:
     try:
         spec = PairSpec(checkpoint=os.path.abspath(ckpt), tp=a.tp, n_slots=a.slots, backend=backend, device=device,
                         collective_timeout_s=a.collective_timeout, rank_cpus=a.rank_cpus,
-                        frontend_cpus=a.frontend_cpus)
+                        frontend_cpus=a.frontend_cpus,
+                        ring_spin_us=None if a.spin_ms is None else a.spin_ms * 1e3)
     except ValueError as e:
         print(f"dspark-ray serve: {e}", file=sys.stderr)
         return 2
@@ -229,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--collective-timeout", type=float, default=10.0)
         sp.add_argument("--rank-cpus", type=cpu_list, help="vCPUs for the ranks' step loops, one per rank: 9,12")
         sp.add_argument("--frontend-cpus", type=cpu_list, help="vCPUs for the front-end's endpoint threads")
+        sp.add_argument("--spin-ms", type=float,
+                        help="how long the ranks and the front-end poll for the next STEP before they sleep "
+                             "(default 100 on a GPU host: longer than a trunk's forward; 0.05 on a CPU)")
 
     sp = sub.add_parser("serve", help="deploy one pair and serve STEP")
     serve_args(sp)

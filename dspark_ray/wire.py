@@ -199,7 +199,8 @@ def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None,
 
     Why: a thread blocked in recv sleeps, and a core idle for the ~1.5 ms of a step goes into a deeper sleep state;
     waking it cost 20-50 us per hop on the GPU host (and ~50 us on the 2-core VM, bench/tcp_roundtrip.py), against
-    ~1 us per poll. The ring's parties spin the same way. 0: plain blocking reads."""
+    ~1 us per poll. The ring's parties spin the same way. The spin counts from the last bytes received, so a
+    reader that wakes from a timeout between frames (an idle connection) blocks at once. 0: plain blocking reads."""
     if spin_us <= 0:
         return sock.recv_into
     spin_ns = int(spin_us * 1e3)
@@ -212,13 +213,17 @@ def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None,
         def ready() -> bool:
             return bool(poller.poll(0))
 
+    last = [clock()]          # when bytes last came: the spin counts from there, not from each call
+
     def recv(view: memoryview) -> int:
-        if gate is None or gate.acquire(blocking=False):
+        deadline = last[0] + spin_ns
+        if clock() < deadline and (gate is None or gate.acquire(blocking=False)):
             try:
-                deadline = clock() + spin_ns
                 while True:
                     try:
-                        return recv_into(view, 0, dontwait)
+                        n = recv_into(view, 0, dontwait)
+                        last[0] = clock()
+                        return n
                     except BlockingIOError:
                         if clock() > deadline:
                             break
@@ -227,5 +232,7 @@ def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None,
             finally:
                 if gate is not None:
                     gate.release()
-        return recv_into(view)
+        n = recv_into(view)
+        last[0] = clock()
+        return n
     return recv

@@ -243,6 +243,30 @@ def test_a_polling_receive_gets_bytes_sent_while_it_polls_and_after_it_blocked()
         a.close()
 
 
+def test_a_polling_receive_counts_its_spin_from_the_last_bytes_received():
+    """An idle connection does not spin again each time its read wakes: the spin window starts at the last bytes
+    received (serving spins through the trunk's forward between STEPs, then sleeps)."""
+    a, b = socket.socketpair()
+    try:
+        bound_blocking_io(a, 2.0)
+        buf = memoryview(bytearray(8))
+        recv = spinning_recv_into(a, 150_000.0)
+        b.sendall(b"ab")
+        assert recv(buf) == 2                             # bytes at once: the window restarts now
+        time.sleep(0.2)                                   # past the window, idle
+        threading.Timer(0.1, b.sendall, args=(b"cd",)).start()
+        c0 = time.thread_time()
+        assert recv(buf) == 2 and bytes(buf[:2]) == b"cd"
+        assert time.thread_time() - c0 < 0.03             # blocked at once, no 150 ms spin
+        threading.Timer(0.06, b.sendall, args=(b"ef",)).start()
+        c0 = time.thread_time()
+        assert recv(buf) == 2                             # within the window of "cd": polled for it
+        assert time.thread_time() - c0 > 0.03
+    finally:
+        a.close()
+        b.close()
+
+
 # ---- a bad connection is closed alone ------------------------------------------------------------------------------
 def _bad_magic():
     return b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"

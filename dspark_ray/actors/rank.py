@@ -39,9 +39,12 @@ class PairSpec:
     collective_timeout_s: float = 10.0
     step_timeout_s: float | None = None    # the watchdog's bound on one step; None: 2 x collective timeout + 5 s
     torch_threads: int = 1
-    # How long a ring party spins before it sleeps on its doorbell. A sleeping party costs a wake-up (~0.3 ms
-    # measured on the 2-core CPU machine, bench/ring_roundtrip.py); a GPU host has cores to spare, so its ranks
-    # and front-end spin through the gap between back-to-back steps. None: 50 us on CPU, 2 ms on GPU.
+    # How long a ring party (and the front-end's socket threads) spins before it sleeps. A sleeping party costs a
+    # wake-up (~0.3 ms measured on the 2-core CPU machine, bench/ring_roundtrip.py). A GPU host has cores to
+    # spare, so its ranks and front-end spin through the gap between two STEPs, which in serving is the trunk's
+    # forward (~10-50 ms): on the H200 pair with 20 ms between STEPs, a 2 ms spin cost 0.61-0.74 ms outside the
+    # ranks' work against 0.28-0.29 with 100 ms (bench/results/gpu/step_gap_spin_h200x2.json). After 100 ms
+    # without a STEP the parties sleep and cost nothing. None: 50 us on CPU, 100 ms on GPU.
     ring_spin_us: float | None = None
     # The step engine: the graph set's static-buffer step (None / True: on; captured as CUDA graphs on a GPU, run
     # uncaptured on a CPU: the same host path and the same bits; False: the eager per-entry path) and the matmul
@@ -67,7 +70,7 @@ class PairSpec:
     def spin_us(self) -> float:
         if self.ring_spin_us is not None:
             return self.ring_spin_us
-        return 2000.0 if self.device.startswith("cuda") else 50.0
+        return 100_000.0 if self.device.startswith("cuda") else 50.0
 
 
 class RankWorker:
@@ -165,9 +168,12 @@ class RankWorker:
         warm = self.keep_warm
         if self.engine.graphs is not None and warm.enabled:
             self.engine.graphs.while_waiting = warm
+        spin_us, last_step = self.spec.spin_us, time.monotonic()
         while not self._stop:
             try:
-                seq, view = self.reader.next(timeout_s=1.0, idle=warm)
+                # The spin counts from the last step: an idle rank that wakes from a timeout sleeps again at once.
+                left_us = max(0.0, spin_us - (time.monotonic() - last_step) * 1e6)
+                seq, view = self.reader.next(timeout_s=1.0, spin_us=left_us, idle=warm)
             except RingTimeout:
                 continue
             except RingClosed:
@@ -199,6 +205,7 @@ class RankWorker:
                 self._rehearse_from(bytes(view), width, outs)    # a copy: the view is the ring's until complete()
             self.reader.complete(seq, status, payload)
             warm.ran()
+            last_step = time.monotonic()
             self.stamps.add(row)
 
     def _rehearse_from(self, batch: bytes, width: int, outs) -> None:

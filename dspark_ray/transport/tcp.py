@@ -44,7 +44,7 @@ class TcpServer:
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_timeout_s: float = 5.0, spin_us: float = 0.0,
                  max_pollers: int = 2, on_thread_start=None, keep_warm=None):
         """`spin_us`: how long a connection thread polls for the next frame before it blocks in recv (see
-        wire.spinning_recv_into; the front-end passes the ring's spin: 2 ms on a GPU host, 50 us on a CPU). At most
+        wire.spinning_recv_into; the front-end passes the ring's spin: 100 ms on a GPU host, 50 us on a CPU). At most
         `max_pollers` threads poll at once, the others block at once: every poll takes the interpreter lock, and
         many polling threads would slow the one that has a STEP to run. `on_thread_start`: called first in the accept
         thread (the front-end pins it there to its vCPUs; the connection threads it starts inherit its affinity).
