@@ -144,6 +144,7 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, matmul, 
             inserts.append((gs.slots[r], pos, taps))
             d.insert(eager[r], pos, torch.zeros(n, dtype=torch.int64), taps)
         seeds = [int(x) for x in torch.randint(0, cfg.vocab_size, (bsz,), generator=g)]
+        gs.rehearse_launch()                         # keep_warm's launch between steps changes no bit
         got = gs.run(inserts, gs.slots[:bsz], seeds, n_out, margins)
         want = d.draft(eager[:bsz], seeds, n_out, margins)
         for k in ("drafts", "confidences", "confident_len") + (("margins",) if margins else ()):
@@ -151,6 +152,13 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, matmul, 
         for r in range(bsz):
             assert torch.equal(gs.slots[r].kv, eager[r].kv), (bsz, n_out, margins, r)
             assert gs.slots[r].position == eager[r].position
+    torch.cuda.synchronize()
+    assert int(gs._noop_buf) == 1 + len(gs.step_graphs)      # its warm-up, then one launch before each step
+    gs.inp.in_use = True                                       # as while a step is in flight: no launch
+    gs.rehearse_launch()
+    torch.cuda.synchronize()
+    assert int(gs._noop_buf) == 1 + len(gs.step_graphs)
+    gs.inp.in_use = False
 
 
 def test_programmatic_dependent_launch_keeps_the_bits(cfg, ckpt, matmul):

@@ -216,6 +216,8 @@ class RankWorker:
             entries[:] = M.to_step_entries(M.decode_batch(batch), width)
         self.keep_warm.set("decode", decode)
         self.keep_warm.set("engine", lambda: engine.rehearse(entries))
+        if engine.graphs is not None and engine.graphs.cuda and os.environ.get("DSPARK_KEEP_WARM_LAUNCH") != "0":
+            self.keep_warm.set("launch", engine.graphs.rehearse_launch)
         if self.rank == 0:
             self.keep_warm.set("reply", lambda: M.encode(M.RankReply(M.to_rank_results(outs))))
 
