@@ -149,6 +149,7 @@ def main() -> None:
         log(f"serving on {endpoint}")
         host, port = endpoint.rsplit(":", 1)
         client = []                               # per round: (sent, received), stamps.now
+        sent = []                                 # per round: the client's encode and send call, ns
         os.sched_setaffinity(0, {pins["client"]} if pins["client"] is not None else all_cpus)  # the client's thread
         with DrafterClient(host, int(port), timeout_s=60, spin_us=a.client_spin_us) as c:
             c.hello(client="step_latency bench")
@@ -169,13 +170,14 @@ def main() -> None:
                 (res,) = c.step([ent], deadline_ms=60_000)
                 if i >= warm:
                     client.append((t0, now()))
+                    sent.append(c.last_sent_ns - t0)
                 assert res.code == Code.OK, res.reason
             log("timed rounds: done")
             status = ray.get(fe.status.remote())
         st = ray.get(fe.stamps.remote())
         teardown("bench")
         os.sched_setaffinity(0, all_cpus)
-        return {"client": client, "stamps": st, "before": before, "status": status}
+        return {"client": client, "sent": sent, "stamps": st, "before": before, "status": status}
 
     def analyze(run: dict) -> dict:
         """The round trip, its hops, the ranks' phases, the threads: one deployment's figures."""
@@ -189,6 +191,9 @@ def main() -> None:
             "processes": {"frontend": status.get("process"), "ranks": [r.get("process") for r in status["ranks"]]},
             "rank0_engine_step": summary(rank_ms),
             "tcp_step": summary(tcp),
+            # The client's own part of client_to_server: encoding the STEP and the send call (on loopback the send
+            # call also runs the receiving side's TCP processing).
+            "client_encode_and_send": summary([x / 1e6 for x in run["sent"]]),
             # What the service adds around the ranks' own step: front-end checks, batching, ring, TCP, client.
             "overhead_p50_ms": round(statistics.median(tcp) - statistics.median(rank_ms), 3),
             # Where a round trip goes, hop by hop (p50 of each hop over the rounds; the hops of one round add up to

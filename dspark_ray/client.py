@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import Sequence
 
 from .contract import (Acquire, AcquireReply, Code, Entry, EntryResult, ErrorReply, Hello, HelloReply, Limits,
@@ -55,6 +56,7 @@ class DrafterClient:
         self._writer = FrameWriter()
         self._lock = threading.Lock()      # one request in flight: replies are matched by order and request id
         self._next_id = 1
+        self.last_sent_ns = 0
         self.hello_reply: HelloReply | None = None
 
     @property
@@ -128,6 +130,7 @@ class DrafterClient:
             name = type(msg).__name__
             try:
                 self._writer.send(self._sock.sendall, msg, request_id)
+                self.last_sent_ns = time.monotonic_ns()    # the request encoded and handed to the socket
             except FrameError as e:      # refused by the encoder before a byte was sent: the stream is intact
                 raise ClientError(f"{name} not sent to {self.endpoint}: {e}") from None
             except OSError as e:

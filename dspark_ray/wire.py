@@ -135,6 +135,7 @@ class FrameReader:
                  wait_between_frames: bool = False):
         self.max_frame_bytes = max_frame_bytes
         self._recv_into = recv_into
+        self._restart = getattr(recv_into, "restart", None)
         self._wait_between_frames = wait_between_frames
         self._header = memoryview(bytearray(HEADER_SIZE))
         self._payload = bytearray(64 << 10)       # grows to the largest frame seen, never shrinks
@@ -143,6 +144,8 @@ class FrameReader:
     def read(self) -> Frame:
         """The next frame. ConnectionClosed at a clean end of stream; FrameError for anything else wrong; a timeout
         between frames (without `wait_between_frames`) and other socket errors pass through."""
+        if self._restart is not None:        # a polling recv spins from here (spinning_recv_into)
+            self._restart()
         self._fill(self._header, at_boundary=True)
         received_ns = time.monotonic_ns()
         mtype, request_id, length = parse_header(self._header, self.max_frame_bytes)
@@ -199,8 +202,9 @@ def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None,
 
     Why: a thread blocked in recv sleeps, and a core idle for the ~1.5 ms of a step goes into a deeper sleep state;
     waking it cost 20-50 us per hop on the GPU host (and ~50 us on the 2-core VM, bench/tcp_roundtrip.py), against
-    ~1 us per poll. The ring's parties spin the same way. The spin counts from the last bytes received, so a
-    reader that wakes from a timeout between frames (an idle connection) blocks at once. 0: plain blocking reads."""
+    ~1 us per poll. The ring's parties spin the same way. The spin counts from the last bytes received or the
+    last `recv.restart()` (FrameReader.read calls it as a frame's read begins), not from each call, so a reader
+    that wakes from a timeout between frames (an idle connection) blocks at once. 0: plain blocking reads."""
     if spin_us <= 0:
         return sock.recv_into
     spin_ns = int(spin_us * 1e3)
@@ -213,7 +217,7 @@ def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None,
         def ready() -> bool:
             return bool(poller.poll(0))
 
-    last = [clock()]          # when bytes last came: the spin counts from there, not from each call
+    last = [clock()]          # the spin counts from here: the last bytes received, or the last restart()
 
     def recv(view: memoryview) -> int:
         deadline = last[0] + spin_ns
@@ -235,4 +239,8 @@ def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None,
         n = recv_into(view)
         last[0] = clock()
         return n
+
+    def restart() -> None:
+        last[0] = clock()
+    recv.restart = restart
     return recv

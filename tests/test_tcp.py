@@ -243,9 +243,10 @@ def test_a_polling_receive_gets_bytes_sent_while_it_polls_and_after_it_blocked()
         a.close()
 
 
-def test_a_polling_receive_counts_its_spin_from_the_last_bytes_received():
+def test_a_polling_receive_counts_its_spin_from_the_last_bytes_received_or_its_restart():
     """An idle connection does not spin again each time its read wakes: the spin window starts at the last bytes
-    received (serving spins through the trunk's forward between STEPs, then sleeps)."""
+    received, or where a frame's read began (serving spins through the trunk's forward between STEPs, then
+    sleeps; a client spins for the reply to what it just sent)."""
     a, b = socket.socketpair()
     try:
         bound_blocking_io(a, 2.0)
@@ -262,6 +263,16 @@ def test_a_polling_receive_counts_its_spin_from_the_last_bytes_received():
         c0 = time.thread_time()
         assert recv(buf) == 2                             # within the window of "cd": polled for it
         assert time.thread_time() - c0 > 0.03
+        time.sleep(0.2)
+        recv.restart()                                    # a frame's read begins: a new window
+        threading.Timer(0.06, b.sendall, args=(b"gh",)).start()
+        c0 = time.thread_time()
+        assert recv(buf) == 2 and time.thread_time() - c0 > 0.03
+        time.sleep(0.2)                                   # past the window again
+        reader = wire.FrameReader(recv)                   # read() restarts the window itself
+        threading.Timer(0.06, b.sendall, args=(wire.encode(C.Hello(client="y"), 8),)).start()
+        c0 = time.thread_time()
+        assert reader.read().request_id == 8 and time.thread_time() - c0 > 0.03
     finally:
         a.close()
         b.close()
