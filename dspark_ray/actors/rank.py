@@ -216,7 +216,10 @@ class RankWorker:
             entries[:] = M.to_step_entries(M.decode_batch(batch), width)
         self.keep_warm.set("decode", decode)
         self.keep_warm.set("engine", lambda: engine.rehearse(entries))
-        if engine.graphs is not None and engine.graphs.cuda and os.environ.get("DSPARK_KEEP_WARM_LAUNCH") != "0":
+        # Opt-in: on the H200 pair it cut the rank's cold graph launch from 120-156 to 39-43 us with STEPs 20 ms
+        # apart, but the round trip gained nothing: the front-end's hops were slower in two of three runs with it
+        # (bench/results/gpu/keep_warm_launch_ab_h200x2.json).
+        if engine.graphs is not None and engine.graphs.cuda and os.environ.get("DSPARK_KEEP_WARM_LAUNCH") == "1":
             self.keep_warm.set("launch", engine.graphs.rehearse_launch)
         if self.rank == 0:
             self.keep_warm.set("reply", lambda: M.encode(M.RankReply(M.to_rank_results(outs))))
