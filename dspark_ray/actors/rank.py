@@ -65,6 +65,8 @@ class PairSpec:
             cpus = getattr(self, name)
             if cpus is not None and (not cpus or any(int(c) < 0 for c in cpus)):
                 raise ValueError(f"{name} {list(cpus)}: vCPU numbers >= 0, at least one")
+        if self.ring_spin_us is not None and not self.ring_spin_us >= 0:
+            raise ValueError(f"ring_spin_us {self.ring_spin_us}: a spin of 0 us or more")
 
     @property
     def spin_us(self) -> float:
