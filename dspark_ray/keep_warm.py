@@ -42,6 +42,8 @@ class KeepWarm:
         self.every_ns = int((keep_warm_period_us() if every_us is None else every_us) * 1e3)
         self.enabled = keep_warm_enabled() if enabled is None else enabled
         self.pieces: dict[str, Callable[[], object]] = {}
+        self._own_every: dict[str, int] = {}         # pieces with a period of their own (ns) ...
+        self._own_next: dict[str, int] = {}          # ... and when each may run next
         self.runs = 0
         self.dropped: dict[str, str] = {}
         self._next_ns = 0
@@ -49,10 +51,16 @@ class KeepWarm:
         self._samples: dict[str, tuple[int, int]] = {}     # per source: (size, time) of the last sample taken
         self._lock = threading.Lock()
 
-    def set(self, name: str, fn: Callable[[], object]) -> None:
-        """Rehearse `fn` from now on in place of the last piece of that name (a dropped piece stays dropped)."""
+    def set(self, name: str, fn: Callable[[], object], every_us: float | None = None) -> None:
+        """Rehearse `fn` from now on in place of the last piece of that name (a dropped piece stays dropped).
+        `every_us`: a longer period of its own for this piece (it runs with a run of the others once that much
+        has passed since it last ran); None: every run."""
         if self.enabled and name not in self.dropped:
             self.pieces[name] = fn
+            if every_us is None:
+                self._own_every.pop(name, None)
+            else:
+                self._own_every[name] = int(every_us * 1e3)
 
     def wants_sample(self, source: str, size: int, every_s: float = 0.5) -> bool:
         """Whether to build `source`'s rehearsal from the step just run (its inputs are `size` bytes): yes for the
@@ -85,6 +93,12 @@ class KeepWarm:
                     self._start = (self._start + k) % len(names)
                     return
                 fn = self.pieces.get(name)
+                own = self._own_every.get(name)
+                if own is not None:
+                    t = time.monotonic_ns()
+                    if t < self._own_next.get(name, 0):
+                        continue
+                    self._own_next[name] = t + own
                 try:
                     if fn is not None:
                         fn()

@@ -42,6 +42,22 @@ def test_pieces_run_at_most_once_a_period_and_a_failing_one_is_dropped_alone(cap
     assert calls == ["a", "a2"]
 
 
+def test_a_piece_with_a_period_of_its_own_runs_at_most_that_often():
+    kw = KeepWarm("test", every_us=0, enabled=True)
+    calls = []
+    kw.set("often", lambda: calls.append("often"))
+    kw.set("rare", lambda: calls.append("rare"), every_us=50_000)
+    kw()
+    kw()
+    assert calls == ["often", "rare", "often"]
+    time.sleep(0.06)
+    kw()
+    assert calls[3:] == ["often", "rare"]
+    kw.set("rare", lambda: calls.append("rare2"))    # set again without a period: every run
+    kw()
+    assert calls[5:] == ["often", "rare2"]
+
+
 def test_a_rehearsal_stops_between_pieces_once_the_wait_is_over_and_resumes_there():
     kw = KeepWarm("test", every_us=0, enabled=True)
     calls = []

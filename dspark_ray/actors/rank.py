@@ -222,7 +222,8 @@ class RankWorker:
         # apart, but the round trip gained nothing: the front-end's hops were slower in two of three runs with it
         # (bench/results/gpu/keep_warm_launch_ab_h200x2.json).
         if engine.graphs is not None and engine.graphs.cuda and os.environ.get("DSPARK_KEEP_WARM_LAUNCH") == "1":
-            self.keep_warm.set("launch", engine.graphs.rehearse_launch)
+            every = os.environ.get("DSPARK_KEEP_WARM_LAUNCH_US")      # a period of its own; unset: every run
+            self.keep_warm.set("launch", engine.graphs.rehearse_launch, float(every) if every else None)
         if self.rank == 0:
             self.keep_warm.set("reply", lambda: M.encode(M.RankReply(M.to_rank_results(outs))))
 
