@@ -134,6 +134,13 @@ def step_threads(facts: dict | None, prefix: str) -> str:
                      for t in threads_named(facts, prefix)) or "-"
 
 
+def asleep(w: dict | None) -> str:
+    """A party's wake_ups (wake_ups.py) in a few words."""
+    if not w:
+        return "no STEPs counted yet"
+    return f"{w['after_sleep']} of {w['steps']} STEPs found it asleep (spin {w['spin_ms']:g} ms)"
+
+
 def cmd_status(a) -> int:
     import ray
     from .actors.placement import find
@@ -151,11 +158,12 @@ def cmd_status(a) -> int:
     print(f"  slots {st['slots']['held']}/{st['slots']['capacity']} held, {st['sessions']} sessions; "
           f"steps {st['stats']['steps']}, batches {st['stats']['batches']}, entries {st['stats']['entries']}")
     print(f"  supervisor: {st['supervisor']}")
-    print(f"  endpoint threads: {step_threads(st.get('process'), 'tcp-')}")
+    print(f"  endpoint threads: {step_threads(st.get('process'), 'tcp-')}; {asleep(st.get('wake_ups'))}")
     for r in st["ranks"]:
         loop = step_threads(r.get("process"), f"dspark-rank{r.get('rank')}")
         print(f"  rank {r.get('rank')}: pid {r.get('pid')}, steps {r.get('steps')}, failed {r.get('failed_steps')},"
-              f" broken {r.get('broken')}, last error {r.get('last_error') or '-'}; step loop: {loop}")
+              f" broken {r.get('broken')}, last error {r.get('last_error') or '-'}; step loop: {loop}; "
+              f"{asleep(r.get('wake_ups'))}")
     for e in st["last_errors"]:
         print(f"  error: {e}")
     return 0

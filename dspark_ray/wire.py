@@ -236,6 +236,7 @@ def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None,
             finally:
                 if gate is not None:
                     gate.release()
+        recv.blocked += 1
         n = recv_into(view)
         last[0] = clock()
         return n
@@ -243,4 +244,5 @@ def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None,
     def restart() -> None:
         last[0] = clock()
     recv.restart = restart
+    recv.blocked = 0          # reads that outlasted the spin (or found the gate taken) and blocked
     return recv

@@ -6,6 +6,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -62,11 +63,13 @@ def to_entry(e, slot, gen, **over):
     return make_entry(**kw)
 
 
-def step_one_request(pair, cfg, n_rounds: int, rows: int) -> None:
-    """`n_rounds` STEPs of one request with `rows` fresh rows each, every one answered OK."""
+def step_one_request(pair, cfg, n_rounds: int, rows: int, gap_s: float = 0.0) -> None:
+    """`n_rounds` STEPs of one request with `rows` fresh rows each, every one answered OK, `gap_s` apart."""
     with client(pair) as c:
         (gr,) = acquire_when_free(c, 1)
         for k in range(n_rounds):
+            if k:
+                time.sleep(gap_s)
             e = make_entry(slot=gr.slot, generation=gr.generation, seed_token=5, start_pos=rows * k,
                            token_ids=np.arange(rows), taps=workload.make_taps(cfg, rows, torch.Generator()).numpy())
             assert c.step([e], deadline_ms=60_000)[0].code == Code.OK
@@ -336,6 +339,26 @@ def test_every_party_keeps_its_step_path_warm_between_steps(pair, cfg, ray_clust
     assert ranks[0]["pieces"] == ["decode", "engine", *launch, "reply"]
     assert ranks[1]["pieces"] == ["decode", "engine", *launch]
     assert all(r["runs"] > 0 and not r["dropped"] for r in ranks), ranks
+
+
+def test_every_party_counts_the_steps_that_found_it_asleep(pair, cfg, ray_cluster):
+    """STEPs further apart than the parties' spin each find the endpoint's thread and both ranks asleep, and each
+    party says so in its status (wake_ups.py; the front-end also as the dspark_steps_after_sleep gauge)."""
+    def counts():
+        st = ray_cluster.get(pair[0].status.remote())
+        return [st["wake_ups"]] + [r["wake_ups"] for r in st["ranks"]]
+    before = counts()
+    spin_s = before[0]["spin_ms"] / 1e3
+    assert [b["spin_ms"] for b in before] == [before[0]["spin_ms"]] * 3
+    step_one_request(pair, cfg, n_rounds=4, rows=2, gap_s=spin_s + 0.1)
+    after = counts()
+    for party, b, a in zip(("front-end", "rank 0", "rank 1"), before, after):
+        assert a["steps"] - b["steps"] == 4, party
+        assert a["after_sleep"] - b["after_sleep"] >= 3, party        # (the first may follow a busy earlier test)
+    from dspark_ray.cli import asleep                                # what `dspark-ray status` prints of it
+    assert asleep(after[1]) == f"{after[1]['after_sleep']} of {after[1]['steps']} STEPs found it asleep (spin " \
+                               f"{after[1]['spin_ms']:g} ms)"
+    assert asleep(None) == "no STEPs counted yet"
 
 
 def test_every_party_stamps_a_step_and_the_hops_join_in_path_order(pair, cfg, ray_cluster):

@@ -190,3 +190,38 @@ def test_the_gpu_wait_polls_its_event_and_runs_the_hook_with_the_events_own_chec
     inp.synchronize(lambda ready: seen.append(ready.__self__ is inp.uploaded))
     assert seen == [True] * 3 and inp.uploaded.synced and not inp.in_use
 
+
+
+def test_waits_that_outlast_their_spin_are_counted_and_a_mostly_asleep_party_says_so_once(caplog):
+    """The ring's and the socket's waits count the ones that slept; `WakeUps` reports the STEPs that found a party
+    asleep and logs one hint when most of a window did (wake_ups.py)."""
+    import logging
+
+    from dspark_ray.wake_ups import WINDOW, WakeUps
+    w = StepRing.create("dsr-wake", n_readers=1, spin_us=20_000)
+    try:
+        r = StepRing.attach(w.handle, 0)
+        w.publish(b"x")
+        r.next(timeout_s=1.0)                                  # there already: no sleep
+        threading.Timer(0.05, w.publish, args=(b"y",)).start()
+        r.next(timeout_s=1.0, spin_us=1_000)                   # came after the 1 ms spin: slept
+        threading.Timer(0.01, w.publish, args=(b"z",)).start()
+        r.next(timeout_s=1.0, spin_us=200_000)                 # came within the spin
+        assert r.sleeps == 1
+        r.close()
+    finally:
+        w.unlink()
+    a, b = socket.socketpair()
+    with a, b:
+        recv = spinning_recv_into(a, 1_000.0)
+        threading.Timer(0.05, b.sendall, args=(b"ab",)).start()
+        assert recv(memoryview(bytearray(2))) == 2 and recv.blocked == 1
+        b.sendall(b"cd")
+        assert recv(memoryview(bytearray(2))) == 2 and recv.blocked == 1
+    wu = WakeUps("rank 9", 2_000.0)
+    with caplog.at_level(logging.INFO, logger="dspark_ray.wake_ups"):
+        for k in range(3 * WINDOW):
+            wu.add(k % 4 != 0)                                 # 75 % asleep
+    assert wu.status() == {"steps": 3 * WINDOW, "after_sleep": 3 * WINDOW * 3 // 4, "spin_ms": 2.0}
+    hints = [m for m in caplog.messages if "found it asleep" in m]
+    assert len(hints) == 1 and hints[0].startswith("rank 9: 75% of the last 100 STEPs found it asleep")

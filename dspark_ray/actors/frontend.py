@@ -194,7 +194,7 @@ class _Metrics:
                                    boundaries=[1, 2, 5, 10, 20, 60], tag_keys=("pair",))
         self.gauges = {k: Gauge(f"dspark_{k}", k.replace("_", " "), tag_keys=("pair",))
                        for k in ("steps", "batches", "entries", "internal", "deadline", "unavailable",
-                                 "slots_held", "worker_generation")}
+                                 "slots_held", "worker_generation", "steps_after_sleep")}
         for m in (self.restarts, self.restart_s, *self.gauges.values()):
             m.set_default_tags(tags)
 
@@ -202,8 +202,10 @@ class _Metrics:
         self.restarts.inc()
         self.restart_s.observe(seconds)
 
-    def observe(self, service, supervisor) -> None:
+    def observe(self, service, supervisor, wake_ups=None) -> None:
         st = service.status()
+        if wake_ups is not None:      # STEPs that found the endpoint's thread asleep (wake_ups.py)
+            self.gauges["steps_after_sleep"].set(wake_ups.after_sleep)
         for k in ("steps", "batches", "entries", "internal", "deadline", "unavailable"):
             self.gauges[k].set(st["stats"][k])
         self.gauges["slots_held"].set(st["slots"]["held"])
@@ -279,13 +281,15 @@ def frontend_actor_class():
             return self.load_progress
 
         def status(self) -> dict:
-            self.metrics.observe(self.service, self.supervisor)
+            self.metrics.observe(self.service, self.supervisor, self.server.wake_ups)
             return {"rss_bytes": _rss_bytes(), "process": process_facts(), "name": self.name,
                     "endpoint": self.server.endpoint if self.started else None,
                     "tp": self.spec.tp, "backend": self.spec.backend, "model_digest": self.identity.model_digest,
                     "pid": os.getpid(), "env": {k: os.environ.get(k) for k in SAFE_ENV},
                     **self.service.status(), "supervisor": self.supervisor.status(),
-                    "keep_warm": self.keep_warm.status(), "ranks": self.manager.status()}
+                    "keep_warm": self.keep_warm.status(),
+                    "wake_ups": self.server.wake_ups.status(),
+                    "ranks": self.manager.status()}
 
         def set_fault(self, rank: int, kind: str | None, **params) -> str:
             import ray

@@ -19,6 +19,7 @@ import torch
 from ..engine import EngineBroken, RankEngine, StepFailed
 from ..keep_warm import KeepWarm
 from ..stamps import Stamps, cpu_now, now
+from ..wake_ups import WakeUps
 from . import messages as M
 from .scheduling import pin_thread, process_facts, raise_priority
 
@@ -89,6 +90,7 @@ class RankWorker:
         self._stop = False
         self.stamps = Stamps()           # per step: the ring's seq, got / the engine's phases / encoded
         self.keep_warm = KeepWarm(f"rank {rank}")
+        self.wake_ups = None             # the step loop's (wake_ups.py), from its start
 
     # -- start-up --------------------------------------------------------------------------------------------------
     def load(self) -> dict:
@@ -170,16 +172,20 @@ class RankWorker:
         warm = self.keep_warm
         if self.engine.graphs is not None and warm.enabled:
             self.engine.graphs.while_waiting = warm
-        spin_us, last_step = self.spec.spin_us, time.monotonic()
+        spin_us, last_step, slept_since = self.spec.spin_us, time.monotonic(), False
+        self.wake_ups = WakeUps(f"rank {self.rank}", spin_us)
         while not self._stop:
             try:
                 # The spin counts from the last step: an idle rank that wakes from a timeout sleeps again at once.
                 left_us = max(0.0, spin_us - (time.monotonic() - last_step) * 1e6)
+                slept = self.reader.sleeps
                 seq, view = self.reader.next(timeout_s=1.0, spin_us=left_us, idle=warm)
             except RingTimeout:
+                slept_since = slept_since or self.reader.sleeps != slept    # the next step comes after it
                 continue
             except RingClosed:
                 break
+            woke, slept_since = slept_since or self.reader.sleeps != slept, False
             row = {"seq": seq, "got": now(), "cpu_got": cpu_now()}
             status, payload = M.STATUS_OK, b""
             try:
@@ -209,6 +215,7 @@ class RankWorker:
             warm.ran()
             last_step = time.monotonic()
             self.stamps.add(row)
+            self.wake_ups.add(woke)
 
     def _rehearse_from(self, batch: bytes, width: int, outs) -> None:
         """Rehearse this batch's decode, checks and staging (and rank 0 its answer's encoding) between steps."""
@@ -231,6 +238,7 @@ class RankWorker:
         st = self.engine.status() if self.engine else {"rank": self.rank, "loading": self.progress()}
         st["pid"] = os.getpid()
         st["keep_warm"] = self.keep_warm.status()
+        st["wake_ups"] = self.wake_ups.status() if self.wake_ups is not None else None
         st["process"] = process_facts()
         st["env"] = {k: os.environ.get(k) for k in SAFE_ENV}
         return st

@@ -265,6 +265,7 @@ class _End:
         self._label = f"StepRing {handle.name!r} {label}"
         self._spin_s = handle.spin_us * 1e-6
         self._nap_s = handle.nap_s
+        self.sleeps = 0           # waits that outlasted their spin and slept (each then cost a wake-up)
 
     @property
     def handle(self) -> RingHandle:
@@ -288,6 +289,7 @@ class _End:
         now = time.monotonic()
         deadline = now + timeout_s
         spin_until = now + (self._spin_s if spin_us is None else spin_us * 1e-6)
+        slept = False
         while True:
             self._check()
             if now < spin_until:
@@ -295,6 +297,9 @@ class _End:
                 if idle is not None:
                     idle(ready)
             else:
+                if not slept:
+                    slept = True
+                    self.sleeps += 1
                 w[sleeping_word] = 1
                 _full_fence()                 # the flag store must be visible before the re-check's loads
                 try:

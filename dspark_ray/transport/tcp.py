@@ -21,6 +21,7 @@ import time
 from ..contract import (Acquire, Code, ErrorReply, Hello, HelloReply, MsgType, Release, Step, StepHandler,
                         StepReply)
 from ..stamps import Stamps, cpu_now, now
+from ..wake_ups import WakeUps
 from ..wire import (DEFAULT_MAX_FRAME_BYTES, ConnectionClosed, FrameError, FrameReader, FrameWriter,
                     VersionMismatch, bound_blocking_io, decode_payload, spinning_recv_into)
 
@@ -68,6 +69,7 @@ class TcpServer:
         self._lock = threading.Lock()
         self._accept_thread: threading.Thread | None = None
         self.stamps = Stamps()      # per STEP: header received, frame read and decoded, reply sent
+        self.wake_ups = WakeUps(f"tcp server {host}:{self._port}", spin_us)   # STEPs whose read blocked
 
     @property
     def port(self) -> int:
@@ -140,8 +142,8 @@ class TcpServer:
     def _serve(self, conn: _Conn) -> None:
         sock = conn.sock
         warm = self.keep_warm if self.keep_warm is not None and self.keep_warm.enabled else None
-        reader = FrameReader(spinning_recv_into(sock, self.spin_us, self._pollers, warm), self.max_frame_bytes,
-                             wait_between_frames=True)
+        recv = spinning_recv_into(sock, self.spin_us, self._pollers, warm)
+        reader = FrameReader(recv, self.max_frame_bytes, wait_between_frames=True)
         writer = FrameWriter(self.max_frame_bytes)
         why = "closed by peer"
         try:
@@ -149,6 +151,7 @@ class TcpServer:
             log.info("connect %s session %d", conn.peer, conn.session)
             greeted = False
             while True:
+                blocked = getattr(recv, "blocked", None)      # None: plain blocking reads (spin 0), not counted
                 request_id, msg, received_ns = reader.read()
                 if not greeted and not isinstance(msg, Hello):
                     raise FrameError(f"{type(msg).__name__} before an accepted HELLO")
@@ -164,6 +167,8 @@ class TcpServer:
                     raise RuntimeError(f"cannot send the reply to {type(msg).__name__}: {e}") from e
                 if isinstance(msg, Step):
                     self.stamps.add({"recv": received_ns, "read": t_read, "sent": now(), "cpu_read": cpu_read})
+                    if blocked is not None:
+                        self.wake_ups.add(recv.blocked != blocked)
                     if warm is not None:
                         warm.ran()
                         if isinstance(reply, StepReply) and warm.wants_sample("frame", reader.last_length):
