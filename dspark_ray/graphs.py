@@ -274,6 +274,7 @@ class GraphSet:
         self.step_rows = {b: min(STEP_INSERT_ROWS * b, self.T) for b in range(1, max_requests + 1)} if on else {}
         self.step_graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.mempool = None
+        self._noop: torch.cuda.CUDAGraph | None = None      # for rehearse_launch, captured with the set on a GPU
         self.capture_seconds = 0.0
         self.graph_bytes = 0
 
@@ -512,9 +513,8 @@ class GraphSet:
         driver's launch path warm for the next step's replay (keep_warm.py), which took 50-125 us of the rank's
         step when launched cold. Through the collectives' guard, so a poisoned rank launches nothing (it raises,
         and the keep-warm drops the piece). Nothing a step reads is touched; on a CPU, nothing to do."""
-        noop = getattr(self, "_noop", None)
-        if noop is not None and not self.inp.in_use:
-            self.coll.replay(noop, 0)
+        if self._noop is not None and not self.inp.in_use:
+            self.coll.replay(self._noop, 0)
 
     def _beside_rows(self, chunks: list, n_states: int) -> int | None:
         """The rows of the step graph the last chunk runs in, beside the draft of `n_states` requests, when it fits

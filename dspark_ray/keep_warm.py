@@ -9,9 +9,9 @@ figures (a rank's decode 46 us against 7 hot, its insert staging 60 against 13).
 So a party registers rehearsals of its next step's pieces, built from a recent step's inputs (`set(name, fn)`;
 `wants_sample` says when to take a new one), and its waiters call the `KeepWarm` on every poll: at most every
 `every_us` it runs them. Pieces are small and the waiter's own readiness check runs between them, so a STEP that
-comes during a rehearsal waits for one piece at most. A rehearsal computes what the real piece computes and throws it away; it must not change anything a step
-reads (pure functions, or writes to buffers the next step rewrites before it reads them and that nothing reads
-meanwhile). The first one that raises is dropped, with one log line; a rehearsal never fails a step.
+comes during a rehearsal waits for one piece at most. A rehearsal computes what the real piece computes and throws
+it away; it must not change anything a step reads (pure functions, or writes to buffers the next step rewrites
+before it reads them and that nothing reads meanwhile). The first one that raises is dropped, with one log line; a rehearsal never fails a step.
 `DSPARK_KEEP_WARM=0` turns it off, `DSPARK_KEEP_WARM_US` sets the period.
 """
 from __future__ import annotations

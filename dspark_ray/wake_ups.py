@@ -42,8 +42,8 @@ class WakeUps:
                 return
             self._hinted = t
         log.info("%s: %.0f%% of the last %d STEPs found it asleep: they come more than the spin (%.0f ms) apart, "
-                    "and each pays a wake-up; a longer spin (serve --spin-ms) keeps it awake through the trunk's "
-                    "forward", self.party, 100 * share, WINDOW, self.spin_us / 1e3)
+                 "and each pays a wake-up; a longer spin (serve --spin-ms) keeps it awake through the trunk's "
+                 "forward", self.party, 100 * share, WINDOW, self.spin_us / 1e3)
 
     def status(self) -> dict:
         return {"steps": self.steps, "after_sleep": self.after_sleep, "spin_ms": self.spin_us / 1e3}

@@ -90,7 +90,7 @@ class RankWorker:
         self._stop = False
         self.stamps = Stamps()           # per step: the ring's seq, got / the engine's phases / encoded
         self.keep_warm = KeepWarm(f"rank {rank}")
-        self.wake_ups = None             # the step loop's (wake_ups.py), from its start
+        self.wake_ups = WakeUps(f"rank {rank}", self.spec.spin_us)    # STEPs that found the step loop asleep
 
     # -- start-up --------------------------------------------------------------------------------------------------
     def load(self) -> dict:
@@ -172,20 +172,17 @@ class RankWorker:
         warm = self.keep_warm
         if self.engine.graphs is not None and warm.enabled:
             self.engine.graphs.while_waiting = warm
-        spin_us, last_step, slept_since = self.spec.spin_us, time.monotonic(), False
-        self.wake_ups = WakeUps(f"rank {self.rank}", spin_us)
+        spin_us, last_step, sleeps = self.spec.spin_us, time.monotonic(), self.reader.sleeps
         while not self._stop:
             try:
                 # The spin counts from the last step: an idle rank that wakes from a timeout sleeps again at once.
                 left_us = max(0.0, spin_us - (time.monotonic() - last_step) * 1e6)
-                slept = self.reader.sleeps
                 seq, view = self.reader.next(timeout_s=1.0, spin_us=left_us, idle=warm)
             except RingTimeout:
-                slept_since = slept_since or self.reader.sleeps != slept    # the next step comes after it
                 continue
             except RingClosed:
                 break
-            woke, slept_since = slept_since or self.reader.sleeps != slept, False
+            woke = self.reader.sleeps != sleeps       # any wait since the last step slept
             row = {"seq": seq, "got": now(), "cpu_got": cpu_now()}
             status, payload = M.STATUS_OK, b""
             try:
@@ -213,7 +210,7 @@ class RankWorker:
                 self._rehearse_from(bytes(view), width, outs)    # a copy: the view is the ring's until complete()
             self.reader.complete(seq, status, payload)
             warm.ran()
-            last_step = time.monotonic()
+            last_step, sleeps = time.monotonic(), self.reader.sleeps
             self.stamps.add(row)
             self.wake_ups.add(woke)
 
@@ -238,7 +235,7 @@ class RankWorker:
         st = self.engine.status() if self.engine else {"rank": self.rank, "loading": self.progress()}
         st["pid"] = os.getpid()
         st["keep_warm"] = self.keep_warm.status()
-        st["wake_ups"] = self.wake_ups.status() if self.wake_ups is not None else None
+        st["wake_ups"] = self.wake_ups.status()
         st["process"] = process_facts()
         st["env"] = {k: os.environ.get(k) for k in SAFE_ENV}
         return st
