@@ -11,7 +11,8 @@ So a party registers rehearsals of its next step's pieces, built from a recent s
 `every_us` it runs them. Pieces are small and the waiter's own readiness check runs between them, so a STEP that
 comes during a rehearsal waits for one piece at most. A rehearsal computes what the real piece computes and throws
 it away; it must not change anything a step reads (pure functions, or writes to buffers the next step rewrites
-before it reads them and that nothing reads meanwhile). The first one that raises is dropped, with one log line; a rehearsal never fails a step.
+before it reads them and that nothing reads meanwhile). The first one that raises is dropped, with one log line;
+a rehearsal never fails a step.
 `DSPARK_KEEP_WARM=0` turns it off, `DSPARK_KEEP_WARM_US` sets the period.
 """
 from __future__ import annotations
