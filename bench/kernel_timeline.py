@@ -34,6 +34,17 @@ def _median_us(fn, n: int) -> float:
     return round(statistics.median(ts), 1)
 
 
+def _last_replay(ev: list, gap_us: float = 500.0) -> list:
+    """The kernels after the last gap of more than `gap_us` with nothing running: the last replay, its upload
+    (a copy kernel or an HtoD memcpy) first."""
+    first, end = 0, None
+    for i, e in enumerate(ev):
+        if end is not None and e.time_range.start - end > gap_us:
+            first = i
+        end = max(end or e.time_range.end, e.time_range.end)
+    return ev[first:]
+
+
 def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None) -> dict:
     """Capture a one-request graph set for this rank, then profile three replays and keep the last one's kernels."""
     from bench.draft_step import _slots
@@ -63,10 +74,10 @@ def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             step()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            time.sleep(0.002)                                 # a gap no replay has inside it
     ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
-    uploads = [i for i, e in enumerate(ev) if "HtoD" in e.name]
-    last = ev[uploads[-1] + 1 if uploads else 0:]             # the last replay's kernels, after its upload
+    last = _last_replay(ev)
     t0 = last[0].time_range.start
     res["gpu_span_us"] = round(max(e.time_range.end for e in last) - t0, 1)
     res["kernels"] = [[e.name[:70], round(e.time_range.start - t0, 2), round(e.time_range.elapsed_us(), 2)]

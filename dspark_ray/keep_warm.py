@@ -34,6 +34,16 @@ def keep_warm_period_us() -> float:
     return float(os.environ.get("DSPARK_KEEP_WARM_US", "100"))
 
 
+def launch_rehearsal_period_us() -> float | None:
+    """How often a GPU rank rehearses a graph launch between steps (`DSPARK_KEEP_WARM_LAUNCH_US`, default 1000;
+    `DSPARK_KEEP_WARM_LAUNCH=0`: never, None). At every rehearsal (100 us) the launches slowed every host hop of the
+    pair by 1.3-2x; every 1 ms they cut a cold step-graph launch from 136-176 to 33-53 us and the round trip of
+    STEPs 20 ms apart by ~0.1 ms (bench/results/gpu/keep_warm_launch_period_h200x2.json)."""
+    if os.environ.get("DSPARK_KEEP_WARM_LAUNCH", "1") == "0":
+        return None
+    return float(os.environ.get("DSPARK_KEEP_WARM_LAUNCH_US", "1000"))
+
+
 class KeepWarm:
     """A party's rehearsals, run by its waiters between steps. Callable with no arguments (a waiter's idle hook);
     several threads may call it, one rehearses at a time (the others go back to polling at once)."""

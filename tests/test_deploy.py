@@ -334,8 +334,8 @@ def test_every_party_keeps_its_step_path_warm_between_steps(pair, cfg, ray_clust
     fe, ranks = st["keep_warm"], [r["keep_warm"] for r in st["ranks"]]
     assert fe["pieces"] == ["batch", "frame_checks", "frame_decode", "frame_reply", "reply"]
     assert fe["enabled"] and fe["runs"] > 0 and not fe["dropped"]
-    # a GPU rank also rehearses a graph launch when asked (DSPARK_KEEP_WARM_LAUNCH=1)
-    launch = ["launch"] if PAIR_BACKEND == "push" and os.environ.get("DSPARK_KEEP_WARM_LAUNCH") == "1" else []
+    # a GPU rank also rehearses a graph launch (every 1 ms unless DSPARK_KEEP_WARM_LAUNCH=0)
+    launch = ["launch"] if PAIR_BACKEND == "push" and os.environ.get("DSPARK_KEEP_WARM_LAUNCH") != "0" else []
     assert ranks[0]["pieces"] == ["decode", "engine", *launch, "reply"]
     assert ranks[1]["pieces"] == ["decode", "engine", *launch]
     assert all(r["runs"] > 0 and not r["dropped"] for r in ranks), ranks

@@ -13,7 +13,7 @@ import torch
 from dspark_ray import workload
 from dspark_ray.actors.ring import RingTimeout, StepRing
 from dspark_ray.engine import RankEngine, StepEntry
-from dspark_ray.keep_warm import KeepWarm
+from dspark_ray.keep_warm import KeepWarm, launch_rehearsal_period_us
 from dspark_ray.modes import make_drafter
 from dspark_ray.wire import spinning_recv_into
 
@@ -92,6 +92,16 @@ def test_keep_warm_off_takes_no_pieces(monkeypatch):
     kw.set("a", lambda: pytest.fail("rehearsed while off"))
     kw()
     assert not kw.enabled and not kw.pieces and kw.status()["runs"] == 0
+
+
+def test_a_gpu_ranks_launch_rehearsal_runs_every_millisecond_unless_turned_off(monkeypatch):
+    monkeypatch.delenv("DSPARK_KEEP_WARM_LAUNCH", raising=False)
+    monkeypatch.delenv("DSPARK_KEEP_WARM_LAUNCH_US", raising=False)
+    assert launch_rehearsal_period_us() == 1000.0
+    monkeypatch.setenv("DSPARK_KEEP_WARM_LAUNCH_US", "2500")
+    assert launch_rehearsal_period_us() == 2500.0
+    monkeypatch.setenv("DSPARK_KEEP_WARM_LAUNCH", "0")
+    assert launch_rehearsal_period_us() is None
 
 
 def test_a_rehearsing_graph_engine_answers_and_writes_the_bits_of_one_that_does_not(cfg, ckpt):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine import EngineBroken, RankEngine, StepFailed
-from ..keep_warm import KeepWarm
+from ..keep_warm import KeepWarm, launch_rehearsal_period_us
 from ..stamps import Stamps, cpu_now, now
 from ..wake_ups import WakeUps
 from . import messages as M
@@ -222,12 +222,9 @@ class RankWorker:
             entries[:] = M.to_step_entries(M.decode_batch(batch), width)
         self.keep_warm.set("decode", decode)
         self.keep_warm.set("engine", lambda: engine.rehearse(entries))
-        # Opt-in: on the H200 pair it cut the rank's cold graph launch from 120-156 to 39-43 us with STEPs 20 ms
-        # apart, but the round trip gained nothing: the front-end's hops were slower in two of three runs with it
-        # (bench/results/gpu/keep_warm_launch_ab_h200x2.json).
-        if engine.graphs is not None and engine.graphs.cuda and os.environ.get("DSPARK_KEEP_WARM_LAUNCH") == "1":
-            every = os.environ.get("DSPARK_KEEP_WARM_LAUNCH_US")      # a period of its own; unset: every run
-            self.keep_warm.set("launch", engine.graphs.rehearse_launch, float(every) if every else None)
+        launch_every = launch_rehearsal_period_us()
+        if engine.graphs is not None and engine.graphs.cuda and launch_every is not None:
+            self.keep_warm.set("launch", engine.graphs.rehearse_launch, launch_every)
         if self.rank == 0:
             self.keep_warm.set("reply", lambda: M.encode(M.RankReply(M.to_rank_results(outs))))
 
