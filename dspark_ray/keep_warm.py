@@ -13,6 +13,9 @@ comes during a rehearsal waits for one piece at most. A rehearsal computes what 
 it away; it must not change anything a step reads (pure functions, or writes to buffers the next step rewrites
 before it reads them and that nothing reads meanwhile). The first one that raises is dropped, with one log line;
 a rehearsal never fails a step.
+After a real step the first rehearsal waits longer (`DSPARK_KEEP_WARM_HOLD_US`, 250 us): the code is still warm,
+and with STEPs back to back the next one comes 100-200 us after a party's last step, often in the middle of a
+rehearsal that would have started at 100 us (a rank's ring hop read 37-45 us against 11 before keep-warm).
 `DSPARK_KEEP_WARM=0` turns it off, `DSPARK_KEEP_WARM_US` sets the period.
 """
 from __future__ import annotations
@@ -34,6 +37,10 @@ def keep_warm_period_us() -> float:
     return float(os.environ.get("DSPARK_KEEP_WARM_US", "100"))
 
 
+def keep_warm_hold_us() -> float:
+    return float(os.environ.get("DSPARK_KEEP_WARM_HOLD_US", "250"))
+
+
 def launch_rehearsal_period_us() -> float | None:
     """How often a GPU rank rehearses a graph launch between steps (`DSPARK_KEEP_WARM_LAUNCH_US`, default 1000;
     `DSPARK_KEEP_WARM_LAUNCH=0`: never, None). At every rehearsal (100 us) the launches slowed every host hop of the
@@ -48,9 +55,11 @@ class KeepWarm:
     """A party's rehearsals, run by its waiters between steps. Callable with no arguments (a waiter's idle hook);
     several threads may call it, one rehearses at a time (the others go back to polling at once)."""
 
-    def __init__(self, name: str, every_us: float | None = None, enabled: bool | None = None):
+    def __init__(self, name: str, every_us: float | None = None, enabled: bool | None = None,
+                 hold_us: float | None = None):
         self.name = name
         self.every_ns = int((keep_warm_period_us() if every_us is None else every_us) * 1e3)
+        self.hold_ns = max(self.every_ns, int((keep_warm_hold_us() if hold_us is None else hold_us) * 1e3))
         self.enabled = keep_warm_enabled() if enabled is None else enabled
         self.pieces: dict[str, Callable[[], object]] = {}
         self._own_every: dict[str, int] = {}         # pieces with a period of their own (ns) ...
@@ -87,8 +96,8 @@ class KeepWarm:
         return True
 
     def ran(self) -> None:
-        """The real path has just run (it is warm): the next rehearsal waits a period from now."""
-        self._next_ns = time.monotonic_ns() + self.every_ns
+        """The real path has just run (it is warm): the next rehearsal waits the hold (at least a period) from now."""
+        self._next_ns = time.monotonic_ns() + self.hold_ns
 
     def __call__(self, ready: Callable[[], bool] | None = None) -> None:
         """Run the pieces if a period has passed. `ready` (the waiter's own check, optional) is asked before each
@@ -124,5 +133,5 @@ class KeepWarm:
             self._lock.release()
 
     def status(self) -> dict:
-        return {"enabled": self.enabled, "every_us": self.every_ns / 1e3, "pieces": sorted(self.pieces),
+        return {"enabled": self.enabled, "every_us": self.every_ns / 1e3, "hold_us": self.hold_ns / 1e3, "pieces": sorted(self.pieces),
                 "runs": self.runs, "dropped": dict(self.dropped)}      # copies: status is read from other threads

@@ -13,6 +13,7 @@ os.environ.setdefault("RAY_ACCEPT_CALLBACKS", "0")
 # The deployed parties rehearse their step path at every poll of their waits (keep_warm.py; in service at most every
 # 100 us, which a CPU host's 50 us spins never reach): every answer the Ray tests check then follows rehearsals.
 os.environ.setdefault("DSPARK_KEEP_WARM_US", "0")
+os.environ.setdefault("DSPARK_KEEP_WARM_HOLD_US", "0")      # from the step's end on, not 250 us after it
 
 
 def pytest_collection_modifyitems(config, items):

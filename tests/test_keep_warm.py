@@ -42,6 +42,25 @@ def test_pieces_run_at_most_once_a_period_and_a_failing_one_is_dropped_alone(cap
     assert calls == ["a", "a2"]
 
 
+def test_after_a_real_step_the_first_rehearsal_waits_the_hold():
+    """A STEP back to back comes 100-200 us after a party's last step: a rehearsal that starts then only delays it."""
+    kw = KeepWarm("test", every_us=0, enabled=True, hold_us=40_000)
+    calls = []
+    kw.set("a", lambda: calls.append("a"))
+    kw()
+    assert calls == ["a"]                             # no step yet: every poll (period 0)
+    kw.ran()
+    kw()
+    time.sleep(0.01)
+    kw()
+    assert calls == ["a"]                             # within the hold
+    time.sleep(0.04)
+    kw()
+    kw()
+    assert calls == ["a", "a", "a"]                   # past it: every poll again
+    assert kw.status()["hold_us"] == 40_000
+
+
 def test_a_piece_with_a_period_of_its_own_runs_at_most_that_often():
     kw = KeepWarm("test", every_us=0, enabled=True)
     calls = []
