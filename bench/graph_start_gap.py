@@ -5,7 +5,8 @@ a copy kernel that reads the pinned host buffer), and the first model kernel (th
 after it ends, on one card and on the pair; every later kernel-to-kernel gap is under 1 us. This captures small
 graphs that isolate the cause: the copy's source (pinned host / device memory), its launch (with or without
 programmatic dependent launch), the kernel after it (torch's gather, a Triton kernel), each followed by two torch
-kernels as a yardstick, and the graph's size (a chain of 100 or 300 more kernels). One GPU.
+kernels as a yardstick, the graph's size (a chain of 100 or 300 more kernels) and its shape (20 fork / join
+pairs of side-stream branches). One GPU.
 
     python bench/graph_start_gap.py --out bench/results/gpu/graph_start_gap_h200.json
 
@@ -32,7 +33,7 @@ from dspark_ray.kernels.host_copy import copy_bytes  # noqa: E402
 NBYTES = 1024               # about a one-request draft's upload
 
 
-def case(src: str, pdl: bool, after: str, replays: int, chain: int = 0) -> dict:
+def case(src: str, pdl: bool, after: str, replays: int, chain: int = 0, branches: int = 0) -> dict:
     dev = torch.device("cuda")
     host = torch.arange(NBYTES, dtype=torch.uint8).pin_memory()
     src_buf = host if src == "host" else host.to(dev)
@@ -41,6 +42,8 @@ def case(src: str, pdl: bool, after: str, replays: int, chain: int = 0) -> dict:
     table = torch.randn(4096, 5120, device=dev, dtype=torch.bfloat16)
     ids = torch.zeros(5, dtype=torch.int64, device=dev)
     acc = torch.zeros(5, 5120, device=dev)
+    acc2 = torch.zeros(5, 5120, device=dev)
+    side = torch.cuda.Stream()
 
     def body():
         if src != "none":
@@ -52,6 +55,14 @@ def case(src: str, pdl: bool, after: str, replays: int, chain: int = 0) -> dict:
         acc.mul_(0.5)
         for _ in range(chain):                  # a graph of a draft's size (~100 kernels)
             acc.mul_(0.5)
+        for _ in range(branches):               # forks and joins, as the drafter's side-stream branches
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                acc2.mul_(0.5)
+                acc2.add_(1.0)
+            acc.mul_(0.5)
+            acc.add_(1.0)
+            torch.cuda.current_stream().wait_stream(side)
 
     g = torch.cuda.CUDAGraph()
     ctx = pdl_launches() if pdl else torch.no_grad()
@@ -82,7 +93,7 @@ def case(src: str, pdl: bool, after: str, replays: int, chain: int = 0) -> dict:
         if gaps:
             first.append(gaps[0])
             later += gaps[1:]
-    return {"src": src, "pdl": pdl, "after": after, "chain": chain, "kernels": [e.name[:60] for e in reps[-1][:6]],
+    return {"src": src, "pdl": pdl, "after": after, "chain": chain, "branches": branches, "kernels": [e.name[:60] for e in reps[-1][:6]],
             "gap_after_first_us": round(statistics.median(first), 2),
             "gap_later_us": round(statistics.median(later), 2) if later else None,
             "first_kernel_us": round(statistics.median(r[0].time_range.elapsed_us() for r in reps), 2),
@@ -100,7 +111,8 @@ def main() -> int:
     cases = []
     for src, pdl, after, *chain in [("host", True, "torch"), ("host", False, "torch"), ("device", True, "torch"),
                             ("device", False, "torch"), ("host", True, "triton"), ("none", False, "torch"),
-                            ("host", True, "torch", 100), ("host", True, "torch", 300), ("none", False, "torch", 100)]:
+                            ("host", True, "torch", 100), ("host", True, "torch", 300), ("none", False, "torch", 100),
+                            ("host", True, "torch", 0, 20), ("none", False, "torch", 0, 20)]:
         c = case(src, pdl and pdl_active(), after, args.replays, *chain)
         print(json.dumps(c), file=sys.stderr)
         cases.append(c)
