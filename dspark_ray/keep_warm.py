@@ -79,6 +79,7 @@ class KeepWarm:
             self.pieces[name] = fn
             if every_us is None:
                 self._own_every.pop(name, None)
+                self._own_next.pop(name, None)
             else:
                 self._own_every[name] = int(every_us * 1e3)
 

@@ -236,8 +236,11 @@ def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None,
             finally:
                 if gate is not None:
                     gate.release()
-        recv.blocked += 1
-        n = recv_into(view)
+        try:                                  # bytes already waiting: not a read that slept
+            n = recv_into(view, 0, dontwait)
+        except BlockingIOError:
+            recv.blocked += 1
+            n = recv_into(view)
         last[0] = clock()
         return n
 

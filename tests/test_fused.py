@@ -19,6 +19,8 @@ import sys
 import pytest
 import torch
 
+from interpreter import interpreter_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -346,7 +348,7 @@ def _assert_kernels(res: dict) -> None:
 
 
 def _interpreted(code: str) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = interpreter_env()
     proc = subprocess.run([sys.executable, "-c", code], cwd=os.path.join(ROOT, "tests"), env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -18,6 +18,7 @@ import torch
 
 from dspark_ray.kernels import gemm
 from dspark_ray.model import ops
+from interpreter import interpreter_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -105,8 +106,7 @@ _TRITON_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for the kernel; a GPU host runs the kernel "
                     "itself (test_indexed_linear_gpu_*), and its triton's interpreter may differ")
 def test_indexed_linear_interpreter_cpu():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], cwd=ROOT, env=interpreter_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -247,6 +247,9 @@ def test_waits_that_outlast_their_spin_are_counted_and_a_mostly_asleep_party_say
         assert recv(memoryview(bytearray(2))) == 2 and recv.blocked == 1
         b.sendall(b"cd")
         assert recv(memoryview(bytearray(2))) == 2 and recv.blocked == 1
+        time.sleep(0.005)                                      # the spin has run out ...
+        b.sendall(b"ef")
+        assert recv(memoryview(bytearray(2))) == 2 and recv.blocked == 1    # ... but the bytes were there
     wu = WakeUps("rank 9", 2_000.0)
     with caplog.at_level(logging.INFO, logger="dspark_ray.wake_ups"):
         for k in range(3 * WINDOW):
