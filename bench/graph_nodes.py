@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -59,6 +60,9 @@ def main() -> int:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--ckpt", help="an existing checkpoint (else the preset, synthesized into /tmp/<preset>)")
     ap.add_argument("--out-dir", default="graph_nodes")
+    ap.add_argument("--dummy-first", action="store_true",
+                    help="a one-kernel torch op at the start of each draft graph, right after the upload: does the "
+                         "gap follow the upload or precede the gather?")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "graph_nodes", "skipped": "no CUDA"}))
@@ -80,7 +84,16 @@ def main() -> int:
         orig(self, *a, **k)
         captured["set"] = self
     graphs.GraphSet.capture = capture
+    if args.dummy_first:
+        scratch = torch.zeros(1, device="cuda")
+        draft_fn = graphs.GraphSet._draft_fn
+
+        def _draft_fn(self, *a, **k):
+            scratch.add_(1.0)
+            return draft_fn(self, *a, **k)
+        graphs.GraphSet._draft_fn = _draft_fn
     res = {"bench": "graph_nodes", "device": torch.cuda.get_device_name(), "ckpt": ckpt,
+           "dummy_first": args.dummy_first, "env": {k: os.environ.get(k) for k in ("DSPARK_PDL", "DSPARK_COPY_KERNEL")},
            "timeline": timeline("tp1", 0, ckpt, 1000)}
     gs = captured["set"]
     for name, g in (("draft_1x5", gs.draft_graphs[(1, 5, False)]),):
