@@ -93,7 +93,8 @@ def case(src: str, pdl: bool, after: str, replays: int, chain: int = 0, branches
         if gaps:
             first.append(gaps[0])
             later += gaps[1:]
-    return {"src": src, "pdl": pdl, "after": after, "chain": chain, "branches": branches, "kernels": [e.name[:60] for e in reps[-1][:6]],
+    return {"src": src, "pdl": pdl, "after": after, "chain": chain, "branches": branches,
+            "kernels": [e.name[:60] for e in reps[-1][:6]],
             "gap_after_first_us": round(statistics.median(first), 2),
             "gap_later_us": round(statistics.median(later), 2) if later else None,
             "first_kernel_us": round(statistics.median(r[0].time_range.elapsed_us() for r in reps), 2),

@@ -134,5 +134,6 @@ class KeepWarm:
             self._lock.release()
 
     def status(self) -> dict:
-        return {"enabled": self.enabled, "every_us": self.every_ns / 1e3, "hold_us": self.hold_ns / 1e3, "pieces": sorted(self.pieces),
-                "runs": self.runs, "dropped": dict(self.dropped)}      # copies: status is read from other threads
+        return {"enabled": self.enabled, "every_us": self.every_ns / 1e3, "hold_us": self.hold_ns / 1e3,
+                "pieces": sorted(self.pieces), "runs": self.runs,
+                "dropped": dict(self.dropped)}                      # copies: status is read from other threads
