@@ -4,7 +4,7 @@ timeline of a replay, for one card (tp1). GPU only.
 The kernel timeline of every draft graph shows ~8.6 us between the upload copy kernel and the first model kernel
 (`bench/kernel_timeline.py`), where small graphs of the same first kernels show none (`bench/graph_start_gap.py`).
 This dumps the (1 request, n_out 5) draft graph with `cudaGraphDebugDotPrint` (every node: kernels, memsets,
-memcpys, event and empty nodes, and their edges) and lists the nodes that the first model kernel depends on.
+memcpys, event and empty nodes, and their edges) and sums it up: the node kinds, the roots, the first nodes.
 
     python bench/graph_nodes.py --preset tiny --out-dir bench/results/gpu/graph_nodes
 """
@@ -35,24 +35,21 @@ class _DebugGraph(torch.cuda.CUDAGraph):
 
 
 def dot_summary(dot: str) -> dict:
-    """Node kinds, and the chain of nodes from the roots to the first kernel that is not the copy kernel."""
-    labels = {}
-    for m in re.finditer(r'"?(graph_\d+_node_\d+)"?\s*\[(.*?)\];', dot, re.S):
-        lab = re.search(r'label="(.*?)"', m.group(2), re.S) or re.search(r"label=<(.*?)>\s*(,|$)", m.group(2), re.S)
-        text = re.sub(r"<[^>]+>", " ", lab.group(1) if lab else m.group(2))
-        labels[m.group(1)] = " ".join(text.split())[:200]
-    edges = re.findall(r'"?(graph_\d+_node_\d+)"?\s*->\s*"?(graph_\d+_node_\d+)"?', dot)
-    preds: dict[str, list[str]] = {}
-    for a, b in edges:
-        preds.setdefault(b, []).append(a)
+    """Node kinds, the roots, and the first nodes in the order CUDA prints them (each as its kind and, for a
+    kernel, its function name). A node's line is `"graph_G_node_N"[... label="{KIND | {ID | n (topoId: t) | name
+    ...}"]`; an edge's is `"graph_G_node_A" -> "graph_G_node_B" [...]`."""
+    nodes = {}
+    for m in re.finditer(r'^"(graph_\d+_node_\d+)"\[.*?label="\{(\w+)(.*?)"\];', dot, re.S | re.M):
+        name = re.search(r"\(topoId: \d+\) \| ([^\\|}]+)", m.group(3))
+        nodes[m.group(1)] = m.group(2) + (f" {name.group(1).strip()}" if name else "")
+    edges = re.findall(r'^"(graph_\d+_node_\d+)" -> "(graph_\d+_node_\d+)"', dot, re.M)
+    has_pred = {b for _, b in edges}
     kinds: dict[str, int] = {}
-    for text in labels.values():
-        k = text.split(" ")[0] if text else "?"
-        kinds[k] = kinds.get(k, 0) + 1
-    roots = [n for n in labels if n not in preds]
-    return {"nodes": len(labels), "edges": len(edges), "kinds": kinds,
-            "roots": [labels[n] for n in roots][:10],
-            "first_nodes": [labels[n] for n in list(labels)[:12]]}
+    for text in nodes.values():
+        kinds[text.split(" ")[0]] = kinds.get(text.split(" ")[0], 0) + 1
+    return {"nodes": len(nodes), "edges": len(edges), "kinds": kinds,
+            "roots": [t for n, t in nodes.items() if n not in has_pred],
+            "first_nodes": list(nodes.values())[:12]}
 
 
 def main() -> int:

@@ -16,6 +16,7 @@ and of the gaps between the later kernels (`gap_later_us`), and the kernel names
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -27,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.kernel_timeline import split_replays  # noqa: E402
 from dspark_ray.kernels.fused_ops import pdl_active, pdl_launches  # noqa: E402
 from dspark_ray.kernels.host_copy import copy_bytes  # noqa: E402
 
@@ -65,7 +67,7 @@ def case(src: str, pdl: bool, after: str, replays: int, chain: int = 0, branches
             torch.cuda.current_stream().wait_stream(side)
 
     g = torch.cuda.CUDAGraph()
-    ctx = pdl_launches() if pdl else torch.no_grad()
+    ctx = pdl_launches() if pdl else contextlib.nullcontext()
     with ctx:
         body()                                  # compiles / loads every kernel before the capture
         torch.cuda.synchronize()
@@ -81,12 +83,7 @@ def case(src: str, pdl: bool, after: str, replays: int, chain: int = 0, branches
             torch.cuda.synchronize()
             time.sleep(0.001)
     ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
-    reps, end = [], None
-    for e in ev:
-        if end is None or e.time_range.start - end > 300:
-            reps.append([])
-        reps[-1].append(e)
-        end = max(end or e.time_range.end, e.time_range.end)
+    reps = split_replays(ev, gap_us=300.0)
     first, later = [], []
     for r in reps:
         gaps = [b.time_range.start - a.time_range.end for a, b in zip(r, r[1:])]

@@ -34,15 +34,16 @@ def _median_us(fn, n: int) -> float:
     return round(statistics.median(ts), 1)
 
 
-def _last_replay(ev: list, gap_us: float = 500.0) -> list:
-    """The kernels after the last gap of more than `gap_us` with nothing running: the last replay, its upload
-    (a copy kernel or an HtoD memcpy) first."""
-    first, end = 0, None
-    for i, e in enumerate(ev):
-        if end is not None and e.time_range.start - end > gap_us:
-            first = i
+def split_replays(ev: list, gap_us: float = 500.0) -> list[list]:
+    """Profiler events (sorted by start) cut into replays at every gap of more than `gap_us` with nothing running;
+    a replay's upload (a copy kernel or an HtoD memcpy) comes first in it."""
+    reps, end = [], None
+    for e in ev:
+        if end is None or e.time_range.start - end > gap_us:
+            reps.append([])
+        reps[-1].append(e)
         end = max(end or e.time_range.end, e.time_range.end)
-    return ev[first:]
+    return reps
 
 
 def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None) -> dict:
@@ -77,7 +78,7 @@ def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None) -> dict:
             torch.cuda.synchronize()
             time.sleep(0.002)                                 # a gap no replay has inside it
     ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
-    last = _last_replay(ev)
+    last = split_replays(ev)[-1]
     t0 = last[0].time_range.start
     res["gpu_span_us"] = round(max(e.time_range.end for e in last) - t0, 1)
     res["kernels"] = [[e.name[:70], round(e.time_range.start - t0, 2), round(e.time_range.elapsed_us(), 2)]
