@@ -90,7 +90,7 @@ def main() -> int:
             return draft_fn(self, *a, **k)
         graphs.GraphSet._draft_fn = _draft_fn
     res = {"bench": "graph_nodes", "device": torch.cuda.get_device_name(), "ckpt": ckpt,
-           "dummy_first": args.dummy_first, "env": {k: os.environ.get(k) for k in ("DSPARK_PDL", "DSPARK_COPY_KERNEL")},
+           "dummy_first": args.dummy_first, "env": {k: os.environ.get(k) for k in ("DSPARK_PDL", "DSPARK_COPY_KERNEL", "DSPARK_UPLOAD_FENCE")},
            "timeline": timeline("tp1", 0, ckpt, 1000)}
     gs = captured["set"]
     for name, g in (("draft_1x5", gs.draft_graphs[(1, 5, False)]),):

@@ -60,7 +60,7 @@ def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None) -> dict:
     use_matmul("fast")
     ck = Checkpoint(ckpt)
     cfg = ck.config
-    layout = Layout(cfg, 1 if mode == "tp1" else 2)
+    layout = Layout(cfg, 1 if mode == "tp1" else 2)     # solo: rank 0's shard of the pair, no collectives
     d = Drafter(cfg, [read_rank(ck, layout, rank, "cuda")], [layout.vocab_range(rank)[0]],
                 coll or LocalCollectives(1))
     gs = GraphSet(d, n_slots=2, max_requests=1, n_outs=(5,), insert_buckets=(8, 128))
@@ -86,6 +86,11 @@ def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None) -> dict:
     return res
 
 
+def solo_timeline(ckpt: str, start: int) -> dict:
+    from dspark_ray.collectives import SoloCollectives
+    return timeline("solo", 0, ckpt, start, SoloCollectives(0))
+
+
 def _pair_rank(rank: int, port: int, shm_name: str, ckpt: str, start: int) -> dict:
     from bench.draft_step import connect_pair_rank
     _, pc = connect_pair_rank(rank, port, ckpt)
@@ -101,7 +106,7 @@ def run_pair(ckpt: str, start: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ckpt", default="/tmp/full")
-    ap.add_argument("--modes", default="tp1,pair")
+    ap.add_argument("--modes", default="tp1,pair", help="comma list of tp1, solo (one pair rank, no collectives), pair")
     ap.add_argument("--start", type=int, default=900000, help="position of the slot's context rows")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -110,9 +115,10 @@ def main() -> int:
            "device": torch.cuda.get_device_name(0), "pdl": pdl_capable(), "timelines": {}}
     for mode in args.modes.split(","):
         print(f"kernel_timeline: {mode} ...", file=sys.stderr, flush=True)
-        if mode == "tp1":
+        if mode in ("tp1", "solo"):
             torch.set_num_threads(1)
-            out["timelines"]["tp1"] = timeline("tp1", 0, args.ckpt, args.start)
+            out["timelines"][mode] = (timeline("tp1", 0, args.ckpt, args.start) if mode == "tp1"
+                                      else solo_timeline(args.ckpt, args.start))
         else:
             out["timelines"].update(run_pair(args.ckpt, args.start))
     text = json.dumps(out)

@@ -7,6 +7,8 @@ keys (scores) and then the output columns (PV) over programs runs 7.5 us at 1 re
 one-pass kernel ran 79)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -168,9 +170,29 @@ def _attend_pv_kernel(s_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_
         tl.store(o_rows[:, None] + dt[None, :], y.to(tl.float16), mask=row_ok[:, None])
 
 
+@dataclass(frozen=True)
+class AttendTiling:
+    """The two attention kernels' launch shapes. scores: BM query rows x BN keys a program, the dot over D in BD
+    chunks; pv: BM query rows x BD output columns a program. tl.dot runs its k steps in order into one accumulator
+    whatever the chunking, and the PV's columns are independent, so a tiling changes the time, not (as
+    `bench/attend_tiles.py` checks) the bits."""
+    s_bm: int = 16
+    s_bn: int = 16
+    s_bd: int = 64
+    s_warps: int = 2
+    s_stages: int = 3
+    p_bm: int = 16
+    p_bd: int = 64
+    p_warps: int = 8
+    p_stages: int = 3
+
+
+TILING = AttendTiling()
+
+
 def attend(q: torch.Tensor, window: torch.Tensor, valid: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor,
            scale: float, pos: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
-           groups: int | None = None) -> torch.Tensor:
+           groups: int | None = None, tiling: AttendTiling = TILING) -> torch.Tensor:
     """`Attention._attend` on the unconcatenated keys: q (bsz, B, H, D) fp16, window (bsz, W, D) fp16 with valid
     (bsz, W), kv (bsz, B, D) fp16 the block's own rows, pos (bsz*B,) -> o (bsz, B, H, D) fp16. With `groups`:
     o as the grouped output projection's input u (bsz*B, groups, H/groups * D), written straight into the padded
@@ -190,21 +212,21 @@ def attend(q: torch.Tensor, window: torch.Tensor, valid: torch.Tensor, kv: torch
     else:
         out = torch.empty_like(q)
         hpg, gs, rs = nh, 0, nh * D
-    bm, bn, bd = 16, 16, 64
-    if (D - rope_dim) % bd:
-        raise ValueError(f"attend: head_dim - rope_dim = {D - rope_dim} must be a multiple of {bd}")
+    t = tiling
+    bn = t.s_bn
+    if (D - rope_dim) % t.p_bd or D % t.s_bd:
+        raise ValueError(f"attend: head_dim - rope_dim = {D - rope_dim} must be a multiple of {t.p_bd}, head_dim "
+                         f"{D} of {t.s_bd}")
     # the window and block key columns, each padded to a power of two (tl.dot sizes); both multiples of bn
     bw, bb = max(bn, triton.next_power_of_2(W)), max(bn, triton.next_power_of_2(blk))
-    rows = triton.cdiv(blk * nh, bm)
     scores = torch.empty((bsz, blk * nh, bw + bb), dtype=torch.float32, device=q.device)
     # bool -> uint8 is a view (no kernel)
     vb = valid.contiguous().view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8).contiguous()
     qc, wc, kc = q.contiguous(), window.contiguous(), kv.contiguous()
-    _attend_scores_kernel[(bsz, rows, (bw + bb) // bn)](qc, wc, vb, kc, scores, scale, nh, blk, W,
-                                                        D=D, BM=bm, BN=bn, BW=bw, BB=bb, BD=bd,
-                                                        num_warps=2, num_stages=3, **launch_opts(scores))
-    _attend_pv_kernel[(bsz, rows, (D - rope_dim) // bd + 1)](scores, wc, vb, kc, sink, pos.contiguous(), inv_freq,
-                                                             out, nh, blk, W, hpg, gs, rs, D=D, RD=rope_dim,
-                                                             BM=bm, BW=bw, BB=bb, BD=bd, num_warps=8, num_stages=3,
-                                                             **launch_opts(out))
+    _attend_scores_kernel[(bsz, triton.cdiv(blk * nh, t.s_bm), (bw + bb) // bn)](
+        qc, wc, vb, kc, scores, scale, nh, blk, W, D=D, BM=t.s_bm, BN=bn, BW=bw, BB=bb, BD=t.s_bd,
+        num_warps=t.s_warps, num_stages=t.s_stages, **launch_opts(scores))
+    _attend_pv_kernel[(bsz, triton.cdiv(blk * nh, t.p_bm), (D - rope_dim) // t.p_bd + 1)](
+        scores, wc, vb, kc, sink, pos.contiguous(), inv_freq, out, nh, blk, W, hpg, gs, rs, D=D, RD=rope_dim,
+        BM=t.p_bm, BW=bw, BB=bb, BD=t.p_bd, num_warps=t.p_warps, num_stages=t.p_stages, **launch_opts(out))
     return out
