@@ -46,8 +46,10 @@ def split_replays(ev: list, gap_us: float = 500.0) -> list[list]:
     return reps
 
 
-def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None) -> dict:
-    """Capture a one-request graph set for this rank, then profile three replays and keep the last one's kernels."""
+def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None, barrier=None) -> dict:
+    """Capture a one-request graph set for this rank, then profile three replays and keep the last one's kernels.
+    A pair rank meets its peer at `barrier` before each profiled replay, so both launch it at the same moment and a
+    collective's time is its own, not the wait for a peer that launched later."""
     from bench.draft_step import _slots
     from dspark_ray.collectives import LocalCollectives
     from dspark_ray.graphs import GraphSet
@@ -74,6 +76,8 @@ def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None) -> dict:
     res = {"run_us": _median_us(step, 300)}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
+            if barrier:
+                barrier()
             step()
             torch.cuda.synchronize()
             time.sleep(0.002)                                 # a gap no replay has inside it
@@ -92,9 +96,12 @@ def solo_timeline(ckpt: str, start: int) -> dict:
 
 
 def _pair_rank(rank: int, port: int, shm_name: str, ckpt: str, start: int) -> dict:
-    from bench.draft_step import connect_pair_rank
-    _, pc = connect_pair_rank(rank, port, ckpt)
-    return timeline("pair", rank, ckpt, start, pc)
+    import torch.distributed as dist
+    from bench.draft_step import SpinBarrier, connect_pair_rank
+    gloo, pc = connect_pair_rank(rank, port, ckpt)
+    barrier = SpinBarrier(shm_name, rank)
+    dist.barrier(group=gloo.group)          # both attached to the shared counters
+    return timeline("pair", rank, ckpt, start, pc, barrier)
 
 
 def run_pair(ckpt: str, start: int) -> dict:
