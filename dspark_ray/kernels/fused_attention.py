@@ -173,9 +173,9 @@ def _attend_pv_kernel(s_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_
 @dataclass(frozen=True)
 class AttendTiling:
     """The two attention kernels' launch shapes. scores: BM query rows x BN keys a program, the dot over D in BD
-    chunks; pv: BM query rows x BD output columns a program. tl.dot runs its k steps in order into one accumulator
-    whatever the chunking, and the PV's columns are independent, so a tiling changes the time, not (as
-    `bench/attend_tiles.py` checks) the bits."""
+    chunks; pv: BM query rows x BD output columns a program. Fixed, like every launch shape: some change the bits
+    (on the H200 the scores' BD and warps keep them; its BN 32, the PV's warps or BM change them), and none ran more
+    than 0.25 us faster than this one (`bench/attend_tiles.py`, `bench/results/gpu/attend_tiles_h200.json`)."""
     s_bm: int = 16
     s_bn: int = 16
     s_bd: int = 64
