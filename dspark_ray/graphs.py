@@ -402,8 +402,8 @@ class GraphSet:
             if self._fence is not None:
                 # Why a kernel that does nothing useful: right after the upload, the windows' gather (whose successor
                 # is a PDL kernel) started 13.5 us after the upload ended on the tiny preset, 8.6 on the full one;
-                # with this kernel between them nothing waits (bench/graph_nodes.py; the upload launched plainly,
-                # not with PDL, kept the wait: bench/results/gpu/graph_start_variants_tiny_h200.json).
+                # with this kernel between them nothing waits, and the upload launched without PDL kept the wait
+                # (bench/graph_nodes.py; bench/results/gpu/upload_fence_ab_h200.json).
                 self._fence.add_(1)
         out = fn()
         if cp and download:
