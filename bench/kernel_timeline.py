@@ -87,7 +87,24 @@ def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None, barrier=Non
     res["gpu_span_us"] = round(max(e.time_range.end for e in last) - t0, 1)
     res["kernels"] = [[e.name[:70], round(e.time_range.start - t0, 2), round(e.time_range.elapsed_us(), 2)]
                       for e in last]
+    res["grids"] = launch_grids(prof)
     return res
+
+
+def launch_grids(prof) -> dict:
+    """Each kernel's launch grids and block sizes in the profiled replays ({name: ["grid x,y,z / block x,y,z"]}),
+    from the profiler's trace: how many programs a kernel ran (a GEMM's tile count, against the card's SMs)."""
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    grids: dict[str, set] = {}
+    for e in trace.get("traceEvents", []):
+        a = e.get("args") or {}
+        if e.get("cat") == "kernel" and "grid" in a:
+            grids.setdefault(e["name"][:70], set()).add(
+                f"{','.join(map(str, a['grid']))} / {','.join(map(str, a.get('block', [])))}")
+    return {k: sorted(v) for k, v in grids.items()}
 
 
 def solo_timeline(ckpt: str, start: int) -> dict:
