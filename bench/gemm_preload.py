@@ -71,6 +71,8 @@ def main(argv=None) -> int:
     def extra(ap):
         ap.add_argument("--sleep-us", type=float, default=10.0, help="the stand-in kernel's spin")
         ap.add_argument("--spread-gb", type=float, default=0.0, help="place the weight copies this many GB apart")
+        ap.add_argument("--f16", action="store_true", help="cuBLAS with fp16 output (gemm.padded_linear_f16, as "
+                        "the step's wq_a|wkv, wq_b and shared w1|w3) instead of fp32 (padded_linear, as wo_b)")
     started = kernel_bench.start("gemm_preload", __doc__, 200, argv, extra=extra, matmul="fast")
     if started is None:
         return 2
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
     from dspark_ray.kernels.fused_ops import launch_opts
     cycles = int(args.sleep_us * 1980)             # the H200's SM clock, 1980 MHz (nvidia-smi)
     res = kernel_bench.header("gemm_preload", {"rows": ROWS, "shapes": SHAPES, "sleep_us": args.sleep_us,
-                                               "spread_gb": args.spread_gb,
+                                               "spread_gb": args.spread_gb, "cublas_out": "fp16" if args.f16 else "fp32",
                                                "calls_per_graph": CALLS, "reps": args.reps}, cases={})
     flag = torch.zeros(1, device=dev)
 
@@ -91,6 +93,7 @@ def main(argv=None) -> int:
 
     base = statistics.median(kernel_bench.graph_time([spin], CALLS, args.reps, pdl=True))
     res["spin_alone_us"] = round(base, 2)
+    cublas = gemm.padded_linear_f16 if args.f16 else gemm.padded_linear
     for name, (N, K) in SHAPES.items():
         if args.spread_gb:       # the copies args.spread_gb GB apart: the step's weights span 20-34 GB (TLB reach)
             pool = torch.empty(int(args.spread_gb * 2**30) * COPIES, dtype=torch.uint8, device=dev)
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
         ref = x.float() @ w.float().t()
         row = {"weight_mb": round(N * K * 2 / 1e6, 2)}
         row["cublas_after_spin_us"] = round(per_pair_us(
-            [f for c in ws for f in (spin, lambda c=c: gemm.padded_linear(x, c))]) - base, 2)
+            [f for c in ws for f in (spin, lambda c=c: cublas(x, c))]) - base, 2)
         for bn in ((8, 16) if K > 2048 else (16, 32)):
             def probe(bn=bn, w=w):
                 _preload_gemv_kernel[(triton.cdiv(N, bn),)](x, w, y, N, K=K, K_P=triton.next_power_of_2(K), ROWS=ROWS,
