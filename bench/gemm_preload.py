@@ -81,7 +81,8 @@ def main(argv=None) -> int:
     from dspark_ray.kernels.fused_ops import launch_opts
     cycles = int(args.sleep_us * 1980)             # the H200's SM clock, 1980 MHz (nvidia-smi)
     res = kernel_bench.header("gemm_preload", {"rows": ROWS, "shapes": SHAPES, "sleep_us": args.sleep_us,
-                                               "spread_gb": args.spread_gb, "cublas_out": "fp16" if args.f16 else "fp32",
+                                               "spread_gb": args.spread_gb,
+                                               "cublas_out": "fp16" if args.f16 else "fp32",
                                                "calls_per_graph": CALLS, "reps": args.reps}, cases={})
     flag = torch.zeros(1, device=dev)
 
