@@ -227,8 +227,9 @@ def use_matmul(mode: str) -> str:
                  "branch": branch, "branch_parts": branch_parts}
         if os.environ.get("DSPARK_F16_EPILOGUE", "1") == "0":
             # An A/B, not yet timed: fp16-output linears as an fp32-output GEMM and one rounding kernel. In the draft
-            # step the fp16-output GEMMs ran 5-8 us slower than `bench/gemm.py`'s fp32-output ones (notes/engine.md,
-            # eighteenth session). Other bits than the default, the same batch invariance.
+            # step the GEMMs run 5-10 us slower than in `bench/gemm.py`'s fp32-output chains; whether the fp16
+            # epilogue's kernel picks are part of it is open (notes/engine.md, eighteenth session). Other bits than
+            # the default, the same batch invariance.
             del table["linear_f16"]
         ops.set_matmul(padded_linear, indexed_linear, mode="fast", fused_table=table)
     else:
