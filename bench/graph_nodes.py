@@ -1,8 +1,9 @@
 """What a draft graph holds before its first model kernel: the graph's nodes as CUDA prints them, and the kernel
 timeline of a replay, for one card (tp1). GPU only.
 
-The kernel timeline of every draft graph shows ~8.6 us between the upload copy kernel and the first model kernel
-(`bench/kernel_timeline.py`), where small graphs of the same first kernels show none (`bench/graph_start_gap.py`).
+The kernel timeline of every draft graph showed ~8.6 us between the upload copy kernel and the first model kernel
+(`bench/kernel_timeline.py`), where small graphs of the same first kernels show none (`bench/graph_start_gap.py`);
+the graph set's fence after the upload removes it (`DSPARK_UPLOAD_FENCE=0` leaves the fence out, for the A/B).
 This dumps the (1 request, n_out 5) draft graph with `cudaGraphDebugDotPrint` (every node: kernels, memsets,
 memcpys, event and empty nodes, and their edges) and sums it up: the node kinds, the roots, the first nodes.
 
@@ -57,9 +58,6 @@ def main() -> int:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--ckpt", help="an existing checkpoint (else the preset, synthesized into /tmp/<preset>)")
     ap.add_argument("--out-dir", default="graph_nodes")
-    ap.add_argument("--dummy-first", action="store_true",
-                    help="a one-kernel torch op at the start of each draft graph, right after the upload: does the "
-                         "gap follow the upload or precede the gather?")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"bench": "graph_nodes", "skipped": "no CUDA"}))
@@ -81,16 +79,8 @@ def main() -> int:
         orig(self, *a, **k)
         captured["set"] = self
     graphs.GraphSet.capture = capture
-    if args.dummy_first:
-        scratch = torch.zeros(1, device="cuda")
-        draft_fn = graphs.GraphSet._draft_fn
-
-        def _draft_fn(self, *a, **k):
-            scratch.add_(1.0)
-            return draft_fn(self, *a, **k)
-        graphs.GraphSet._draft_fn = _draft_fn
-    res = {"bench": "graph_nodes", "device": torch.cuda.get_device_name(), "ckpt": ckpt,
-           "dummy_first": args.dummy_first, "env": {k: os.environ.get(k) for k in ("DSPARK_PDL", "DSPARK_COPY_KERNEL", "DSPARK_UPLOAD_FENCE")},
+    env = {k: os.environ.get(k) for k in ("DSPARK_PDL", "DSPARK_COPY_KERNEL", "DSPARK_UPLOAD_FENCE")}
+    res = {"bench": "graph_nodes", "device": torch.cuda.get_device_name(), "ckpt": ckpt, "env": env,
            "timeline": timeline("tp1", 0, ckpt, 1000)}
     gs = captured["set"]
     for name, g in (("draft_1x5", gs.draft_graphs[(1, 5, False)]),):

@@ -2,7 +2,8 @@
 start (us from the replay's first kernel) and duration, for one card (tp1) and for each rank of the NVLink pair.
 GPU only (two cards for the pair); the full preset from `--ckpt`.
 
-    python bench/kernel_timeline.py --ckpt /tmp/full --modes tp1,pair --out bench/results/gpu/kernel_timeline_1x5_h200x2.json
+    python bench/kernel_timeline.py --ckpt /tmp/full --modes tp1,solo,pair \
+        --out bench/results/gpu/kernel_timeline_1x5_h200x2.json
 
 Per mode and rank: `run_us` (median host time of `GraphSet.run` over 300 free-running steps), `gpu_span_us` (first
 kernel start to last kernel end of the profiled replay) and `kernels` ([name, start_us, duration_us]). The gaps

@@ -19,9 +19,8 @@ import sys
 import pytest
 import torch
 
-from interpreter import interpreter_env
+from interpreter import ROOT, interpreter_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 

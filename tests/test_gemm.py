@@ -18,9 +18,8 @@ import torch
 
 from dspark_ray.kernels import gemm
 from dspark_ray.model import ops
-from interpreter import interpreter_env
+from interpreter import ROOT, interpreter_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
 
