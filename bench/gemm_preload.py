@@ -1,11 +1,11 @@
 """A pair rank's GEMM with its weights read before the kernel ahead of it ends: how much of the GEMM would that hide?
 (GPU only; a probe for item 4 of issue 7, notes/engine.md.)
 
-In the draft step the dense GEMMs move 1.4-1.9 TB/s: a small shard's ramp and tail set their pace, and each one
-waits for the latency-bound kernel before it. Under programmatic dependent launch a kernel's programs may start
+Each dense GEMM of the draft step waits for the latency-bound kernel before it. Under programmatic dependent launch a kernel's programs may start
 while that kernel runs, and a weight is never written inside a graph, so a GEMM could load its whole weight slice
 into registers before its wait (`pdl_enter`) and, once the input is there, only multiply. A pair rank's shards
-(wq_b 8192 x 1280, wo_b 5120 x 2048: 21 MB each) fit on chip spread over the SMs.
+(wq_b 16384 x 1280, wo_b 5120 x 4096: 42 MB each) would nearly fit on chip spread over the SMs. (Until the
+nineteenth session SHAPES held half these shards, 21 MB, whose time was then compared with the step's 42 MB GEMMs.)
 
 Timed, in PDL graphs, behind a stand-in for the latency-bound kernel before it (a one-program kernel that spins
 for `--sleep-us`): the step's GEMM (`gemm.padded_linear`, cuBLAS on 32 padded rows) and this probe's kernel (one
@@ -33,9 +33,9 @@ from bench import kernel_bench  # noqa: E402
 from bench.tcp_roundtrip import emit  # noqa: E402
 
 ROWS = 6                                         # 1 request x (seed + 5 drafts)
-SHAPES = {"wq_b (pair rank)": (8192, 1280), "wo_b (pair rank)": (5120, 2048)}
+SHAPES = {"wq_b (pair rank)": (16384, 1280), "wo_b (pair rank)": (5120, 4096)}   # 32 of 64 heads, 4 of 8 o_groups
 CALLS = 10
-COPIES = 6                                       # weight copies the calls rotate through: 126 MB, past the 50 MB L2
+COPIES = 6                                       # weight copies the calls rotate through: 252 MB, past the 60 MB L2
 
 
 @triton.jit

@@ -47,10 +47,11 @@ def split_replays(ev: list, gap_us: float = 500.0) -> list[list]:
     return reps
 
 
-def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None, barrier=None) -> dict:
+def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None, barrier=None, nvtx: bool = False) -> dict:
     """Capture a one-request graph set for this rank, then profile three replays and keep the last one's kernels.
     A pair rank meets its peer at `barrier` before each profiled replay, so both launch it at the same moment and a
-    collective's time is its own, not the wait for a peer that launched later."""
+    collective's time is its own, not the wait for a peer that launched later. `nvtx`: no profiler; one replay
+    inside the NVTX range "ncu_replay", for Nsight Compute to time each of its kernels alone (see main's help)."""
     from bench.draft_step import _slots
     from dspark_ray.collectives import LocalCollectives
     from dspark_ray.graphs import GraphSet
@@ -75,6 +76,13 @@ def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None, barrier=Non
     for _ in range(50):
         step()
     res = {"run_us": _median_us(step, 300)}
+    if nvtx:
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("ncu_replay")
+        step()
+        torch.cuda.nvtx.range_pop()
+        torch.cuda.synchronize()
+        return res
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             if barrier:
@@ -108,9 +116,9 @@ def launch_grids(prof) -> dict:
     return {k: sorted(v) for k, v in grids.items()}
 
 
-def solo_timeline(ckpt: str, start: int) -> dict:
+def solo_timeline(ckpt: str, start: int, nvtx: bool = False) -> dict:
     from dspark_ray.collectives import SoloCollectives
-    return timeline("solo", 0, ckpt, start, SoloCollectives(0))
+    return timeline("solo", 0, ckpt, start, SoloCollectives(0), nvtx=nvtx)
 
 
 def _pair_rank(rank: int, port: int, shm_name: str, ckpt: str, start: int) -> dict:
@@ -133,6 +141,9 @@ def main() -> int:
     ap.add_argument("--ckpt", default="/tmp/full")
     ap.add_argument("--modes", default="tp1,pair", help="comma list of tp1, solo (one pair rank, no collectives), pair")
     ap.add_argument("--start", type=int, default=900000, help="position of the slot's context rows")
+    ap.add_argument("--nvtx-replay", action="store_true",
+                    help="tp1 / solo: no profiler, one replay in the NVTX range ncu_replay, for `ncu --nvtx "
+                    "--nvtx-include ncu_replay/ --graph-profiling node --cache-control all` (each kernel timed alone)")
     ap.add_argument("--out")
     args = ap.parse_args()
     from bench.tcp_roundtrip import _commit
@@ -142,8 +153,8 @@ def main() -> int:
         print(f"kernel_timeline: {mode} ...", file=sys.stderr, flush=True)
         if mode in ("tp1", "solo"):
             torch.set_num_threads(1)
-            out["timelines"][mode] = (timeline("tp1", 0, args.ckpt, args.start) if mode == "tp1"
-                                      else solo_timeline(args.ckpt, args.start))
+            out["timelines"][mode] = (timeline("tp1", 0, args.ckpt, args.start, nvtx=args.nvtx_replay)
+                                      if mode == "tp1" else solo_timeline(args.ckpt, args.start, args.nvtx_replay))
         else:
             out["timelines"].update(run_pair(args.ckpt, args.start))
     text = json.dumps(out)

@@ -225,12 +225,6 @@ def use_matmul(mode: str) -> str:
         from .streams import branch, branch_parts
         table = {**fused.TABLE, "linear_grouped": padded_grouped_linear, "linear_f16": padded_linear_f16,
                  "branch": branch, "branch_parts": branch_parts}
-        if os.environ.get("DSPARK_F16_EPILOGUE", "1") == "0":
-            # An A/B, not yet timed: fp16-output linears as an fp32-output GEMM and one rounding kernel. In the draft
-            # step the GEMMs run 5-10 us slower than in `bench/gemm.py`'s fp32-output chains; whether the fp16
-            # epilogue's kernel picks are part of it is open (notes/engine.md, eighteenth session). Other bits than
-            # the default, the same batch invariance.
-            del table["linear_f16"]
         ops.set_matmul(padded_linear, indexed_linear, mode="fast", fused_table=table)
     else:
         raise ValueError(f"matmul mode must be exact, fast or auto, not {mode!r}")
