@@ -6,8 +6,9 @@ tile of the expert's weights over K. This times each setting (BLOCK_N, BLOCK_K, 
 card's and one pair rank's shapes, gated (w1 | w3 + SwiGLU) and plain (w2), on cold weights (a captured graph of 8
 launches, each routed to another set of experts, replayed), beside the time to read the bytes at 4.2 TB/s, and
 records whether each setting gives the bits of the base tiles (any fixed setting is batch invariant:
-tests/test_fused.py). On the H200 every setting gave the base tiles' bits, the 64 x 128 tiles ran at ~80 % of the
-byte rate, and narrower tiles (more programs per expert) ran slower (bench/results/gpu/expert_tiles_h200.json).
+tests/test_fused.py). On the H200 every setting gave the base tiles' bits; the best per shape ran at 85-94 % of the
+byte rate (gated) and 73-88 % (plain), narrower tiles (more programs per expert) ran slower, and the fastest are
+`fused_moe.GROUPED_TILES` / `GROUPED_TILES_BY_N` (bench/results/gpu/expert_tiles_h200.json).
 
     python bench/expert_tiles.py [--reps 200] [--out bench/results/gpu/expert_tiles_h200.json]
 """
@@ -33,7 +34,10 @@ BASE = (64, 128, 4, 3)             # the tiles before this bench (BLOCK_N, BLOCK
 # bytes in flight per SM. Each setting compiles twice (gated, plain), ~1.5 s each: the list is kept short.
 SETTINGS = [BASE, (64, 128, 4, 4), (64, 128, 8, 3), (64, 64, 4, 4),
             (32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 4), (32, 256, 4, 3), (32, 256, 8, 3),
-            (16, 128, 4, 3), (16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 256, 8, 3)]
+            (16, 128, 4, 3), (16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 256, 8, 3),
+            # the nineteenth session's: shorter K steps with deeper pipelines, wider N
+            (64, 64, 4, 5), (64, 64, 4, 6), (64, 64, 8, 4), (64, 32, 4, 8), (128, 64, 4, 4), (128, 64, 8, 4),
+            (128, 64, 8, 3), (128, 128, 8, 3)]
 
 
 def routing(g: torch.Generator, device) -> list[torch.Tensor]:
@@ -96,7 +100,7 @@ def main(argv=None) -> int:
         ok = [r for r in rows if "p50_us" in r]
         best = min(ok, key=lambda r: r["p50_us"])
         base = next(r for r in ok if tuple(r["setting"]) == BASE)
-        used = next((r for r in ok if tuple(r["setting"]) == grouped_tiles(gated, dev.index or 0)), None)
+        used = next((r for r in ok if tuple(r["setting"]) == grouped_tiles(gated, n, dev.index or 0)), None)
         res["shapes"][name] = {"gated": gated, "N": n, "K": k, "byte_bound_us": round(byte_ms * 1e3, 1),
                                "base": base, "in_use": used, "best": best, "all": rows}
         del w1, w3

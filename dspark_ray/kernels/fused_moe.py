@@ -154,9 +154,13 @@ def indexed_linear(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch
 
 GROUP_BM = 64      # pairs of one expert per pass (a graph step has at most 4 x 5 rows x top-3 = 60 pairs)
 # The grouped kernel's tiles, gated (w1 | w3 + SwiGLU) and plain (w2): (BLOCK_N, BLOCK_K, num_warps, num_stages).
-# Fixed, like every kernel here; the fastest of `bench/expert_tiles.py` over one card's and one pair rank's shapes
-# on the H200 (gated: 77.5 / 39.6 us against 81.9 / 42.1 with 3 stages; the same bits in every setting tried).
-GROUPED_TILES = {True: (64, 128, 4, 4), False: (64, 128, 4, 3)}
+# Fixed, like every kernel here, per kind of call and output width N (a property of the weights: both ranks of a
+# pair, and the emulated pair, run the same tiles); the fastest of `bench/expert_tiles.py` on the H200, cold
+# weights, 6 distinct experts (bench/results/gpu/expert_tiles_h200.json, nineteenth session): gated 39.8 us on a
+# pair rank's N = 1152; one card's N = 2304 71.3 with BLOCK_K 64 against 77.3 with these; plain 21.5 / 38.4 us
+# (a pair rank / one card) against 22.9 / 39.8 with (64, 128, 4, 3). Every setting tried gave the same bits.
+GROUPED_TILES = {True: (64, 128, 4, 4), False: (128, 64, 4, 4)}
+GROUPED_TILES_BY_N = {(True, 2304): (64, 64, 4, 4)}
 
 
 def fit_stages(tiles: tuple[int, int, int, int], gated: bool, smem_limit: int) -> tuple[int, int, int, int]:
@@ -169,18 +173,19 @@ def fit_stages(tiles: tuple[int, int, int, int], gated: bool, smem_limit: int) -
 
 
 @functools.cache
-def grouped_tiles(gated: bool, device_index: int | None) -> tuple[int, int, int, int]:
-    """GROUPED_TILES[gated] for a card: the H200's 227 KiB per block holds the gated call's 4 stages (192 KiB), an
-    A100's 163 KiB 3 of them. Fixed per kind of card, so both ranks of a pair run the same tiles. device_index
-    None: a CPU (the interpreter)."""
+def grouped_tiles(gated: bool, n: int, device_index: int | None) -> tuple[int, int, int, int]:
+    """The tiles of a call (GROUPED_TILES_BY_N, else GROUPED_TILES) for a card: the H200's 227 KiB per block holds
+    the gated call's 4 stages (192 KiB), an A100's 163 KiB 3 of them. Fixed per kind of card and shape, so both
+    ranks of a pair run the same tiles. device_index None: a CPU (the interpreter)."""
+    tiles = GROUPED_TILES_BY_N.get((gated, n), GROUPED_TILES[gated])
     if device_index is None:
-        return GROUPED_TILES[gated]
+        return tiles
     try:
         limit = triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"]
     except Exception as e:      # noqa: BLE001 - a query this Triton lacks must not stop the step; the tiles as set
         log.warning("grouped experts: no shared-memory size for cuda:%s (%s); tiles as set", device_index, e)
-        return GROUPED_TILES[gated]
-    return fit_stages(GROUPED_TILES[gated], gated, limit)
+        return tiles
+    return fit_stages(tiles, gated, limit)
 
 
 def _grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, experts: torch.Tensor, x_div: int,
@@ -190,7 +195,7 @@ def _grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, experts
     gated = w3 is not None
     out = torch.empty((p, n), dtype=F16 if gated else F32, device=x.device)
     if p:
-        bn, bk, warps, stages = grouped_tiles(gated, x.device.index if x.is_cuda else None)
+        bn, bk, warps, stages = grouped_tiles(gated, n, x.device.index if x.is_cuda else None)
         _grouped_expert_kernel[(p, triton.cdiv(n, bn))](
             x.to(F16).contiguous(), w1, w3 if gated else w1, experts.contiguous(), out, p, n, k, x_div,
             float(limit), GATED=gated, BM=GROUP_BM, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
