@@ -236,6 +236,8 @@ def main(argv=None) -> int:
         ap.add_argument("--rows", type=int, default=6, help="rows of x (1 request x (seed + 5 drafts) = 6)")
         ap.add_argument("--modes", default="pair,tp1")
         ap.add_argument("--only", default="", help="comma list of shape names")
+        ap.add_argument("--pad-rows", default="32", help="cuBLAS's padded row counts to time (the step: 32)")
+        ap.add_argument("--no-triton", action="store_true", help="time cuBLAS only")
     started = kernel_bench.start("splitk_gemm", __doc__, 100, argv, extra=extra, matmul="fast")
     if started is None:
         return 2
@@ -259,29 +261,32 @@ def main(argv=None) -> int:
     base = statistics.median(kernel_bench.graph_time([spin], CALLS, args.reps, pdl=True))
     res["spin_alone_us"] = round(base, 2)
     only = set(filter(None, args.only.split(",")))
+    pads = sorted({32, *map(int, args.pad_rows.split(","))})
     for mode in args.modes.split(","):
         for name, (n, k, groups, f16) in SHAPES[mode].items():
             if only and name not in only:
                 continue
             copies = max(2, -(-200_000_000 // (n * k * 2)))
             ws = [(torch.randn((n, k), generator=g, device=dev) * 0.02).to(torch.float16) for _ in range(copies)]
-            if groups > 1:
-                x = gemm.grouped_rows_empty(args.rows, groups, k, torch.float16, dev)
-            else:
-                x = gemm.rows_empty(args.rows, k, torch.float16, dev)
-            x.copy_(torch.randn(x.shape, generator=g, device=dev).to(torch.float16))
             out = torch.float16 if f16 else torch.float32
-            if groups > 1:
-                def cublas(w):
-                    return gemm.padded_grouped_linear(x, w)
-            else:
-                cublas_fn = gemm.padded_linear_f16 if f16 else gemm.padded_linear
+            row = {"weight_mb": round(n * k * 2 / 1e6, 2), "copies": copies, "tilings": []}
+            for pad in pads:            # cuBLAS's padded call; PAD_ROWS is read at each call (32 in the step)
+                gemm.PAD_ROWS = pad
+                x = (gemm.grouped_rows_empty(args.rows, groups, k, torch.float16, dev) if groups > 1
+                     else gemm.rows_empty(args.rows, k, torch.float16, dev))
+                x.copy_(torch.randn(x.shape, generator=g, device=dev).to(torch.float16))
 
-                def cublas(w):
-                    return cublas_fn(x, w)
-            row = {"weight_mb": round(n * k * 2 / 1e6, 2), "copies": copies,
-                   "cublas_us": round(after_spin_us([f for w in ws for f in (spin, lambda w=w: cublas(w))]), 2),
-                   "tilings": []}
+                def cublas(w, x=x):
+                    if groups > 1:
+                        return gemm.padded_grouped_linear(x, w)
+                    return (gemm.padded_linear_f16 if f16 else gemm.padded_linear)(x, w)
+                us = round(after_spin_us([f for w in ws for f in (spin, lambda w=w: cublas(w))]), 2)
+                row["cublas_us" if pad == 32 else f"cublas_pad{pad}_us"] = us
+                gemm.PAD_ROWS = 32
+            if args.no_triton:
+                res["cases"][f"{mode} {name}"] = row
+                print(f"splitk_gemm: {mode} {name}: {row}", file=sys.stderr, flush=True)
+                continue
             for t in tilings(n, k, groups, sms):
                 try:
                     us = after_spin_us([f for w in ws for f in (spin, lambda w=w, t=t: splitk_linear(x, w, out, t,
