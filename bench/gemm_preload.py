@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import kernel_bench  # noqa: E402
 from bench.tcp_roundtrip import emit  # noqa: E402
+from dspark_ray.kernels.fused_ops import launch_opts  # noqa: E402
 
 ROWS = 6                                         # 1 request x (seed + 5 drafts)
 SHAPES = {"wq_b (pair rank)": (16384, 1280), "wo_b (pair rank)": (5120, 4096)}   # 32 of 64 heads, 4 of 8 o_groups
@@ -49,6 +50,25 @@ def _spin_kernel(cycles, PDL: tl.constexpr):
     t = t0
     while tl.max(t - t0, axis=0) < cycles:
         t = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,l", [t0], dtype=tl.int64, is_pure=False, pack=1)
+
+
+class SpinStandIn:
+    """The latency-bound kernel a step's GEMM follows, stood in for by `_spin_kernel` (`sleep_us` at the H200's
+    1980 MHz SM clock), and the time a call adds right behind it in a PDL graph: (spin + call) - (spin alone), p50
+    of `reps` replays of CALLS pairs per call given. Also used by `bench/splitk_gemm.py`."""
+
+    def __init__(self, dev: torch.device, sleep_us: float, reps: int):
+        self.cycles, self.reps, self.flag = int(sleep_us * 1980), reps, torch.zeros(1, device=dev)
+        self.alone_us = statistics.median(kernel_bench.graph_time([self.spin], CALLS, reps, pdl=True))
+
+    def spin(self) -> None:
+        _spin_kernel[(1,)](self.cycles, num_warps=1, **launch_opts(self.flag))
+
+    def after_us(self, calls) -> float:
+        """calls: one per weight copy (they rotate, so none reads from L2); each right behind a spin."""
+        fns = [f for c in calls for f in (self.spin, c)]
+        pair = statistics.median(kernel_bench.graph_time(fns, CALLS * len(fns), self.reps, pdl=True)) * 2
+        return pair - self.alone_us
 
 
 @triton.jit
@@ -78,22 +98,12 @@ def main(argv=None) -> int:
         return 2
     args, dev, g = started
     from dspark_ray.kernels import gemm
-    from dspark_ray.kernels.fused_ops import launch_opts
-    cycles = int(args.sleep_us * 1980)             # the H200's SM clock, 1980 MHz (nvidia-smi)
     res = kernel_bench.header("gemm_preload", {"rows": ROWS, "shapes": SHAPES, "sleep_us": args.sleep_us,
                                                "spread_gb": args.spread_gb,
                                                "cublas_out": "fp16" if args.f16 else "fp32",
                                                "calls_per_graph": CALLS, "reps": args.reps}, cases={})
-    flag = torch.zeros(1, device=dev)
-
-    def spin():
-        _spin_kernel[(1,)](cycles, num_warps=1, **launch_opts(flag))
-
-    def per_pair_us(fns) -> float:        # fns: (spin, gemm) pairs; the time of one pair
-        return statistics.median(kernel_bench.graph_time(fns, CALLS * len(fns), args.reps, pdl=True)) * 2
-
-    base = statistics.median(kernel_bench.graph_time([spin], CALLS, args.reps, pdl=True))
-    res["spin_alone_us"] = round(base, 2)
+    sp = SpinStandIn(dev, args.sleep_us, args.reps)
+    res["spin_alone_us"] = round(sp.alone_us, 2)
     cublas = gemm.padded_linear_f16 if args.f16 else gemm.padded_linear
     for name, (N, K) in SHAPES.items():
         if args.spread_gb:       # the copies args.spread_gb GB apart: the step's weights span 20-34 GB (TLB reach)
@@ -110,8 +120,7 @@ def main(argv=None) -> int:
         y = torch.empty((ROWS, N), dtype=torch.float32, device=dev)
         ref = x.float() @ w.float().t()
         row = {"weight_mb": round(N * K * 2 / 1e6, 2)}
-        row["cublas_after_spin_us"] = round(per_pair_us(
-            [f for c in ws for f in (spin, lambda c=c: cublas(x, c))]) - base, 2)
+        row["cublas_after_spin_us"] = round(sp.after_us([lambda c=c: cublas(x, c) for c in ws]), 2)
         for bn in ((8, 16) if K > 2048 else (16, 32)):
             def probe(bn=bn, w=w):
                 _preload_gemv_kernel[(triton.cdiv(N, bn),)](x, w, y, N, K=K, K_P=triton.next_power_of_2(K), ROWS=ROWS,
@@ -120,8 +129,8 @@ def main(argv=None) -> int:
                 probe()
                 torch.cuda.synchronize()
                 err = float((y - ref).abs().max() / ref.abs().max())
-                row[f"preload_bn{bn}_after_spin_us"] = round(per_pair_us(
-                    [f for c in ws for f in (spin, lambda c=c, bn=bn: probe(bn, c))]) - base, 2)
+                row[f"preload_bn{bn}_after_spin_us"] = round(sp.after_us([lambda c=c, bn=bn: probe(bn, c) for c in ws]),
+                                                              2)
                 row[f"preload_bn{bn}_rel_err"] = err
             except Exception as e:       # a slice Triton cannot hold in registers
                 row[f"preload_bn{bn}_error"] = f"{type(e).__name__}: {str(e)[:160]}"

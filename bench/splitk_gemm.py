@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import kernel_bench  # noqa: E402
-from bench.gemm_preload import _spin_kernel  # noqa: E402
+from bench.gemm_preload import CALLS, SpinStandIn  # noqa: E402
 from bench.tcp_roundtrip import emit  # noqa: E402
 from dspark_ray.kernels.fused_ops import F16, F32, launch_opts  # noqa: E402
 
@@ -63,7 +61,7 @@ def _fence_gpu():
 @triton.jit
 def _splitk_linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, ctr_ptr, M, N, K, R, sxm, sxg, KS,
                           SPLIT, OUT_F16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          BK: tl.constexpr, PRELOAD: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr):
+                          BK: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -108,8 +106,7 @@ def _splitk_linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, ctr_ptr, M, N, K, R, 
         tile = (pid_m * tl.num_programs(0) + pid_n) * SPLIT          # this (row block, column block)'s partials
         offs = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
         tl.store(part_ptr + (tile + s).to(tl.int64) * BM * BN + offs, acc)
-        if FENCE:                              # every thread's partial visible at L2 before the ticket is taken
-            _fence_gpu()
+        _fence_gpu()                           # every thread's partial visible at L2 before the ticket is taken
         tl.debug_barrier()
         ctr = ctr_ptr + pid_m * tl.num_programs(0) + pid_n
         if tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:      # the last of the SPLIT programs
@@ -124,51 +121,27 @@ def _splitk_linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, ctr_ptr, M, N, K, R, 
 
 
 class Counters:
-    """Split-K ticket counters, zero between calls (the last program of a block resets its own), from a pool made
-    on first use, outside any graph capture. A call captured into a graph takes a slice of the lower half for good
-    (two graphs, or two kernels of one graph beside each other, never share a counter); an eager call takes the
-    next slice of a ring over the upper half, reused only half a pool later."""
+    """Split-K ticket counters, zero between calls (the last program of a block resets its own), from one pool made
+    on the first call (an eager one: `graph_time` runs each call once before capturing it). Each call takes a
+    slice of its own, so kernels beside each other never share a counter; `release` hands the pool out again once
+    the graphs that captured calls are gone."""
 
     def __init__(self, n: int = 1 << 22):
-        self.n = n
-        self.pool: dict = {}
-        self.next: dict = {}
+        self.n, self.pool, self.at = n, None, 0
 
     def take(self, device: torch.device, count: int) -> torch.Tensor:
-        key = (device.type, device.index)
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if key not in self.pool:
-            if capturing:
-                raise RuntimeError("splitk_linear: counter pool first used inside a graph capture; run the linear "
-                                   "once before capturing")
-            self.pool[key] = torch.zeros(self.n, dtype=torch.int32, device=device)
-            self.next[key] = [0, self.n // 2]
-        half = self.n // 2
-        at = self.next[key][0 if capturing else 1]
-        if capturing:
-            if at + count > half:
-                raise RuntimeError(f"splitk_linear: the {half} counters for graphs are used up")
-            self.next[key][0] = at + count
-        else:
-            if at + count > self.n:
-                at = half
-            self.next[key][1] = at + count
-        return self.pool[key][at:at + count]
+        if self.pool is None:
+            self.pool = torch.zeros(self.n, dtype=torch.int32, device=device)
+        if self.at + count > self.n:
+            raise RuntimeError(f"splitk_linear: {self.n} counters used up")
+        self.at += count
+        return self.pool[self.at - count:self.at]
 
-    def release_graphs(self, device: torch.device) -> None:
-        """Hand the graphs' half out again from its start: only once every graph that captured a call is gone
-        (the benches, which capture and drop many)."""
-        key = (device.type, device.index)
-        if key in self.next:
-            self.next[key][0] = 0
+    def release(self) -> None:
+        self.at = 0
 
 
 COUNTERS = Counters()
-
-
-def _on_gpu() -> bool:
-    """False under the Triton interpreter, which runs no PTX and one program at a time."""
-    return os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 
 def splitk_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, tiles: LinearTiles,
@@ -201,11 +174,10 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, tile
         part = ctr = out
     _splitk_linear_kernel[(nb, t.split, mb)](
         x, w, out, part, ctr, m, n, k, r, sxm, sxg, ks, t.split, OUT_F16=out_dtype == F16, BM=t.bm, BN=t.bn,
-        BK=t.bk, PRELOAD=t.preload, FENCE=_on_gpu(), num_warps=t.warps, num_stages=t.stages, **launch_opts(out))
+        BK=t.bk, PRELOAD=t.preload, num_warps=t.warps, num_stages=t.stages, **launch_opts(out))
     return out
 
 
-CALLS = 10
 # (N, K, groups, fp16 out) of each dense linear on a draft step's critical path (the shared expert's two run beside
 # the routed experts), for one pair rank and for one card.
 SHAPES = {
@@ -243,23 +215,17 @@ def main(argv=None) -> int:
         return 2
     args, dev, g = started
     from dspark_ray.kernels import gemm
-    from dspark_ray.kernels.fused_ops import launch_opts
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    cycles = int(args.sleep_us * 1980)             # the H200's SM clock, 1980 MHz
     res = kernel_bench.header("splitk_gemm", {"rows": args.rows, "sleep_us": args.sleep_us, "calls_per_graph": CALLS,
                                               "reps": args.reps, "shapes": SHAPES}, cases={})
-    flag = torch.zeros(1, device=dev)
+    sp = SpinStandIn(dev, args.sleep_us, args.reps)
 
-    def spin():
-        _spin_kernel[(1,)](cycles, num_warps=1, **launch_opts(flag))
-
-    def after_spin_us(fns) -> float:
-        us = statistics.median(kernel_bench.graph_time(fns, CALLS * len(fns), args.reps, pdl=True)) * 2 - base
-        COUNTERS.release_graphs(dev)             # graph_time's graph is gone: its counters may be handed out again
+    def after_spin_us(calls) -> float:
+        us = sp.after_us(calls)
+        COUNTERS.release()             # graph_time's graph is gone: its counters may be handed out again
         return us
 
-    base = statistics.median(kernel_bench.graph_time([spin], CALLS, args.reps, pdl=True))
-    res["spin_alone_us"] = round(base, 2)
+    res["spin_alone_us"] = round(sp.alone_us, 2)
     only = set(filter(None, args.only.split(",")))
     pads = sorted({32, *map(int, args.pad_rows.split(","))})
     for mode in args.modes.split(","):
@@ -270,27 +236,29 @@ def main(argv=None) -> int:
             ws = [(torch.randn((n, k), generator=g, device=dev) * 0.02).to(torch.float16) for _ in range(copies)]
             out = torch.float16 if f16 else torch.float32
             row = {"weight_mb": round(n * k * 2 / 1e6, 2), "copies": copies, "tilings": []}
+            xs = {}
             for pad in pads:            # cuBLAS's padded call; PAD_ROWS is read at each call (32 in the step)
                 gemm.PAD_ROWS = pad
                 x = (gemm.grouped_rows_empty(args.rows, groups, k, torch.float16, dev) if groups > 1
                      else gemm.rows_empty(args.rows, k, torch.float16, dev))
                 x.copy_(torch.randn(x.shape, generator=g, device=dev).to(torch.float16))
+                xs[pad] = x
 
                 def cublas(w, x=x):
                     if groups > 1:
                         return gemm.padded_grouped_linear(x, w)
                     return (gemm.padded_linear_f16 if f16 else gemm.padded_linear)(x, w)
-                us = round(after_spin_us([f for w in ws for f in (spin, lambda w=w: cublas(w))]), 2)
+                us = round(after_spin_us([lambda w=w: cublas(w) for w in ws]), 2)
                 row["cublas_us" if pad == 32 else f"cublas_pad{pad}_us"] = us
                 gemm.PAD_ROWS = 32
+            x = xs[32]                  # the Triton kernel reads the step's 32-row layout
             if args.no_triton:
                 res["cases"][f"{mode} {name}"] = row
                 print(f"splitk_gemm: {mode} {name}: {row}", file=sys.stderr, flush=True)
                 continue
             for t in tilings(n, k, groups, sms):
                 try:
-                    us = after_spin_us([f for w in ws for f in (spin, lambda w=w, t=t: splitk_linear(x, w, out, t,
-                                                                                                      groups))])
+                    us = after_spin_us([lambda w=w, t=t: splitk_linear(x, w, out, t, groups) for w in ws])
                 except Exception as e:          # noqa: BLE001 - a tiling this Triton cannot build: recorded
                     row["tilings"].append({"tiles": t.__dict__, "error": f"{type(e).__name__}: {str(e)[:120]}"})
                     continue

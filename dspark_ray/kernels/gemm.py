@@ -223,9 +223,10 @@ def use_matmul(mode: str) -> str:
         pin_determinism()
         from . import fused             # imports triton: only the fast path needs it
         from .streams import branch, branch_parts
-        table = {**fused.TABLE, "linear_grouped": padded_grouped_linear, "linear_f16": padded_linear_f16,
-                 "branch": branch, "branch_parts": branch_parts}
-        ops.set_matmul(padded_linear, indexed_linear, mode="fast", fused_table=table)
+        ops.set_matmul(padded_linear, indexed_linear, mode="fast",
+                       fused_table={**fused.TABLE, "linear_grouped": padded_grouped_linear,
+                                    "linear_f16": padded_linear_f16, "branch": branch,
+                                    "branch_parts": branch_parts})
     else:
         raise ValueError(f"matmul mode must be exact, fast or auto, not {mode!r}")
     return mode
