@@ -59,6 +59,7 @@ def cpu_key(stamp: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--tp", type=int, choices=(1, 2), default=2, help="1: one rank on one card (the host path alone)")
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--rows", type=int, default=3)
     ap.add_argument("--warmup-rounds", type=int, default=None,
@@ -103,7 +104,7 @@ def main() -> None:
     from dspark_ray.weights.loader import Checkpoint
 
     torch.set_num_threads(1)
-    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() >= a.tp
     device = "cuda" if gpu else "cpu"
     ckpt = a.ckpt or resolve_checkpoint(a.preset, None, device=device)
     ck = Checkpoint(ckpt)
@@ -135,7 +136,7 @@ def main() -> None:
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
     all_cpus = os.sched_getaffinity(0)
-    base = PairSpec(checkpoint=ckpt, tp=2, n_slots=4, backend="push" if gpu else "gloo", device=device,
+    base = PairSpec(checkpoint=ckpt, tp=a.tp, n_slots=4, backend="push" if gpu else "gloo", device=device,
                     ring_spin_us=a.ring_spin_us)
     gap_ns = int(a.gap_us * 1e3)
     pinning = {"ranks": a.rank_cpus, "frontend": a.frontend_cpus, "client": a.client_cpu}
@@ -202,7 +203,7 @@ def main() -> None:
             "timeline": {name: summary([(s[b] - s[a]) / 1e6 for s in steps]) for name, a, b in HOPS
                          if all(a in s and b in s for s in steps)},        # (an eager engine has no graph stamps)
             "ranks": {f"rank{r}_{k}": summary([(s[f"r{r}_{b}"] - s[f"r{r}_{a}"]) / 1e6 for s in steps])
-                      for r in range(2) for k, a, b in RANK_PHASES},
+                      for r in range(base.tp) for k, a, b in RANK_PHASES},
             # Hops run by one thread: the CPU time its thread used in them against their wall time (p50 each). CPU
             # ~ wall: the code is slow; CPU << wall: the thread was off the CPU (preempted, or waiting for the GIL).
             "cpu_in_hops": {name: {"wall_p50_ms": summary([(s[b] - s[a]) / 1e6 for s in steps])["p50_ms"],
@@ -217,7 +218,7 @@ def main() -> None:
         }
         # The target, from this one run: the round trip at most the pair's graph work (the slower rank's
         # run phase: upload, insert and draft replays, download) + 0.1 ms.
-        work = max(res["ranks"][f"rank{r}_run"]["p50_ms"] for r in range(2))
+        work = max(res["ranks"][f"rank{r}_run"]["p50_ms"] for r in range(base.tp))
         res["target"] = {"round_trip_p50_ms": res["tcp_step"]["p50_ms"], "pair_work_p50_ms": work,
                          "limit_ms": round(work + 0.1, 3), "met": res["tcp_step"]["p50_ms"] <= work + 0.1}
         return res
@@ -244,12 +245,13 @@ def main() -> None:
     out = {
         "bench": "step_latency",
         "command": "python bench/step_latency.py " + " ".join(sys.argv[1:]),
-        "config": {"preset": a.preset, "tp": 2, "backend": base.backend, "requests": 1, "rows_per_round": a.rows,
+        "config": {"preset": a.preset, "tp": base.tp, "backend": base.backend if base.tp == 2 else None, "requests": 1, "rows_per_round": a.rows,
                    "n_out": 5, "rounds": a.rounds, "warmup_rounds": warm, "repeats": a.repeats,
                    "pin_ab": a.pin_ab, "client_spin_us": a.client_spin_us, "gap_us": a.gap_us,
                    "server_and_ring_spin_us": base.spin_us,
                    "pinned_vcpus": pinning, "step_graphs": step_graphs_enabled(),
-                   "keep_warm_us": keep_warm_period_us() if keep_warm_enabled() else None},
+                   "keep_warm_us": keep_warm_period_us() if keep_warm_enabled() else None,
+                   "launch_ahead": base.launches_ahead},
         "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or platform.machine(),
         "host_cpus": os.cpu_count(),
         "commit": _commit(),

@@ -7,6 +7,7 @@ import socket
 import struct
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -31,7 +32,10 @@ RANK_CPUS, FRONTEND_CPUS = [CPUS[0], CPUS[-1]], [CPUS[-1]]
 
 @pytest.fixture(scope="module")
 def pair(ray_cluster, tiny_ckpt):
-    fe, host, port = deploy_pair(ray_cluster, tiny_ckpt, "e2e", rank_cpus=RANK_CPUS, frontend_cpus=FRONTEND_CPUS)
+    # Each step's graph launched ahead (on a GPU pair too: DSPARK_TEST_PAIR=push checks it there), the pair parked
+    # after 0.3 s without a batch: between most tests.
+    fe, host, port = deploy_pair(ray_cluster, tiny_ckpt, "e2e", rank_cpus=RANK_CPUS, frontend_cpus=FRONTEND_CPUS,
+                                 launch_ahead=True, park_after_s=0.3)
     yield fe, host, port
     teardown("e2e")
 
@@ -182,6 +186,42 @@ def test_rounds_over_the_wire_equal_the_in_process_reference_bit_for_bit(pair, c
                     assert np.array_equal(g.margins_array(), w.margins)
                 assert g.confident_len == w.confident_len
         c.release([g.slot for g in grants])
+
+
+def test_a_parked_pair_answers_as_before_and_a_park_changes_no_slot(pair, cfg, ckpt):
+    """Rounds with pauses past the park (the ranks' graph launched ahead runs as a null step at each) and rounds of
+    another shape between (the graph launched ahead for n_out 5 runs null before the n_out 2 step): every
+    answer equals the in-process reference bit for bit, so neither a park nor a null step touched a slot."""
+    import ray
+    rounds = workload.rounds(cfg, seed=8, n_requests=2, n_rounds=12, far_start=500, vary_n_out=False,
+                             margins_every=0)
+    ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 2)
+    st = ray.get(pair[0].status.remote())
+    parks, before = st["stats"]["parks"], [r["graphs"]["ahead"] for r in st["ranks"]]
+    with client(pair) as c:
+        grants = acquire_when_free(c, 2)
+        for k, batch in enumerate(rounds):
+            if k in (3, 7):
+                time.sleep(0.8)                          # > park_after_s: the front-end parks the pair
+            if k in (5, 9):
+                batch = [replace(e, n_out=2) for e in batch]     # another shape than the graph launched ahead
+            want = ref.step(batch)
+            got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)],
+                         deadline_ms=60_000)
+            for w, g in zip(want, got):
+                assert g.code == Code.OK, g.reason
+                assert np.array_equal(g.drafts_array(), w.drafts)
+                assert np.array_equal(g.confidences_array(), w.confidences)
+                assert g.confident_len == w.confident_len
+        c.release([g.slot for g in grants])
+    time.sleep(0.8)                                      # parked again: nothing left launched ahead
+    st = ray.get(pair[0].status.remote())
+    assert st["stats"]["parks"] >= parks + 3, st["stats"]
+    for r, b in zip(st["ranks"], before):
+        ahead = r["graphs"]["ahead"]
+        # taken at rounds 1, 2, 4, 8, 11; null before rounds 5, 6, 9, 10 and at the parks
+        assert ahead["taken"] - b["taken"] >= 5 and ahead["null"] - b["null"] >= 7, (ahead, b)
+        assert ahead["pending"] is False, ahead
 
 
 def test_n_out_prefix_over_the_wire(pair, cfg):

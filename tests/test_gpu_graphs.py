@@ -241,3 +241,80 @@ def test_host_copy_kernel_moves_every_byte():
         graph.replay()
         torch.cuda.synchronize()
         assert (out[:4999] == 2 + k).all() and out[4999] == 0, k
+
+
+def test_a_step_graph_launched_ahead_waits_for_its_release_and_keeps_the_bits(cfg, ckpt, matmul):
+    """On the card: a step graph launched ahead (`GraphSet.launch_ahead`) does not run before its release (an event
+    recorded behind it stays pending for 50 ms), then takes the next round of its shape; a round of another shape
+    and a park run it as a null step first. Every answer and ring is the eager engine's bit for bit."""
+    import time
+    from dataclasses import replace
+
+    import numpy as np
+
+    from dspark_ray.engine import RankEngine
+    eager = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda"), 4)
+    graph = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda"), 4, graphs=True, launch_ahead=True)
+    gs = graph.graphs
+    batches = workload.rounds(cfg, seed=12, n_requests=3, n_rounds=14, far_start=900_000, vary_n_out=False,
+                              margins_every=0)
+    batches = [[replace(e, n_out=2) for e in b] if k in (5, 9) else b for k, b in enumerate(batches)]
+    # The eager answers first: work queued behind a graph launched ahead waits for its release, so a host that
+    # waits for that work before the release (the eager engine's checks) would wait until the upload traps.
+    want = [eager.step(batch) for batch in batches]
+    waited = 0
+    for k, batch in enumerate(batches):
+        if k == 11:
+            assert graph.step([]) == [] and gs.launched_ahead is None        # a park
+        a, b = want[k], graph.step(batch)
+        for x, y in zip(a, b):
+            assert (x.code, x.confident_len) == (y.code, y.confident_len), k
+            assert np.array_equal(x.drafts, y.drafts) and np.array_equal(x.confidences, y.confidences), k
+        graph.launch_ahead()
+        assert gs.launched_ahead is not None, k
+        ev = torch.cuda.Event()
+        ev.record()
+        time.sleep(0.05)
+        waited += not ev.query()
+    graph.settle()
+    torch.cuda.synchronize()
+    assert waited == len(batches)
+    assert gs.launched_ahead is None
+    c = gs.ahead_counts
+    # null: before rounds 5, 6, 9, 10 (another shape), at the park, at the end; taken: the other rounds after the first
+    assert c == {"launched": len(batches), "taken": len(batches) - 6, "null": 6}, c
+    for s, (x, y) in enumerate(zip(eager.slots, graph.slots)):
+        assert (x.position, x.base) == (y.position, y.base), s
+        assert torch.equal(x.kv, y.kv.to(x.kv.device)), s
+
+
+def test_a_graph_never_released_traps_instead_of_waiting_forever(tmp_path):
+    """The upload of a graph launched ahead gives up after its timeout with a trap: the process's CUDA context
+    ends (fail closed; the supervisor restarts the rank) instead of a GPU that waits forever. In a child process."""
+    import subprocess
+    import sys
+    script = tmp_path / "never_released.py"
+    script.write_text(
+        "import time, torch\n"
+        "from dspark_ray.kernels.host_copy import released_copy_bytes\n"
+        "flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)\n"
+        "src = torch.ones(65536, dtype=torch.uint8, pin_memory=True)\n"
+        "dst = torch.zeros(65536, dtype=torch.uint8, device='cuda')\n"
+        "seen = torch.zeros(2, dtype=torch.int32, device='cuda')\n"
+        "flag[0] = 1\n"
+        "released_copy_bytes(dst, flag.data_ptr(), seen, dst.data_ptr(), src.data_ptr(), 65536, 10**8)\n"
+        "seen[:1].add_(1)\n"
+        "torch.cuda.synchronize()\n"
+        "assert int(dst.sum()) == 65536, 'released copy'\n"
+        "t0 = time.monotonic()\n"
+        "released_copy_bytes(dst, flag.data_ptr(), seen, dst.data_ptr(), src.data_ptr(), 65536, 2 * 10**8)\n"
+        "try:\n"
+        "    torch.cuda.synchronize()\n"
+        "except Exception as e:\n"
+        "    print('TRAPPED after %.2f s: %s' % (time.monotonic() - t0, type(e).__name__), flush=True)\n"
+        "    raise SystemExit(3)\n"
+        "print('NOT TRAPPED', flush=True)\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 3 and "TRAPPED" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert 0.15 < float(r.stdout.split("after ")[1].split(" s")[0]) < 30, r.stdout

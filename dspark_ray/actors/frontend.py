@@ -269,6 +269,9 @@ def frontend_actor_class():
             # The accept thread starts from this one and its connection threads from it: they inherit niceness 0.
             raise_priority(f"front-end {self.name} endpoint")
             self.server.start()
+            # Ranks that launch each step's graph ahead are parked when the pair idles (StepService.park).
+            self.service.park_after_s = self.spec.park_after_s
+            self.parking = self.service.start_parking() if self.spec.launches_ahead else None
             self.started = True
             log.info("front-end %s serving STEP on %s (tp %d, %d slots, model %s)", self.name,
                      self.server.endpoint, self.spec.tp, self.spec.n_slots, self.identity.model_digest)
@@ -308,6 +311,8 @@ def frontend_actor_class():
             return [s.get("pid") for s in self.manager.status()]
 
         def shutdown(self) -> None:
+            if getattr(self, "parking", None) is not None:
+                self.parking.set()
             self.server.stop()
             self.service.close()
             self.manager.close()
