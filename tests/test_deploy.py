@@ -126,6 +126,7 @@ def test_a_bad_pinning_is_refused_before_anything_starts():
         PairSpec(checkpoint="x", ring_spin_us=-1.0)
     assert PairSpec(checkpoint="x", device="cuda").spin_us == 100_000.0       # longer than a trunk's forward
     assert PairSpec(checkpoint="x").spin_us == 50.0 and PairSpec(checkpoint="x", ring_spin_us=0.0).spin_us == 0.0
+    assert not PairSpec(checkpoint="x").launches_ahead and PairSpec(checkpoint="x", launch_ahead=True).launches_ahead
 
 
 def test_serve_refuses_a_bad_pinning_before_it_starts_ray(capsys, tiny_ckpt):
@@ -134,6 +135,8 @@ def test_serve_refuses_a_bad_pinning_before_it_starts_ray(capsys, tiny_ckpt):
     assert "rank_cpus [0]: one vCPU per rank" in capsys.readouterr().err
     assert main(["serve", "--checkpoint", str(tiny_ckpt), "--spin-ms", "-1"]) == 2
     assert "ring_spin_us -1000.0: a spin of 0 us or more" in capsys.readouterr().err
+    assert main(["serve", "--checkpoint", str(tiny_ckpt), "--launch-ahead", "--park-after-s", "0"]) == 2
+    assert "park_after_s 0.0: a pause longer than 0 s" in capsys.readouterr().err
 
 
 def test_step_path_threads_run_on_their_pinned_vcpus_only(pair, ray_cluster):
