@@ -159,6 +159,20 @@ def test_step_path_threads_run_on_their_pinned_vcpus_only(pair, ray_cluster):
     assert step_threads(st["process"], "no-such-thread") == "-"
 
 
+def step_as_reference(c, ref, grants, batch) -> None:
+    """One STEP of `batch` (request i on grants[i]) over the wire: every answer OK and the in-process reference
+    engine's bit for bit."""
+    want = ref.step(batch)
+    got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)], deadline_ms=60_000)
+    for w, g in zip(want, got):
+        assert g.code == Code.OK, g.reason
+        assert np.array_equal(g.drafts_array(), w.drafts)
+        assert np.array_equal(g.confidences_array(), w.confidences)
+        if w.margins is not None:
+            assert np.array_equal(g.margins_array(), w.margins)
+        assert g.confident_len == w.confident_len
+
+
 def test_hello_accepted_and_refused(pair, ckpt, cfg):
     with client(pair, config_digest=cfg.digest(), tp=2, model_digest=ckpt.identity_digest) as c:
         assert c.limits.slot_capacity == 8
@@ -178,16 +192,7 @@ def test_rounds_over_the_wire_equal_the_in_process_reference_bit_for_bit(pair, c
     with client(pair) as c:
         grants = acquire_when_free(c, 2)
         for batch in rounds:
-            want = ref.step(batch)
-            got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)],
-                         deadline_ms=60_000)
-            for w, g in zip(want, got):
-                assert g.code == Code.OK, g.reason
-                assert np.array_equal(g.drafts_array(), w.drafts)
-                assert np.array_equal(g.confidences_array(), w.confidences)
-                if w.margins is not None:
-                    assert np.array_equal(g.margins_array(), w.margins)
-                assert g.confident_len == w.confident_len
+            step_as_reference(c, ref, grants, batch)
         c.release([g.slot for g in grants])
 
 
@@ -208,14 +213,7 @@ def test_a_parked_pair_answers_as_before_and_a_park_changes_no_slot(pair, cfg, c
                 time.sleep(0.8)                          # > park_after_s: the front-end parks the pair
             if k in (5, 9):
                 batch = [replace(e, n_out=2) for e in batch]     # another shape than the graph launched ahead
-            want = ref.step(batch)
-            got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)],
-                         deadline_ms=60_000)
-            for w, g in zip(want, got):
-                assert g.code == Code.OK, g.reason
-                assert np.array_equal(g.drafts_array(), w.drafts)
-                assert np.array_equal(g.confidences_array(), w.confidences)
-                assert g.confident_len == w.confident_len
+            step_as_reference(c, ref, grants, batch)
         c.release([g.slot for g in grants])
     time.sleep(0.8)                                      # parked again: nothing left launched ahead
     st = ray.get(pair[0].status.remote())
