@@ -34,6 +34,10 @@ started several us after the kernel before it), or, without Triton, CuPy's `cuda
 pinned-memory bookkeeping does not see; with neither the graphs leave them out and the host issues them around
 the replays.)
 
+Built with `launch_ahead`, the step graphs' upload waits on the GPU for a release word in pinned memory, so a rank can
+launch the next step's graph before its STEP comes (`GraphSet.launch_ahead`); the step then stages and releases it,
+and any batch it does not fit first runs it as a null step on the scratch slot (`GraphSet.settle`).
+
 Replaying a graph runs the very kernels the eager path runs (`Drafter.forward`, `Drafter.context_rows`), so a replay
 gives the eager bits; a bucket with more rows than the request needs pads with rows whose results are dropped (every
 dense layer is row-invariant, so a real row's bits do not depend on the padding).
