@@ -123,3 +123,47 @@ def test_a_short_answer_from_the_pair_fails_the_batch_closed_instead_of_hanging(
     assert done, "the STEP hung"
     assert [r.code for r in done[0].results] == [C.Code.INTERNAL, C.Code.INTERNAL]
     assert svc.slots[slots[0]].cursor.generation > gen
+
+
+def test_an_idle_pair_is_parked_once_and_never_under_a_running_batch(service):
+    """`park` runs one empty batch when the pair has been idle for park_after_s since its last batch, and not
+    again until a batch has run; never while a batch runs. The parking thread does it on its own; a park that
+    fails is a pair failure like a batch's (every slot resynced, the supervisor told)."""
+    from dspark_ray.frontend import PairFailure
+    svc, pair, sid, slots = service
+    svc.park_after_s = 0.05
+    assert not svc.park()                    # a new service counts as parked: nothing launched ahead yet
+    assert _step(svc, sid, slots[0]).code == C.Code.OK
+    assert not svc.park()                    # too soon
+    time.sleep(0.06)
+    pair.gate = threading.Event()            # a batch on the pair: no park beside it
+    t = threading.Thread(target=_step, args=(svc, sid, slots[1]))
+    t.start()
+    assert pair.entered.wait(5)
+    assert not svc.park()
+    pair.gate.set()
+    t.join(5)
+    pair.gate = None
+    time.sleep(0.06)
+    n = len(pair.batches)
+    assert svc.park() and pair.batches[n:] == [(threading.get_ident(), [])]
+    assert not svc.park() and len(pair.batches) == n + 1 and svc.stats["parks"] == 1     # once
+    stop = svc.start_parking()               # the thread: parks after the next batch's pause
+    assert _step(svc, sid, slots[2]).code == C.Code.OK
+    deadline = time.monotonic() + 5
+    while svc.stats["parks"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    assert svc.stats["parks"] == 2 and pair.batches[-1][1] == []
+    failures = []
+    svc.on_failure = lambda f, s: f is None or failures.append((f.kind, s))
+    assert _step(svc, sid, slots[3]).code == C.Code.OK
+    time.sleep(0.06)
+
+    def broken(batch):
+        raise PairFailure("broken", "rank 1 latched")
+    pair.run = broken
+    gens = [s.cursor.generation for s in svc.slots]
+    assert not svc.park()
+    assert failures[-1] == ("broken", []) and "park failed closed" in svc.last_errors[-1]
+    assert all(s.cursor.generation > g for s, g in zip(svc.slots, gens))      # every slot resynced

@@ -193,7 +193,7 @@ class _Metrics:
         self.restart_s = Histogram("dspark_restart_seconds", "time to serve again after a restart",
                                    boundaries=[1, 2, 5, 10, 20, 60], tag_keys=("pair",))
         self.gauges = {k: Gauge(f"dspark_{k}", k.replace("_", " "), tag_keys=("pair",))
-                       for k in ("steps", "batches", "entries", "internal", "deadline", "unavailable",
+                       for k in ("steps", "batches", "entries", "internal", "deadline", "unavailable", "parks",
                                  "slots_held", "worker_generation", "steps_after_sleep")}
         for m in (self.restarts, self.restart_s, *self.gauges.values()):
             m.set_default_tags(tags)
@@ -206,7 +206,7 @@ class _Metrics:
         st = service.status()
         if wake_ups is not None:      # STEPs that found the endpoint's thread asleep (wake_ups.py)
             self.gauges["steps_after_sleep"].set(wake_ups.after_sleep)
-        for k in ("steps", "batches", "entries", "internal", "deadline", "unavailable"):
+        for k in ("steps", "batches", "entries", "internal", "deadline", "unavailable", "parks"):
             self.gauges[k].set(st["stats"][k])
         self.gauges["slots_held"].set(st["slots"]["held"])
         self.gauges["worker_generation"].set(st["worker_generation"])
