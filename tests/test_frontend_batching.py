@@ -131,11 +131,11 @@ def test_an_idle_pair_is_parked_once_and_never_under_a_running_batch(service):
     fails is a pair failure like a batch's (every slot resynced, the supervisor told)."""
     from dspark_ray.frontend import PairFailure
     svc, pair, sid, slots = service
-    svc.park_after_s = 0.05
+    svc.park_after_s = 0.5
     assert not svc.park()                    # a new service counts as parked: nothing launched ahead yet
     assert _step(svc, sid, slots[0]).code == C.Code.OK
     assert not svc.park()                    # too soon
-    time.sleep(0.06)
+    time.sleep(0.55)
     pair.gate = threading.Event()            # a batch on the pair: no park beside it
     t = threading.Thread(target=_step, args=(svc, sid, slots[1]))
     t.start()
@@ -144,7 +144,7 @@ def test_an_idle_pair_is_parked_once_and_never_under_a_running_batch(service):
     pair.gate.set()
     t.join(5)
     pair.gate = None
-    time.sleep(0.06)
+    time.sleep(0.55)
     n = len(pair.batches)
     assert svc.park() and pair.batches[n:] == [(threading.get_ident(), [])]
     assert not svc.park() and len(pair.batches) == n + 1 and svc.stats["parks"] == 1     # once
@@ -158,7 +158,7 @@ def test_an_idle_pair_is_parked_once_and_never_under_a_running_batch(service):
     failures = []
     svc.on_failure = lambda f, s: f is None or failures.append((f.kind, s))
     assert _step(svc, sid, slots[3]).code == C.Code.OK
-    time.sleep(0.06)
+    time.sleep(0.55)
 
     def broken(batch):
         raise PairFailure("broken", "rank 1 latched")
