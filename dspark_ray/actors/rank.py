@@ -229,7 +229,7 @@ class RankWorker:
                 status, payload = M.STATUS_BROKEN, M.encode(M.RankReply([], self.engine.broken))
             # stamped before the hand-off: the front-end may see the completion at once
             row["encoded"], row["cpu_encoded"] = now(), cpu_now()
-            if status == M.STATUS_OK and warm.wants_sample("batch", len(view)):
+            if status == M.STATUS_OK and entries and warm.wants_sample("batch", len(view)):   # (a park: none)
                 self._rehearse_from(bytes(view), width, outs)    # a copy: the view is the ring's until complete()
             self.reader.complete(seq, status, payload)
             if ahead:
