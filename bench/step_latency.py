@@ -14,6 +14,7 @@ Prints one JSON object (p50 / p99 / min in ms, config, device, commit).
         --rank-cpus 2,3 --frontend-cpus 5 --client-cpu 7        # fresh pairs, alternating, medians of each
     python bench/step_latency.py --preset full --ckpt /tmp/full --rounds 400 --warmup-rounds 200 --gap-us 20000
         # as a serving engine steps: its trunk's forward (here 20 ms) between two STEPs
+    python bench/step_latency.py --tp 1 --preset full --ckpt /tmp/full --rounds 2000   # one rank on one card
 """
 from __future__ import annotations
 
@@ -245,13 +246,13 @@ def main() -> None:
     out = {
         "bench": "step_latency",
         "command": "python bench/step_latency.py " + " ".join(sys.argv[1:]),
-        "config": {"preset": a.preset, "tp": base.tp, "backend": base.backend if base.tp == 2 else None, "requests": 1, "rows_per_round": a.rows,
+        "config": {"preset": a.preset, "tp": base.tp, "backend": base.backend if base.tp == 2 else None,
+                   "requests": 1, "rows_per_round": a.rows,
                    "n_out": 5, "rounds": a.rounds, "warmup_rounds": warm, "repeats": a.repeats,
                    "pin_ab": a.pin_ab, "client_spin_us": a.client_spin_us, "gap_us": a.gap_us,
                    "server_and_ring_spin_us": base.spin_us,
                    "pinned_vcpus": pinning, "step_graphs": step_graphs_enabled(),
-                   "keep_warm_us": keep_warm_period_us() if keep_warm_enabled() else None,
-                   "launch_ahead": base.launches_ahead},
+                   "keep_warm_us": keep_warm_period_us() if keep_warm_enabled() else None},
         "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or platform.machine(),
         "host_cpus": os.cpu_count(),
         "commit": _commit(),

@@ -99,8 +99,7 @@ def cmd_serve(a, *, then=None) -> int:
         spec = PairSpec(checkpoint=os.path.abspath(ckpt), tp=a.tp, n_slots=a.slots, backend=backend, device=device,
                         collective_timeout_s=a.collective_timeout, rank_cpus=a.rank_cpus,
                         frontend_cpus=a.frontend_cpus,
-                        ring_spin_us=None if a.spin_ms is None else a.spin_ms * 1e3,
-                        launch_ahead=a.launch_ahead, park_after_s=a.park_after_s)
+                        ring_spin_us=None if a.spin_ms is None else a.spin_ms * 1e3)
     except ValueError as e:
         print(f"dspark-ray serve: {e}", file=sys.stderr)
         return 2
@@ -242,11 +241,6 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--spin-ms", type=float,
                         help="how long the ranks and the front-end poll for the next STEP before they sleep "
                              "(default 100 on a GPU host: longer than a trunk's forward; 0.05 on a CPU)")
-        sp.add_argument("--launch-ahead", action="store_true",
-                        help="launch each step's graph before its STEP comes (its upload waits on the GPU for the "
-                             "inputs); the front-end parks the pair after --park-after-s idle (off by default: "
-                             "measured neutral on one card, see docs/performance.md)")
-        sp.add_argument("--park-after-s", type=float, default=1.0)
 
     sp = sub.add_parser("serve", help="deploy one pair and serve STEP")
     serve_args(sp)

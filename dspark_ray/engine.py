@@ -127,7 +127,7 @@ class RankEngine:
     rank's step on the GPU host."""
 
     def __init__(self, drafter: Drafter, n_slots: int, rank: int = 0, graphs: bool = False,
-                 progress=None, values_checked: bool = False, launch_ahead: bool = False):
+                 progress=None, values_checked: bool = False):
         self.drafter, self.rank = drafter, rank
         self.values_checked = values_checked
         self.coll = _CountingCollectives(drafter.coll)
@@ -135,7 +135,7 @@ class RankEngine:
         drafter.head.coll = self.coll
         self.graphs = None
         if graphs:
-            self.graphs = GraphSet(drafter, n_slots, launch_ahead=launch_ahead)
+            self.graphs = GraphSet(drafter, n_slots)
             self.graphs.capture(progress)
             self.slots: list[SlotState] = self.graphs.slots     # the rings live in the graph set's pool
         else:
@@ -199,12 +199,8 @@ class RankEngine:
         try:
             self._hook("start")
             t1 = now()
-            settled = False
             if good:
                 res = self._run(entries, good)
-            elif self.graphs is not None and self.graphs.launched_ahead is not None:
-                self.graphs.settle()        # nothing to draft (a park): the graph launched ahead runs null
-                settled = True
             t2 = now()
             if good:
                 for j, i in enumerate(good):
@@ -215,7 +211,7 @@ class RankEngine:
                                        res.margins[j, :k] if e.want_margins else None, min(res.confident_len[j], k))
             # a device-side collective failure surfaces here, before any answer leaves (from the control words the
             # draft graph downloaded with its outputs when it has them)
-            status = self.graphs.fresh_status() if self.graphs is not None and (good or settled) else None
+            status = self.graphs.fresh_status() if self.graphs is not None and good else None
             if status is not None:
                 self.coll.check_status(status)
             else:
@@ -237,27 +233,6 @@ class RankEngine:
             log.warning("rank %d: step failed (pair still in step): %s", self.rank, self.last_error)
             raise StepFailed(self.last_error) from e
         return outs  # type: ignore[return-value]
-
-    def launch_ahead(self) -> None:
-        """After a step's answers have left: launch the next step's graph ahead of its inputs
-        (`GraphSet.launch_ahead`). A failure to launch latches the engine (the pair may now be out of step)."""
-        if self.broken or self.graphs is None:
-            return
-        try:
-            self.graphs.launch_ahead()
-        except Exception as e:
-            self.broken = f"launch ahead: {type(e).__name__}: {e}"
-            log.error("rank %d: %s; engine latched broken", self.rank, self.broken)
-
-    def settle(self) -> None:
-        """Run the graph launched ahead, if any, as a null step (before the rank stops: nothing may be left
-        waiting on the GPU). Errors are logged, not raised: the rank is going away."""
-        if self.graphs is None:
-            return
-        try:
-            self.graphs.settle()
-        except Exception as e:
-            log.warning("rank %d: settling the graph launched ahead failed: %s: %s", self.rank, type(e).__name__, e)
 
     def rehearse(self, entries: list[StepEntry]) -> None:
         """The host side of `step(entries)` without running it or changing a slot (keep_warm.py): the entry checks,
@@ -309,6 +284,5 @@ class RankEngine:
               "time": time.time()}
         if self.graphs:
             st["graphs"] = {"count": self.graphs.n_graphs, "capture_s": round(self.graphs.capture_seconds, 3),
-                            "bytes": self.graphs.graph_bytes,
-                            "ahead": {**self.graphs.ahead_counts, "pending": self.graphs.launched_ahead is not None}}
+                            "bytes": self.graphs.graph_bytes}
         return st

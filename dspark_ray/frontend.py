@@ -17,7 +17,6 @@ import collections
 import itertools
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -27,10 +26,6 @@ from .model.state import SlotCursor
 from .stamps import Stamps, cpu_now, now
 
 log = logging.getLogger("dspark_ray.frontend")
-
-# An idle pair is parked this long after its last batch (`StepService.park`). A serving engine's STEPs come 10-50 ms
-# apart; a second without one is a pause, and a graph launched ahead waits on the GPU at most that long for nothing.
-PARK_AFTER_S = 1.0
 
 
 class PairFailure(RuntimeError):
@@ -91,12 +86,7 @@ class StepService(C.StepHandler):
         self.unavailable: str | None = None if pair is not None else "starting"
         self.on_failure = on_failure
         self.stats = {"steps": 0, "entries": 0, "batches": 0, "deadline": 0, "internal": 0, "bad_entry": 0,
-                      "stale": 0, "unavailable": 0, "parks": 0,
-                      "batch_sizes": [0] * (limits.max_entries_per_replay + 1)}
-        # Parking (`park`): the pair's last batch ended then; parked since (no graph launched ahead).
-        self.park_after_s = PARK_AFTER_S
-        self.last_batch_end = time.monotonic()
-        self.parked = True
+                      "stale": 0, "unavailable": 0, "batch_sizes": [0] * (limits.max_entries_per_replay + 1)}
         # Per STEP: frame received, handler entered, entries admitted, reply built, and the ring seq its first
         # entry ran in (the join key with the ring's and the ranks' stamps).
         self.stamps = Stamps()
@@ -308,15 +298,25 @@ class StepService(C.StepHandler):
                                           p.entry.want_margins) for p in live])
         self.stats["batches"] += 1
         self.stats["entries"] += len(live)
-        self.parked = False
         self.stats["batch_sizes"][len(live)] += 1
         try:
             results = self.pair.run(rb)
-            self.last_batch_end = time.monotonic()
             if len(results) != len(live):       # answers are matched by position: never pair up a short list
                 raise PairFailure("broken", f"rank 0 answered {len(results)} entries of a batch of {len(live)}")
         except PairFailure as f:
-            self._failed(f, live, resets, "batch")
+            self.stats["internal"] += len(live)
+            msg = f"batch failed closed ({f.kind}): {f.reason}"
+            self.last_errors = (self.last_errors + [msg])[-10:]
+            log.warning("%s; %d entries answer INTERNAL, their slots are resynced", msg, len(live))
+            with self.lock:                      # before any answer wakes a client
+                if f.kind != "step":             # a rank's state may differ from its peer's: resync everything
+                    for i in range(len(self.slots)):
+                        self._resync(i)
+                else:
+                    self.pending_resets.update(resets)   # the failed batch may not have applied its resets
+            self._answer_internal(live, msg)
+            if self.on_failure:
+                self.on_failure(f, [p.entry.slot for p in live])
             return
         if self.on_failure:
             self.on_failure(None, [])      # a success: the supervisor resets its failure count
@@ -339,59 +339,6 @@ class StepService(C.StepHandler):
                 slot.busy = False
                 p.seq = seq
                 p.done = True
-
-    def _failed(self, f: PairFailure, live: list[_Pending], resets: list[int], what: str) -> None:
-        self.stats["internal"] += len(live)
-        msg = f"{what} failed closed ({f.kind}): {f.reason}"
-        self.last_errors = (self.last_errors + [msg])[-10:]
-        log.warning("%s; %d entries answer INTERNAL, their slots are resynced", msg, len(live))
-        with self.lock:                      # before any answer wakes a client
-            if f.kind != "step":             # a rank's state may differ from its peer's: resync everything
-                for i in range(len(self.slots)):
-                    self._resync(i)
-            else:
-                self.pending_resets.update(resets)   # the failed batch may not have applied its resets
-        self._answer_internal(live, msg)
-        if self.on_failure:
-            self.on_failure(f, [p.entry.slot for p in live])
-
-    # -- parking -------------------------------------------------------------------------------------------------
-    def park(self) -> bool:
-        """When the pair has been idle for `park_after_s` since its last batch: run an empty batch, which runs the
-        ranks' graph launched ahead as a null step and launches none (`graphs.GraphSet.launch_ahead`), so nothing
-        is left waiting on a GPU while no STEP comes. Through the ring, so both ranks of a pair park at the same
-        batch. Returns whether it parked."""
-        with self._turn:
-            if (self._running or self.queue or self.parked or self.pair is None or self.unavailable
-                    or time.monotonic() - self.last_batch_end < self.park_after_s):
-                return False
-            self._running = True
-        try:
-            self.pair.run(RankBatch([], []))
-            self.parked = True
-            self.stats["parks"] += 1
-            log.info("pair idle for %.1f s: parked (no graph left waiting for a step)", self.park_after_s)
-        except PairFailure as f:
-            self._failed(f, [], [], "park")
-        except Exception:
-            log.exception("park failed in the front-end")
-        finally:
-            with self._turn:
-                self._running = False
-                self._turn.notify_all()
-        return self.parked
-
-    def park_when_idle(self, stop: threading.Event) -> None:
-        """The parking thread's loop (`start_parking`)."""
-        while not stop.wait(max(0.01, self.last_batch_end + self.park_after_s - time.monotonic())):
-            if not self.park() and self.parked:
-                stop.wait(self.park_after_s)         # parked: nothing to do until a batch runs
-
-    def start_parking(self) -> threading.Event:
-        """Park the pair whenever it idles (a daemon thread); set the returned event to stop it."""
-        stop = threading.Event()
-        threading.Thread(target=self.park_when_idle, args=(stop,), name="dspark-park", daemon=True).start()
-        return stop
 
     def _answer_internal(self, entries: list[_Pending], msg: str) -> None:
         """Fail these entries closed: INTERNAL, and their slots resynced (the ranks may or may not have run them)."""

@@ -34,10 +34,6 @@ started several us after the kernel before it), or, without Triton, CuPy's `cuda
 pinned-memory bookkeeping does not see; with neither the graphs leave them out and the host issues them around
 the replays.)
 
-Built with `launch_ahead`, the step graphs' upload waits on the GPU for a release word in pinned memory, so a rank can
-launch the next step's graph before its STEP comes (`GraphSet.launch_ahead`); the step then stages and releases it,
-and any batch it does not fit first runs it as a null step on the scratch slot (`GraphSet.settle`).
-
 Replaying a graph runs the very kernels the eager path runs (`Drafter.forward`, `Drafter.context_rows`), so a replay
 gives the eager bits; a bucket with more rows than the request needs pads with rows whose results are dropped (every
 dense layer is row-invariant, so a real row's bits do not depend on the padding).
@@ -54,7 +50,6 @@ collective sequence.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -114,18 +109,6 @@ def _copier(like: torch.Tensor) -> Callable[..., None] | None:
     return copy
 
 
-def _released_copier(like: torch.Tensor) -> Callable[..., None] | None:
-    """copy(flag, seen, (dst, src, nbytes)): the upload of a graph launched ahead (`kernels/host_copy.py`), where
-    the copy kernel runs; None elsewhere (no launching ahead)."""
-    if os.environ.get("DSPARK_COPY_KERNEL", "1") == "0":
-        return None
-    try:
-        from .kernels.host_copy import released_copy_bytes
-    except ImportError:
-        return None
-    return lambda flag, seen, seg: released_copy_bytes(like, flag, seen, *seg)
-
-
 @dataclass
 class HostDraft:
     """A batch's drafts on the host in the contract's dtypes: what the engine answers from, converted once per batch
@@ -151,7 +134,6 @@ class _Graph:
     fn: Callable[[], object]
     out: object
     n_collectives: int
-    released: bool = False                 # its upload waits for the host's release word (launch_ahead)
 
 
 class _Inputs:
@@ -230,8 +212,7 @@ class _Inputs:
 
 class GraphSet:
     def __init__(self, drafter: Drafter, n_slots: int = 16, max_requests: int = 4,
-                 n_outs: tuple[int, ...] | None = None, insert_buckets: tuple[int, ...] = INSERT_BUCKETS,
-                 launch_ahead: bool = False):
+                 n_outs: tuple[int, ...] | None = None, insert_buckets: tuple[int, ...] = INSERT_BUCKETS):
         self.d = drafter
         self.coll = drafter.coll
         c = drafter.cfg
@@ -278,22 +259,6 @@ class GraphSet:
         # A one-kernel fence after each graph's upload (`_with_copies`); DSPARK_UPLOAD_FENCE=0 leaves it out (an A/B).
         self._fence = (torch.zeros(1, dtype=torch.int32, device=self.inp.dev.device)
                        if self.memcpy and os.environ.get("DSPARK_UPLOAD_FENCE", "1") != "0" else None)
-        # Launching ahead (`launch_ahead`, when built with it): the step graphs' upload waits for the release word
-        # `_go` (pinned) to read the device's count of releases (`_seen`) plus one; `_go_count` is the host's count
-        # of step-graph launches. On a CPU a graph launched ahead is only remembered and runs when released (the
-        # same decisions). Without it the step graphs upload as the others do and `launch_ahead` does nothing.
-        self.launches_ahead = launch_ahead
-        self._released_copy = _released_copier(self.inp.dev) if self.memcpy and launch_ahead else None
-        if launch_ahead and self.cuda and self._released_copy is None:
-            raise RuntimeError("launching ahead needs the copy kernel (Triton; DSPARK_COPY_KERNEL unset)")
-        self._go = torch.zeros(1, dtype=torch.int32, pin_memory=True) if self._released_copy else None
-        self._go_np = self._go.numpy() if self._go is not None else None
-        self._seen = torch.zeros(2, dtype=torch.int32, device=dev) if self._released_copy else None
-        self._go_count = 0
-        self._ahead: tuple[tuple[int, int, bool], int] | None = None    # (key, its release number) while pending
-        self._last_key: tuple[int, int, bool] | None = None     # the last run's step graph, if it ran one
-        self._lock_for_fence = threading.Lock()
-        self.ahead_counts = {"launched": 0, "taken": 0, "null": 0}     # launches ahead, and how each was released
         self.status = self.coll.status_region() if self.memcpy else None
         self.status_host = torch.zeros(max(self.status[1], 1) if self.status else 1, dtype=torch.uint8,
                                        pin_memory=self.cuda)
@@ -394,17 +359,12 @@ class GraphSet:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for (kind, key), fn in fns:      # every shape once: a kernel specialised by shape compiles here
-                        released = self._releases(kind)
-                        if released:
-                            self._go_count += 1
-                            self._go_np[0] = self._go_count
-                        self._with_copies(fn, self._upload_bytes(kind, key), kind != "insert", released)
+                        self._with_copies(fn, self._upload_bytes(kind, key), kind != "insert")
                 torch.cuda.current_stream().wait_stream(side)
                 torch.cuda.synchronize()
             for (kind, key), fn in fns:
                 upload = self._upload_bytes(kind, key)
-                g = (self._capture(fn, upload, kind != "insert", self._releases(kind)) if self.cuda
-                     else _Graph(None, fn, None, 0))
+                g = self._capture(fn, upload, kind != "insert") if self.cuda else _Graph(None, fn, None, 0)
                 {"draft": self.draft_graphs, "insert": self.insert_graphs, "step": self.step_graphs}[kind][key] = g
                 done += 1
                 if progress:
@@ -433,23 +393,13 @@ class GraphSet:
             return self.inp.draft_bytes
         return self.inp.insert_bytes(key if kind == "insert" else self.step_rows[key[0]])
 
-    def _releases(self, kind: str) -> bool:
-        """Whether graphs of this kind wait for a release word (the step graphs, where the copy kernel runs)."""
-        return kind == "step" and self._released_copy is not None
-
-    def _with_copies(self, fn, upload: int, download: bool, released: bool = False):
-        """fn between its copies: the upload of its input bytes first (`released`: once the host's release word
-        says so); a draft's packed outputs and the control words last (behind its last collective), in one copy.
-        Without in-graph copies, fn alone."""
+    def _with_copies(self, fn, upload: int, download: bool):
+        """fn between its copies: the upload of its input bytes first; a draft's packed outputs and the control
+        words last (behind its last collective), in one copy. Without in-graph copies, fn alone."""
         cp = self.memcpy
         if cp:
-            seg = (self.inp.dev.data_ptr(), self.inp.host.data_ptr(), upload)
-            if released:
-                self._released_copy(self._go.data_ptr(), self._seen, seg)
-                self._seen[:1].add_(1)      # the release count; also the fence below (a one-kernel op after it)
-            else:
-                cp(seg)
-            if self._fence is not None and not released:
+            cp((self.inp.dev.data_ptr(), self.inp.host.data_ptr(), upload))
+            if self._fence is not None:
                 # Why a kernel that does nothing useful: right after the upload, the windows' gather (whose successor
                 # is a PDL kernel) started 13.5 us after the upload ended on the tiny preset, 8.6 on the full one;
                 # with this kernel between them nothing waits, and the upload launched without PDL kept the wait
@@ -463,13 +413,13 @@ class GraphSet:
             cp(*segments)
         return out
 
-    def _capture(self, fn, upload: int, download: bool, released: bool = False) -> _Graph:
+    def _capture(self, fn, upload: int, download: bool) -> _Graph:
         g = torch.cuda.CUDAGraph()
         with self.coll.graph_capture() as info:
             with torch.cuda.graph(g, pool=self.mempool, capture_error_mode="thread_local"):
-                out = self._with_copies(fn, upload, download, released)
+                out = self._with_copies(fn, upload, download)
         self.mempool = self.mempool or g.pool()
-        return _Graph(g, fn, out, info.n_collectives, released)
+        return _Graph(g, fn, out, info.n_collectives)
 
     @property
     def n_graphs(self) -> int:
@@ -478,19 +428,8 @@ class GraphSet:
     def _replay(self, g: _Graph):
         if g.graph is None:
             return g.fn()
-        if g.released:                  # released as it is launched: the word first, then the launch
-            self._go_count += 1
-            self._release(self._go_count)
         self.coll.replay(g.graph, g.n_collectives)
         return g.out
-
-    def _release(self, number: int) -> None:
-        """Let the graph that waits for release `number` upload the staged inputs. Whatever numpy wrote into the
-        pinned buffer before must be visible first: a locked instruction (the lock's acquire) orders every earlier
-        store, write-combining ones included, before the word's; the GPU's acquire orders its reads after it."""
-        with self._lock_for_fence:
-            pass
-        self._go_np[0] = number
 
     # -- a step ----------------------------------------------------------------------------------------------------
     def _stage_draft(self, states: list[SlotState], seeds: list[int]) -> None:
@@ -528,13 +467,6 @@ class GraphSet:
         # The last chunk runs in the draft's step graph when it fits there (a decode round's rows always do).
         beside_rows = self._beside_rows(chunks, len(states))
         beside = chunks.pop() if beside_rows else None
-        key = (len(states), n_out, want_margins)
-        # The step graph launched ahead takes this step when it is this step's graph with nothing before it; else
-        # it runs as a null step first (before any staging: it reads the pinned buffer when released).
-        ahead = self._ahead is not None and self._ahead[0] == key and beside is not None and not chunks
-        if not ahead:
-            self.settle()
-        self._last_key = key if beside is not None else None
         for k, chunk in enumerate(chunks):
             if k:
                 inp.writable()
@@ -546,6 +478,7 @@ class GraphSet:
             inp.mark()
         if not states:
             return None
+        key = (len(states), n_out, want_margins)
         if beside is not None:          # one graph: the insert beside the draft; both staged before it starts
             if chunks:
                 inp.writable()
@@ -554,11 +487,8 @@ class GraphSet:
             stamps["draft_staged"] = now()
             for k in ("first_launch", "insert_launched"):
                 stamps.setdefault(k, stamps["draft_staged"])
-            if ahead:
-                self.ahead_counts["taken"] += 1
-                packed = self._take_ahead()
-            else:
-                packed = self._launch_step(key, beside_rows)
+            self._upload(inp.insert_bytes(beside_rows))
+            packed = self._replay(self.step_graphs[key])
         else:
             # Staged while the GPU runs the inserts, off the step's critical path. The insert graphs' uploads cover
             # the draft's region too but never read it, so what they copy of it does not matter; the draft graph
@@ -571,74 +501,6 @@ class GraphSet:
         stamps["launched"] = now()
         inp.mark()
         return self._unpack(packed, n_out, want_margins, host)
-
-    def _launch_step(self, key: tuple[int, int, bool], rows: int):
-        self._upload(self.inp.insert_bytes(rows))
-        return self._replay(self.step_graphs[key])
-
-    def _take_ahead(self):
-        """Release the step graph launched ahead (its inputs staged); its packed outputs."""
-        key, number = self._ahead
-        self._ahead = None
-        g = self.step_graphs[key]
-        if g.graph is None:             # on a CPU it runs now
-            return self._launch_step(key, self.step_rows[key[0]])
-        self._release(number)
-        return g.out
-
-    def launch_ahead(self) -> bool:
-        """Launch the step graph of the last step's shape now, while the rank waits for the next STEP: its upload
-        waits on the GPU until the next step has staged its inputs and releases it (`run`), so the launch and the
-        graph's start leave the step's path. A step of another shape, or of none (a park: the front-end's empty
-        batch when the pair idles), first releases it as a null step (`settle`). Both ranks of a pair decide from
-        the same batch, so their collectives always pair up. Call it only after the last step's answers are read
-        (the graph's download rewrites them). Returns whether a graph is now launched ahead."""
-        key = self._last_key
-        if not self.launches_ahead or key is None or self._ahead is not None or key not in self.step_graphs:
-            return self._ahead is not None
-        g = self.step_graphs[key]
-        if g.graph is None:
-            self._ahead = (key, 0)
-        else:
-            self._go_count += 1
-            self.coll.replay(g.graph, g.n_collectives)
-            self._ahead = (key, self._go_count)
-        self.ahead_counts["launched"] += 1
-        return True
-
-    @property
-    def launched_ahead(self) -> tuple[int, int, bool] | None:
-        """The key of the step graph launched ahead, or None."""
-        return self._ahead[0] if self._ahead is not None else None
-
-    def settle(self) -> None:
-        """Release the step graph launched ahead, if any, as a null step and wait for it: every row it inserts goes
-        to the scratch slot, every draft it makes reads the scratch slot's window (no valid history) from position
-        0 and is dropped. No slot changes; its collectives pair with the peer's, which settles at the same batch.
-        The collectives' control words it downloads are checked like a step's (`fresh_status`)."""
-        if self._ahead is None:
-            return
-        if not self.cuda:
-            with torch.inference_mode():
-                return self._settle()
-        self._settle()
-
-    def _settle(self) -> None:
-        (bsz, n_out, margins), _ = self._ahead
-        rows = self.step_rows[bsz]
-        self.inp.writable()
-        self._stage_insert([], rows)
-        h, W = self.inp.h, self.W
-        h["seeds"][:bsz], h["p0"][:bsz] = 0, 0
-        self._win_h[bsz][:] = self._ring_rows[self.scratch, :, None, :W]
-        self._valid_h[:bsz] = False
-        self.ahead_counts["null"] += 1
-        self._take_ahead()
-        self._last_key = None
-        if self.cuda:
-            self.inp.mark()
-            self.inp.synchronize()
-            self._status_fresh = self.status is not None
 
     def rehearse(self, inserts: list[tuple[SlotState, int, torch.Tensor]], states: list[SlotState],
                  seeds: list[int], n_out: int, want_margins: bool) -> None:
@@ -660,7 +522,7 @@ class GraphSet:
         driver's launch path warm for the next step's replay (keep_warm.py), which took 50-125 us of the rank's
         step when launched cold. Through the collectives' guard, so a poisoned rank launches nothing (it raises,
         and the keep-warm drops the piece). Nothing a step reads is touched; on a CPU, nothing to do."""
-        if self._noop is not None and not self.inp.in_use and self._ahead is None:
+        if self._noop is not None and not self.inp.in_use:
             self.coll.replay(self._noop, 0)
 
     def _beside_rows(self, chunks: list, n_states: int) -> int | None:

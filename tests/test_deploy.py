@@ -7,7 +7,6 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -32,10 +31,7 @@ RANK_CPUS, FRONTEND_CPUS = [CPUS[0], CPUS[-1]], [CPUS[-1]]
 
 @pytest.fixture(scope="module")
 def pair(ray_cluster, tiny_ckpt):
-    # Each step's graph launched ahead (on a GPU pair too: DSPARK_TEST_PAIR=push checks it there), the pair parked
-    # after 0.3 s without a batch: between most tests.
-    fe, host, port = deploy_pair(ray_cluster, tiny_ckpt, "e2e", rank_cpus=RANK_CPUS, frontend_cpus=FRONTEND_CPUS,
-                                 launch_ahead=True, park_after_s=0.3)
+    fe, host, port = deploy_pair(ray_cluster, tiny_ckpt, "e2e", rank_cpus=RANK_CPUS, frontend_cpus=FRONTEND_CPUS)
     yield fe, host, port
     teardown("e2e")
 
@@ -126,7 +122,6 @@ def test_a_bad_pinning_is_refused_before_anything_starts():
         PairSpec(checkpoint="x", ring_spin_us=-1.0)
     assert PairSpec(checkpoint="x", device="cuda").spin_us == 100_000.0       # longer than a trunk's forward
     assert PairSpec(checkpoint="x").spin_us == 50.0 and PairSpec(checkpoint="x", ring_spin_us=0.0).spin_us == 0.0
-    assert not PairSpec(checkpoint="x").launches_ahead and PairSpec(checkpoint="x", launch_ahead=True).launches_ahead
 
 
 def test_serve_refuses_a_bad_pinning_before_it_starts_ray(capsys, tiny_ckpt):
@@ -135,8 +130,6 @@ def test_serve_refuses_a_bad_pinning_before_it_starts_ray(capsys, tiny_ckpt):
     assert "rank_cpus [0]: one vCPU per rank" in capsys.readouterr().err
     assert main(["serve", "--checkpoint", str(tiny_ckpt), "--spin-ms", "-1"]) == 2
     assert "ring_spin_us -1000.0: a spin of 0 us or more" in capsys.readouterr().err
-    assert main(["serve", "--checkpoint", str(tiny_ckpt), "--launch-ahead", "--park-after-s", "0"]) == 2
-    assert "park_after_s 0.0: a pause longer than 0 s" in capsys.readouterr().err
 
 
 def test_step_path_threads_run_on_their_pinned_vcpus_only(pair, ray_cluster):
@@ -159,20 +152,6 @@ def test_step_path_threads_run_on_their_pinned_vcpus_only(pair, ray_cluster):
     assert step_threads(st["process"], "no-such-thread") == "-"
 
 
-def step_as_reference(c, ref, grants, batch) -> None:
-    """One STEP of `batch` (request i on grants[i]) over the wire: every answer OK and the in-process reference
-    engine's bit for bit."""
-    want = ref.step(batch)
-    got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)], deadline_ms=60_000)
-    for w, g in zip(want, got):
-        assert g.code == Code.OK, g.reason
-        assert np.array_equal(g.drafts_array(), w.drafts)
-        assert np.array_equal(g.confidences_array(), w.confidences)
-        if w.margins is not None:
-            assert np.array_equal(g.margins_array(), w.margins)
-        assert g.confident_len == w.confident_len
-
-
 def test_hello_accepted_and_refused(pair, ckpt, cfg):
     with client(pair, config_digest=cfg.digest(), tp=2, model_digest=ckpt.identity_digest) as c:
         assert c.limits.slot_capacity == 8
@@ -192,37 +171,17 @@ def test_rounds_over_the_wire_equal_the_in_process_reference_bit_for_bit(pair, c
     with client(pair) as c:
         grants = acquire_when_free(c, 2)
         for batch in rounds:
-            step_as_reference(c, ref, grants, batch)
+            want = ref.step(batch)
+            got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)],
+                         deadline_ms=60_000)
+            for w, g in zip(want, got):
+                assert g.code == Code.OK, g.reason
+                assert np.array_equal(g.drafts_array(), w.drafts)
+                assert np.array_equal(g.confidences_array(), w.confidences)
+                if w.margins is not None:
+                    assert np.array_equal(g.margins_array(), w.margins)
+                assert g.confident_len == w.confident_len
         c.release([g.slot for g in grants])
-
-
-def test_a_parked_pair_answers_as_before_and_a_park_changes_no_slot(pair, cfg, ckpt):
-    """Rounds with pauses past the park (the ranks' graph launched ahead runs as a null step at each) and rounds of
-    another shape between (the graph launched ahead for n_out 5 runs null before the n_out 2 step): every
-    answer equals the in-process reference bit for bit, so neither a park nor a null step touched a slot."""
-    import ray
-    rounds = workload.rounds(cfg, seed=8, n_requests=2, n_rounds=12, far_start=500, vary_n_out=False,
-                             margins_every=0)
-    ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 2)
-    st = ray.get(pair[0].status.remote())
-    parks, before = st["stats"]["parks"], [r["graphs"]["ahead"] for r in st["ranks"]]
-    with client(pair) as c:
-        grants = acquire_when_free(c, 2)
-        for k, batch in enumerate(rounds):
-            if k in (3, 7):
-                time.sleep(0.8)                          # > park_after_s: the front-end parks the pair
-            if k in (5, 9):
-                batch = [replace(e, n_out=2) for e in batch]     # another shape than the graph launched ahead
-            step_as_reference(c, ref, grants, batch)
-        c.release([g.slot for g in grants])
-    time.sleep(0.8)                                      # parked again: nothing left launched ahead
-    st = ray.get(pair[0].status.remote())
-    assert st["stats"]["parks"] >= parks + 3, st["stats"]
-    for r, b in zip(st["ranks"], before):
-        ahead = r["graphs"]["ahead"]
-        # taken at rounds 1, 2, 4, 8, 11; null before rounds 5, 6, 9, 10 and at the parks
-        assert ahead["taken"] - b["taken"] >= 5 and ahead["null"] - b["null"] >= 7, (ahead, b)
-        assert ahead["pending"] is False, ahead
 
 
 def test_n_out_prefix_over_the_wire(pair, cfg):

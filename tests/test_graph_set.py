@@ -113,49 +113,6 @@ def test_a_decode_round_is_one_step_graph_with_the_separate_graphs_bits(cfg, ckp
     _same_rings(apart, graph)
 
 
-def test_a_step_graph_launched_ahead_changes_no_bit(cfg, ckpt):
-    """Each round's step graph launched ahead of the next round (`GraphSet.launch_ahead`): a round of its shape
-    takes it; a round of another shape, a wider batch, a prefill or an empty batch (a park) first run it as a null
-    step, which writes only the scratch slot. Every answer and ring is the eager engine's bit for bit."""
-    eager = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS)
-    graph = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True, launch_ahead=True)
-    gs = graph.graphs
-    log = _replays(graph)
-    g = torch.Generator().manual_seed(9)
-
-    def entry(slot, rows, n_out=5, **kw):
-        return StepEntry(slot=slot, seed=int(torch.randint(0, cfg.vocab_size, (1,), generator=g)), n_out=n_out,
-                         start=graph.slots[slot].position, token_ids=torch.randint(0, cfg.vocab_size, (rows,),
-                                                                                    generator=g),
-                         taps=workload.make_taps(cfg, rows, g), **kw)
-
-    def step(batch, kinds, ahead_after):
-        del log[:]
-        _same_step(eager, graph, batch)
-        assert log == kinds, (log, kinds)
-        graph.launch_ahead()
-        assert gs.launched_ahead == ahead_after, (gs.launched_ahead, ahead_after)
-
-    step([entry(0, 3), entry(1, 2)], ["step"], (2, 5, False))
-    step([entry(0, 6), entry(1, 1)], ["step"], (2, 5, False))                   # taken: no null step
-    step([entry(0, 2), entry(1, 2, want_margins=True)], ["step", "step"], (2, 5, True))    # null, then its own
-    step([entry(0, 2, n_out=3), entry(1, 4, n_out=3)], ["step", "step"], (2, 3, False))
-    step([entry(0, 40), entry(1, 2)], ["step", "insert", "draft"], None)      # a prefill: no step graph to repeat
-    step([entry(0, 1), entry(1, 1)], ["step"], (2, 5, False))
-    del log[:]
-    assert graph.step([]) == [] and log == ["step"] and gs.launched_ahead is None      # a park
-    graph.launch_ahead()
-    assert gs.launched_ahead is None                      # nothing launched after a park
-    step([entry(s, 2) for s in range(5)], ["insert"], None)      # wider than the set: the draft runs eagerly
-    step([entry(2, 3)], ["step"], (1, 5, False))
-    del log[:]
-    graph.settle()
-    assert log == ["step"] and gs.launched_ahead is None
-    assert gs.ahead_counts == {"launched": 6, "taken": 1, "null": 5}, gs.ahead_counts
-    _same_rings(eager, graph)
-    assert graph.slots[5].fresh and not graph.slots[5].kv.any()
-
-
 def test_a_request_drafts_the_same_in_every_batch_bucket(cfg, ckpt):
     """Batch invariance through the packed path: each request of a 4-request batch gets its one-request answer."""
     _, graph = _engines(cfg, ckpt)

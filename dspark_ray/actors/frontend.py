@@ -193,7 +193,7 @@ class _Metrics:
         self.restart_s = Histogram("dspark_restart_seconds", "time to serve again after a restart",
                                    boundaries=[1, 2, 5, 10, 20, 60], tag_keys=("pair",))
         self.gauges = {k: Gauge(f"dspark_{k}", k.replace("_", " "), tag_keys=("pair",))
-                       for k in ("steps", "batches", "entries", "internal", "deadline", "unavailable", "parks",
+                       for k in ("steps", "batches", "entries", "internal", "deadline", "unavailable",
                                  "slots_held", "worker_generation", "steps_after_sleep")}
         for m in (self.restarts, self.restart_s, *self.gauges.values()):
             m.set_default_tags(tags)
@@ -206,7 +206,7 @@ class _Metrics:
         st = service.status()
         if wake_ups is not None:      # STEPs that found the endpoint's thread asleep (wake_ups.py)
             self.gauges["steps_after_sleep"].set(wake_ups.after_sleep)
-        for k in ("steps", "batches", "entries", "internal", "deadline", "unavailable", "parks"):
+        for k in ("steps", "batches", "entries", "internal", "deadline", "unavailable"):
             self.gauges[k].set(st["stats"][k])
         self.gauges["slots_held"].set(st["slots"]["held"])
         self.gauges["worker_generation"].set(st["worker_generation"])
@@ -269,9 +269,6 @@ def frontend_actor_class():
             # The accept thread starts from this one and its connection threads from it: they inherit niceness 0.
             raise_priority(f"front-end {self.name} endpoint")
             self.server.start()
-            # Ranks that launch each step's graph ahead are parked when the pair idles (StepService.park).
-            self.service.park_after_s = self.spec.park_after_s
-            self.parking = self.service.start_parking() if self.spec.launches_ahead else None
             self.started = True
             log.info("front-end %s serving STEP on %s (tp %d, %d slots, model %s)", self.name,
                      self.server.endpoint, self.spec.tp, self.spec.n_slots, self.identity.model_digest)
@@ -311,8 +308,6 @@ def frontend_actor_class():
             return [s.get("pid") for s in self.manager.status()]
 
         def shutdown(self) -> None:
-            if getattr(self, "parking", None) is not None:
-                self.parking.set()
             self.server.stop()
             self.service.close()
             self.manager.close()

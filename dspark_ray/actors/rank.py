@@ -57,13 +57,6 @@ class PairSpec:
     # endpoint threads on frontend_cpus. None: wherever the kernel puts them.
     rank_cpus: list[int] | None = None
     frontend_cpus: list[int] | None = None
-    # Launch each step's graph ahead of its inputs (graphs.GraphSet.launch_ahead): the launch leaves the STEP's
-    # path, and the front-end parks an idle pair. Off by default: on one H200 (tp 1) it saved no time that five
-    # deployments could resolve (bench/results/gpu/launch_ahead_h200.json), and the pair, where a launch costs
-    # 26-31 us, has not been measured with it. DSPARK_LAUNCH_AHEAD=0 / 1 overrides the field.
-    launch_ahead: bool = False
-    # With launch_ahead, the front-end parks the pair after this long without a batch (frontend.StepService.park).
-    park_after_s: float = 1.0
 
     def __post_init__(self):
         # A bad pinning is refused here, before any actor starts, not found later as a thread left unpinned.
@@ -73,17 +66,8 @@ class PairSpec:
             cpus = getattr(self, name)
             if cpus is not None and (not cpus or any(int(c) < 0 for c in cpus)):
                 raise ValueError(f"{name} {list(cpus)}: vCPU numbers >= 0, at least one")
-        if not self.park_after_s > 0:
-            raise ValueError(f"park_after_s {self.park_after_s}: a pause longer than 0 s")
         if self.ring_spin_us is not None and not self.ring_spin_us >= 0:
             raise ValueError(f"ring_spin_us {self.ring_spin_us}: a spin of 0 us or more")
-
-    @property
-    def launches_ahead(self) -> bool:
-        env = os.environ.get("DSPARK_LAUNCH_AHEAD")
-        if env in ("0", "1"):
-            return env == "1"
-        return self.launch_ahead
 
     @property
     def spin_us(self) -> float:
@@ -166,7 +150,7 @@ class RankWorker:
         # The front-end scans every entry's values before it publishes them (contract.validate_entries): the ranks
         # check only what guards their slots.
         self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress,
-                                 values_checked=True, launch_ahead=self.spec.launches_ahead)
+                                 values_checked=True)
         log.info("rank %d: connected through %s%s", self.rank, coll.describe(),
                  f"; {self.engine.status()['graphs']}" if graphs else "")
         return coll.describe()
@@ -179,6 +163,7 @@ class RankWorker:
 
     # -- the step loop ---------------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        from .ring import RingClosed, RingTimeout
         raise_priority(f"rank {self.rank} step loop")     # this thread only: loading and capture stay at Ray's 15
         if self.spec.rank_cpus:
             pin_thread([self.spec.rank_cpus[self.rank]], f"rank {self.rank} step loop")
@@ -188,14 +173,6 @@ class RankWorker:
         if self.engine.graphs is not None and warm.enabled:
             self.engine.graphs.while_waiting = warm
         spin_us, last_step, sleeps = self.spec.spin_us, time.monotonic(), self.reader.sleeps
-        ahead = self.spec.launches_ahead
-        try:
-            self._serve_ring(warm, width, spin_us, last_step, sleeps, ahead)
-        finally:
-            self.engine.settle()                # nothing left waiting on the GPU for a release
-
-    def _serve_ring(self, warm, width, spin_us, last_step, sleeps, ahead) -> None:
-        from .ring import RingClosed, RingTimeout
         while not self._stop:
             try:
                 # The spin counts from the last step: an idle rank that wakes from a timeout sleeps again at once.
@@ -229,13 +206,9 @@ class RankWorker:
                 status, payload = M.STATUS_BROKEN, M.encode(M.RankReply([], self.engine.broken))
             # stamped before the hand-off: the front-end may see the completion at once
             row["encoded"], row["cpu_encoded"] = now(), cpu_now()
-            if status == M.STATUS_OK and entries and warm.wants_sample("batch", len(view)):   # (a park: none)
+            if status == M.STATUS_OK and warm.wants_sample("batch", len(view)):
                 self._rehearse_from(bytes(view), width, outs)    # a copy: the view is the ring's until complete()
             self.reader.complete(seq, status, payload)
-            if ahead:
-                # The answers have left: the next step's graph waits on the GPU. Whatever this rank's status: what
-                # is launched ahead follows the batch alone (the last step graph run), so the ranks stay in step.
-                self.engine.launch_ahead()
             warm.ran()
             last_step, sleeps = time.monotonic(), self.reader.sleeps
             self.stamps.add(row)
