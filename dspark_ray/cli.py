@@ -179,7 +179,7 @@ def cmd_stop(a) -> int:
 
 def cmd_step(a) -> int:
     from .demo import run
-    run(a.endpoint, rounds=a.rounds, requests=a.requests, seed=a.seed)
+    run(a.endpoint, rounds=a.rounds, requests=a.requests, seed=a.seed, shm=a.shm)
     return 0
 
 
@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--rounds", type=int, default=8)
     sp.add_argument("--requests", type=int, default=2)
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--shm", action="store_true", help="requests through shared memory (the endpoint's host only)")
     sp.set_defaults(fn=cmd_step)
     sp = sub.add_parser("synth", help="write a synthetic checkpoint (see --help of synth)", add_help=False)
     sp.add_argument("rest", nargs=argparse.REMAINDER)

@@ -1,6 +1,9 @@
 """The drafter client a serving engine embeds: one blocking TCP connection, one request at a time.
 
-It imports the contract, the framing and numpy only (no torch, no ray), so an engine can vendor it. Typical use:
+It imports the contract, the framing, the shared-memory ring and numpy only (no torch, no ray), so an engine can
+vendor it. With `shm=True` (an engine on the drafter's host) the session's requests, after HELLO, go through a
+shared-memory ring the client creates instead of the socket (transport/shm.py); the answers are the same. Typical
+use:
 
     with DrafterClient(host, port) as c:
         c.hello(config_digest=..., tp=2)
@@ -19,10 +22,11 @@ import threading
 import time
 from typing import Sequence
 
-from .contract import (Acquire, AcquireReply, Code, Entry, EntryResult, ErrorReply, Hello, HelloReply, Limits,
-                       Release, ReleaseReply, SlotGrant, Step, StepReply, make_entry)
+from .contract import (SHM_RING_PREFIX, Acquire, AcquireReply, Code, Entry, EntryResult, ErrorReply, Hello,
+                       HelloReply, Limits, Release, ReleaseReply, ShmAttach, ShmAttachReply, SlotGrant, Step,
+                       StepReply, make_entry)
 from .wire import (HEADER_SIZE, ConnectionClosed, FrameError, FrameReader, FrameWriter, bound_blocking_io,
-                   spinning_recv_into)
+                   decode_payload, parse_header, spinning_recv_into)
 
 __all__ = ["DrafterClient", "ClientError", "make_entry"]
 
@@ -39,12 +43,17 @@ class ClientError(RuntimeError):
 
 
 class DrafterClient:
-    def __init__(self, host: str, port: int, timeout_s: float = 5.0, spin_us: float = 0.0):
+    def __init__(self, host: str, port: int, timeout_s: float = 5.0, spin_us: float = 0.0, shm: bool = False):
         """`spin_us`: how long to poll for a reply before blocking. A blocked thread's core falls asleep during
         the ~1.5 ms of a step and waking it costs tens of microseconds of every round trip; polling costs a core
-        while the reply is awaited. 0 (the default) blocks at once; ~3000 covers a step on a GPU pair."""
+        while the reply is awaited. 0 (the default) blocks at once; ~3000 covers a step on a GPU pair.
+        `shm`: after HELLO, send the session's requests through a shared-memory ring (the drafter must run on
+        this host; HELLO raises ClientError when the server cannot attach the ring)."""
         self.endpoint = f"{host}:{port}"
         self.timeout_s = timeout_s
+        self.spin_us = spin_us
+        self._want_shm = shm
+        self._ring = None
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as e:
@@ -76,7 +85,31 @@ class DrafterClient:
         self.hello_reply = reply
         # Frames up to the worker's limit: the reader must accept the largest reply it can be sent.
         self._reader.max_frame_bytes = self._writer.max_frame_bytes = reply.limits.max_frame_bytes
+        if self._want_shm and self._ring is None:
+            self._attach_shm()
         return reply
+
+    def _attach_shm(self) -> None:
+        """Create the request ring and have the server attach it (SHM_ATTACH over TCP)."""
+        from .actors.ring import StepRing
+        # Slots for a decode round's STEP (larger ones spill to a segment of their own); completions for the
+        # largest STEP_REPLY (per entry a few dozen bytes and its drafts, confidences and margins).
+        ring = StepRing.create(SHM_RING_PREFIX, 1, slot_bytes=1 << 20, n_slots=2, completion_bytes=256 << 10,
+                               spin_us=max(self.spin_us, 50.0), max_message_bytes=self.limits.max_frame_bytes)
+        h = ring.handle
+        try:
+            reply = self._call(ShmAttach(name=h.name, n_slots=h.n_slots, slot_bytes=h.slot_bytes,
+                                         completion_bytes=h.completion_bytes, bell_dir=h.bell_dir, spin_us=h.spin_us,
+                                         nap_s=h.nap_s, max_message_bytes=h.max_message_bytes), ShmAttachReply)
+        except BaseException:
+            ring.close()
+            ring.unlink()
+            raise
+        if not reply.ok:
+            ring.close()
+            ring.unlink()
+            raise ClientError(f"SHM_ATTACH refused by {self.endpoint}: {reply.reason}")
+        self._ring = ring
 
     def acquire(self, n: int = 1) -> list[SlotGrant]:
         """n fresh slots with their generations; ClientError(OVERLOADED) when fewer are free."""
@@ -95,6 +128,10 @@ class DrafterClient:
         return results
 
     def close(self) -> None:
+        if self._ring is not None:
+            ring, self._ring = self._ring, None
+            ring.close()
+            ring.unlink()
         try:
             self._sock.close()
         except OSError:
@@ -124,6 +161,8 @@ class DrafterClient:
         return chunks
 
     def _call(self, msg: object, reply_type: type):
+        if self._ring is not None:
+            return self._check_reply(msg, self._call_ring(msg), reply_type)
         with self._lock:
             request_id = self._next_id
             self._next_id += 1
@@ -150,6 +189,43 @@ class DrafterClient:
             if got_id != request_id:
                 self.close()
                 raise ClientError(f"{name} to {self.endpoint}: reply to request {got_id}, expected {request_id}")
+        return self._check_reply(msg, reply, reply_type)
+
+    def _call_ring(self, msg: object) -> object:
+        """One request through the ring: the frame published, its completion (the reply frame) decoded."""
+        from .actors.ring import RingError
+        from .transport.shm import STATUS_BAD_FRAME
+        name = type(msg).__name__
+        with self._lock:
+            request_id = self._next_id
+            self._next_id += 1
+            try:
+                seqs: list[int] = []        # the frame is a view of the writer's buffer: published (copied) at once
+                self._writer.send(lambda frame: seqs.append(self._ring.publish(frame, self.timeout_s)), msg,
+                                  request_id)
+                self.last_sent_ns = time.monotonic_ns()
+                ((status, payload),) = self._ring.wait_completions(seqs[0], self.timeout_s, self.spin_us or None)
+            except FrameError as e:
+                raise ClientError(f"{name} not sent to {self.endpoint}: {e}") from None
+            except RingError as e:      # a timeout, or the server gone (the ring names who waited for what)
+                self.close()
+                raise ClientError(f"{name} to {self.endpoint} through shared memory: {e}") from None
+            if status == STATUS_BAD_FRAME:
+                self.close()
+                raise ClientError(f"{name} to {self.endpoint}: the server refused the frame and ended the session")
+            try:
+                mtype, got_id, length = parse_header(payload[:HEADER_SIZE], self._reader.max_frame_bytes)
+                reply = decode_payload(mtype, memoryview(payload)[HEADER_SIZE:HEADER_SIZE + length])
+            except FrameError as e:
+                self.close()
+                raise ClientError(f"{name} to {self.endpoint}: bad reply frame: {e}") from None
+            if got_id != request_id:
+                self.close()
+                raise ClientError(f"{name} to {self.endpoint}: reply to request {got_id}, expected {request_id}")
+            return reply
+
+    def _check_reply(self, msg: object, reply: object, reply_type: type):
+        name = type(msg).__name__
         if isinstance(reply, ErrorReply):
             raise ClientError(f"{name} refused by {self.endpoint}: {reply.code.name}: {reply.reason}", reply.code)
         if not isinstance(reply, reply_type):

@@ -49,6 +49,8 @@ class MsgType(enum.IntEnum):
     STEP = 7
     STEP_REPLY = 8
     ERROR_REPLY = 9
+    SHM_ATTACH = 10
+    SHM_ATTACH_REPLY = 11
 
 
 class Limits(msgspec.Struct, kw_only=True, frozen=True):
@@ -143,6 +145,30 @@ class ErrorReply(msgspec.Struct, tag=int(MsgType.ERROR_REPLY), kw_only=True):
     """A request-level refusal: nothing of the request ran."""
     code: Code
     reason: str
+
+
+# ---- same-host shared memory ---------------------------------------------------------------------------------------
+class ShmAttach(msgspec.Struct, tag=int(MsgType.SHM_ATTACH), kw_only=True):
+    """After an accepted HELLO, on the TCP connection: the client created a request ring (shared memory on this
+    host, one reader; `actors/ring.py`) and names it here. Once accepted, every request of the session travels as
+    a frame through the ring and its reply as the frame's completion; the TCP connection stays open as the
+    session's lifeline (closing it ends the session)."""
+    name: str                   # the ring's shared-memory segment; starts with SHM_RING_PREFIX
+    n_slots: int
+    slot_bytes: int
+    completion_bytes: int
+    bell_dir: str               # the ring's doorbell FIFOs (a directory in the host's temp dir, "<name>.bells")
+    spin_us: float
+    nap_s: float
+    max_message_bytes: int
+
+
+class ShmAttachReply(msgspec.Struct, tag=int(MsgType.SHM_ATTACH_REPLY), kw_only=True):
+    ok: bool
+    reason: str = ""
+
+
+SHM_RING_PREFIX = "dspark-shm"
 
 
 # ---- STEP ----------------------------------------------------------------------------------------------------------
@@ -245,7 +271,8 @@ class StepReply(msgspec.Struct, tag=int(MsgType.STEP_REPLY), kw_only=True):
     results: list[EntryResult]
 
 
-Message = Union[Hello, HelloReply, Acquire, AcquireReply, Release, ReleaseReply, Step, StepReply, ErrorReply]
+Message = Union[Hello, HelloReply, Acquire, AcquireReply, Release, ReleaseReply, Step, StepReply, ErrorReply,
+                ShmAttach, ShmAttachReply]
 MESSAGE_TYPES: dict[MsgType, type] = {MsgType(t.__struct_config__.tag): t for t in Message.__args__}
 
 

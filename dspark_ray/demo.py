@@ -15,10 +15,10 @@ from .contract import Code, make_entry
 
 
 def run(endpoint: str, rounds: int = 8, requests: int = 2, seed: int = 0, n_out: int = 5, quiet: bool = False,
-        print_fn=print) -> dict:
+        print_fn=print, shm: bool = False) -> dict:
     host, port = endpoint.rsplit(":", 1)
     rng = np.random.default_rng(seed)
-    with DrafterClient(host, int(port), timeout_s=30) as c:
+    with DrafterClient(host, int(port), timeout_s=30, shm=shm) as c:
         hello = c.hello(client="dspark-ray demo")
         lim = hello.limits
         print_fn(f"HELLO ok: model {hello.model_digest}, config {hello.config_digest}, tp {hello.tp}, "

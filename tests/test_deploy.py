@@ -184,6 +184,31 @@ def test_rounds_over_the_wire_equal_the_in_process_reference_bit_for_bit(pair, c
         c.release([g.slot for g in grants])
 
 
+def test_rounds_through_shared_memory_equal_the_in_process_reference_bit_for_bit(pair, cfg, ckpt, ray_cluster):
+    """A client on the service's host sends its requests through a shared-memory ring (transport/shm.py): the
+    answers are the reference's bit for bit, and closing the client frees its slots."""
+    rounds = workload.rounds(cfg, seed=5, n_requests=2, n_rounds=12, far_start=700)
+    ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 2)
+    c = DrafterClient(pair[1], pair[2], timeout_s=60, shm=True)
+    c.hello(client="test shm")
+    grants = acquire_when_free(c, 2)
+    for batch in rounds:
+        want = ref.step(batch)
+        got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)],
+                     deadline_ms=60_000)
+        for w, g in zip(want, got):
+            assert g.code == Code.OK, g.reason
+            assert np.array_equal(g.drafts_array(), w.drafts)
+            assert np.array_equal(g.confidences_array(), w.confidences)
+            assert g.confident_len == w.confident_len
+    held = ray_cluster.get(pair[0].status.remote())["slots"]["held"]
+    c.close()
+    deadline = time.monotonic() + 10
+    while ray_cluster.get(pair[0].status.remote())["slots"]["held"] > held - 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray_cluster.get(pair[0].status.remote())["slots"]["held"] == held - 2
+
+
 def test_n_out_prefix_over_the_wire(pair, cfg):
     taps = workload.make_taps(cfg, 7, torch.Generator().manual_seed(1)).numpy()
     outs = {}

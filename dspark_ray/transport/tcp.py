@@ -7,7 +7,8 @@ for the whole host path is 0.1 ms. A connection thread blocks in recv_into on bu
 Measured with an instant fake front-end (bench/tcp_roundtrip.py, 1 entry x 6 rows of tiny taps, 9.4 KB request):
 a STEP round trip p50 32 us against 12 us for a raw ping-pong of the same bytes, client and server on one core.
 
-A connection is a session. Before an accepted HELLO only HELLO is valid; afterwards ACQUIRE, RELEASE and STEP.
+A connection is a session. Before an accepted HELLO only HELLO is valid; afterwards ACQUIRE, RELEASE and STEP, and
+SHM_ATTACH, after which the session's requests come through the client's shared-memory ring (transport/shm.py).
 Anything else (a malformed, truncated, stalled or oversized frame, a reply type, a STEP before HELLO) closes that
 connection alone, with one log line; the session's slots are freed through `close_session`.
 """
@@ -18,12 +19,13 @@ import socket
 import threading
 import time
 
-from ..contract import (Acquire, Code, ErrorReply, Hello, HelloReply, MsgType, Release, Step, StepHandler,
-                        StepReply)
+from ..contract import (Acquire, Code, ErrorReply, Hello, HelloReply, MsgType, Release, ShmAttach, ShmAttachReply,
+                        Step, StepHandler, StepReply)
 from ..stamps import Stamps, cpu_now, now
 from ..wake_ups import WakeUps
 from ..wire import (DEFAULT_MAX_FRAME_BYTES, ConnectionClosed, FrameError, FrameReader, FrameWriter,
                     VersionMismatch, bound_blocking_io, decode_payload, spinning_recv_into)
+from .shm import attach_ring, serve_ring
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,9 @@ class TcpServer:
                 if not greeted and not isinstance(msg, Hello):
                     raise FrameError(f"{type(msg).__name__} before an accepted HELLO")
                 t_read, cpu_read = now(), cpu_now()
+                if isinstance(msg, ShmAttach):
+                    self._serve_shm(conn, msg, request_id, writer)     # returns only when the ring refused
+                    continue
                 reply = self._dispatch(conn, msg, received_ns, greeted)
                 if isinstance(reply, HelloReply):
                     greeted = greeted or reply.ok
@@ -201,6 +206,27 @@ class TcpServer:
             log.log(logging.WARNING if why.startswith("bad frame") else logging.INFO,
                     "disconnect %s session %s: %s", conn.peer, conn.session, why)
 
+    def _serve_shm(self, conn: _Conn, msg: ShmAttach, request_id: int, writer: FrameWriter) -> None:
+        """SHM_ATTACH: attach to the client's ring and serve the session's requests through it (transport/shm.py)
+        until the client closes it or the connection (ConnectionClosed) or sends a bad frame (FrameError). A ring
+        that cannot be attached is refused with the reason, and the session goes on over TCP."""
+        ring = attach_ring(msg)
+        if isinstance(ring, str):
+            log.info("session %d: SHM_ATTACH refused: %s", conn.session, ring)
+            writer.send(conn.sock.sendall, ShmAttachReply(ok=False, reason=ring), request_id)
+            return
+        writer.send(conn.sock.sendall, ShmAttachReply(ok=True), request_id)
+        log.info("session %d: requests through shared-memory ring %s", conn.session, msg.name)
+
+        def stamp(m, received_ns, reply):
+            if isinstance(m, Step):
+                self.stamps.add({"recv": received_ns, "read": received_ns, "sent": now(), "cpu_read": cpu_now()})
+        try:
+            serve_ring(ring, conn.sock, lambda m, t: self._dispatch(conn, m, t, True), self.max_frame_bytes,
+                       self.spin_us, on_reply=stamp)
+        finally:
+            ring.close()
+
     def _rehearse_from(self, payload: bytes, reply: StepReply) -> None:
         """Rehearse this STEP's decode, the handler's checks (its `rehearse`) and the reply's encoding between
         frames (keep_warm.py); into a writer of its own, since any connection's thread may run it. Three pieces, so
@@ -221,6 +247,8 @@ class TcpServer:
         session = conn.session
         if isinstance(msg, Hello) and greeted:
             raise FrameError("second HELLO on an accepted session")
+        if isinstance(msg, ShmAttach):
+            raise FrameError("SHM_ATTACH through a ring")
         if not isinstance(msg, (Step, Hello, Acquire, Release)):
             raise FrameError(f"{type(msg).__name__} is a reply, not a request")
         try:
