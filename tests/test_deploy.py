@@ -165,22 +165,27 @@ def test_hello_accepted_and_refused(pair, ckpt, cfg):
     c.close()
 
 
+def step_as_reference(c, ref, grants, batch) -> None:
+    """One STEP of `batch` (request i on grants[i]) over the wire: every answer OK and the in-process reference
+    engine's bit for bit."""
+    want = ref.step(batch)
+    got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)], deadline_ms=60_000)
+    for w, g in zip(want, got):
+        assert g.code == Code.OK, g.reason
+        assert np.array_equal(g.drafts_array(), w.drafts)
+        assert np.array_equal(g.confidences_array(), w.confidences)
+        if w.margins is not None:
+            assert np.array_equal(g.margins_array(), w.margins)
+        assert g.confident_len == w.confident_len
+
+
 def test_rounds_over_the_wire_equal_the_in_process_reference_bit_for_bit(pair, cfg, ckpt):
     rounds = workload.rounds(cfg, seed=3, n_requests=2, n_rounds=40, far_start=2000)
     ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 2)
     with client(pair) as c:
         grants = acquire_when_free(c, 2)
         for batch in rounds:
-            want = ref.step(batch)
-            got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)],
-                         deadline_ms=60_000)
-            for w, g in zip(want, got):
-                assert g.code == Code.OK, g.reason
-                assert np.array_equal(g.drafts_array(), w.drafts)
-                assert np.array_equal(g.confidences_array(), w.confidences)
-                if w.margins is not None:
-                    assert np.array_equal(g.margins_array(), w.margins)
-                assert g.confident_len == w.confident_len
+            step_as_reference(c, ref, grants, batch)
         c.release([g.slot for g in grants])
 
 
@@ -193,14 +198,7 @@ def test_rounds_through_shared_memory_equal_the_in_process_reference_bit_for_bit
     c.hello(client="test shm")
     grants = acquire_when_free(c, 2)
     for batch in rounds:
-        want = ref.step(batch)
-        got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)],
-                     deadline_ms=60_000)
-        for w, g in zip(want, got):
-            assert g.code == Code.OK, g.reason
-            assert np.array_equal(g.drafts_array(), w.drafts)
-            assert np.array_equal(g.confidences_array(), w.confidences)
-            assert g.confident_len == w.confident_len
+        step_as_reference(c, ref, grants, batch)
     held = ray_cluster.get(pair[0].status.remote())["slots"]["held"]
     c.close()
     deadline = time.monotonic() + 10

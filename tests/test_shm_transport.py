@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import threading
 
 import pytest
 
@@ -16,7 +15,8 @@ from dspark_ray.actors.ring import StepRing
 from dspark_ray.client import ClientError, DrafterClient
 from dspark_ray.transport.shm import STATUS_BAD_FRAME
 
-from test_tcp import LIMITS, WAIT_S, assert_served, connect, entry, front, server  # noqa: F401 (fixtures)
+from test_tcp import (LIMITS, WAIT_S, assert_served, connect, each_client_gets_its_own_answers, entry,  # noqa: F401
+                      front, server)
 
 
 def shm_client(server, **kw) -> DrafterClient:
@@ -106,22 +106,4 @@ def test_shm_attach_before_hello_closes_the_connection(server, front):
 
 
 def test_concurrent_shm_and_tcp_clients_each_get_their_own_answers(server):
-    errors: list[BaseException] = []
-
-    def run(k):
-        try:
-            with (shm_client(server) if k % 2 else connect(server)) as c:
-                [g] = c.acquire(1)
-                for i in range(50):
-                    seed = (k * 1000 + i) % LIMITS.vocab_size
-                    [r] = c.step([entry(g.slot, seed=seed, n_out=1 + i % 5)], deadline_ms=50)
-                    assert r.drafts_array().tolist() == [seed + 1 + j for j in range(1 + i % 5)]
-        except BaseException as e:       # noqa: BLE001  (reported below)
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(WAIT_S * 2)
-    assert not any(t.is_alive() for t in threads) and errors == []
+    each_client_gets_its_own_answers(lambda k: shm_client(server) if k % 2 else connect(server))

@@ -354,12 +354,13 @@ def test_closing_a_connection_closes_its_session_and_frees_its_slots(server, fro
 
 
 # ---- concurrency and shutdown --------------------------------------------------------------------------------------
-def test_concurrent_clients_each_get_their_own_answers(server):
+def each_client_gets_its_own_answers(make_client) -> None:
+    """4 clients (make_client(k)) step at once, 50 STEPs each: every answer is its own."""
     errors: list[BaseException] = []
 
     def run(k):
         try:
-            with connect(server) as c:
+            with make_client(k) as c:
                 [g] = c.acquire(1)
                 for i in range(50):
                     seed = (k * 1000 + i) % LIMITS.vocab_size
@@ -374,6 +375,10 @@ def test_concurrent_clients_each_get_their_own_answers(server):
     for t in threads:
         t.join(WAIT_S * 2)
     assert not any(t.is_alive() for t in threads) and errors == []
+
+
+def test_concurrent_clients_each_get_their_own_answers(server):
+    each_client_gets_its_own_answers(lambda k: connect(server))
 
 
 def test_stop_closes_connections_and_clients_see_a_clear_error(front):
