@@ -61,6 +61,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--tp", type=int, choices=(1, 2), default=2, help="1: one rank on one card (the host path alone)")
+    ap.add_argument("--shm", action="store_true", help="the client's requests through shared memory (contract "
+                                                         "section 9) instead of TCP")
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--rows", type=int, default=3)
     ap.add_argument("--warmup-rounds", type=int, default=None,
@@ -153,7 +155,7 @@ def main() -> None:
         client = []                               # per round: (sent, received), stamps.now
         sent = []                                 # per round: the client's encode and send call, ns
         os.sched_setaffinity(0, {pins["client"]} if pins["client"] is not None else all_cpus)  # the client's thread
-        with DrafterClient(host, int(port), timeout_s=60, spin_us=a.client_spin_us) as c:
+        with DrafterClient(host, int(port), timeout_s=60, spin_us=a.client_spin_us, shm=a.shm) as c:
             c.hello(client="step_latency bench")
             (gr,) = c.acquire(1)
             log(f"warm-up rounds: {warm}")
@@ -252,7 +254,8 @@ def main() -> None:
                    "pin_ab": a.pin_ab, "client_spin_us": a.client_spin_us, "gap_us": a.gap_us,
                    "server_and_ring_spin_us": base.spin_us,
                    "pinned_vcpus": pinning, "step_graphs": step_graphs_enabled(),
-                   "keep_warm_us": keep_warm_period_us() if keep_warm_enabled() else None},
+                   "keep_warm_us": keep_warm_period_us() if keep_warm_enabled() else None,
+                   "transport": "shm" if a.shm else "tcp"},
         "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or platform.machine(),
         "host_cpus": os.cpu_count(),
         "commit": _commit(),
