@@ -107,3 +107,22 @@ def test_shm_attach_before_hello_closes_the_connection(server, front):
 
 def test_concurrent_shm_and_tcp_clients_each_get_their_own_answers(server):
     each_client_gets_its_own_answers(lambda k: shm_client(server) if k % 2 else connect(server))
+
+
+def test_a_ring_whose_thread_may_not_spin_is_served_through_its_doorbell(front):  # noqa: F811 (fixture)
+    """With no polling permit left (the TCP server's gate of spinning threads), the ring's thread sleeps on the
+    doorbell at once and still answers every request."""
+    from dspark_ray.transport.tcp import TcpServer
+    srv = TcpServer(front, "127.0.0.1", 0, max_frame_bytes=LIMITS.max_frame_bytes, spin_us=100_000.0,
+                    max_pollers=1).start()
+    try:
+        assert srv._pollers.acquire(blocking=False)      # the one permit, held: nobody may spin
+        with shm_client(srv) as c:
+            [g] = c.acquire(1)
+            for seed in range(20):
+                [r] = c.step([entry(g.slot, seed=seed, n_out=2)], deadline_ms=1000)
+                assert r.drafts_array().tolist() == [seed + 1, seed + 2]
+            assert c._ring.handle and srv._pollers.acquire(blocking=False) is False
+    finally:
+        srv.stop(timeout_s=WAIT_S)
+

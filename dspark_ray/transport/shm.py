@@ -63,20 +63,27 @@ def _lifeline_closed(sock: socket.socket) -> bool:
 
 def serve_ring(ring: RingReader, sock: socket.socket, dispatch: Callable[[object, int], object],
                max_frame_bytes: int, spin_us: float, on_reply: Callable[[object, int, object], None] | None = None,
-               idle=None) -> None:
+               gate=None) -> None:
     """Serve the ring until the client closes it or its TCP connection (ConnectionClosed), or sends a bad frame
     (FrameError, after completing it with STATUS_BAD_FRAME). `dispatch(msg, received_ns)` answers a request;
-    `on_reply(msg, received_ns, reply)` runs after each completion (stamps, keep-warm); `idle` between polls."""
+    `on_reply(msg, received_ns, reply)` runs after each completion (stamps). `gate` (a semaphore, optional): the
+    wait spins `spin_us` only while it holds the gate, else it sleeps on the ring's doorbell at once; the TCP
+    server shares its gate of polling threads (every spin takes the interpreter lock, and many spinning threads
+    would slow the one that has a STEP to run)."""
     writer = FrameWriter(max_frame_bytes)
     while True:
+        held = gate is None or gate.acquire(blocking=False)
         try:
-            seq, view = ring.next(timeout_s=_LIFELINE_CHECK_S, spin_us=spin_us, idle=idle)
+            seq, view = ring.next(timeout_s=_LIFELINE_CHECK_S, spin_us=spin_us if held else 0.0)
         except RingTimeout:
             if _lifeline_closed(sock):
                 raise ConnectionClosed("the client closed its TCP connection") from None
             continue
         except RingClosed:
             raise ConnectionClosed("the client closed its ring") from None
+        finally:
+            if held and gate is not None:
+                gate.release()
         received_ns = time.monotonic_ns()
         try:
             if len(view) < HEADER_SIZE:

@@ -223,7 +223,7 @@ class TcpServer:
                 self.stamps.add({"recv": received_ns, "read": received_ns, "sent": now(), "cpu_read": cpu_now()})
         try:
             serve_ring(ring, conn.sock, lambda m, t: self._dispatch(conn, m, t, True), self.max_frame_bytes,
-                       self.spin_us, on_reply=stamp)
+                       self.spin_us, on_reply=stamp, gate=self._pollers)
         finally:
             ring.close()
 
