@@ -109,11 +109,19 @@ def cmd_serve(a, *, then=None) -> int:
                           on_progress=_progress_bar(a.tp))
     print(f"dspark-ray {a.name}: tp {a.tp} ({backend} on {device}) ready in {time.monotonic() - t0:.1f} s; "
           f"STEP endpoint {endpoint}", flush=True)
+    if getattr(a, "http_port", None) is not None:
+        from .transport import http
+        print(f"STEP over HTTP (Ray Serve): {http.start(a.name, endpoint, a.host, a.http_port)}", flush=True)
+
+    def stop() -> None:
+        from .transport import http
+        http.stop(a.name)
+        teardown(a.name)
     if then is not None:
         try:
             return then(endpoint)
         finally:
-            teardown(a.name)
+            stop()
     if a.detach:
         print(f"detached: `dspark-ray status --name {a.name}` / `dspark-ray stop --name {a.name}`")
         return 0
@@ -122,7 +130,7 @@ def cmd_serve(a, *, then=None) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        teardown(a.name)
+        stop()
     return 0
 
 
@@ -171,7 +179,9 @@ def cmd_status(a) -> int:
 
 def cmd_stop(a) -> int:
     from .actors.placement import teardown
+    from .transport import http
     print(connect_ray(a.address, False), file=sys.stderr)
+    http.stop(a.name)
     teardown(a.name)
     print(f"stopped {a.name}")
     return 0
@@ -244,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
 
     sp = sub.add_parser("serve", help="deploy one pair and serve STEP")
     serve_args(sp)
+    sp.add_argument("--http-port", type=int, help="also serve STEP as JSON over HTTP through Ray Serve on this port "
+                                                  "(transport/http.py; milliseconds a call: the convenience path)")
     sp.add_argument("--detach", action="store_true", help="leave detached actors behind (starts `ray start --head` "
                                                           "when no cluster runs)")
     sp.set_defaults(fn=cmd_serve)

@@ -408,3 +408,73 @@ def test_every_party_stamps_a_step_and_the_hops_join_in_path_order(pair, cfg, ra
             if name != "server_to_client":
                 assert row[b] >= row[a], (name, row[b] - row[a])
         assert row["client_recv"] - row["client_send"] >= row["rank_ran"] - row["rank_checked"] > 0
+
+
+def test_step_over_http_through_ray_serve_equals_the_reference(pair, cfg, ckpt, ray_cluster):
+    """The Serve HTTP app (transport/http.py) in front of the pair: a JSON session acquires slots, steps rounds whose
+    answers are the in-process reference's bit for bit, gets clear refusals (409 with the contract's code, 422 for a
+    malformed body, 404 for an unknown session), and frees its slots when deleted."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from ray import serve
+
+    from dspark_ray.transport import http
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        http_port = s.getsockname()[1]
+    try:
+        base = http.start("e2e", f"{pair[1]}:{pair[2]}", "127.0.0.1", http_port)
+
+        def call(method, url, body=None):
+            req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status, json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                return e.code, json.loads(e.read())
+
+        st, opened = call("POST", base, {"client": "http test", "tp": 2, "config_digest": cfg.digest()})
+        assert st == 200 and opened["tp"] == 2 and opened["limits"]["slot_capacity"] == 8, opened
+        sess = f"{base}/{opened['session']}"
+        st, got = call("POST", f"{sess}/acquire", {"n": 2})
+        assert st == 200, got
+        grants = got["slots"]
+        ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 2)
+        for batch in workload.rounds(cfg, seed=11, n_requests=2, n_rounds=6, far_start=300):
+            want = ref.step(batch)
+            body = {"deadline_ms": 60_000, "entries": [
+                http.entry_to_json(grants[i]["slot"], grants[i]["generation"], e.seed, e.token_ids.numpy(),
+                                   e.taps.numpy(), e.start, e.rollback_to, e.n_out, e.want_margins)
+                for i, e in enumerate(batch)]}
+            st, got = call("POST", f"{sess}/step", body)
+            assert st == 200, got
+            for w, g in zip(want, got["results"]):
+                assert g["code"] == "OK", g
+                assert np.array_equal(np.asarray(g["drafts"], np.int32), w.drafts)
+                assert np.array_equal(np.asarray(g["confidences"], np.float32), w.confidences)
+                assert (g["margins"] is None) == (w.margins is None)
+                if w.margins is not None:
+                    assert np.array_equal(np.asarray(g["margins"], np.float32), w.margins)
+                assert g["confident_len"] == w.confident_len
+        st, got = call("POST", f"{sess}/acquire", {"n": 99})
+        assert st == 409 and got["detail"]["code"] == "OVERLOADED", got
+        st, got = call("POST", f"{sess}/step", {"entries": [{"slot": 0}]})
+        assert st == 422, got
+        st, got = call("POST", f"{base}/nope/step", {"entries": []})
+        assert st == 404 and got["detail"]["code"] == "NO_SESSION", got
+        st, refused = call("POST", base, {"tp": 1})
+        assert st == 409 and refused["detail"]["code"] == "CONFIG_MISMATCH", refused
+        held = ray_cluster.get(pair[0].status.remote())["slots"]["held"]
+        assert call("DELETE", sess) == (200, {"closed": True})
+        deadline = time.monotonic() + 10
+        while ray_cluster.get(pair[0].status.remote())["slots"]["held"] > held - 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ray_cluster.get(pair[0].status.remote())["slots"]["held"] == held - 2
+        http.stop("e2e")
+        assert "e2e-http" not in serve.status().applications
+    finally:
+        serve.shutdown()

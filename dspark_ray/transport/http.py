@@ -1,0 +1,204 @@
+"""STEP over HTTP through Ray Serve: the convenience path, for tools and engines that speak JSON, not our frames.
+
+A Serve deployment (FastAPI ingress) in front of a pair's STEP endpoint. Each HTTP session is one `DrafterClient`
+session of the replica's (its own TCP connection to the front-end), so the front-end batches concurrent HTTP
+sessions as it batches TCP ones, and a session's slots belong to it alone. An HTTP round trip through Serve costs
+milliseconds (DESIGN.md measured ~10 ms for an echo): use the TCP or shared-memory client for the per-round path.
+
+    POST   /v1/sessions                   {model_digest?, config_digest?, tp?, max_model_len?, client?}
+                                          -> {session, limits, worker_generation, model_digest, ...}
+    POST   /v1/sessions/{s}/acquire       {n}                    -> {slots: [{slot, generation}]}
+    POST   /v1/sessions/{s}/release       {slots}                -> {released}
+    POST   /v1/sessions/{s}/step          {entries, deadline_ms} -> {results}
+    DELETE /v1/sessions/{s}                                      -> {closed}
+
+An entry is the contract's Entry with its arrays in JSON: `token_ids` a list of ints, `taps` the fp16 rows as
+base64 of their little-endian bytes (`taps_b64`). A result: `code` (the contract's code name), `reason`,
+`generation`, `drafts`, `confidences` (the fp32 values as JSON numbers: exact), `margins` (or null),
+`confident_len`. A refusal is HTTP 409 with {code, reason}; a malformed body 422; an unknown or expired session
+404. A session unused for `session_ttl_s` is closed (its slots are freed), as a TCP session is when its connection
+closes.
+"""
+from __future__ import annotations
+
+import base64
+import secrets
+import threading
+import time
+
+import numpy as np
+
+from ..client import ClientError, DrafterClient
+from ..contract import Code, make_entry
+
+ROUTE = "/dspark"
+SESSION_TTL_S = 300.0
+
+
+def entry_from_json(e: dict):
+    """The contract's Entry from its JSON form (ValueError / KeyError / TypeError on a malformed one)."""
+    taps = np.frombuffer(base64.b64decode(e.get("taps_b64", ""), validate=True), dtype="<f2")
+    ids = np.asarray(e.get("token_ids", []), dtype=np.int64)
+    if ids.ndim != 1:
+        raise ValueError("token_ids must be a list of ints")
+    rows = len(ids)
+    if rows and taps.size % rows:
+        raise ValueError(f"taps_b64 holds {taps.size} fp16 values, not a multiple of {rows} rows")
+    return make_entry(slot=int(e["slot"]), generation=int(e["generation"]), seed_token=int(e["seed_token"]),
+                      start_pos=int(e.get("start_pos", 0)), token_ids=ids,
+                      taps=taps.reshape(rows, -1) if rows else taps.reshape(0, 0),
+                      rollback_to=int(e.get("rollback_to", -1)), n_out=int(e.get("n_out", 5)),
+                      want_margins=bool(e.get("want_margins", False)))
+
+
+def result_to_json(r) -> dict:
+    margins = r.margins_array()
+    return {"code": Code(r.code).name, "reason": r.reason, "generation": r.generation,
+            "drafts": r.drafts_array().tolist(), "confidences": r.confidences_array().tolist(),
+            "margins": margins.tolist() if margins.size else None, "confident_len": r.confident_len}
+
+
+def entry_to_json(slot: int, generation: int, seed_token: int, token_ids, taps, start_pos: int = 0,
+                  rollback_to: int = -1, n_out: int = 5, want_margins: bool = False) -> dict:
+    """An entry in the JSON form this endpoint takes (for clients and tests)."""
+    return {"slot": slot, "generation": generation, "seed_token": seed_token, "start_pos": start_pos,
+            "token_ids": [int(t) for t in token_ids],
+            "taps_b64": base64.b64encode(np.ascontiguousarray(taps, dtype="<f2").tobytes()).decode(),
+            "rollback_to": rollback_to, "n_out": n_out, "want_margins": want_margins}
+
+
+class _Sessions:
+    """HTTP session token -> its DrafterClient; expired ones closed."""
+
+    def __init__(self, endpoint: str, ttl_s: float):
+        self.host, port = endpoint.rsplit(":", 1)
+        self.port, self.ttl_s = int(port), ttl_s
+        self.lock = threading.Lock()
+        self.clients: dict[str, tuple[DrafterClient, list[float]]] = {}
+
+    def open(self, hello: dict) -> tuple[str, object]:
+        self.expire()
+        c = DrafterClient(self.host, self.port, timeout_s=30.0)
+        try:
+            reply = c.hello(model_digest=hello.get("model_digest"), config_digest=hello.get("config_digest"),
+                            tp=hello.get("tp"), max_model_len=hello.get("max_model_len"),
+                            client=str(hello.get("client", "http")))
+        except BaseException:
+            c.close()
+            raise
+        token = secrets.token_hex(16)
+        with self.lock:
+            self.clients[token] = (c, [time.monotonic()])
+        return token, reply
+
+    def get(self, token: str) -> DrafterClient | None:
+        with self.lock:
+            got = self.clients.get(token)
+        if got is None:
+            return None
+        got[1][0] = time.monotonic()
+        return got[0]
+
+    def close(self, token: str) -> bool:
+        with self.lock:
+            got = self.clients.pop(token, None)
+        if got is not None:
+            got[0].close()
+        return got is not None
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            old = [t for t, (_, used) in self.clients.items() if now - used[0] > self.ttl_s]
+        for t in old:
+            self.close(t)
+
+
+def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S):
+    """The Serve application for the STEP endpoint `endpoint` ("host:port"); run it with `serve.run(app,
+    route_prefix=ROUTE)`."""
+    from fastapi import Body, FastAPI, HTTPException
+    from ray import serve
+
+    api = FastAPI(title="dspark-ray STEP over HTTP")
+
+    def refused(e: ClientError) -> HTTPException:
+        return HTTPException(409, {"code": e.code.name if e.code is not None else "CONNECTION", "reason": str(e)})
+
+    @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+    @serve.ingress(api)
+    class DrafterHttp:
+        def __init__(self, endpoint: str, ttl_s: float):
+            self.sessions = _Sessions(endpoint, ttl_s)
+
+        def _client(self, s: str) -> DrafterClient:
+            c = self.sessions.get(s)
+            if c is None:
+                raise HTTPException(404, {"code": "NO_SESSION", "reason": f"no session {s} (closed or expired)"})
+            return c
+
+        @api.post("/v1/sessions")
+        def open_session(self, hello: dict = Body(default={})) -> dict:
+            try:
+                token, r = self.sessions.open(hello)
+            except ClientError as e:
+                raise refused(e) from None
+            return {"session": token, "limits": {f: getattr(r.limits, f) for f in r.limits.__struct_fields__},
+                    "worker_generation": r.worker_generation, "model_digest": r.model_digest,
+                    "config_digest": r.config_digest, "tp": r.tp, "max_model_len": r.max_model_len}
+
+        @api.post("/v1/sessions/{s}/acquire")
+        def acquire(self, s: str, body: dict = Body(default={})) -> dict:
+            try:
+                grants = self._client(s).acquire(int(body.get("n", 1)))
+            except ClientError as e:
+                raise refused(e) from None
+            return {"slots": [{"slot": g.slot, "generation": g.generation} for g in grants]}
+
+        @api.post("/v1/sessions/{s}/release")
+        def release(self, s: str, body: dict = Body(...)) -> dict:
+            try:
+                return {"released": self._client(s).release([int(x) for x in body["slots"]])}
+            except ClientError as e:
+                raise refused(e) from None
+            except (KeyError, TypeError, ValueError) as e:
+                raise HTTPException(422, {"code": "BAD_REQUEST", "reason": f"release: {e!r}"}) from None
+
+        @api.post("/v1/sessions/{s}/step")
+        def step(self, s: str, body: dict = Body(...)) -> dict:
+            c = self._client(s)
+            try:
+                entries = [entry_from_json(e) for e in body["entries"]]
+                deadline_ms = float(body.get("deadline_ms", 1000.0))
+            except (KeyError, TypeError, ValueError) as e:
+                raise HTTPException(422, {"code": "BAD_REQUEST", "reason": f"step: {e!r}"}) from None
+            try:
+                return {"results": [result_to_json(r) for r in c.step(entries, deadline_ms=deadline_ms)]}
+            except ClientError as e:
+                raise refused(e) from None
+
+        @api.delete("/v1/sessions/{s}")
+        def close_session(self, s: str) -> dict:
+            return {"closed": self.sessions.close(s)}
+
+    return DrafterHttp.bind(endpoint, session_ttl_s)
+
+
+def start(name: str, endpoint: str, host: str, port: int) -> str:
+    """Run the app for the pair `name` (its STEP endpoint `endpoint`) on Ray Serve's HTTP proxy at host:port (Serve
+    is started there if it is not running yet); returns the sessions URL."""
+    from ray import serve
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(endpoint), name=f"{name}-http", route_prefix=ROUTE)
+    return f"http://{host}:{port}{ROUTE}/v1/sessions"
+
+
+def stop(name: str) -> None:
+    """Delete the pair's HTTP app, if Serve runs one (Serve itself stays for other apps)."""
+    try:
+        from ray import serve
+        if f"{name}-http" in serve.status().applications:
+            serve.delete(f"{name}-http")
+    except Exception:           # no Serve in this cluster (or not installed): nothing to stop
+        pass
+
