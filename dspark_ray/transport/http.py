@@ -186,7 +186,8 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S):
 
 def start(name: str, endpoint: str, host: str, port: int) -> str:
     """Run the app for the pair `name` (its STEP endpoint `endpoint`) on Ray Serve's HTTP proxy at host:port (Serve
-    is started there if it is not running yet); returns the sessions URL."""
+    is started there if it is not running yet; a Serve already running keeps its own address, and the URL returned
+    then names the wrong port); returns the sessions URL."""
     from ray import serve
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(endpoint), name=f"{name}-http", route_prefix=ROUTE)
