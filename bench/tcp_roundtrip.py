@@ -261,7 +261,8 @@ def main() -> None:
         if len(runs) > 1:
             result["runs"] = [{"transport": r["config"]["transport"], **r["round_trip"]} for r in runs]
             result["p50_us_median"] = {t: statistics.median(r["round_trip"]["p50_us"] for r in runs
-                                                            if r["config"]["transport"] == t) for t in ("tcp", "shm")}
+                                                            if r["config"]["transport"] == t)
+                                       for t in dict.fromkeys(r["config"]["transport"] for r in runs)}
         emit(result, a.out, indent=2)
         return
 

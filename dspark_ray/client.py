@@ -26,7 +26,7 @@ from .contract import (SHM_RING_PREFIX, Acquire, AcquireReply, Code, Entry, Entr
                        HelloReply, Limits, Release, ReleaseReply, ShmAttach, ShmAttachReply, SlotGrant, Step,
                        StepReply, make_entry)
 from .wire import (HEADER_SIZE, ConnectionClosed, FrameError, FrameReader, FrameWriter, bound_blocking_io,
-                   decode_payload, parse_header, spinning_recv_into)
+                   decode_frame, spinning_recv_into)
 
 __all__ = ["DrafterClient", "ClientError", "make_entry"]
 
@@ -102,11 +102,9 @@ class DrafterClient:
                                          completion_bytes=h.completion_bytes, bell_dir=h.bell_dir, spin_us=h.spin_us,
                                          nap_s=h.nap_s, max_message_bytes=h.max_message_bytes), ShmAttachReply)
         except BaseException:
-            ring.close()
-            ring.unlink()
+            ring.unlink()               # (closes it first)
             raise
         if not reply.ok:
-            ring.close()
             ring.unlink()
             raise ClientError(f"SHM_ATTACH refused by {self.endpoint}: {reply.reason}")
         self._ring = ring
@@ -130,7 +128,6 @@ class DrafterClient:
     def close(self) -> None:
         if self._ring is not None:
             ring, self._ring = self._ring, None
-            ring.close()
             ring.unlink()
         try:
             self._sock.close()
@@ -161,74 +158,65 @@ class DrafterClient:
         return chunks
 
     def _call(self, msg: object, reply_type: type):
-        if self._ring is not None:
-            return self._check_reply(msg, self._call_ring(msg), reply_type)
-        with self._lock:
-            request_id = self._next_id
-            self._next_id += 1
-            name = type(msg).__name__
-            try:
-                self._writer.send(self._sock.sendall, msg, request_id)
-                self.last_sent_ns = time.monotonic_ns()    # the request encoded and handed to the socket
-            except FrameError as e:      # refused by the encoder before a byte was sent: the stream is intact
-                raise ClientError(f"{name} not sent to {self.endpoint}: {e}") from None
-            except OSError as e:
-                self.close()
-                raise ClientError(f"{name} to {self.endpoint}: connection lost while sending: {e}") from None
-            try:
-                got_id, reply, _ = self._reader.read()
-            except FrameError as e:
-                self.close()
-                raise ClientError(f"{name} to {self.endpoint}: bad reply frame: {e}") from None
-            except (socket.timeout, BlockingIOError):     # SO_RCVTIMEO ran out: no progress within timeout_s
-                self.close()
-                raise ClientError(f"{name} to {self.endpoint}: no answer within {self.timeout_s} s") from None
-            except (ConnectionClosed, OSError) as e:
-                self.close()
-                raise ClientError(f"{name} to {self.endpoint}: connection lost: {e}") from None
-            if got_id != request_id:
-                self.close()
-                raise ClientError(f"{name} to {self.endpoint}: reply to request {got_id}, expected {request_id}")
-        return self._check_reply(msg, reply, reply_type)
-
-    def _call_ring(self, msg: object) -> object:
-        """One request through the ring: the frame published, its completion (the reply frame) decoded."""
-        from .actors.ring import RingError
-        from .transport.shm import STATUS_BAD_FRAME
         name = type(msg).__name__
         with self._lock:
             request_id = self._next_id
             self._next_id += 1
-            try:
-                seqs: list[int] = []        # the frame is a view of the writer's buffer: published (copied) at once
-                self._writer.send(lambda frame: seqs.append(self._ring.publish(frame, self.timeout_s)), msg,
-                                  request_id)
-                self.last_sent_ns = time.monotonic_ns()
-                ((status, payload),) = self._ring.wait_completions(seqs[0], self.timeout_s, self.spin_us or None)
-            except FrameError as e:
-                raise ClientError(f"{name} not sent to {self.endpoint}: {e}") from None
-            except RingError as e:      # a timeout, or the server gone (the ring names who waited for what)
-                self.close()
-                raise ClientError(f"{name} to {self.endpoint} through shared memory: {e}") from None
-            if status == STATUS_BAD_FRAME:
-                self.close()
-                raise ClientError(f"{name} to {self.endpoint}: the server refused the frame and ended the session")
-            try:
-                mtype, got_id, length = parse_header(payload[:HEADER_SIZE], self._reader.max_frame_bytes)
-                reply = decode_payload(mtype, memoryview(payload)[HEADER_SIZE:HEADER_SIZE + length])
-            except FrameError as e:
-                self.close()
-                raise ClientError(f"{name} to {self.endpoint}: bad reply frame: {e}") from None
+            exchange = self._exchange_tcp if self._ring is None else self._exchange_ring
+            got_id, reply = exchange(msg, request_id, name)
             if got_id != request_id:
                 self.close()
                 raise ClientError(f"{name} to {self.endpoint}: reply to request {got_id}, expected {request_id}")
-            return reply
-
-    def _check_reply(self, msg: object, reply: object, reply_type: type):
-        name = type(msg).__name__
         if isinstance(reply, ErrorReply):
             raise ClientError(f"{name} refused by {self.endpoint}: {reply.code.name}: {reply.reason}", reply.code)
         if not isinstance(reply, reply_type):
             self.close()
             raise ClientError(f"{name} to {self.endpoint}: got {type(reply).__name__}, expected {reply_type.__name__}")
         return reply
+
+    def _exchange_tcp(self, msg: object, request_id: int, name: str) -> tuple[int, object]:
+        """Send the request frame on the socket, read the reply frame: (its request id, the reply)."""
+        try:
+            self._writer.send(self._sock.sendall, msg, request_id)
+            self.last_sent_ns = time.monotonic_ns()    # the request encoded and handed to the socket
+        except FrameError as e:      # refused by the encoder before a byte was sent: the stream is intact
+            raise ClientError(f"{name} not sent to {self.endpoint}: {e}") from None
+        except OSError as e:
+            self.close()
+            raise ClientError(f"{name} to {self.endpoint}: connection lost while sending: {e}") from None
+        try:
+            got_id, reply, _ = self._reader.read()
+        except FrameError as e:
+            self.close()
+            raise ClientError(f"{name} to {self.endpoint}: bad reply frame: {e}") from None
+        except (socket.timeout, BlockingIOError):     # SO_RCVTIMEO ran out: no progress within timeout_s
+            self.close()
+            raise ClientError(f"{name} to {self.endpoint}: no answer within {self.timeout_s} s") from None
+        except (ConnectionClosed, OSError) as e:
+            self.close()
+            raise ClientError(f"{name} to {self.endpoint}: connection lost: {e}") from None
+        return got_id, reply
+
+    def _exchange_ring(self, msg: object, request_id: int, name: str) -> tuple[int, object]:
+        """Publish the request frame into the ring, wait for its completion (the reply frame): (its request id,
+        the reply)."""
+        from .actors.ring import RingError
+        from .transport.shm import STATUS_BAD_FRAME
+        try:
+            seqs: list[int] = []        # the frame is a view of the writer's buffer: published (copied) at once
+            self._writer.send(lambda frame: seqs.append(self._ring.publish(frame, self.timeout_s)), msg, request_id)
+            self.last_sent_ns = time.monotonic_ns()
+            ((status, payload),) = self._ring.wait_completions(seqs[0], self.timeout_s, self.spin_us or None)
+        except FrameError as e:
+            raise ClientError(f"{name} not sent to {self.endpoint}: {e}") from None
+        except RingError as e:      # a timeout, or the server gone (the ring names who waited for what)
+            self.close()
+            raise ClientError(f"{name} to {self.endpoint} through shared memory: {e}") from None
+        if status == STATUS_BAD_FRAME:
+            self.close()
+            raise ClientError(f"{name} to {self.endpoint}: the server refused the frame and ended the session")
+        try:
+            return decode_frame(payload, self._reader.max_frame_bytes)
+        except FrameError as e:
+            self.close()
+            raise ClientError(f"{name} to {self.endpoint}: bad reply frame: {e}") from None

@@ -82,6 +82,17 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> object:
         raise FrameError(f"undecodable {mtype.name} payload ({len(payload)} bytes): {e}") from None
 
 
+def decode_frame(buf: bytes | memoryview, max_frame_bytes: int) -> tuple[int, object]:
+    """(request id, message) of one whole frame held in `buf` (a shared-memory ring's message or completion),
+    which must be exactly one header and its payload; FrameError otherwise."""
+    if len(buf) < HEADER_SIZE:
+        raise FrameError(f"message of {len(buf)} bytes: shorter than a frame header")
+    mtype, request_id, length = parse_header(buf[:HEADER_SIZE], max_frame_bytes)
+    if HEADER_SIZE + length != len(buf):
+        raise FrameError(f"message of {len(buf)} bytes holds a frame of {HEADER_SIZE + length}")
+    return request_id, decode_payload(mtype, memoryview(buf)[HEADER_SIZE:])
+
+
 class FrameWriter:
     """Encodes messages into one reused buffer: header and payload contiguous, so a frame is one send."""
 

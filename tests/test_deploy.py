@@ -189,6 +189,18 @@ def test_rounds_over_the_wire_equal_the_in_process_reference_bit_for_bit(pair, c
         c.release([g.slot for g in grants])
 
 
+def frees_slots(pair, ray_cluster, n: int, close) -> None:
+    """close() ends a session: within 10 s the front-end holds n slots fewer."""
+    def held():
+        return ray_cluster.get(pair[0].status.remote())["slots"]["held"]
+    before = held()
+    close()
+    deadline = time.monotonic() + 10
+    while held() > before - n and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert held() == before - n
+
+
 def test_rounds_through_shared_memory_equal_the_in_process_reference_bit_for_bit(pair, cfg, ckpt, ray_cluster):
     """A client on the service's host sends its requests through a shared-memory ring (transport/shm.py): the
     answers are the reference's bit for bit, and closing the client frees its slots."""
@@ -199,12 +211,7 @@ def test_rounds_through_shared_memory_equal_the_in_process_reference_bit_for_bit
     grants = acquire_when_free(c, 2)
     for batch in rounds:
         step_as_reference(c, ref, grants, batch)
-    held = ray_cluster.get(pair[0].status.remote())["slots"]["held"]
-    c.close()
-    deadline = time.monotonic() + 10
-    while ray_cluster.get(pair[0].status.remote())["slots"]["held"] > held - 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert ray_cluster.get(pair[0].status.remote())["slots"]["held"] == held - 2
+    frees_slots(pair, ray_cluster, 2, c.close)
 
 
 def test_n_out_prefix_over_the_wire(pair, cfg):
@@ -468,12 +475,9 @@ def test_step_over_http_through_ray_serve_equals_the_reference(pair, cfg, ckpt, 
         assert st == 404 and got["detail"]["code"] == "NO_SESSION", got
         st, refused = call("POST", base, {"tp": 1})
         assert st == 409 and refused["detail"]["code"] == "CONFIG_MISMATCH", refused
-        held = ray_cluster.get(pair[0].status.remote())["slots"]["held"]
-        assert call("DELETE", sess) == (200, {"closed": True})
-        deadline = time.monotonic() + 10
-        while ray_cluster.get(pair[0].status.remote())["slots"]["held"] > held - 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert ray_cluster.get(pair[0].status.remote())["slots"]["held"] == held - 2
+        def delete():
+            assert call("DELETE", sess) == (200, {"closed": True})
+        frees_slots(pair, ray_cluster, 2, delete)
         http.stop("e2e")
         assert "e2e-http" not in serve.status().applications
     finally:

@@ -101,7 +101,6 @@ def test_shm_attach_before_hello_closes_the_connection(server, front):
         assert s.recv(65536) == b""
     finally:
         s.close()
-        ring.close()
         ring.unlink()
 
 

@@ -16,8 +16,8 @@ An entry is the contract's Entry with its arrays in JSON: `token_ids` a list of 
 base64 of their little-endian bytes (`taps_b64`). A result: `code` (the contract's code name), `reason`,
 `generation`, `drafts`, `confidences` (the fp32 values as JSON numbers: exact), `margins` (or null),
 `confident_len`. A refusal is HTTP 409 with {code, reason}; a malformed body 422; an unknown or expired session
-404. A session unused for `session_ttl_s` is closed (its slots are freed), as a TCP session is when its connection
-closes.
+404. A session unused for `session_ttl_s` is closed when the next session opens (its slots are freed), as a TCP
+session is when its connection closes.
 """
 from __future__ import annotations
 
@@ -36,17 +36,14 @@ SESSION_TTL_S = 300.0
 
 
 def entry_from_json(e: dict):
-    """The contract's Entry from its JSON form (ValueError / KeyError / TypeError on a malformed one)."""
+    """The contract's Entry from its JSON form (ValueError / KeyError / TypeError on a malformed one). The taps'
+    length against the rows is the contract's check (BAD_ENTRY for that entry, as over TCP)."""
     taps = np.frombuffer(base64.b64decode(e.get("taps_b64", ""), validate=True), dtype="<f2")
     ids = np.asarray(e.get("token_ids", []), dtype=np.int64)
     if ids.ndim != 1:
         raise ValueError("token_ids must be a list of ints")
-    rows = len(ids)
-    if rows and taps.size % rows:
-        raise ValueError(f"taps_b64 holds {taps.size} fp16 values, not a multiple of {rows} rows")
     return make_entry(slot=int(e["slot"]), generation=int(e["generation"]), seed_token=int(e["seed_token"]),
-                      start_pos=int(e.get("start_pos", 0)), token_ids=ids,
-                      taps=taps.reshape(rows, -1) if rows else taps.reshape(0, 0),
+                      start_pos=int(e.get("start_pos", 0)), token_ids=ids, taps=taps,
                       rollback_to=int(e.get("rollback_to", -1)), n_out=int(e.get("n_out", 5)),
                       want_margins=bool(e.get("want_margins", False)))
 

@@ -21,7 +21,7 @@ from typing import Callable
 
 from ..actors.ring import RingClosed, RingError, RingHandle, RingReader, RingTimeout, StepRing
 from ..contract import SHM_RING_PREFIX, ShmAttach
-from ..wire import HEADER_SIZE, ConnectionClosed, FrameError, FrameWriter, decode_payload, parse_header
+from ..wire import ConnectionClosed, FrameError, FrameWriter, decode_frame
 
 __all__ = ["attach_ring", "serve_ring", "handle_of", "STATUS_BAD_FRAME"]
 
@@ -86,12 +86,7 @@ def serve_ring(ring: RingReader, sock: socket.socket, dispatch: Callable[[object
                 gate.release()
         received_ns = time.monotonic_ns()
         try:
-            if len(view) < HEADER_SIZE:
-                raise FrameError(f"ring message of {len(view)} bytes: shorter than a frame header")
-            mtype, request_id, length = parse_header(view[:HEADER_SIZE], max_frame_bytes)
-            if HEADER_SIZE + length != len(view):
-                raise FrameError(f"ring message of {len(view)} bytes holds a frame of {HEADER_SIZE + length}")
-            msg = decode_payload(mtype, view[HEADER_SIZE:])
+            request_id, msg = decode_frame(view, max_frame_bytes)
             reply = dispatch(msg, received_ns)      # refuses what is not a request here (a HELLO, SHM_ATTACH)
         except FrameError:
             ring.complete(seq, STATUS_BAD_FRAME)    # the client learns it at once, not at its timeout
