@@ -104,6 +104,13 @@ def cmd_serve(a, *, then=None) -> int:
         print(f"dspark-ray serve: {e}", file=sys.stderr)
         return 2
     print(connect_ray(a.address, a.detach), flush=True)
+    if getattr(a, "http_port", None) is not None:
+        from .transport import http
+        try:                     # before the pair is placed: a refusal leaves the cluster as it was
+            http.check_address(a.host, a.http_port)
+        except http.ProxyElsewhere as e:
+            print(f"dspark-ray serve: {e}", file=sys.stderr)
+            return 2
     t0 = time.monotonic()
     fe, endpoint = deploy(spec, host=a.host, port=a.port, name=a.name, detach=a.detach,
                           on_progress=_progress_bar(a.tp))

@@ -478,6 +478,11 @@ def test_step_over_http_through_ray_serve_equals_the_reference(pair, cfg, ckpt, 
         def delete():
             assert call("DELETE", sess) == (200, {"closed": True})
         frees_slots(pair, ray_cluster, 2, delete)
+        # Serve cannot move its proxy: asking for another port is refused before anything is deployed.
+        with pytest.raises(http.ProxyElsewhere, match=f"127.0.0.1:{http_port}"):
+            http.start("e2e-other", f"{pair[1]}:{pair[2]}", "127.0.0.1", http_port + 1)
+        assert "e2e-other-http" not in serve.status().applications
+        http.check_address("127.0.0.1", http_port)
         http.stop("e2e")
         assert "e2e-http" not in serve.status().applications
     finally:

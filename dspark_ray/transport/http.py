@@ -181,11 +181,32 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S):
     return DrafterHttp.bind(endpoint, session_ttl_s)
 
 
+class ProxyElsewhere(RuntimeError):
+    """Serve already runs its HTTP proxy in this Ray cluster on another address: it cannot move, and the app would
+    not be where the user asked for it."""
+
+
+def check_address(host: str, port: int) -> None:
+    """Raise ProxyElsewhere if Serve runs in the connected Ray cluster with its proxy on another host:port (a
+    running Serve keeps its first address: `serve.start` only warns and ignores a new one). Nothing if Serve is
+    not running yet. Call it before deploying anything, so a refusal changes nothing."""
+    from ray.serve.context import _get_global_client
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:                      # no Serve controller in this cluster yet
+        return
+    have = client.http_config
+    if (have.host, have.port) != (host, port):
+        raise ProxyElsewhere(f"Ray Serve already runs its HTTP proxy on {have.host}:{have.port} in this cluster; "
+                             f"ask for that address (--host {have.host} --http-port {have.port}) or stop Serve "
+                             f"first (`serve shutdown`)")
+
+
 def start(name: str, endpoint: str, host: str, port: int) -> str:
     """Run the app for the pair `name` (its STEP endpoint `endpoint`) on Ray Serve's HTTP proxy at host:port (Serve
-    is started there if it is not running yet; a Serve already running keeps its own address, and the URL returned
-    then names the wrong port); returns the sessions URL."""
+    is started there if it is not running yet; ProxyElsewhere, and nothing deployed, if it runs on another
+    address); returns the sessions URL."""
     from ray import serve
+    check_address(host, port)
     serve.start(http_options={"host": host, "port": port})
     serve.run(build_app(endpoint), name=f"{name}-http", route_prefix=ROUTE)
     return f"http://{host}:{port}{ROUTE}/v1/sessions"
