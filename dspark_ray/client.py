@@ -20,6 +20,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 from .contract import (SHM_RING_PREFIX, Acquire, AcquireReply, Code, Entry, EntryResult, ErrorReply, Hello,
@@ -28,7 +29,7 @@ from .contract import (SHM_RING_PREFIX, Acquire, AcquireReply, Code, Entry, Entr
 from .wire import (HEADER_SIZE, ConnectionClosed, FrameError, FrameReader, FrameWriter, bound_blocking_io,
                    decode_frame, spinning_recv_into)
 
-__all__ = ["DrafterClient", "ClientError", "make_entry"]
+__all__ = ["DrafterClient", "ClientError", "PendingStep", "make_entry"]
 
 # msgpack overhead of one Entry beyond its two byte strings (field names, ints): generous, used to split STEPs.
 _ENTRY_OVERHEAD = 160
@@ -65,6 +66,7 @@ class DrafterClient:
         self._writer = FrameWriter()
         self._lock = threading.Lock()      # one request in flight: replies are matched by order and request id
         self._next_id = 1
+        self._ring_seq = 0                 # the shm request awaiting its completion
         self.last_sent_ns = 0
         self.hello_reply: HelloReply | None = None
 
@@ -120,9 +122,29 @@ class DrafterClient:
         """One result per entry, in order. Entries beyond the worker's per-STEP entry or frame limits are sent as
         several STEPs, one after the other; entries name distinct slots, and a request's drafts do not depend on
         the other entries of its batch (batch invariance), so the split changes no answer."""
-        results: list[EntryResult] = []
-        for chunk in self._chunks(entries):
-            results.extend(self._call(Step(entries=chunk, deadline_ms=deadline_ms), StepReply).results)
+        return self.step_end(self.step_begin(entries, deadline_ms))
+
+    def step_begin(self, entries: Sequence[Entry], deadline_ms: float = 100.0) -> "PendingStep":
+        """Send the STEP and return without waiting for its answer; `step_end` reads it. One thread can so keep a
+        STEP in flight on several workers at once (pool.DrafterPool). Until `step_end` returns, this client takes
+        no other request (other threads wait for it)."""
+        chunks = self._chunks(entries)
+        self._lock.acquire()
+        try:
+            request_id = self._send(Step(entries=chunks[0], deadline_ms=deadline_ms))
+        except BaseException:
+            self._lock.release()
+            raise
+        return PendingStep(request_id, chunks[1:], deadline_ms)
+
+    def step_end(self, pending: "PendingStep") -> list[EntryResult]:
+        """The answers to a `step_begin`'s STEP (and to the STEPs its entries were split into beyond the limits)."""
+        try:
+            results = list(self._receive(pending.request_id, "Step", StepReply).results)
+        finally:
+            self._lock.release()
+        for chunk in pending.rest:
+            results.extend(self._call(Step(entries=chunk, deadline_ms=pending.deadline_ms), StepReply).results)
         return results
 
     def close(self) -> None:
@@ -158,15 +180,22 @@ class DrafterClient:
         return chunks
 
     def _call(self, msg: object, reply_type: type):
-        name = type(msg).__name__
         with self._lock:
-            request_id = self._next_id
-            self._next_id += 1
-            exchange = self._exchange_tcp if self._ring is None else self._exchange_ring
-            got_id, reply = exchange(msg, request_id, name)
-            if got_id != request_id:
-                self.close()
-                raise ClientError(f"{name} to {self.endpoint}: reply to request {got_id}, expected {request_id}")
+            return self._receive(self._send(msg), type(msg).__name__, reply_type)
+
+    def _send(self, msg: object) -> int:
+        """Send one request (caller holds the lock); returns its request id."""
+        request_id = self._next_id
+        self._next_id += 1
+        (self._send_tcp if self._ring is None else self._send_ring)(msg, request_id, type(msg).__name__)
+        return request_id
+
+    def _receive(self, request_id: int, name: str, reply_type: type):
+        """The reply to the request just sent (caller holds the lock): checked to answer it, and of its type."""
+        got_id, reply = self._receive_tcp(name) if self._ring is None else self._receive_ring(name)
+        if got_id != request_id:
+            self.close()
+            raise ClientError(f"{name} to {self.endpoint}: reply to request {got_id}, expected {request_id}")
         if isinstance(reply, ErrorReply):
             raise ClientError(f"{name} refused by {self.endpoint}: {reply.code.name}: {reply.reason}", reply.code)
         if not isinstance(reply, reply_type):
@@ -174,8 +203,7 @@ class DrafterClient:
             raise ClientError(f"{name} to {self.endpoint}: got {type(reply).__name__}, expected {reply_type.__name__}")
         return reply
 
-    def _exchange_tcp(self, msg: object, request_id: int, name: str) -> tuple[int, object]:
-        """Send the request frame on the socket, read the reply frame: (its request id, the reply)."""
+    def _send_tcp(self, msg: object, request_id: int, name: str) -> None:
         try:
             self._writer.send(self._sock.sendall, msg, request_id)
             self.last_sent_ns = time.monotonic_ns()    # the request encoded and handed to the socket
@@ -184,6 +212,9 @@ class DrafterClient:
         except OSError as e:
             self.close()
             raise ClientError(f"{name} to {self.endpoint}: connection lost while sending: {e}") from None
+
+    def _receive_tcp(self, name: str) -> tuple[int, object]:
+        """The next reply frame on the socket: (its request id, the reply)."""
         try:
             got_id, reply, _ = self._reader.read()
         except FrameError as e:
@@ -197,18 +228,26 @@ class DrafterClient:
             raise ClientError(f"{name} to {self.endpoint}: connection lost: {e}") from None
         return got_id, reply
 
-    def _exchange_ring(self, msg: object, request_id: int, name: str) -> tuple[int, object]:
-        """Publish the request frame into the ring, wait for its completion (the reply frame): (its request id,
-        the reply)."""
+    def _send_ring(self, msg: object, request_id: int, name: str) -> None:
+        """Publish the request frame into the ring (its sequence number kept for `_receive_ring`)."""
         from .actors.ring import RingError
-        from .transport.shm import STATUS_BAD_FRAME
         try:
             seqs: list[int] = []        # the frame is a view of the writer's buffer: published (copied) at once
             self._writer.send(lambda frame: seqs.append(self._ring.publish(frame, self.timeout_s)), msg, request_id)
             self.last_sent_ns = time.monotonic_ns()
-            ((status, payload),) = self._ring.wait_completions(seqs[0], self.timeout_s, self.spin_us or None)
         except FrameError as e:
             raise ClientError(f"{name} not sent to {self.endpoint}: {e}") from None
+        except RingError as e:      # no free slot in time, or the server gone
+            self.close()
+            raise ClientError(f"{name} to {self.endpoint} through shared memory: {e}") from None
+        self._ring_seq = seqs[0]
+
+    def _receive_ring(self, name: str) -> tuple[int, object]:
+        """Wait for the published request's completion (the reply frame): (its request id, the reply)."""
+        from .actors.ring import RingError
+        from .transport.shm import STATUS_BAD_FRAME
+        try:
+            ((status, payload),) = self._ring.wait_completions(self._ring_seq, self.timeout_s, self.spin_us or None)
         except RingError as e:      # a timeout, or the server gone (the ring names who waited for what)
             self.close()
             raise ClientError(f"{name} to {self.endpoint} through shared memory: {e}") from None
@@ -220,3 +259,11 @@ class DrafterClient:
         except FrameError as e:
             self.close()
             raise ClientError(f"{name} to {self.endpoint}: bad reply frame: {e}") from None
+
+
+@dataclass
+class PendingStep:
+    """A STEP sent by `DrafterClient.step_begin`, its answer not read yet."""
+    request_id: int
+    rest: list[list[Entry]]         # the chunks beyond the first (sent one after the other by step_end)
+    deadline_ms: float

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
+
+from dspark_ray.contract import Code, make_entry
 
 # The model's results do not depend on the thread count (pinned reduction order), but its many small ops run
 # several times slower with two threads fighting over this 2-core machine's cores.
@@ -83,3 +86,25 @@ def deploy_pair(ray_cluster, ckpt_dir, name, **kw):
     fe, endpoint = deploy(spec, name=name, **kw)
     host, port = endpoint.rsplit(":", 1)
     return fe, host, int(port)
+
+
+# ---- STEPs against the in-process reference (the deployment and pool tests) -------------------------------------
+def to_entry(e, slot, gen, **over):
+    kw = dict(slot=slot, generation=gen, seed_token=e.seed, start_pos=e.start, token_ids=e.token_ids.numpy(),
+              taps=e.taps.numpy(), rollback_to=e.rollback_to, n_out=e.n_out, want_margins=e.want_margins)
+    kw.update(over)
+    return make_entry(**kw)
+
+
+def step_as_reference(c, ref, grants, batch) -> None:
+    """One STEP of `batch` (request i on grants[i]) over the wire: every answer OK and the in-process reference
+    engine's bit for bit."""
+    want = ref.step(batch)
+    got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)], deadline_ms=60_000)
+    for w, g in zip(want, got):
+        assert g.code == Code.OK, g.reason
+        assert np.array_equal(g.drafts_array(), w.drafts)
+        assert np.array_equal(g.confidences_array(), w.confidences)
+        if w.margins is not None:
+            assert np.array_equal(g.margins_array(), w.margins)
+        assert g.confident_len == w.confident_len

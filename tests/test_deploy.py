@@ -20,7 +20,7 @@ from dspark_ray.contract import Code, make_entry
 from dspark_ray.engine import RankEngine
 from dspark_ray.modes import make_drafter
 
-from conftest import PAIR_BACKEND, deploy_pair
+from conftest import PAIR_BACKEND, deploy_pair, step_as_reference, to_entry
 
 
 # The step path's threads pinned as a user would (dspark serve --rank-cpus --frontend-cpus): on the 2-core CI machine
@@ -54,13 +54,6 @@ def acquire_when_free(c, n, seconds=5.0):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
-
-
-def to_entry(e, slot, gen, **over):
-    kw = dict(slot=slot, generation=gen, seed_token=e.seed, start_pos=e.start, token_ids=e.token_ids.numpy(),
-              taps=e.taps.numpy(), rollback_to=e.rollback_to, n_out=e.n_out, want_margins=e.want_margins)
-    kw.update(over)
-    return make_entry(**kw)
 
 
 def step_one_request(pair, cfg, n_rounds: int, rows: int, gap_s: float = 0.0) -> None:
@@ -163,20 +156,6 @@ def test_hello_accepted_and_refused(pair, ckpt, cfg):
         c.hello(tp=1)
     assert c.hello().ok                  # the refused session may say HELLO again
     c.close()
-
-
-def step_as_reference(c, ref, grants, batch) -> None:
-    """One STEP of `batch` (request i on grants[i]) over the wire: every answer OK and the in-process reference
-    engine's bit for bit."""
-    want = ref.step(batch)
-    got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)], deadline_ms=60_000)
-    for w, g in zip(want, got):
-        assert g.code == Code.OK, g.reason
-        assert np.array_equal(g.drafts_array(), w.drafts)
-        assert np.array_equal(g.confidences_array(), w.confidences)
-        if w.margins is not None:
-            assert np.array_equal(g.margins_array(), w.margins)
-        assert g.confident_len == w.confident_len
 
 
 def test_rounds_over_the_wire_equal_the_in_process_reference_bit_for_bit(pair, cfg, ckpt):

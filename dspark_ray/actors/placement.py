@@ -1,8 +1,11 @@
-"""Placing one pair on a Ray cluster: a STRICT_PACK placement group (one bundle per card plus one for the
-front-end, so a pair never spans nodes), the FrontEnd actor in the last bundle, the ranks in the others."""
+"""Placing workers on a Ray cluster. A worker is one pair (or one card at tp 1): a STRICT_PACK placement group (one
+bundle per card plus one for the front-end, so a worker never spans nodes), the FrontEnd actor in the last bundle,
+the ranks in the others, and its own STEP endpoint. `deploy_workers` places N of them side by side (`dspark-ray
+serve --pairs N`); a client spreads its slots over them (pool.DrafterPool)."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import asdict
 
@@ -15,15 +18,64 @@ NAMESPACE = "dspark"
 
 def bundles(tp: int, gpu: bool) -> tuple[list[dict], dict, dict]:
     """(bundles, rank actor resources, front-end resources). On a CPU-only host the ranks take fractional CPU
-    bundles so a pair places on a 2-core machine (each rank runs one torch thread)."""
+    bundles (a quarter each) so two pairs place on a 2-core machine (each rank runs one torch thread)."""
     if gpu:
         return [{"GPU": 1, "CPU": 1}] * tp + [{"CPU": 1}], {"num_gpus": 1, "num_cpus": 1}, {"num_cpus": 1}
-    return [{"CPU": 0.5}] * tp + [{"CPU": 0.5}], {"num_cpus": 0.5}, {"num_cpus": 0.5}
+    return [{"CPU": 0.25}] * tp + [{"CPU": 0.25}], {"num_cpus": 0.25}, {"num_cpus": 0.25}
+
+
+def worker_names(name: str, n: int) -> list[str]:
+    """One worker keeps the deployment's name; several are NAME.0 .. NAME.(n-1)."""
+    return [name] if n == 1 else [f"{name}.{i}" for i in range(n)]
 
 
 def deploy(spec: PairSpec, *, host: str = "127.0.0.1", port: int = 0, name: str = "dspark", detach: bool = False,
            restart_threshold: int = 3, on_progress=None, timeout_s: float = 600.0):
     """Place and start one pair; returns (front-end actor handle, endpoint "host:port")."""
+    ((fe, endpoint),) = deploy_workers(spec, 1, host=host, port=port, name=name, detach=detach,
+                                       restart_threshold=restart_threshold, on_progress=on_progress,
+                                       timeout_s=timeout_s)
+    return fe, endpoint
+
+
+def deploy_workers(spec: PairSpec, n: int, *, host: str = "127.0.0.1", port: int = 0, name: str = "dspark",
+                   detach: bool = False, restart_threshold: int = 3, on_progress=None,
+                   timeout_s: float = 600.0) -> list[tuple[object, str]]:
+    """Place and start `n` workers of `spec` side by side (named by `worker_names`; `port` 0: free ports, else
+    port, port + 1, ...); returns [(front-end handle, endpoint "host:port")]. They load at the same time;
+    `on_progress` gets every rank's (tensors loaded, total) together. All or nothing: if one does not start, every
+    worker placed here is torn down and the error raised."""
+    import ray
+    names = worker_names(name, n)
+    placed = []
+    try:
+        for i, wname in enumerate(names):
+            placed.append(_place(spec, wname, host, port + i if port else 0, detach, restart_threshold))
+        starts = [fe.start.remote() for fe in placed]
+        t0 = time.monotonic()
+        while True:
+            done, _ = ray.wait(starts, num_returns=len(starts), timeout=0.25)
+            if on_progress:
+                try:
+                    on_progress([p for fe in placed for p in ray.get(fe.progress.remote(), timeout=1)])
+                except Exception:
+                    pass
+            if len(done) == len(starts):
+                break
+            if time.monotonic() - t0 > timeout_s:
+                raise TimeoutError(f"{', '.join(names)} did not start within {timeout_s} s")
+        endpoints = ray.get(starts)
+    except BaseException:
+        for wname in names:
+            teardown(wname)
+        raise
+    for wname, ep in zip(names, endpoints):
+        log.info("worker %s serving on %s", wname, ep)
+    return list(zip(placed, endpoints))
+
+
+def _place(spec: PairSpec, name: str, host: str, port: int, detach: bool, restart_threshold: int):
+    """One worker's placement group and front-end actor (not started yet)."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -32,11 +84,10 @@ def deploy(spec: PairSpec, *, host: str = "127.0.0.1", port: int = 0, name: str 
     gpu = spec.device.startswith("cuda")
     bl, rank_res, fe_res = bundles(spec.tp, gpu)
     pg = placement_group(bl, strategy="STRICT_PACK", name=f"{name}-pg", lifetime="detached" if detach else None)
-    ready = pg.ready()
-    done, _ = ray.wait([ready], timeout=60)
+    done, _ = ray.wait([pg.ready()], timeout=60)
     if not done:
         ray.util.remove_placement_group(pg)
-        raise RuntimeError(f"placement group {bl} did not place within 60 s: the cluster has "
+        raise RuntimeError(f"placement group {bl} of {name} did not place within 60 s: the cluster has "
                            f"{ray.available_resources()}")
     FrontEnd = frontend_actor_class()
     if port == 0:
@@ -46,22 +97,8 @@ def deploy(spec: PairSpec, *, host: str = "127.0.0.1", port: int = 0, name: str 
                 runtime_env={"env_vars": {**SAFE_ENV, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}})
     if detach:
         opts["lifetime"] = "detached"
-    fe = FrontEnd.options(**opts).remote(asdict(spec), host, port, name, pg, list(range(spec.tp)), rank_res,
-                                         restart_threshold)
-    start = fe.start.remote()
-    t0 = time.monotonic()
-    while True:
-        done, _ = ray.wait([start], timeout=0.25)
-        if on_progress:
-            try:
-                on_progress(ray.get(fe.progress.remote(), timeout=1))
-            except Exception:
-                pass
-        if done:
-            break
-        if time.monotonic() - t0 > timeout_s:
-            raise TimeoutError(f"pair {name} did not start within {timeout_s} s")
-    return fe, ray.get(start)
+    return FrontEnd.options(**opts).remote(asdict(spec), host, port, name, pg, list(range(spec.tp)), rank_res,
+                                           restart_threshold)
 
 
 def _free_port(host: str) -> int:
@@ -76,16 +113,29 @@ def find(name: str = "dspark"):
     return ray.get_actor(f"{name}-frontend", namespace=NAMESPACE)
 
 
+def find_workers(name: str = "dspark") -> list[tuple[str, object]]:
+    """[(worker name, front-end handle)] of the deployment `name`: the worker of that name, or NAME.0, NAME.1, ..."""
+    import ray
+    pat = re.compile(rf"{re.escape(name)}(\.\d+)?-frontend")
+    found = [a["name"][:-len("-frontend")] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a.get("namespace") == NAMESPACE and pat.fullmatch(a["name"])]
+    found.sort(key=lambda w: (len(w), w))
+    return [(w, find(w)) for w in found]
+
+
 def teardown(name: str = "dspark") -> None:
+    """Remove the worker `name`, or every worker of the deployment `name` (NAME.0, NAME.1, ...)."""
     import ray
     from ray.util.placement_group import get_placement_group
-    try:
-        fe = find(name)
-        ray.get(fe.shutdown.remote(), timeout=30)
-        ray.kill(fe)
-    except ValueError:
-        pass
-    try:
-        ray.util.remove_placement_group(get_placement_group(f"{name}-pg"))
-    except Exception:
-        pass
+    names = [w for w, _ in find_workers(name)] or [name]
+    for w in names:
+        try:
+            fe = find(w)
+            ray.get(fe.shutdown.remote(), timeout=30)
+            ray.kill(fe)
+        except ValueError:
+            pass
+        try:
+            ray.util.remove_placement_group(get_placement_group(f"{w}-pg"))
+        except Exception:
+            pass

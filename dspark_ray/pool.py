@@ -1,0 +1,306 @@
+"""One serving engine's slots spread over the workers of a deployment (`dspark-ray serve --pairs N`).
+
+A worker is one pair (or one card at tp 1) with its own front-end, slots and STEP endpoint, and a request's context
+lives in one worker's slot: so a pool routes by slot. It keeps one `DrafterClient` session per worker and hands out
+pool slot ids, so an engine builds its entries exactly as for one client. A pool slot id names the worker, the
+worker's own slot and the pool's session with that worker: ((session x workers) + worker) x stride + slot, stride
+the largest slot capacity; so a slot lost with a worker's session is never confused with one granted after it
+came back. A STEP goes to every worker it names before any answer is read: the
+workers draft side by side, and a round costs the slowest worker's step, not the sum. The split changes no answer:
+a request's drafts depend on its own slot only (batch invariance), whichever worker and neighbours it gets.
+
+A worker that fails (its connection lost, no answer in time) is marked down, and the others go on serving: its
+entries answer UNAVAILABLE, its slots are gone (its server frees them with the session), and `acquire` tries to
+reach it again at most every `retry_s` (a front-end that Ray restarted serves on the same endpoint). Like client.py
+it needs the contract, the framing and numpy only, so an engine can vendor it.
+
+    with DrafterPool(["10.0.0.5:7001", "10.0.0.5:7002"]) as pool:
+        pool.hello(config_digest=..., tp=2)
+        grants = pool.acquire(8)                   # spread over the workers
+        results = pool.step([make_entry(slot=g.slot, generation=g.generation, ...) for g in grants])
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import msgspec
+
+from .client import ClientError, DrafterClient
+from .contract import Code, Entry, EntryResult, HelloReply, Limits, SlotGrant, error_result
+
+__all__ = ["DrafterPool"]
+
+log = logging.getLogger("dspark_ray.pool")
+
+
+@dataclass
+class _Worker:
+    endpoint: str
+    client: DrafterClient | None = None
+    hello: HelloReply | None = None
+    held: set[int] = field(default_factory=set)     # the worker's own slot ids this pool holds
+    down: str | None = "not connected yet"           # why it is not used now; None while it serves
+    lost: str = ""                                   # why its last session ended
+    session: int = -1                                # how many sessions it had before the current one
+    retry_at: float = 0.0
+
+
+class DrafterPool:
+    def __init__(self, endpoints: Sequence[str] | str, *, timeout_s: float = 5.0, spin_us: float = 0.0,
+                 shm: bool = False, retry_s: float = 1.0):
+        """`endpoints`: the workers' "host:port" (a list, or one string with commas). `timeout_s`, `spin_us`,
+        `shm`: as for each worker's DrafterClient. `retry_s`: how often a down worker is tried again."""
+        if isinstance(endpoints, str):
+            endpoints = [e for e in endpoints.split(",") if e.strip()]
+        if not endpoints:
+            raise ValueError("a pool needs at least one endpoint")
+        self.workers = [_Worker(e.strip()) for e in endpoints]
+        self.timeout_s, self.spin_us, self.shm, self.retry_s = timeout_s, spin_us, shm, retry_s
+        self.stride = 0
+        self.hello_reply: HelloReply | None = None
+        self._identity: dict = {}
+        self._lock = threading.Lock()
+
+    @property
+    def limits(self) -> Limits:
+        if self.hello_reply is None or self.hello_reply.limits is None:
+            raise ClientError("no limits yet: call hello() first")
+        return self.hello_reply.limits
+
+    # ---- sessions ----------------------------------------------------------------------------------------------
+    def hello(self, *, model_digest: str | None = None, config_digest: str | None = None, tp: int | None = None,
+              max_model_len: int | None = None, client: str = "dspark-ray-pool") -> HelloReply:
+        """Open a session on every worker. Workers that cannot be reached are marked down (tried again later);
+        a worker that refuses, or serves another model than the first, raises ClientError: a deployment that
+        mixes models is a configuration error, not a failure to ride out. Returns the first worker's reply
+        (its limits are every worker's, but for slot_capacity)."""
+        with self._lock:
+            if self.hello_reply is not None:
+                raise ClientError("the pool's sessions are open already (one hello per pool)")
+            self._identity = dict(model_digest=model_digest, config_digest=config_digest, tp=tp,
+                                  max_model_len=max_model_len, client=client)
+            try:
+                for w in self.workers:
+                    self._connect(w)
+            except ClientError:
+                self.hello_reply = None
+                self._close_all()
+                raise
+            live = [w for w in self.workers if w.down is None]
+            if not live:
+                self.hello_reply = None
+                raise ClientError("no worker reachable: " + "; ".join(f"{w.endpoint}: {w.down}" for w in self.workers))
+            self.stride = max(w.hello.limits.slot_capacity for w in live)
+            return self.hello_reply
+
+    def _connect(self, w: _Worker) -> None:
+        """HELLO on a fresh connection to `w` (caller holds the lock); marks it down when unreachable."""
+        try:
+            c = DrafterClient(*_split(w.endpoint), timeout_s=self.timeout_s, spin_us=self.spin_us, shm=self.shm)
+        except ClientError as e:
+            self._mark_down(w, str(e))
+            return
+        try:
+            reply = c.hello(**self._identity)
+        except ClientError as e:
+            c.close()
+            if e.code is None:              # lost on the way: try again later
+                self._mark_down(w, str(e))
+                return
+            raise                           # refused (CONFIG_MISMATCH, ...)
+        first = self.hello_reply
+        if first is not None and (reply.model_digest, reply.config_digest) != (first.model_digest,
+                                                                                first.config_digest):
+            c.close()
+            raise ClientError(f"worker {w.endpoint} serves model {reply.model_digest} / config "
+                              f"{reply.config_digest}, the pool's first worker {first.model_digest} / "
+                              f"{first.config_digest}", Code.CONFIG_MISMATCH)
+        if self.stride and reply.limits.slot_capacity > self.stride:
+            c.close()
+            self._mark_down(w, f"its {reply.limits.slot_capacity} slots exceed the pool's stride {self.stride}")
+            return
+        w.client, w.hello, w.down, w.session = c, reply, None, w.session + 1
+        if first is None:
+            self.hello_reply = reply            # the identity every other worker must serve
+        else:
+            log.info("pool: worker %s back (worker generation %d)", w.endpoint, reply.worker_generation)
+
+    def _mark_down(self, w: _Worker, why: str) -> None:
+        if w.down is None:
+            log.warning("pool: worker %s down: %s", w.endpoint, why)
+        if w.client is not None:
+            w.client.close()
+        w.client, w.held, w.down, w.lost, w.retry_at = None, set(), why, why, time.monotonic() + self.retry_s
+
+    def _revive(self) -> None:
+        """Try the down workers whose retry time has come (caller holds the lock)."""
+        now = time.monotonic()
+        for w in self.workers:
+            if w.down is not None and now >= w.retry_at:
+                self._connect(w)
+                if w.down is not None:
+                    w.retry_at = now + self.retry_s
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_all()
+
+    def _close_all(self) -> None:
+        for w in self.workers:
+            if w.client is not None:
+                w.client.close()
+            w.client, w.held, w.down = None, set(), "closed"
+
+    def __enter__(self) -> "DrafterPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def status(self) -> list[dict]:
+        """Per worker: endpoint, slots held, and why it is down (None while it serves)."""
+        with self._lock:
+            return [{"endpoint": w.endpoint, "held": len(w.held), "down": w.down} for w in self.workers]
+
+    # ---- slots -------------------------------------------------------------------------------------------------
+    def acquire(self, n: int = 1) -> list[SlotGrant]:
+        """n fresh slots, each on the serving worker with the most free slots at that point (ties: the first);
+        all or nothing: ClientError(OVERLOADED) when the workers cannot grant n together."""
+        with self._lock:
+            self._need_hello()
+            self._revive()
+            live = [i for i, w in enumerate(self.workers) if w.down is None]
+            free = {i: self.workers[i].hello.limits.slot_capacity - len(self.workers[i].held) for i in live}
+            want = dict.fromkeys(live, 0)
+            for _ in range(n):
+                i = max(live, key=lambda k: (free[k] - want[k], -k)) if live else None
+                if i is None or free[i] - want[i] <= 0:
+                    raise ClientError(f"asked for {n} slots, the pool's {len(live)} serving workers have "
+                                      f"{sum(free.values())} free", Code.OVERLOADED)
+                want[i] += 1
+            grants: list[SlotGrant] = []
+            try:
+                for i, k in want.items():
+                    if k:
+                        w = self.workers[i]
+                        got = self._on(w, lambda c: c.acquire(k))
+                        w.held.update(g.slot for g in got)
+                        grants += [SlotGrant(slot=self._pool_slot(i, g.slot), generation=g.generation) for g in got]
+            except ClientError:
+                self._release_locked([g.slot for g in grants])     # all or nothing
+                raise
+            return grants
+
+    def release(self, slots: Sequence[int]) -> list[int]:
+        """Give pool slots back; returns those released (a slot lost with its worker is only forgotten)."""
+        with self._lock:
+            return self._release_locked(slots)
+
+    def _release_locked(self, slots: Sequence[int]) -> list[int]:
+        done = []
+        by_worker: dict[int, list[int]] = {}
+        for s in slots:
+            i, own, why = self._locate(int(s))
+            if why is None:
+                by_worker.setdefault(i, []).append(own)
+        for i, own in by_worker.items():
+            w = self.workers[i]
+            try:
+                freed = self._on(w, lambda c: c.release(own))
+            except ClientError:
+                continue
+            w.held.difference_update(freed)
+            done += [self._pool_slot(i, s) for s in freed]
+        return done
+
+    # ---- STEP --------------------------------------------------------------------------------------------------
+    def step(self, entries: Sequence[Entry], deadline_ms: float = 100.0) -> list[EntryResult]:
+        """One result per entry, in order. Each worker gets one STEP with its entries (slot ids its own), all sent
+        before any answer is read. An entry whose slot the pool does not hold answers BAD_ENTRY, one lost with
+        its worker UNAVAILABLE; both alone: the rest still run."""
+        with self._lock:
+            self._need_hello()
+            results: list[EntryResult | None] = [None] * len(entries)
+            groups: dict[int, list[int]] = {}
+            owns: list[int] = [0] * len(entries)
+            for k, e in enumerate(entries):
+                i, owns[k], why = self._locate(e.slot)
+                if why is None:
+                    groups.setdefault(i, []).append(k)
+                else:
+                    results[k] = error_result(*why, e.generation)
+            sent = []
+            for i, ks in groups.items():
+                w = self.workers[i]
+                mine = [msgspec.structs.replace(entries[k], slot=owns[k]) for k in ks]
+                try:
+                    sent.append((i, ks, w.client.step_begin(mine, deadline_ms)))
+                except ClientError as e:
+                    self._fail(i, ks, entries, results, e)
+            for i, ks, pending in sent:
+                try:
+                    got = self.workers[i].client.step_end(pending)
+                except ClientError as e:
+                    self._fail(i, ks, entries, results, e)
+                    continue
+                for k, r in zip(ks, got):
+                    results[k] = r
+            return results        # type: ignore[return-value]
+
+    def _fail(self, i: int, ks: list[int], entries, results, e: ClientError) -> None:
+        """Answer worker i's entries of a STEP that did not get through: the worker's refusal of the whole STEP
+        (the connection stays), or UNAVAILABLE when the connection is gone (the worker is marked down)."""
+        w = self.workers[i]
+        if e.code is None:
+            self._mark_down(w, str(e))
+            code = Code.UNAVAILABLE
+        else:
+            code = e.code
+        for k in ks:
+            results[k] = error_result(code, str(e), entries[k].generation)
+
+    # ---- plumbing ----------------------------------------------------------------------------------------------
+    def _need_hello(self) -> None:
+        if self.hello_reply is None:
+            raise ClientError("HELLO first: call hello()")
+
+    def worker_of(self, slot: int) -> str | None:
+        """The endpoint of the worker that holds pool slot `slot` now, or None."""
+        i, _, why = self._locate(int(slot))
+        return None if why else self.workers[i].endpoint
+
+    def _pool_slot(self, i: int, own: int) -> int:
+        return (self.workers[i].session * len(self.workers) + i) * self.stride + own
+
+    def _locate(self, slot: int) -> tuple[int, int, tuple[Code, str] | None]:
+        """(worker index, its own slot id, None) of a pool slot this pool holds; else (-1, -1, (code, reason)):
+        UNAVAILABLE for a slot lost with its worker's session, BAD_ENTRY for one the pool never granted."""
+        q, own = divmod(slot, self.stride) if self.stride > 0 and slot >= 0 else (-1, -1)
+        session, i = divmod(q, len(self.workers)) if q >= 0 else (-1, -1)
+        w = self.workers[i] if i >= 0 else None
+        if w is not None and (session < w.session or (session == w.session and w.down is not None)):
+            return -1, -1, (Code.UNAVAILABLE, f"slot {slot}: lost with worker {w.endpoint} ({w.lost}): acquire "
+                                              f"a new slot and insert its context there")
+        if w is None or session != w.session or own not in w.held:
+            return -1, -1, (Code.BAD_ENTRY, f"slot {slot}: not held by this pool")
+        return i, own, None
+
+    def _on(self, w: _Worker, call):
+        """Run a request on a serving worker; a lost connection marks it down (ClientError raised either way)."""
+        if w.client is None:
+            raise ClientError(f"worker {w.endpoint} is down: {w.down}")
+        try:
+            return call(w.client)
+        except ClientError as e:
+            if e.code is None:
+                self._mark_down(w, str(e))
+            raise
+
+
+def _split(endpoint: str) -> tuple[str, int]:
+    host, port = endpoint.rsplit(":", 1)
+    return host, int(port)

@@ -1,0 +1,200 @@
+"""DrafterPool (pool.py): slots over several workers, STEPs sent to all of them before any answer is read, a worker
+that dies failing alone. Each worker here is the real front-end logic (`StepService`) behind a real TCP server, in
+front of an in-process engine run the way a rank runs it (the batch through its wire encoding); the deployed
+workers (Ray actors, rings, rank processes) are in tests/test_deploy_workers.py."""
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from dspark_ray import contract as C
+from dspark_ray import workload
+from dspark_ray.actors import messages as M
+from dspark_ray.client import ClientError
+from dspark_ray.engine import RankEngine
+from dspark_ray.frontend import Identity, StepService
+from dspark_ray.modes import make_drafter
+from dspark_ray.pool import DrafterPool
+from dspark_ray.transport.tcp import TcpServer
+
+from conftest import step_as_reference, to_entry
+
+
+class EnginePair:
+    """A worker's pair in this process: the rank loop's decode, step and encode (actors/rank.py) around one engine;
+    `delay_s` stands for a slow step."""
+
+    def __init__(self, engine: RankEngine, width: int, delay_s: float = 0.0):
+        self.engine, self.width, self.delay_s = engine, width, delay_s
+
+    def run(self, batch: M.RankBatch) -> list[M.RankResult]:
+        time.sleep(self.delay_s)
+        b = M.decode_batch(M.encode(batch))
+        self.engine.reset_slots(b.resets)
+        outs = self.engine.step(M.to_step_entries(b, self.width))
+        return M.decode_reply(M.encode(M.RankReply(M.to_rank_results(outs)))).results
+
+
+class Worker:
+    """One worker: StepService + TcpServer; `start()` again on the same port after `stop()` (a restarted
+    front-end)."""
+
+    def __init__(self, cfg, ckpt, n_slots: int = 2, delay_s: float = 0.0, config_digest: str | None = None,
+                 port: int = 0):
+        self.cfg, self.ckpt, self.n_slots, self.delay_s = cfg, ckpt, n_slots, delay_s
+        self.config_digest = config_digest or cfg.digest()
+        self.port = port
+        self.start()
+
+    def start(self) -> "Worker":
+        cfg = self.cfg
+        engine = RankEngine(make_drafter(cfg, "split", ckpt=self.ckpt), self.n_slots)
+        self.service = StepService(Identity("model-m", self.config_digest, 2, cfg.max_model_len),
+                                   C.Limits.for_config(cfg, slot_capacity=self.n_slots),
+                                   EnginePair(engine, cfg.n_taps * cfg.hidden_size, self.delay_s),
+                                   window=cfg.sliding_window)
+        self.server = TcpServer(self.service, port=self.port).start()
+        self.port = self.server.port
+        return self
+
+    @property
+    def endpoint(self) -> str:
+        return self.server.endpoint
+
+    def held(self) -> int:
+        return self.service.status()["slots"]["held"]
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@pytest.fixture
+def workers(cfg, ckpt):
+    made: list[Worker] = []
+
+    def make(n: int, **kw) -> list[Worker]:
+        made.extend(Worker(cfg, ckpt, **kw) for _ in range(n))
+        return made[-n:]
+    yield make
+    for w in made:
+        w.stop()
+
+
+def pool_of(ws, **kw) -> DrafterPool:
+    pool = DrafterPool([w.endpoint for w in ws], timeout_s=30, **kw)
+    pool.hello(client="pool test")
+    return pool
+
+
+def test_slots_spread_over_the_workers_and_rounds_equal_the_reference_bit_for_bit(workers, cfg, ckpt):
+    ws = workers(3)
+    with pool_of(ws) as pool:
+        grants = pool.acquire(4)
+        # Each slot goes to the worker with the most free slots (ties: the first): 2, 1, 1.
+        assert [w.held() for w in ws] == [2, 1, 1]
+        assert sorted(pool.worker_of(g.slot) for g in grants) == sorted(w.endpoint for w in ws + ws[:1])
+        assert len({g.slot for g in grants}) == 4
+        ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 4)
+        for batch in workload.rounds(cfg, seed=5, n_requests=4, n_rounds=8, far_start=900):
+            step_as_reference(pool, ref, grants, batch)
+        assert [w.service.stats["entries"] for w in ws] == [16, 8, 8]
+        assert sorted(pool.release([g.slot for g in grants])) == sorted(g.slot for g in grants)
+        assert [w.held() for w in ws] == [0, 0, 0]
+
+
+def test_a_step_runs_on_its_workers_side_by_side(workers, cfg):
+    ws = workers(2, delay_s=0.5)
+    with pool_of(ws) as pool:
+        grants = pool.acquire(2)
+        assert [w.held() for w in ws] == [1, 1]
+        (batch,) = workload.rounds(cfg, seed=1, n_requests=2, n_rounds=1)
+        t0 = time.monotonic()
+        got = pool.step([to_entry(e, g.slot, g.generation) for e, g in zip(batch, grants)], deadline_ms=60_000)
+        took = time.monotonic() - t0
+        assert [r.code for r in got] == [C.Code.OK, C.Code.OK]
+        assert took < 0.9, f"{took:.2f} s: the workers' 0.5 s steps ran one after the other"
+
+
+def test_a_worker_that_dies_fails_alone_and_is_used_again_once_back(workers, cfg, ckpt):
+    ws = workers(2)
+    with pool_of(ws, retry_s=0.2) as pool:
+        grants = pool.acquire(2)
+        ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 2)
+        rounds = workload.rounds(cfg, seed=2, n_requests=2, n_rounds=6, vary_n_out=False)
+        step_as_reference(pool, ref, grants, rounds[0])
+        ws[1].stop()
+        # Worker 1's entry answers UNAVAILABLE naming it; worker 0's runs as if nothing happened.
+        want = ref.step(rounds[1])
+        got = pool.step([to_entry(e, g.slot, g.generation) for e, g in zip(rounds[1], grants)], deadline_ms=60_000)
+        assert got[0].code == C.Code.OK and (got[0].drafts_array() == want[0].drafts).all()
+        assert got[1].code == C.Code.UNAVAILABLE and ws[1].endpoint in got[1].reason, got[1].reason
+        assert [s["down"] is None for s in pool.status()] == [True, False]
+        # The slot is gone with its worker: UNAVAILABLE until the engine takes a new one.
+        got = pool.step([to_entry(rounds[2][1], grants[1].slot, grants[1].generation)], deadline_ms=60_000)
+        assert got[0].code == C.Code.UNAVAILABLE and "lost with worker" in got[0].reason
+        # Worker 1 comes back on its endpoint (as a front-end that Ray restarted): acquire uses it again.
+        ws[1].start()
+        time.sleep(0.3)
+        (again,) = pool.acquire(1)
+        assert pool.worker_of(again.slot) == ws[1].endpoint and ws[1].held() == 1
+        assert again.slot != grants[1].slot         # the same slot of worker 1, in the pool's new session
+        assert pool.status()[1]["down"] is None
+        got = pool.step([to_entry(rounds[3][1], grants[1].slot, grants[1].generation)], deadline_ms=60_000)
+        assert got[0].code == C.Code.UNAVAILABLE and "lost with worker" in got[0].reason   # still the old one
+        ref2 = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 1)
+        for batch in workload.rounds(cfg, seed=9, n_requests=1, n_rounds=3):
+            step_as_reference(pool, ref2, [again], batch)
+
+
+def test_an_unknown_slot_fails_alone(workers, cfg):
+    ws = workers(2)
+    with pool_of(ws) as pool:
+        grants = pool.acquire(2)
+        (batch,) = workload.rounds(cfg, seed=4, n_requests=2, n_rounds=1)
+        entries = [to_entry(e, g.slot, g.generation) for e, g in zip(batch, grants)]
+        entries.append(to_entry(batch[0], pool.stride * 7, 1))         # no such worker
+        entries.append(to_entry(batch[0], pool.stride - 1, 1))         # worker 0's, not held by this pool
+        got = pool.step(entries, deadline_ms=60_000)
+        assert [r.code for r in got] == [C.Code.OK, C.Code.OK, C.Code.BAD_ENTRY, C.Code.BAD_ENTRY]
+        assert "not held by this pool" in got[2].reason
+
+
+def test_acquire_is_all_or_nothing(workers):
+    ws = workers(2)
+    with pool_of(ws) as pool:
+        with pytest.raises(ClientError, match="asked for 5 slots") as e:
+            pool.acquire(5)
+        assert e.value.code == C.Code.OVERLOADED
+        assert [w.held() for w in ws] == [0, 0]
+        # A worker that grants fewer than planned (another client took its slots) undoes the others' grants.
+        other = pool_of(ws[1:])
+        other.acquire(2)
+        with pytest.raises(ClientError) as e:
+            pool.acquire(4)
+        assert e.value.code == C.Code.OVERLOADED and [w.held() for w in ws] == [0, 2]
+        other.close()
+
+
+def test_a_worker_unreachable_at_hello_is_down_and_the_others_serve(workers):
+    (w,) = workers(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    with DrafterPool([dead, w.endpoint], timeout_s=5) as pool:
+        pool.hello()
+        st = pool.status()
+        assert st[0]["down"] and "cannot connect" in st[0]["down"] and st[1]["down"] is None
+        grants = pool.acquire(2)
+        assert {pool.worker_of(g.slot) for g in grants} == {w.endpoint}
+
+
+def test_workers_serving_another_model_are_refused(workers, cfg, ckpt):
+    (a,) = workers(1)
+    (b,) = workers(1, config_digest="f" * 16)
+    pool = DrafterPool([a.endpoint, b.endpoint], timeout_s=5)
+    with pytest.raises(ClientError, match="serves model") as e:
+        pool.hello()
+    assert e.value.code == C.Code.CONFIG_MISMATCH
+    assert [s["down"] for s in pool.status()] == ["closed", "closed"]
