@@ -2,9 +2,10 @@
 
     dspark-ray demo                         the main job on the embedded default: local Ray, tiny drafter pair,
                                             scripted client rounds, shut down
-    dspark-ray serve [--detach] ...         deploy one pair on a Ray cluster (joined or embedded)
-    dspark-ray status | stop                inspect or remove a detached deployment
-    dspark-ray step --endpoint HOST:PORT    the scripted demo client against a running endpoint
+    dspark-ray serve [--detach] ...         deploy one pair on a Ray cluster (joined or embedded); --pairs N for N
+    dspark-ray status | stop                inspect or remove a detached deployment (all of its workers)
+    dspark-ray step --endpoint HOST:PORT    the scripted demo client against a running endpoint (or several,
+                                            comma-separated: one engine's slots spread over them)
     dspark-ray synth --preset tiny|full --out DIR
     dspark-ray layout --preset tiny|full --tp 1|2 [--json]
 """
@@ -84,15 +85,19 @@ def _progress_bar(tp: int):
         if total and bar["b"] is None:
             bar["b"] = tqdm(total=total, desc=f"loading {tp} rank(s)", unit="tensor", leave=False)
         if bar["b"] is not None:
+            bar["b"].total = max(bar["b"].total, total)      # workers report their totals as they start loading
             bar["b"].n = done
             bar["b"].refresh()
     return cb
 
 
 def cmd_serve(a, *, then=None) -> int:
-    from .actors.placement import deploy, teardown
+    from .actors.placement import deploy_workers, teardown
     from .actors.rank import PairSpec
-    device = a.device or ("cuda" if _gpus() >= a.tp else "cpu")
+    if a.pairs < 1:
+        print(f"dspark-ray serve: --pairs {a.pairs}: at least 1", file=sys.stderr)
+        return 2
+    device = a.device or ("cuda" if _gpus() >= a.tp * a.pairs else "cpu")
     backend = a.backend or ("push" if device == "cuda" and a.tp == 2 else "gloo")
     ckpt = resolve_checkpoint(a.preset, a.checkpoint, device=device)
     try:
@@ -112,10 +117,16 @@ def cmd_serve(a, *, then=None) -> int:
             print(f"dspark-ray serve: {e}", file=sys.stderr)
             return 2
     t0 = time.monotonic()
-    fe, endpoint = deploy(spec, host=a.host, port=a.port, name=a.name, detach=a.detach,
-                          on_progress=_progress_bar(a.tp))
-    print(f"dspark-ray {a.name}: tp {a.tp} ({backend} on {device}) ready in {time.monotonic() - t0:.1f} s; "
-          f"STEP endpoint {endpoint}", flush=True)
+    workers = deploy_workers(spec, a.pairs, host=a.host, port=a.port, name=a.name, detach=a.detach,
+                             on_progress=_progress_bar(a.tp * a.pairs))
+    endpoint = ",".join(ep for _, ep in workers)
+    if a.pairs == 1:
+        print(f"dspark-ray {a.name}: tp {a.tp} ({backend} on {device}) ready in {time.monotonic() - t0:.1f} s; "
+              f"STEP endpoint {endpoint}", flush=True)
+    else:
+        print(f"dspark-ray {a.name}: {a.pairs} workers of tp {a.tp} ({backend} on {device}) ready in "
+              f"{time.monotonic() - t0:.1f} s; STEP endpoints {endpoint} (a DrafterPool spreads slots over them)",
+              flush=True)
     if getattr(a, "http_port", None) is not None:
         from .transport import http
         print(f"STEP over HTTP (Ray Serve): {http.start(a.name, endpoint, a.host, a.http_port)}", flush=True)
@@ -158,16 +169,33 @@ def asleep(w: dict | None) -> str:
 
 def cmd_status(a) -> int:
     import ray
-    from .actors.placement import find
+    from .actors.placement import find_workers
     print(connect_ray(a.address, False), file=sys.stderr)
-    try:
-        st = ray.get(find(a.name).status.remote(), timeout=30)
-    except ValueError:
+    workers = find_workers(a.name)
+    if not workers:
         print(f"no deployment named {a.name!r}", file=sys.stderr)
         return 1
+    sts = []
+    for w, fe in workers:
+        try:
+            sts.append(ray.get(fe.status.remote(), timeout=30))
+        except Exception as e:           # a worker's front-end dead or restarting: say so, show the others
+            sts.append({"name": w, "error": f"{type(e).__name__}: {e}"})
     if a.json:
-        print(json.dumps(st, indent=1, default=str))
+        print(json.dumps(sts[0] if len(sts) == 1 else {"workers": sts}, indent=1, default=str))
         return 0
+    if len(sts) > 1:
+        print(f"{a.name}: {len(sts)} workers, STEP endpoints "
+              f"{','.join(str(st.get('endpoint')) for st in sts)}")
+    for st in sts:
+        _print_status(st)
+    return 0
+
+
+def _print_status(st: dict) -> None:
+    if "error" in st:
+        print(f"{st['name']}: no answer from its front-end: {st['error']}")
+        return
     print(f"{st['name']}: endpoint {st['endpoint']}, tp {st['tp']} ({st['backend']}), worker generation "
           f"{st['worker_generation']}, {'UNAVAILABLE: ' + st['unavailable'] if st['unavailable'] else 'serving'}")
     print(f"  slots {st['slots']['held']}/{st['slots']['capacity']} held, {st['sessions']} sessions; "
@@ -181,16 +209,16 @@ def cmd_status(a) -> int:
               f"{asleep(r.get('wake_ups'))}")
     for e in st["last_errors"]:
         print(f"  error: {e}")
-    return 0
 
 
 def cmd_stop(a) -> int:
-    from .actors.placement import teardown
+    from .actors.placement import find_workers, teardown
     from .transport import http
     print(connect_ray(a.address, False), file=sys.stderr)
+    names = [w for w, _ in find_workers(a.name)] or [a.name]
     http.stop(a.name)
     teardown(a.name)
-    print(f"stopped {a.name}")
+    print(f"stopped {', '.join(names)}")
     return 0
 
 
@@ -246,8 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         g.add_argument("--preset", choices=["tiny", "full"], default="tiny")
         g.add_argument("--checkpoint", help="a checkpoint directory in the DeepSeek-V4 namespace")
         sp.add_argument("--tp", type=int, choices=[1, 2], default=2)
+        sp.add_argument("--pairs", type=int, default=1,
+                        help="workers to place side by side (pairs at --tp 2, one card each at --tp 1), each with "
+                             "its own STEP endpoint; a client spreads its slots over them (pool.DrafterPool)")
         sp.add_argument("--host", default="127.0.0.1")
-        sp.add_argument("--port", type=int, default=0)
+        sp.add_argument("--port", type=int, default=0, help="the STEP port (0: a free one; with --pairs N: "
+                                                             "PORT, PORT+1, ...)")
         sp.add_argument("--slots", type=int, default=16)
         sp.add_argument("--name", default="dspark")
         sp.add_argument("--device", choices=["cpu", "cuda"])
@@ -259,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="how long the ranks and the front-end poll for the next STEP before they sleep "
                              "(default 100 on a GPU host: longer than a trunk's forward; 0.05 on a CPU)")
 
-    sp = sub.add_parser("serve", help="deploy one pair and serve STEP")
+    sp = sub.add_parser("serve", help="deploy one pair (or --pairs N) and serve STEP")
     serve_args(sp)
     sp.add_argument("--http-port", type=int, help="also serve STEP as JSON over HTTP through Ray Serve on this port "
                                                   "(transport/http.py; milliseconds a call: the convenience path)")
@@ -278,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--json", action="store_true")
         sp.set_defaults(fn=fn)
     sp = sub.add_parser("step", help="the scripted demo client against a running endpoint")
-    sp.add_argument("--endpoint", required=True)
+    sp.add_argument("--endpoint", required=True, help="HOST:PORT, or several comma-separated (a DrafterPool)")
     sp.add_argument("--rounds", type=int, default=8)
     sp.add_argument("--requests", type=int, default=2)
     sp.add_argument("--seed", type=int, default=0)

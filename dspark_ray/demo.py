@@ -2,6 +2,8 @@
 
 HELLO (checks the model identity), acquire a slot per request, then per round one STEP with each request's newly
 accepted rows (token ids + synthetic trunk taps) and a seed token; print the drafts and confidences; release.
+`endpoint` may name several workers, comma-separated: the requests' slots are then spread over them (a
+DrafterPool, as an engine in front of `serve --pairs N` would use).
 """
 from __future__ import annotations
 
@@ -10,19 +12,20 @@ import time
 
 import numpy as np
 
-from .client import DrafterClient
+from .pool import DrafterPool
 from .contract import Code, make_entry
 
 
 def run(endpoint: str, rounds: int = 8, requests: int = 2, seed: int = 0, n_out: int = 5, quiet: bool = False,
         print_fn=print, shm: bool = False) -> dict:
-    host, port = endpoint.rsplit(":", 1)
     rng = np.random.default_rng(seed)
-    with DrafterClient(host, int(port), timeout_s=30, shm=shm) as c:
+    with DrafterPool(endpoint, timeout_s=30, shm=shm) as c:
         hello = c.hello(client="dspark-ray demo")
         lim = hello.limits
+        live = [w for w in c.status() if w["down"] is None]
         print_fn(f"HELLO ok: model {hello.model_digest}, config {hello.config_digest}, tp {hello.tp}, "
-                 f"worker generation {hello.worker_generation}, {lim.slot_capacity} slots")
+                 f"worker generation {hello.worker_generation}, {lim.slot_capacity} slots"
+                 + (f" on each of {len(live)} workers" if len(c.workers) > 1 else ""))
         grants = c.acquire(requests)
         slots = {g.slot: g.generation for g in grants}
         pos = {s: 0 for s in slots}

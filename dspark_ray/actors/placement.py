@@ -113,29 +113,39 @@ def find(name: str = "dspark"):
     return ray.get_actor(f"{name}-frontend", namespace=NAMESPACE)
 
 
+def _worker_pattern(name: str) -> re.Pattern:
+    return re.compile(rf"{re.escape(name)}(\.\d+)?")
+
+
 def find_workers(name: str = "dspark") -> list[tuple[str, object]]:
-    """[(worker name, front-end handle)] of the deployment `name`: the worker of that name, or NAME.0, NAME.1, ..."""
+    """[(worker name, front-end handle)] of the deployment `name` whose front-ends are alive: the worker of that
+    name, or NAME.0, NAME.1, ..."""
     import ray
-    pat = re.compile(rf"{re.escape(name)}(\.\d+)?-frontend")
+    pat = _worker_pattern(name)
     found = [a["name"][:-len("-frontend")] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a.get("namespace") == NAMESPACE and pat.fullmatch(a["name"])]
+             if a.get("namespace") == NAMESPACE and a["name"].endswith("-frontend")
+             and pat.fullmatch(a["name"][:-len("-frontend")])]
     found.sort(key=lambda w: (len(w), w))
     return [(w, find(w)) for w in found]
 
 
 def teardown(name: str = "dspark") -> None:
-    """Remove the worker `name`, or every worker of the deployment `name` (NAME.0, NAME.1, ...)."""
+    """Remove the worker `name`, or every worker of the deployment `name` (NAME.0, NAME.1, ...): the front-ends
+    (which stop their ranks) and the placement groups, also those of workers whose front-end is dead already."""
     import ray
+    from ray.util import placement_group_table
     from ray.util.placement_group import get_placement_group
-    names = [w for w, _ in find_workers(name)] or [name]
-    for w in names:
+    for w, fe in find_workers(name):
         try:
-            fe = find(w)
             ray.get(fe.shutdown.remote(), timeout=30)
-            ray.kill(fe)
-        except ValueError:
-            pass
-        try:
-            ray.util.remove_placement_group(get_placement_group(f"{w}-pg"))
-        except Exception:
-            pass
+        except Exception as e:          # dead or hung: killing it below is all that is left
+            log.warning("worker %s did not shut down cleanly (%s); killing it", w, e)
+        ray.kill(fe)
+    pat = _worker_pattern(name)
+    for pg in placement_group_table().values():
+        pg_name = pg.get("name") or ""
+        if pg.get("state") != "REMOVED" and pg_name.endswith("-pg") and pat.fullmatch(pg_name[:-len("-pg")]):
+            try:
+                ray.util.remove_placement_group(get_placement_group(pg_name))
+            except Exception:
+                pass

@@ -1,8 +1,9 @@
 """STEP over HTTP through Ray Serve: the convenience path, for tools and engines that speak JSON, not our frames.
 
-A Serve deployment (FastAPI ingress) in front of a pair's STEP endpoint. Each HTTP session is one `DrafterClient`
-session of the replica's (its own TCP connection to the front-end), so the front-end batches concurrent HTTP
-sessions as it batches TCP ones, and a session's slots belong to it alone. An HTTP round trip through Serve costs
+A Serve deployment (FastAPI ingress) in front of a deployment's STEP endpoints (one per worker). Each HTTP session
+is one `DrafterPool` of the replica's (its own TCP session with each worker's front-end), so each front-end batches
+concurrent HTTP sessions as it batches TCP ones, a session's slots belong to it alone, and with several workers
+(`serve --pairs N`) its slots are spread over them. An HTTP round trip through Serve costs
 milliseconds (DESIGN.md measured ~10 ms for an echo): use the TCP or shared-memory client for the per-round path.
 
     POST   /v1/sessions                   {model_digest?, config_digest?, tp?, max_model_len?, client?}
@@ -28,8 +29,9 @@ import time
 
 import numpy as np
 
-from ..client import ClientError, DrafterClient
+from ..client import ClientError
 from ..contract import Code, make_entry
+from ..pool import DrafterPool
 
 ROUTE = "/dspark"
 SESSION_TTL_S = 300.0
@@ -65,17 +67,16 @@ def entry_to_json(slot: int, generation: int, seed_token: int, token_ids, taps, 
 
 
 class _Sessions:
-    """HTTP session token -> its DrafterClient; expired ones closed."""
+    """HTTP session token -> its DrafterPool (its slots over the deployment's workers); expired ones closed."""
 
-    def __init__(self, endpoint: str, ttl_s: float):
-        self.host, port = endpoint.rsplit(":", 1)
-        self.port, self.ttl_s = int(port), ttl_s
+    def __init__(self, endpoints: str, ttl_s: float):
+        self.endpoints, self.ttl_s = endpoints, ttl_s
         self.lock = threading.Lock()
-        self.clients: dict[str, tuple[DrafterClient, list[float]]] = {}
+        self.clients: dict[str, tuple[DrafterPool, list[float]]] = {}
 
     def open(self, hello: dict) -> tuple[str, object]:
         self.expire()
-        c = DrafterClient(self.host, self.port, timeout_s=30.0)
+        c = DrafterPool(self.endpoints, timeout_s=30.0)
         try:
             reply = c.hello(model_digest=hello.get("model_digest"), config_digest=hello.get("config_digest"),
                             tp=hello.get("tp"), max_model_len=hello.get("max_model_len"),
@@ -88,7 +89,7 @@ class _Sessions:
             self.clients[token] = (c, [time.monotonic()])
         return token, reply
 
-    def get(self, token: str) -> DrafterClient | None:
+    def get(self, token: str) -> DrafterPool | None:
         with self.lock:
             got = self.clients.get(token)
         if got is None:
@@ -112,7 +113,8 @@ class _Sessions:
 
 
 def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S):
-    """The Serve application for the STEP endpoint `endpoint` ("host:port"); run it with `serve.run(app,
+    """The Serve application for the STEP endpoint `endpoint` ("host:port", or the workers' endpoints
+    comma-separated: each HTTP session's slots are then spread over them); run it with `serve.run(app,
     route_prefix=ROUTE)`."""
     from fastapi import Body, FastAPI, HTTPException
     from ray import serve
@@ -128,7 +130,7 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S):
         def __init__(self, endpoint: str, ttl_s: float):
             self.sessions = _Sessions(endpoint, ttl_s)
 
-        def _client(self, s: str) -> DrafterClient:
+        def _client(self, s: str) -> DrafterPool:
             c = self.sessions.get(s)
             if c is None:
                 raise HTTPException(404, {"code": "NO_SESSION", "reason": f"no session {s} (closed or expired)"})

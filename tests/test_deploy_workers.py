@@ -1,0 +1,84 @@
+"""Several workers side by side on Ray (`dspark-ray serve --pairs N`, placement.deploy_workers) and one engine's
+slots spread over them (pool.DrafterPool): answers bit for bit, a worker that dies failing alone, all-or-nothing
+placement, teardown of every worker. Two tiny pairs of gloo ranks on the CPU (DSPARK_TEST_PAIR=push: four cards)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_ray import workload
+from dspark_ray.actors.placement import deploy_workers, find_workers, teardown
+from dspark_ray.actors.rank import PairSpec
+from dspark_ray.contract import Code
+from dspark_ray.engine import RankEngine
+from dspark_ray.modes import make_drafter
+from dspark_ray.pool import DrafterPool
+
+from conftest import PAIR_BACKEND, step_as_reference, to_entry
+
+if PAIR_BACKEND == "push" and torch.cuda.device_count() < 4:
+    pytest.skip("two push pairs need four cards", allow_module_level=True)
+
+
+def spec_of(ckpt_dir, **kw) -> PairSpec:
+    gpu = dict(backend="push", device="cuda", matmul="exact") if PAIR_BACKEND == "push" else {}
+    return PairSpec(checkpoint=str(ckpt_dir), tp=2, n_slots=2, collective_timeout_s=3.0, **gpu, **kw)
+
+
+def test_placement_is_all_or_nothing(ray_cluster, tmp_path):
+    """(First in the module: the two pairs of the other tests would leave no room for these on 2 CPUs.)"""
+    with pytest.raises(Exception, match="no-such-checkpoint"):       # the load failed, not the placement
+        deploy_workers(spec_of(tmp_path / "no-such-checkpoint"), 2, name="broken")
+    assert find_workers("broken") == []
+    from ray.util import placement_group_table
+    assert not [p for p in placement_group_table().values()
+                if p.get("name", "").startswith("broken") and p.get("state") != "REMOVED"]
+
+
+@pytest.fixture(scope="module")
+def two(ray_cluster, tiny_ckpt):
+    workers = deploy_workers(spec_of(tiny_ckpt), 2, name="multi")
+    yield workers
+    teardown("multi")
+
+
+def test_workers_are_named_and_found(two):
+    assert [w for w, _ in find_workers("multi")] == ["multi.0", "multi.1"]
+    assert len({ep for _, ep in two}) == 2
+
+
+def test_a_pool_over_two_pairs_answers_bit_for_bit_and_a_dead_worker_fails_alone(two, ray_cluster, cfg, ckpt):
+    import ray
+    endpoints = [ep for _, ep in two]
+    with DrafterPool(endpoints, timeout_s=60, retry_s=3600) as pool:
+        pool.hello(config_digest=cfg.digest(), tp=2)
+        grants = pool.acquire(4)
+        assert sorted(pool.worker_of(g.slot) for g in grants) == sorted(endpoints * 2)
+        ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 4)
+        rounds = workload.rounds(cfg, seed=8, n_requests=4, n_rounds=10, far_start=1500)
+        for batch in rounds[:6]:
+            step_as_reference(pool, ref, grants, batch)
+        served = [ray.get(fe.status.remote(), timeout=30)["stats"]["entries"] for fe, _ in two]
+        assert served == [12, 12]
+        # Worker 1's front-end dies for good (Ray would restart it; here it stays dead): its entries answer
+        # UNAVAILABLE, worker 0's go on, bit for bit.
+        ray.kill(two[1][0], no_restart=True)
+        on0 = [k for k, g in enumerate(grants) if pool.worker_of(g.slot) == endpoints[0]]
+        for batch in rounds[6:]:
+            want = ref.step(batch)
+            got = pool.step([to_entry(e, g.slot, g.generation) for e, g in zip(batch, grants)], deadline_ms=60_000)
+            for k, (w, g) in enumerate(zip(want, got)):
+                if k in on0:
+                    assert g.code == Code.OK and (g.drafts_array() == w.drafts).all(), g.reason
+                else:
+                    assert g.code == Code.UNAVAILABLE and endpoints[1] in g.reason, g.reason
+        assert [s["down"] is None for s in pool.status()] == [True, False]
+
+
+def test_teardown_removes_every_worker(two):
+    """Also the placement group of worker 1, whose front-end the test above killed."""
+    teardown("multi")
+    assert find_workers("multi") == []
+    from ray.util import placement_group_table
+    assert not [p for p in placement_group_table().values()
+                if p.get("name", "").startswith("multi") and p.get("state") != "REMOVED"]
