@@ -277,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--pairs", type=int, default=1,
                         help="workers to place side by side (pairs at --tp 2, one card each at --tp 1), each with "
                              "its own STEP endpoint; a client spreads its slots over them (pool.DrafterPool)")
-        sp.add_argument("--host", default="127.0.0.1")
+        sp.add_argument("--host", default="127.0.0.1",
+                        help="the STEP endpoints' interface (0.0.0.0: every interface, each endpoint then names its "
+                             "worker's node IP, for clients on other hosts of a multi-node cluster)")
         sp.add_argument("--port", type=int, default=0, help="the STEP port (0: a free one; with --pairs N: "
                                                              "PORT, PORT+1, ...)")
         sp.add_argument("--slots", type=int, default=16)

@@ -37,14 +37,16 @@ def test_placement_is_all_or_nothing(ray_cluster, tmp_path):
 
 @pytest.fixture(scope="module")
 def two(ray_cluster, tiny_ckpt):
-    workers = deploy_workers(spec_of(tiny_ckpt), 2, name="multi")
+    # Every interface: each endpoint names its worker's node (here this host) instead of 0.0.0.0.
+    workers = deploy_workers(spec_of(tiny_ckpt), 2, name="multi", host="0.0.0.0")
     yield workers
     teardown("multi")
 
 
-def test_workers_are_named_and_found(two):
+def test_workers_are_named_and_found(two, ray_cluster):
     assert [w for w, _ in find_workers("multi")] == ["multi.0", "multi.1"]
     assert len({ep for _, ep in two}) == 2
+    assert {ep.rsplit(":", 1)[0] for _, ep in two} == {ray_cluster.util.get_node_ip_address()}
 
 
 def test_a_pool_over_two_pairs_answers_bit_for_bit_and_a_dead_worker_fails_alone(two, ray_cluster, cfg, ckpt):

@@ -391,3 +391,18 @@ def test_stop_closes_connections_and_clients_see_a_clear_error(front):
         c.acquire(1)
     with pytest.raises(ClientError, match="cannot connect"):
         DrafterClient("127.0.0.1", srv.port, timeout_s=1.0)
+
+
+def test_a_server_on_every_interface_names_an_address_clients_can_use(front):
+    """host 0.0.0.0 is no address to connect to: the endpoint names the advertised one (the front-end's node IP)."""
+    srv = TcpServer(front, host="0.0.0.0", advertise="127.0.0.1").start()
+    try:
+        assert srv.endpoint == f"127.0.0.1:{srv.port}"
+        host, port = srv.endpoint.rsplit(":", 1)
+        with DrafterClient(host, int(port), timeout_s=WAIT_S) as c:
+            assert c.hello().ok
+    finally:
+        srv.stop()
+    srv = TcpServer(front, host="127.0.0.1", advertise="10.9.9.9")      # a concrete host is named as it is
+    assert srv.endpoint == f"127.0.0.1:{srv.port}"
+    srv.stop()

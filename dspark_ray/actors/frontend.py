@@ -241,9 +241,10 @@ def frontend_actor_class():
             self.service = StepService(self.identity, self.limits, None, window=cfg.sliding_window)
             self.supervisor = Supervisor(self.service, self.manager.restart, threshold=restart_threshold)
             cpus = self.spec.frontend_cpus
+            self.node_ip = ray.util.get_node_ip_address()
             self.server = TcpServer(self.service, host=host, port=port, spin_us=self.spec.spin_us,
                                     on_thread_start=lambda: pin_thread(cpus, f"front-end {name} endpoint"),
-                                    keep_warm=self.keep_warm)
+                                    keep_warm=self.keep_warm, advertise=self.node_ip)
             self.host, self.port, self.name = host, port, name
             self.started = False
             self.load_progress = []
@@ -283,7 +284,7 @@ def frontend_actor_class():
         def status(self) -> dict:
             self.metrics.observe(self.service, self.supervisor, self.server.wake_ups)
             return {"rss_bytes": _rss_bytes(), "process": process_facts(), "name": self.name,
-                    "endpoint": self.server.endpoint if self.started else None,
+                    "endpoint": self.server.endpoint if self.started else None, "node_ip": self.node_ip,
                     "tp": self.spec.tp, "backend": self.spec.backend, "model_digest": self.identity.model_digest,
                     "pid": os.getpid(), "env": {k: os.environ.get(k) for k in SAFE_ENV},
                     **self.service.status(), "supervisor": self.supervisor.status(),

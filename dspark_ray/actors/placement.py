@@ -69,8 +69,13 @@ def deploy_workers(spec: PairSpec, n: int, *, host: str = "127.0.0.1", port: int
         for wname in names:
             teardown(wname)
         raise
-    for wname, ep in zip(names, endpoints):
+    here = ray.util.get_node_ip_address()
+    for wname, fe, ep in zip(names, placed, endpoints):
         log.info("worker %s serving on %s", wname, ep)
+        node = ray.get(fe.status.remote(), timeout=30).get("node_ip")
+        if ep.split(":")[0] in ("127.0.0.1", "localhost") and node != here:
+            log.warning("worker %s runs on node %s but serves on %s: only clients on that node reach it "
+                        "(serve with --host 0.0.0.0 to name each node's address)", wname, node, ep)
     return list(zip(placed, endpoints))
 
 

@@ -40,20 +40,25 @@ class _Conn:
         self.thread: threading.Thread | None = None
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "", "::")     # listen on every interface; not an address a client can use
+
+
 class TcpServer:
     """Serves `handler` on host:port (port 0: an ephemeral port, read `server.port` after `start`)."""
 
     def __init__(self, handler: StepHandler, host: str = "127.0.0.1", port: int = 0,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_timeout_s: float = 5.0, spin_us: float = 0.0,
-                 max_pollers: int = 2, on_thread_start=None, keep_warm=None):
+                 max_pollers: int = 2, on_thread_start=None, keep_warm=None, advertise: str | None = None):
         """`spin_us`: how long a connection thread polls for the next frame before it blocks in recv (see
         wire.spinning_recv_into; the front-end passes the ring's spin: 100 ms on a GPU host, 50 us on a CPU). At most
         `max_pollers` threads poll at once, the others block at once: every poll takes the interpreter lock, and
         many polling threads would slow the one that has a STEP to run. `on_thread_start`: called first in the accept
         thread (the front-end pins it there to its vCPUs; the connection threads it starts inherit its affinity).
         `keep_warm` (a keep_warm.KeepWarm): the polls for the next frame rehearse the last STEP's decode, checks
-        and reply encoding."""
+        and reply encoding. `advertise`: the address `endpoint` names when `host` is a wildcard (0.0.0.0, ::),
+        which no client can connect to (the front-end passes its node's IP)."""
         self.keep_warm = keep_warm
+        self.advertise = advertise if host in WILDCARD_HOSTS else None
         self.handler = handler
         self.spin_us = spin_us
         self.on_thread_start = on_thread_start
@@ -79,7 +84,8 @@ class TcpServer:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
+        """Where clients connect: host:port (the advertised address for a wildcard host)."""
+        return f"{self.advertise or self.host}:{self.port}"
 
     def start(self) -> "TcpServer":
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"tcp-accept:{self.port}", daemon=True)
