@@ -126,7 +126,7 @@ class DrafterPool:
         w.client, w.hello, w.down, w.session = c, reply, None, w.session + 1
         if first is None:
             self.hello_reply = reply            # the identity every other worker must serve
-        else:
+        if w.session > 0:
             log.info("pool: worker %s back (worker generation %d)", w.endpoint, reply.worker_generation)
 
     def _mark_down(self, w: _Worker, why: str) -> None:
