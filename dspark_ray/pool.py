@@ -10,8 +10,9 @@ workers draft side by side, and a round costs the slowest worker's step, not the
 a request's drafts depend on its own slot only (batch invariance), whichever worker and neighbours it gets.
 
 A worker that fails (its connection lost, no answer in time) is marked down, and the others go on serving: its
-entries answer UNAVAILABLE, its slots are gone (its server frees them with the session), and `acquire` tries to
-reach it again at most every `retry_s` (a front-end that Ray restarted serves on the same endpoint). Like client.py
+entries answer UNAVAILABLE, its slots are gone (its server frees them with the session), and a background thread
+tries it every `retry_s` until it serves again (a front-end that Ray restarted serves on the same endpoint); then
+`acquire` grants its slots again. Like client.py
 it needs the contract, the framing and numpy only, so an engine can vendor it.
 
     with DrafterPool(["10.0.0.5:7001", "10.0.0.5:7002"]) as pool:
@@ -46,7 +47,7 @@ class _Worker:
     down: str | None = "not connected yet"           # why it is not used now; None while it serves
     lost: str = ""                                   # why its last session ended
     session: int = -1                                # how many sessions it had before the current one
-    retry_at: float = 0.0
+    reviver: threading.Thread | None = None          # tries it again while it is down
 
 
 class DrafterPool:
@@ -64,6 +65,7 @@ class DrafterPool:
         self.hello_reply: HelloReply | None = None
         self._identity: dict = {}
         self._lock = threading.Lock()
+        self._closed = threading.Event()
 
     @property
     def limits(self) -> Limits:
@@ -74,86 +76,117 @@ class DrafterPool:
     # ---- sessions ----------------------------------------------------------------------------------------------
     def hello(self, *, model_digest: str | None = None, config_digest: str | None = None, tp: int | None = None,
               max_model_len: int | None = None, client: str = "dspark-ray-pool") -> HelloReply:
-        """Open a session on every worker. Workers that cannot be reached are marked down (tried again later);
-        a worker that refuses, or serves another model than the first, raises ClientError: a deployment that
-        mixes models is a configuration error, not a failure to ride out. Returns the first worker's reply
-        (its limits are every worker's, but for slot_capacity)."""
+        """Open a session on every worker. Workers that cannot be reached are marked down (tried again in the
+        background); a worker that refuses, or serves another model than the first, raises ClientError: a
+        deployment that mixes models is a configuration error, not a failure to ride out. Returns the first
+        worker's reply (its limits are every worker's, but for slot_capacity)."""
         with self._lock:
-            if self.hello_reply is not None:
-                raise ClientError("the pool's sessions are open already (one hello per pool)")
+            if self.hello_reply is not None or self._closed.is_set():
+                raise ClientError("one hello per pool")
             self._identity = dict(model_digest=model_digest, config_digest=config_digest, tp=tp,
                                   max_model_len=max_model_len, client=client)
+            opened = []
             try:
                 for w in self.workers:
-                    self._connect(w)
+                    opened.append(self._open(w))
+                    if opened[-1][0] is not None and self.hello_reply is None:
+                        self.hello_reply = opened[-1][1]      # the identity every other worker must serve
+                for w, (c, got) in zip(self.workers, opened):
+                    if c is not None:
+                        self._check_same_model(w, c, got)
             except ClientError:
+                for c, _ in opened:
+                    if c is not None:
+                        c.close()
                 self.hello_reply = None
-                self._close_all()
                 raise
-            live = [w for w in self.workers if w.down is None]
-            if not live:
-                self.hello_reply = None
-                raise ClientError("no worker reachable: " + "; ".join(f"{w.endpoint}: {w.down}" for w in self.workers))
-            self.stride = max(w.hello.limits.slot_capacity for w in live)
+            if self.hello_reply is None:
+                raise ClientError("no worker reachable: " + "; ".join(str(why) for _, why in opened))
+            self.stride = max(got.limits.slot_capacity for c, got in opened if c is not None)
+            for w, (c, got) in zip(self.workers, opened):
+                if c is not None:
+                    self._install(w, c, got)
+                else:
+                    self._mark_down(w, got)
             return self.hello_reply
 
-    def _connect(self, w: _Worker) -> None:
-        """HELLO on a fresh connection to `w` (caller holds the lock); marks it down when unreachable."""
+    def _open(self, w: _Worker) -> tuple[DrafterClient | None, object]:
+        """A fresh connection to `w` with its HELLO: (client, reply), or (None, why) when it cannot be reached.
+        A refusal raises ClientError. Takes no lock: it waits on the network."""
         try:
             c = DrafterClient(*_split(w.endpoint), timeout_s=self.timeout_s, spin_us=self.spin_us, shm=self.shm)
         except ClientError as e:
-            self._mark_down(w, str(e))
-            return
+            return None, str(e)
         try:
-            reply = c.hello(**self._identity)
+            return c, c.hello(**self._identity)
         except ClientError as e:
             c.close()
             if e.code is None:              # lost on the way: try again later
-                self._mark_down(w, str(e))
-                return
+                return None, str(e)
             raise                           # refused (CONFIG_MISMATCH, ...)
+
+    def _check_same_model(self, w: _Worker, c: DrafterClient, reply: HelloReply) -> None:
         first = self.hello_reply
-        if first is not None and (reply.model_digest, reply.config_digest) != (first.model_digest,
-                                                                                first.config_digest):
-            c.close()
+        if (reply.model_digest, reply.config_digest) != (first.model_digest, first.config_digest):
             raise ClientError(f"worker {w.endpoint} serves model {reply.model_digest} / config "
                               f"{reply.config_digest}, the pool's first worker {first.model_digest} / "
                               f"{first.config_digest}", Code.CONFIG_MISMATCH)
-        if self.stride and reply.limits.slot_capacity > self.stride:
-            c.close()
-            self._mark_down(w, f"its {reply.limits.slot_capacity} slots exceed the pool's stride {self.stride}")
-            return
+
+    def _install(self, w: _Worker, c: DrafterClient, reply: HelloReply) -> None:
+        """`w` serves through `c` from now on, in a new session of the pool's (caller holds the lock)."""
         w.client, w.hello, w.down, w.session = c, reply, None, w.session + 1
-        if first is None:
-            self.hello_reply = reply            # the identity every other worker must serve
         if w.session > 0:
             log.info("pool: worker %s back (worker generation %d)", w.endpoint, reply.worker_generation)
 
     def _mark_down(self, w: _Worker, why: str) -> None:
+        """`w` stops serving: its slots are gone; a background thread tries it again every `retry_s` (caller
+        holds the lock)."""
         if w.down is None:
             log.warning("pool: worker %s down: %s", w.endpoint, why)
         if w.client is not None:
             w.client.close()
-        w.client, w.held, w.down, w.lost, w.retry_at = None, set(), why, why, time.monotonic() + self.retry_s
+        w.client, w.held, w.down, w.lost = None, set(), why, why
+        if w.reviver is None or not w.reviver.is_alive():
+            w.reviver = threading.Thread(target=self._revive, args=(w,), name=f"pool-revive:{w.endpoint}",
+                                         daemon=True)
+            w.reviver.start()
 
-    def _revive(self) -> None:
-        """Try the down workers whose retry time has come (caller holds the lock)."""
-        now = time.monotonic()
-        for w in self.workers:
-            if w.down is not None and now >= w.retry_at:
-                self._connect(w)
-                if w.down is not None:
-                    w.retry_at = now + self.retry_s
+    def _revive(self, w: _Worker) -> None:
+        """Try a down worker every `retry_s` until it serves again (or the pool closes), off the engine's path:
+        a node that does not answer at all costs a connect timeout each try."""
+        while not self._closed.wait(self.retry_s):
+            try:
+                c, got = self._open(w)
+            except ClientError as e:            # it refuses us now: stays down, with the reason
+                c, got = None, f"refused: {e}"
+            with self._lock:
+                if self._closed.is_set() or w.down is None:
+                    if c is not None:
+                        c.close()
+                    return
+                if c is None:
+                    w.down = got
+                    continue
+                if got.limits.slot_capacity > self.stride:
+                    c.close()
+                    w.down = f"its {got.limits.slot_capacity} slots exceed the pool's stride {self.stride}"
+                    continue
+                try:
+                    self._check_same_model(w, c, got)
+                except ClientError as e:
+                    c.close()
+                    w.down = str(e)
+                    continue
+                self._install(w, c, got)
+                return
 
     def close(self) -> None:
         with self._lock:
-            self._close_all()
-
-    def _close_all(self) -> None:
-        for w in self.workers:
-            if w.client is not None:
-                w.client.close()
-            w.client, w.held, w.down = None, set(), "closed"
+            self._closed.set()
+            for w in self.workers:
+                if w.client is not None:
+                    w.client.close()
+                w.client, w.held, w.down = None, set(), "closed"
 
     def __enter__(self) -> "DrafterPool":
         return self
@@ -172,7 +205,6 @@ class DrafterPool:
         all or nothing: ClientError(OVERLOADED) when the workers cannot grant n together."""
         with self._lock:
             self._need_hello()
-            self._revive()
             live = [i for i, w in enumerate(self.workers) if w.down is None]
             free = {i: self.workers[i].hello.limits.slot_capacity - len(self.workers[i].held) for i in live}
             want = dict.fromkeys(live, 0)
