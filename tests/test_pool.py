@@ -88,9 +88,11 @@ def pool_of(ws, **kw) -> DrafterPool:
     return pool
 
 
-def test_slots_spread_over_the_workers_and_rounds_equal_the_reference_bit_for_bit(workers, cfg, ckpt):
+@pytest.mark.parametrize("shm", [False, True], ids=["tcp", "shm"])
+def test_slots_spread_over_the_workers_and_rounds_equal_the_reference_bit_for_bit(workers, cfg, ckpt, shm):
     ws = workers(3)
-    with pool_of(ws) as pool:
+    with pool_of(ws, shm=shm) as pool:
+        assert all(w.client._ring is not None for w in pool.workers) == shm
         grants = pool.acquire(4)
         # Each slot goes to the worker with the most free slots (ties: the first): 2, 1, 1.
         assert [w.held() for w in ws] == [2, 1, 1]
