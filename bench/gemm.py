@@ -19,14 +19,13 @@ Effective TB/s = weight bytes read per call / p50 (experts: the distinct experts
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from bench.kernel_bench import graph_time, stats  # noqa: E402
-from bench.tcp_roundtrip import _commit  # noqa: E402
+from bench.tcp_roundtrip import _commit, emit  # noqa: E402
 
 # (name, N, K) of the dense GEMMs one rank runs (tp2 halves where the layer is split; wq_a | wkv and the shared
 # expert's w1 | w3 run as one GEMM each in the draft, wkv alone in the insert).
@@ -138,11 +137,7 @@ def main():
     result = {"bench": "gemm", "device": torch.cuda.get_device_name(), "commit": _commit(),
               "torch": torch.__version__, "calls_per_graph": args.calls, "replays": args.replays,
               "pad_rows": gemm.PAD_ROWS, "matmul": gemm.describe_matmul(), "pinned": pinned, "rows": rows}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out, 1)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,8 @@ On a CPU host the "cards" are CPU ranks (gloo): the figures test the machinery, 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import time
@@ -27,7 +25,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from step_latency import summary                            # noqa: E402
-from tcp_roundtrip import _commit                            # noqa: E402
+from tcp_roundtrip import _commit, _device, emit              # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -78,7 +76,7 @@ def main() -> None:
     # thread right before each STEP would cool its caches and cost the round trip more than the pool does.
     first_taps = workload.make_taps(cfg, 8, g).numpy()
     bank = [workload.make_taps(cfg, a.rows, g).numpy() for _ in range(16)]
-    out = {"bench": "scaling", "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or "cpu",
+    out = {"bench": "scaling", "device": torch.cuda.get_device_name(0) if gpu else _device(),
            "commit": _commit(), "command": "python " + " ".join(sys.argv),
            "config": {"preset": a.preset, "cards": cards, "requests": requests, "rounds": a.rounds,
                       "warmup_rounds": warm, "rows_per_round": a.rows, "n_out": 5, "slots_per_worker": a.slots},
@@ -137,11 +135,7 @@ def main() -> None:
     if "pairs" in by and "one_card" in by:
         out["one_card_over_pairs_p50"] = {r: round(by["one_card"][r] / by["pairs"][r], 3)
                                           for r in requests if r in by["pairs"] and r in by["one_card"]}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    emit(out, a.out, 1)
 
 
 if __name__ == "__main__":

@@ -69,8 +69,8 @@ class DrafterPool:
 
     @property
     def limits(self) -> Limits:
-        if self.hello_reply is None or self.hello_reply.limits is None:
-            raise ClientError("no limits yet: call hello() first")
+        """The first worker's limits (every worker's, but for slot_capacity)."""
+        self._need_hello()
         return self.hello_reply.limits
 
     # ---- sessions ----------------------------------------------------------------------------------------------
