@@ -201,26 +201,32 @@ class DrafterPool:
 
     # ---- slots -------------------------------------------------------------------------------------------------
     def acquire(self, n: int = 1) -> list[SlotGrant]:
-        """n fresh slots, each on the serving worker with the most free slots at that point (ties: the first);
-        all or nothing: ClientError(OVERLOADED) when the workers cannot grant n together."""
+        """n fresh slots spread over the serving workers, each to the one with the most free slots as far as this
+        pool knows (ties: the first). A worker that refuses its share (other clients hold its slots) or fails is
+        left out of this call and its share planned again on the others. All or nothing: ClientError(OVERLOADED),
+        and nothing held, when the workers cannot grant n together."""
         with self._lock:
             self._need_hello()
-            live = [i for i, w in enumerate(self.workers) if w.down is None]
-            free = {i: self.workers[i].hello.limits.slot_capacity - len(self.workers[i].held) for i in live}
-            want = dict.fromkeys(live, 0)
-            for _ in range(n):
-                i = max(live, key=lambda k: (free[k] - want[k], -k)) if live else None
-                if i is None or free[i] - want[i] <= 0:
-                    raise ClientError(f"asked for {n} slots, the pool's {len(live)} serving workers have "
-                                      f"{sum(free.values())} free", Code.OVERLOADED)
-                want[i] += 1
+            free = {i: w.hello.limits.slot_capacity - len(w.held) for i, w in enumerate(self.workers)
+                    if w.down is None}
             grants: list[SlotGrant] = []
             try:
-                for i, k in want.items():
-                    if k:
+                while len(grants) < n:
+                    want = _plan(free, n - len(grants))
+                    if want is None:
+                        raise ClientError(f"asked for {n} slots, the pool's serving workers could grant "
+                                          f"{len(grants) + sum(free.values())}", Code.OVERLOADED)
+                    for i, k in want.items():
                         w = self.workers[i]
-                        got = self._on(w, lambda c: c.acquire(k))
+                        try:
+                            got = self._on(w, lambda c: c.acquire(k))
+                        except ClientError as e:
+                            if e.code not in (None, Code.OVERLOADED):
+                                raise
+                            del free[i]             # full, or gone: its share goes to the others
+                            continue
                         w.held.update(g.slot for g in got)
+                        free[i] -= len(got)
                         grants += [SlotGrant(slot=self._pool_slot(i, g.slot), generation=g.generation) for g in got]
             except ClientError:
                 self._release_locked([g.slot for g in grants])     # all or nothing
@@ -331,6 +337,17 @@ class DrafterPool:
             if e.code is None:
                 self._mark_down(w, str(e))
             raise
+
+
+def _plan(free: dict[int, int], n: int) -> dict[int, int] | None:
+    """{worker: slots} for n slots, each to the worker with the most free left (ties: the lower index); None when
+    the free slots are fewer than n."""
+    if sum(max(0, f) for f in free.values()) < n:
+        return None
+    want = dict.fromkeys(free, 0)
+    for _ in range(n):
+        want[max(free, key=lambda i: (free[i] - want[i], -i))] += 1
+    return {i: k for i, k in want.items() if k}
 
 
 def _split(endpoint: str) -> tuple[str, int]:

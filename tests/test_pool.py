@@ -173,11 +173,15 @@ def test_acquire_is_all_or_nothing(workers):
             pool.acquire(5)
         assert e.value.code == C.Code.OVERLOADED
         assert [w.held() for w in ws] == [0, 0]
-        # A worker that grants fewer than planned (another client took its slots) undoes the others' grants.
+        # Another client holds worker 1's slots: this pool's plan (one each) fails there, and the share goes to
+        # worker 0; asking for more than is free anywhere undoes what was granted.
         other = pool_of(ws[1:])
         other.acquire(2)
+        got = pool.acquire(2)
+        assert [w.held() for w in ws] == [2, 2] and {pool.worker_of(g.slot) for g in got} == {ws[0].endpoint}
+        pool.release([g.slot for g in got])
         with pytest.raises(ClientError) as e:
-            pool.acquire(4)
+            pool.acquire(3)
         assert e.value.code == C.Code.OVERLOADED and [w.held() for w in ws] == [0, 2]
         other.close()
 
