@@ -49,9 +49,27 @@ def test_workers_are_named_and_found(two, ray_cluster):
     assert {ep.rsplit(":", 1)[0] for _, ep in two} == {ray_cluster.util.get_node_ip_address()}
 
 
+def test_the_examples_run_against_the_workers(two):
+    """examples/pool_client.py over both workers, examples/client.py against one: what a newcomer copies runs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    endpoints = ",".join(ep for _, ep in two)
+    for script, arg in (("pool_client.py", endpoints), ("client.py", two[0][1])):
+        p = subprocess.run([sys.executable, str(root / "examples" / script), arg], capture_output=True, text=True,
+                           timeout=300, cwd=root)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert "round 4" in p.stdout and "verify without drafts" not in p.stdout, p.stdout
+    assert p.stdout.count("drafts") == 5, p.stdout                 # client.py: one request, five rounds
+
+
 def test_a_pool_over_two_pairs_answers_bit_for_bit_and_a_dead_worker_fails_alone(two, ray_cluster, cfg, ckpt):
     import ray
     endpoints = [ep for _, ep in two]
+    def served():
+        return [ray.get(fe.status.remote(), timeout=30)["stats"]["entries"] for fe, _ in two]
+    before = served()
     with DrafterPool(endpoints, timeout_s=60, retry_s=3600) as pool:
         pool.hello(config_digest=cfg.digest(), tp=2)
         grants = pool.acquire(4)
@@ -60,8 +78,7 @@ def test_a_pool_over_two_pairs_answers_bit_for_bit_and_a_dead_worker_fails_alone
         rounds = workload.rounds(cfg, seed=8, n_requests=4, n_rounds=10, far_start=1500)
         for batch in rounds[:6]:
             step_as_reference(pool, ref, grants, batch)
-        served = [ray.get(fe.status.remote(), timeout=30)["stats"]["entries"] for fe, _ in two]
-        assert served == [12, 12]
+        assert [b - a for a, b in zip(before, served())] == [12, 12]
         # Worker 1's front-end dies for good (Ray would restart it; here it stays dead): its entries answer
         # UNAVAILABLE, worker 0's go on, bit for bit.
         ray.kill(two[1][0], no_restart=True)

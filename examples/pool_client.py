@@ -1,0 +1,39 @@
+"""What a serving engine embeds in front of several workers (`dspark-ray serve --pairs N`): one DrafterPool, its
+requests' slots spread over the workers, one STEP per decode round. A request whose worker went away answers
+UNAVAILABLE; the engine verifies that round without drafts, takes a new slot (on a worker that serves) and inserts
+the request's context there. Run against running workers:  python examples/pool_client.py HOST:PORT,HOST:PORT
+"""
+import sys
+
+import numpy as np
+
+from dspark_ray.contract import Code, make_entry
+from dspark_ray.pool import DrafterPool
+
+with DrafterPool(sys.argv[1]) as pool:
+    hello = pool.hello(client="example engine")          # pass model_digest= / config_digest= / tp= to pin them
+    width, vocab = hello.limits.taps_width, hello.limits.vocab_size
+    rng = np.random.default_rng(0)
+    requests = [{"slot": g, "pos": 0, "seed": 1} for g in pool.acquire(4)]
+    for rnd in range(5):
+        entries = []
+        for r in requests:
+            rows = 8 if r["pos"] == 0 else 3                 # the prompt tail, then the accepted rows of each round
+            taps = rng.standard_normal((rows, width)).astype(np.float16)    # the trunk's tap rows (stream means)
+            entries.append(make_entry(slot=r["slot"].slot, generation=r["slot"].generation, seed_token=r["seed"],
+                                      start_pos=r["pos"], token_ids=rng.integers(0, vocab, rows), taps=taps,
+                                      n_out=5))
+            r["pos"] += rows
+        for i, (r, res) in enumerate(zip(requests, pool.step(entries, deadline_ms=50))):
+            if res.code == Code.OK:
+                r["seed"] = int(res.drafts_array()[0])
+                print(f"round {rnd} request {i} on {pool.worker_of(r['slot'].slot)}: drafts "
+                      f"{res.drafts_array().tolist()}")
+                continue
+            print(f"round {rnd} request {i}: {Code(res.code).name} ({res.reason}): verify without drafts")
+            if res.code == Code.UNAVAILABLE:                 # its worker is gone: a new slot, the context again
+                (r["slot"],) = pool.acquire(1)
+            elif res.code in (Code.STALE_GENERATION, Code.INTERNAL):    # resynced: the new generation
+                r["slot"] = type(r["slot"])(slot=r["slot"].slot, generation=res.generation)
+            r["pos"] = 0                                     # re-insert (a fresh slot may start anywhere)
+    pool.release([r["slot"].slot for r in requests])
