@@ -12,8 +12,8 @@ import time
 
 import numpy as np
 
-from .pool import DrafterPool
 from .contract import Code, make_entry
+from .pool import DrafterPool
 
 
 def run(endpoint: str, rounds: int = 8, requests: int = 2, seed: int = 0, n_out: int = 5, quiet: bool = False,

@@ -4,16 +4,16 @@ A worker is one pair (or one card at tp 1) with its own front-end, slots and STE
 lives in one worker's slot: so a pool routes by slot. It keeps one `DrafterClient` session per worker and hands out
 pool slot ids, so an engine builds its entries exactly as for one client. A pool slot id names the worker, the
 worker's own slot and the pool's session with that worker: ((session x workers) + worker) x stride + slot, stride
-the largest slot capacity; so a slot lost with a worker's session is never confused with one granted after it
-came back. A STEP goes to every worker it names before any answer is read: the
-workers draft side by side, and a round costs the slowest worker's step, not the sum. The split changes no answer:
-a request's drafts depend on its own slot only (batch invariance), whichever worker and neighbours it gets.
+the largest slot capacity; so a slot lost with a worker's session is never confused with one granted after it came
+back. A STEP goes to every worker it names before any answer is read: the workers draft side by side, and a round
+costs the slowest worker's step, not the sum. The split changes no answer: a request's drafts depend on its own
+slot only (batch invariance), whichever worker and neighbours it gets.
 
 A worker that fails (its connection lost, no answer in time) is marked down, and the others go on serving: its
 entries answer UNAVAILABLE, its slots are gone (its server frees them with the session), and a background thread
 tries it every `retry_s` until it serves again (a front-end that Ray restarted serves on the same endpoint); then
-`acquire` grants its slots again. Like client.py
-it needs the contract, the framing and numpy only, so an engine can vendor it.
+`acquire` grants its slots again. Like client.py it needs the contract, the framing and numpy only, so an engine
+can vendor it.
 
     with DrafterPool(["10.0.0.5:7001", "10.0.0.5:7002"]) as pool:
         pool.hello(config_digest=..., tp=2)
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 

@@ -278,6 +278,10 @@ def frontend_actor_class():
         def endpoint(self) -> str:
             return self.server.endpoint
 
+        def node(self) -> str:
+            """The IP address of the node this front-end runs on."""
+            return self.node_ip
+
         def progress(self):
             return self.load_progress
 

@@ -72,8 +72,10 @@ def deploy_workers(spec: PairSpec, n: int, *, host: str = "127.0.0.1", port: int
     here = ray.util.get_node_ip_address()
     for wname, fe, ep in zip(names, placed, endpoints):
         log.info("worker %s serving on %s", wname, ep)
-        node = ray.get(fe.status.remote(), timeout=30).get("node_ip")
-        if ep.split(":")[0] in ("127.0.0.1", "localhost") and node != here:
+        if ep.split(":")[0] not in ("127.0.0.1", "localhost"):
+            continue
+        node = ray.get(fe.node.remote(), timeout=30)
+        if node != here:
             log.warning("worker %s runs on node %s but serves on %s: only clients on that node reach it "
                         "(serve with --host 0.0.0.0 to name each node's address)", wname, node, ep)
     return list(zip(placed, endpoints))
