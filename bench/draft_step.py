@@ -123,13 +123,15 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     dense, expert_b, resident = weight_bytes(weights)
     del weights             # the drafter holds what it uses (the routed experts stacked, the per-expert tensors freed)
     log(f"{mode} rank {rank}: loaded {resident / 2**30:.2f} GiB in {time.time() - t0:.1f} s ({describe_matmul()})")
+    # Slots for the widest shape timed (4 at least: the step and insert rows use them) and one for the inserts.
+    n_req = max([4] + [b for b, _ in args.shapes])
     if args.graph_set == "minimal":     # A/B of the time outside the kernels against the set's size (notes/engine.md)
         gs = GraphSet(d, n_slots=5, max_requests=1, n_outs=(5,), insert_buckets=(8, 128))
     else:
-        gs = GraphSet(d, n_slots=5)
+        gs = GraphSet(d, n_slots=n_req + 1, max_requests=n_req)
     gs.capture(lambda k, n: log(f"{mode} rank {rank}: captured {k}/{n}") if k % 15 == 0 or k == n else None)
     log(f"{mode} rank {rank}: {gs.n_graphs} graphs in {gs.capture_seconds:.2f} s, {gs.graph_bytes / 2**20:.0f} MiB")
-    states = _slots(gs, cfg, 4, cfg.sliding_window + 32, args.start)
+    states = _slots(gs, cfg, n_req if args.graph_set == "full" else 4, cfg.sliding_window + 32, args.start)
     res = {"mode": mode, "rank": rank, "capture_s": round(gs.capture_seconds, 3),
            "graph_mib": round(gs.graph_bytes / 2**20, 1), "resident_gib": round(resident / 2**30, 3),
            "dense_bytes_per_step": dense, "expert_bytes": expert_b, "draft": {}, "insert": {}, "step": {},
@@ -184,7 +186,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
         res["draft"][f"{bsz},{n_out}"]["byte_bound_ms"] = round(read / (HBM_TBPS * 1e12) * 1e3, 4)
         log(f"{mode} rank {rank}: {bsz} req n_out {n_out}: p50 {res['draft'][f'{bsz},{n_out}']['p50_ms']:.3f} ms")
     from dspark_ray import workload
-    st = gs.slots[4]
+    st = gs.slots[len(states)]
     for rows in INSERT_ROWS:             # the taps' upload + the insert replay (rows scattered into the pool)
         taps = workload.make_taps(cfg, rows, torch.Generator().manual_seed(rows))
 
@@ -436,7 +438,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ckpt", default="/tmp/dspark_full")
     ap.add_argument("--modes", default="tp1,solo,pair", help="comma list of tp1, solo, pair")
     ap.add_argument("--shapes", default=" ".join(f"{b},{n}" for b, n in SEED000),
-                    help="(requests, n_out) pairs to time, e.g. '1,5 4,4' for a quick A/B (default: seed 000's)")
+                    help="(requests, n_out) pairs to time, e.g. '1,5 4,4' for a quick A/B, '8,5 16,5' for the wide "
+                         "buckets (default: seed 000's)")
     ap.add_argument("--replays", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=20, help="untimed replays before each timed shape")
     ap.add_argument("--settle", type=int, default=300, help="untimed replays before the first shape")

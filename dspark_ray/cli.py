@@ -103,7 +103,7 @@ def cmd_serve(a, *, then=None) -> int:
     try:
         spec = PairSpec(checkpoint=os.path.abspath(ckpt), tp=a.tp, n_slots=a.slots, backend=backend, device=device,
                         collective_timeout_s=a.collective_timeout, rank_cpus=a.rank_cpus,
-                        frontend_cpus=a.frontend_cpus,
+                        frontend_cpus=a.frontend_cpus, max_batch=a.max_batch,
                         ring_spin_us=None if a.spin_ms is None else a.spin_ms * 1e3)
     except ValueError as e:
         print(f"dspark-ray serve: {e}", file=sys.stderr)
@@ -283,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--port", type=int, default=0, help="the STEP port (0: a free one; with --pairs N: "
                                                              "PORT, PORT+1, ...)")
         sp.add_argument("--slots", type=int, default=16)
+        sp.add_argument("--max-batch", type=int, default=16,
+                        help="entries one replay takes (at most --slots): a wider STEP runs in several batches; each "
+                             "bucket above 4 requests is one more captured graph pair per margins setting")
         sp.add_argument("--name", default="dspark")
         sp.add_argument("--device", choices=["cpu", "cuda"])
         sp.add_argument("--backend", choices=["gloo", "push"])

@@ -60,7 +60,7 @@ class Limits(msgspec.Struct, kw_only=True, frozen=True):
     n_taps: int
     slot_capacity: int
     max_entries_per_step: int = 64      # per STEP message; the front-end splits a STEP into replays ...
-    max_entries_per_replay: int = 4     # ... of at most this many entries (the captured graph batch sizes 1-4)
+    max_entries_per_replay: int = 16    # ... of at most this many entries (the ranks' widest graph bucket)
     max_rows_per_entry: int = 128       # one insert is at most one window of the full preset (sliding_window 128)
     max_n_out: int = 5                  # the drafter's block size
     max_model_len: int = 1 << 20        # positions beyond this are refused (RoPE angles are computed per position)

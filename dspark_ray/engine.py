@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .collectives import CollectiveError, Collectives
-from .graphs import GraphSet, HostDraft
+from .graphs import MAX_REQUESTS, GraphSet, HostDraft
 from .model.drafter import Drafter
 from .model.state import SlotState
 from .stamps import now
@@ -118,8 +118,8 @@ class _CountingCollectives(Collectives):
 
 class RankEngine:
     """`graphs=True` builds the rank's graph set (`graphs.GraphSet`: captured as CUDA graphs on a GPU, run uncaptured
-    on a CPU) and runs every step through it; the eager path (`graphs=False`) gives the same bits and serves batches
-    the set does not cover.
+    on a CPU) for batches of up to `max_batch` requests and runs every step through it; the eager path
+    (`graphs=False`) gives the same bits and serves batches the set does not cover.
 
     `values_checked=True`: the entries' values (finite taps, token ids in the vocab) were scanned upstream (the
     service's front-end scans every entry before it reaches the ring), so the step checks only what guards the
@@ -127,7 +127,7 @@ class RankEngine:
     rank's step on the GPU host."""
 
     def __init__(self, drafter: Drafter, n_slots: int, rank: int = 0, graphs: bool = False,
-                 progress=None, values_checked: bool = False):
+                 progress=None, values_checked: bool = False, max_batch: int = MAX_REQUESTS):
         self.drafter, self.rank = drafter, rank
         self.values_checked = values_checked
         self.coll = _CountingCollectives(drafter.coll)
@@ -135,7 +135,7 @@ class RankEngine:
         drafter.head.coll = self.coll
         self.graphs = None
         if graphs:
-            self.graphs = GraphSet(drafter, n_slots)
+            self.graphs = GraphSet(drafter, n_slots, max_batch)
             self.graphs.capture(progress)
             self.slots: list[SlotState] = self.graphs.slots     # the rings live in the graph set's pool
         else:

@@ -63,6 +63,14 @@ from .model.state import SlotState
 from .stamps import now
 
 INSERT_BUCKETS = (8, 16, 32, 64, 128)
+# Batches of 1-4 requests have a graph each for every (n_out, margins). A wider batch is padded to the next of these
+# buckets, which draft n_out = block size only (an entry's answer is the first n_out drafts of a wider draft: the
+# n_out prefix property). The full preset drafts 5 rows a request and pads its dense layers' rows to chunks of 32
+# (kernels/gemm.py): 6 requests still take one chunk, 8-12 two, 16 three, where four replays of 4 read every weight
+# four times.
+EXACT_REQUESTS = 4
+WIDE_BUCKETS = (6, 8, 12, 16)
+MAX_REQUESTS = 16
 # A step graph runs an insert of up to this many rows per request beside the draft (a decode round brings a request's
 # seed and accepted drafts: at most block_size + 1 rows).
 STEP_INSERT_ROWS = 8
@@ -211,15 +219,23 @@ class _Inputs:
 
 
 class GraphSet:
-    def __init__(self, drafter: Drafter, n_slots: int = 16, max_requests: int = 4,
+    def __init__(self, drafter: Drafter, n_slots: int = 16, max_requests: int = MAX_REQUESTS,
                  n_outs: tuple[int, ...] | None = None, insert_buckets: tuple[int, ...] = INSERT_BUCKETS):
         self.d = drafter
         self.coll = drafter.coll
         c = drafter.cfg
         dev = drafter.device
         self.cuda = dev.type == "cuda"
-        self.max_requests = max_requests
+        # A batch never holds a slot twice, so no batch is wider than the slots.
+        self.max_requests = max_requests = max(1, min(max_requests, n_slots))
         self.n_outs = n_outs or tuple(range(1, c.block_size + 1))
+        # The request buckets: 1..EXACT_REQUESTS exactly, then WIDE_BUCKETS up to max_requests (the last one
+        # max_requests itself); _bucket[n] is the bucket a batch of n requests runs in.
+        exact = list(range(1, min(EXACT_REQUESTS, max_requests) + 1))
+        wide = [b for b in WIDE_BUCKETS if exact[-1] < b < max_requests]
+        wide += [max_requests] if max_requests > exact[-1] else []
+        self.wide_buckets = tuple(wide)
+        self._bucket = [0] + [min(b for b in exact + wide if b >= n) for n in range(1, max_requests + 1)]
         self.insert_buckets = insert_buckets
         self.W = c.sliding_window
         # Every slot's ring in one tensor; the last slot is the scratch that takes an insert bucket's pad rows.
@@ -274,7 +290,7 @@ class GraphSet:
         self.insert_graphs: dict[int, _Graph] = {}
         # The step graphs: a draft key's draft with an insert of up to step_rows[requests] rows beside it.
         on = step_graphs_enabled()
-        self.step_rows = {b: min(STEP_INSERT_ROWS * b, self.T) for b in range(1, max_requests + 1)} if on else {}
+        self.step_rows = {b: min(STEP_INSERT_ROWS * b, self.T) for b in exact + wide} if on else {}
         self.step_graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.mempool = None
         self._noop: torch.cuda.CUDAGraph | None = None      # for rehearse_launch, captured with the set on a GPU
@@ -344,7 +360,9 @@ class GraphSet:
         """Capture every graph (warm-up on a side stream first: kernels loaded, caches built, no lazy loading
         inside a capture). On a CPU, only record the functions."""
         t0 = time.monotonic()
-        keys = [(b, k, m) for b in range(1, self.max_requests + 1) for k in self.n_outs for m in (False, True)]
+        keys = [(b, k, m) for b in range(1, min(EXACT_REQUESTS, self.max_requests) + 1) for k in self.n_outs
+                for m in (False, True)]
+        keys += [(b, max(self.n_outs), m) for b in self.wide_buckets for m in (False, True)]
         fns = [(("draft", key), lambda key=key: self._draft_fn(*key)) for key in keys]
         fns += [(("insert", rows), lambda rows=rows: self._insert_fn(rows)) for rows in self.insert_buckets]
         fns += [(("step", key), lambda key=key: self._draft_fn(*key, self.step_rows[key[0]]))
@@ -432,9 +450,19 @@ class GraphSet:
         return g.out
 
     # -- a step ----------------------------------------------------------------------------------------------------
+    def _key(self, n: int, n_out: int, margins: bool) -> tuple[int, int, bool]:
+        """The graph key of a draft of n requests: (their bucket, the n_out it drafts, margins)."""
+        b = self._bucket[n]
+        return b, (n_out if b <= EXACT_REQUESTS else max(self.n_outs)), margins
+
     def _stage_draft(self, states: list[SlotState], seeds: list[int]) -> None:
-        """Write the draft's inputs into the pinned buffer (numpy into made views: no device work, no torch op)."""
+        """Write the draft's inputs into the pinned buffer (numpy into made views: no device work, no torch op).
+        A bucket's pad requests repeat the first request's inputs: its window and its experts, so they add no
+        distinct weight to read (every kernel is row-invariant: their answers, dropped, change no other bit)."""
         h, W = self.inp.h, self.W
+        pad = self._bucket[len(states)] - len(states)
+        if pad:
+            states, seeds = states + states[:1] * pad, seeds + seeds[:1] * pad
         win_h = self._win_h[len(states)]
         for r, s in enumerate(states):
             h["seeds"][r], h["p0"][r] = seeds[r], s.position
@@ -478,7 +506,7 @@ class GraphSet:
             inp.mark()
         if not states:
             return None
-        key = (len(states), n_out, want_margins)
+        key = self._key(len(states), n_out, want_margins)
         if beside is not None:          # one graph: the insert beside the draft; both staged before it starts
             if chunks:
                 inp.writable()
@@ -500,7 +528,7 @@ class GraphSet:
             packed = self._replay(self.draft_graphs[key])
         stamps["launched"] = now()
         inp.mark()
-        return self._unpack(packed, n_out, want_margins, host)
+        return self._unpack(packed, len(states), n_out, key[1], want_margins, host)
 
     def rehearse(self, inserts: list[tuple[SlotState, int, torch.Tensor]], states: list[SlotState],
                  seeds: list[int], n_out: int, want_margins: bool) -> None:
@@ -514,8 +542,8 @@ class GraphSet:
             if states:
                 self._stage_draft(states, seeds)
         if states:
-            bsz = len(states)
-            self._read_outputs(bsz, bsz * ((2 + want_margins) * n_out + 1), n_out, want_margins, True)
+            b, drafted, _ = self._key(len(states), n_out, want_margins)
+            self._read_outputs(b * ((2 + want_margins) * drafted + 1), len(states), n_out, drafted, want_margins, True)
 
     def rehearse_launch(self) -> None:
         """Launch a graph of one tiny kernel while no step is in flight (the GPU is idle between steps): keeps the
@@ -528,7 +556,7 @@ class GraphSet:
     def _beside_rows(self, chunks: list, n_states: int) -> int | None:
         """The rows of the step graph the last chunk runs in, beside the draft of `n_states` requests, when it fits
         there; else None (it runs in an insert graph)."""
-        rows = self.step_rows.get(n_states, 0)
+        rows = self.step_rows.get(self._bucket[n_states], 0) if n_states <= self.max_requests else 0
         if chunks and rows and sum(len(t) for _, _, t in chunks[-1]) <= rows:
             return rows
         return None
@@ -577,8 +605,9 @@ class GraphSet:
         dst[:, at:bucket] = self._scratch_rows[:, at:bucket]
         return at, bucket
 
-    def _unpack(self, packed: torch.Tensor, n_out: int, want_margins: bool, host_draft: bool) -> DraftOut | HostDraft:
-        bsz, size = packed.shape[0], packed.numel()
+    def _unpack(self, packed: torch.Tensor, n: int, n_out: int, drafted: int, want_margins: bool,
+                host_draft: bool) -> DraftOut | HostDraft:
+        size = packed.numel()
         if not self.memcpy:              # else the draft graph has downloaded it
             self.out_host[:size].copy_(packed.reshape(-1), non_blocking=True)
             self.inp.mark()
@@ -586,13 +615,19 @@ class GraphSet:
             self.inp.synchronize(self.while_waiting)   # the event recorded behind the draft replay and its download
             self._status_fresh = self.status is not None
         self.last_stamps["synced"] = now()
-        return self._read_outputs(bsz, size, n_out, want_margins, host_draft)
+        return self._read_outputs(size, n, n_out, drafted, want_margins, host_draft)
 
-    def _read_outputs(self, bsz: int, size: int, n_out: int, want_margins: bool,
+    def _read_outputs(self, size: int, n: int, n_out: int, drafted: int, want_margins: bool,
                       host_draft: bool) -> DraftOut | HostDraft:
-        a = self._out_np[:size].reshape(bsz, -1)
-        drafts, confs, lens = a[:, :n_out], a[:, n_out:2 * n_out], a[:, (2 + want_margins) * n_out]
-        margins = a[:, 2 * n_out:3 * n_out] if want_margins else None
+        """The first n requests' answers from the download of a bucket that drafted `drafted` >= n_out: the
+        first n_out drafts, scores and margins, and the confident prefix cut at n_out (the prefix of the first
+        n_out drafts: the loop never looks ahead)."""
+        k = drafted
+        a = self._out_np[:size].reshape(-1, (2 + want_margins) * k + 1)[:n]
+        drafts, confs, lens = a[:, :n_out], a[:, k:k + n_out], a[:, (2 + want_margins) * k]
+        if n_out < k:
+            lens = np.minimum(lens, n_out)
+        margins = a[:, 2 * k:2 * k + n_out] if want_margins else None
         # (astype copies: the pinned buffer is the next step's)
         if host_draft:
             return HostDraft(drafts.astype(np.int32), confs.astype(np.float32),

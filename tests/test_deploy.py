@@ -17,7 +17,7 @@ from dspark_ray.actors.placement import teardown
 from dspark_ray.actors.scheduling import pin_thread, thread_deltas, thread_niceness, threads_named
 from dspark_ray.client import ClientError, DrafterClient
 from dspark_ray.contract import Code, make_entry
-from dspark_ray.engine import RankEngine
+from dspark_ray.engine import RankEngine, StepEntry
 from dspark_ray.modes import make_drafter
 
 from conftest import PAIR_BACKEND, deploy_pair, step_as_reference, to_entry
@@ -308,17 +308,19 @@ def test_a_closed_sessions_slots_are_free_again(pair):
     other.close()
 
 
-def test_a_step_larger_than_the_replay_limit_is_split(pair, cfg, ray_cluster):
-    taps = workload.make_taps(cfg, 2, torch.Generator().manual_seed(6)).numpy()
+def test_a_step_larger_than_the_replay_limit_is_split(pair, cfg, ckpt, ray_cluster):
+    """The test pair takes 6 entries a replay (`max_batch=6`: graph buckets 1-4 and 6): 8 entries run as a batch of
+    6 (a wide bucket) and one of 2, with the in-process engine's answers bit for bit."""
+    g = torch.Generator().manual_seed(6)
+    batch = [StepEntry(slot=i, seed=3 + i, n_out=1 + i % 5, start=0, token_ids=torch.arange(2 + i),
+                       taps=workload.make_taps(cfg, 2 + i, g), want_margins=i % 3 == 0) for i in range(8)]
     before = ray_cluster.get(pair[0].status.remote())["stats"]["batch_sizes"]
     with client(pair) as c:
-        grants = acquire_when_free(c, 6)
-        res = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=3 + i, token_ids=[1, 2], taps=taps)
-                      for i, g in enumerate(grants)], deadline_ms=60_000)
-        assert [r.code for r in res] == [Code.OK] * 6
+        grants = acquire_when_free(c, 8)
+        step_as_reference(c, RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 8), grants, batch)
         c.release([g.slot for g in grants])
     after = ray_cluster.get(pair[0].status.remote())["stats"]["batch_sizes"]
-    assert after[4] - before[4] >= 1 and sum(after) - sum(before) >= 2
+    assert len(after) == 7 and after[6] - before[6] >= 1 and sum(after) - sum(before) >= 2
 
 
 def test_status_reports_each_step_threads_cpu_time_and_waits(pair, cfg, ray_cluster):

@@ -135,8 +135,9 @@ def kernel_checks(dev: str) -> dict:
         res[name + "_alone"] = _alone_equals_batch(lambda s, t=tiling: (fused.router_logits(fr[s], gate, t),), 5)
 
     # Experts, grouped by expert: close to the per-pair reference, every row alone equals its batched bits (rows
-    # share experts here), and more pairs than one pass of the kernel takes (GROUP_BM) on a few experts.
-    for n, ne in ((4, 6), (30, 4)):
+    # share experts here), pairs of one expert spread over several of the kernel's BM-pair chunks (30 rows on 4
+    # experts), and more pairs of one expert than one pass takes (100 rows on 3 experts: 100 pairs each, GROUP_BM 64).
+    for n, ne in ((4, 6), (30, 4), (100, 3)):
         kc, hid, inter = 3, 96, 80
         f = rn(n, hid).half()
         w1e, w3e = rn(ne, inter, hid, s=hid ** -0.5).half(), rn(ne, inter, hid, s=hid ** -0.5).half()

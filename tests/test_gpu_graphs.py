@@ -130,13 +130,13 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, matmul, 
     d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda")
     gs = GraphSet(d, n_slots=8)
     gs.capture()
-    rows = [6, 11, 3, 20]
+    rows = [6, 11, 3, 20, 9, 2, 14, 5]
     eager = _slots(d, cfg, rows, 31)
     for r, n in enumerate(rows):
         gs.run([(gs.slots[r], 0, workload.make_taps(cfg, n, torch.Generator().manual_seed(31 + r)))], [], [], 1, False)
     g = torch.Generator().manual_seed(4)
     launches = 0
-    assert len(gs.step_graphs) == 4 * cfg.block_size * 2
+    assert len(gs.step_graphs) == 4 * cfg.block_size * 2 + 2 * 2          # 1-4 requests; the wide buckets 6 and 8
     for (bsz, n_out, margins) in gs.step_graphs:
         inserts = []
         for r in range(bsz):
@@ -162,6 +162,33 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, matmul, 
     torch.cuda.synchronize()
     assert int(gs._noop_buf) == 1 + launches
     gs.inp.in_use = False
+
+
+def test_wide_buckets_replay_the_eager_bits_for_every_width(cfg, ckpt, matmul):
+    """5-16 requests replay a wide bucket's graph (6, 8, 12, 16), padded with copies of the first request and drafted
+    at n_out = B: for every width, the eager batch's bits and each request's one-request answer, bit for bit."""
+    from dspark_ray.graphs import GraphSet
+    d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda")
+    gs = GraphSet(d, n_slots=16)
+    gs.capture()
+    assert gs.wide_buckets == (6, 8, 12, 16)
+    print(f"\n{gs.n_graphs} graphs captured in {gs.capture_seconds:.2f} s, {gs.graph_bytes / 2**20:.1f} MiB")
+    rows = [1 + (7 * r) % 23 for r in range(16)]
+    eager = _slots(d, cfg, rows, 41)
+    for r, n in enumerate(rows):
+        gs.run([(gs.slots[r], 0, workload.make_taps(cfg, n, torch.Generator().manual_seed(41 + r)))], [], [], 1, False)
+    seeds = [int(x) for x in torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(2))]
+    alone = {m: [gs.run([], [gs.slots[r]], [seeds[r]], cfg.block_size, m) for r in range(16)] for m in (False, True)}
+    for width in range(5, 17):
+        for n_out, margins in ((cfg.block_size, True), (2, False), (1, True)):
+            got = gs.run([], gs.slots[:width], seeds[:width], n_out, margins)
+            want = d.draft(eager[:width], seeds[:width], n_out, margins)
+            for k in ("drafts", "confidences", "confident_len") + (("margins",) if margins else ()):
+                assert torch.equal(getattr(got, k), getattr(want, k).cpu()), (width, n_out, margins, k)
+            for r in range(width):
+                a = alone[margins][r]
+                assert torch.equal(got.drafts[r], a.drafts[0, :n_out]), (width, n_out, margins, r)
+                assert torch.equal(got.confidences[r], a.confidences[0, :n_out]), (width, n_out, margins, r)
 
 
 def test_programmatic_dependent_launch_keeps_the_bits(cfg, ckpt, matmul):

@@ -19,7 +19,8 @@ N_SLOTS = 6
 def _engines(cfg, ckpt):
     eager = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS)
     graph = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
-    assert graph.graphs is not None and graph.graphs.n_graphs == 2 * (4 * cfg.block_size * 2) + 5  # draft, step; insert
+    # draft, step: 1-4 requests at every (n_out, margins), the wide bucket 6 at n_out B (both margins); insert
+    assert graph.graphs is not None and graph.graphs.n_graphs == 2 * (4 * cfg.block_size * 2 + 2) + 5
     return eager, graph
 
 
@@ -48,7 +49,7 @@ def _same_rings(eager, graph):
 def test_graph_engine_equals_the_eager_engine_bit_for_bit(cfg, ckpt):
     """Rounds of 3 requests (partial windows, a far start, rollbacks, every n_out, margins), then batches the
     rounds do not cover: inserts of more than the largest bucket across two entries, a bad entry, and 5 requests
-    (wider than the graph set: drafted eagerly over the same pool)."""
+    (the wide bucket of 6, one pad request)."""
     eager, graph = _engines(cfg, ckpt)
     for batch in workload.rounds(cfg, n_requests=3, n_rounds=10, far_start=900_000):
         _same_step(eager, graph, batch)
@@ -92,7 +93,7 @@ def test_a_decode_round_is_one_step_graph_with_the_separate_graphs_bits(cfg, ckp
     assert not apart.graphs.step_graphs
     monkeypatch.delenv("DSPARK_STEP_GRAPHS")
     graph = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
-    assert graph.graphs.n_graphs == 2 * (4 * cfg.block_size * 2) + 5       # draft, step; insert
+    assert graph.graphs.n_graphs == 2 * (4 * cfg.block_size * 2 + 2) + 5   # draft, step; insert
     log = _replays(graph)
     for batch in workload.rounds(cfg, n_requests=4, n_rounds=8, far_start=900_000):
         _same_step(apart, graph, batch)
@@ -125,6 +126,44 @@ def test_a_request_drafts_the_same_in_every_batch_bucket(cfg, ckpt):
     together = graph.step(batch)
     for a, b in zip(alone, together):
         assert np.array_equal(a.drafts, b.drafts) and np.array_equal(a.confidences, b.confidences)
+
+
+def test_wide_batches_run_padded_in_their_bucket_with_the_eager_bits(cfg, ckpt):
+    """5-16 requests run in the wide buckets (6, 8, 12, 16): one step graph each round, padded with copies of the
+    first request and drafted at n_out = B. Every answer (each entry's own n_out, margins, the confident prefix cut
+    there) and every ring is the eager engine's bit for bit; a draft in a bucket gives each request its one-request
+    answer."""
+    n = 16
+    eager = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), n)
+    graph = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), n, graphs=True)
+    gs = graph.graphs
+    assert gs.wide_buckets == (6, 8, 12, 16) and gs.max_requests == 16
+    assert gs.n_graphs == 2 * (4 * cfg.block_size * 2 + 4 * 2) + 5
+    assert [gs._bucket[k] for k in range(1, 17)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16]
+    assert RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), 4, graphs=True).graphs.wide_buckets == ()
+    assert GraphSet(make_drafter(cfg, "tp1", ckpt=ckpt), n, max_requests=10).wide_buckets == (6, 8, 10)
+    log = _replays(graph)
+    rounds = workload.rounds(cfg, seed=12, n_requests=n, n_rounds=3, far_start=900_000)
+    for batch in rounds:                                  # contexts in every slot (the first round: 3-6 rows each)
+        _same_step(eager, graph, batch)
+    for width in (5, 7, 9, 13, 16):
+        for batch in workload.rounds(cfg, seed=width, n_requests=width, n_rounds=2, first_rows=(2, 1)):
+            for e in batch:
+                e.start = graph.slots[e.slot].position
+            _same_step(eager, graph, batch)
+    assert log == ["step"] * (3 + 5 * 2)
+    _same_rings(eager, graph)
+    states, seeds = gs.slots[:11], [7 + 3 * r for r in range(11)]
+    for n_out, margins in ((5, True), (2, False)):
+        together = gs.run([], states, seeds, n_out, margins, host=True)        # bucket 12, one pad request
+        assert together.drafts.shape == (11, n_out)
+        for r in range(11):
+            alone = gs.run([], states[r:r + 1], seeds[r:r + 1], n_out, margins, host=True)
+            assert np.array_equal(together.drafts[r], alone.drafts[0])
+            assert np.array_equal(together.confidences[r], alone.confidences[0])
+            assert together.confident_len[r] == alone.confident_len[0]
+            if margins:
+                assert np.array_equal(together.margins[r], alone.margins[0])
 
 
 def test_the_engines_answers_come_from_the_download_in_the_contracts_dtypes(cfg, ckpt):

@@ -29,15 +29,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def ring_slot_bytes(limits) -> int:
+    """A ring slot that holds a decode round of the widest batch in place (each entry's seed and accepted drafts:
+    up to graphs.STEP_INSERT_ROWS rows of taps): a larger batch spills to a segment of its own, created and
+    faulted in per message (~3 MB on the full preset at 16 entries)."""
+    from ..graphs import STEP_INSERT_ROWS
+    round_bytes = limits.max_entries_per_replay * (STEP_INSERT_ROWS * (2 * limits.taps_width + 4) + 256)
+    return max(1 << 20, -(-(round_bytes + 4096) // 4096) * 4096)
+
+
 class PairManager:
     """The rank actors of one pair and the ring that feeds them."""
 
     def __init__(self, spec: PairSpec, pg=None, rank_bundles: list[int] | None = None, rank_resources=None,
-                 name: str = "dspark"):
+                 name: str = "dspark", slot_bytes: int = 1 << 20):
         self.spec, self.pg, self.name = spec, pg, name
         self.rank_bundles = rank_bundles or list(range(spec.tp))
         self.rank_resources = rank_resources or {"num_cpus": 0.5}
-        self.ring = StepRing.create(f"dspark-{name}", n_readers=spec.tp, slot_bytes=1 << 20, n_slots=4,
+        self.ring = StepRing.create(f"dspark-{name}", n_readers=spec.tp, slot_bytes=slot_bytes, n_slots=4,
                                     spin_us=spec.spin_us)
         self.ranks: list = []
         self.progress_cb = None
@@ -233,8 +242,10 @@ def frontend_actor_class():
             ck = Checkpoint(self.spec.checkpoint)
             cfg = load_config(self.spec.checkpoint)
             self.identity = Identity(ck.identity_digest, cfg.digest(), self.spec.tp, cfg.max_model_len)
-            self.limits = Limits.for_config(cfg, slot_capacity=self.spec.n_slots)
-            self.manager = PairManager(self.spec, pg, rank_bundles, rank_resources, name)
+            self.limits = Limits.for_config(cfg, slot_capacity=self.spec.n_slots,
+                                            max_entries_per_replay=self.spec.batch_limit(cfg))
+            self.manager = PairManager(self.spec, pg, rank_bundles, rank_resources, name,
+                                       slot_bytes=ring_slot_bytes(self.limits))
             # The endpoint's threads rehearse the last STEP's host path while they wait (keep_warm.py).
             self.keep_warm = KeepWarm(f"front-end {name}")
             self.manager.keep_warm = self.keep_warm if self.keep_warm.enabled else None

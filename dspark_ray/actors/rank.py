@@ -57,6 +57,9 @@ class PairSpec:
     # endpoint threads on frontend_cpus. None: wherever the kernel puts them.
     rank_cpus: list[int] | None = None
     frontend_cpus: list[int] | None = None
+    # Entries one replay takes: the front-end's `Limits.max_entries_per_replay` (a wider STEP is split into batches)
+    # and the ranks' widest graph bucket (graphs.WIDE_BUCKETS); never more than n_slots.
+    max_batch: int = 16
 
     def __post_init__(self):
         # A bad pinning is refused here, before any actor starts, not found later as a thread left unpinned.
@@ -66,8 +69,19 @@ class PairSpec:
             cpus = getattr(self, name)
             if cpus is not None and (not cpus or any(int(c) < 0 for c in cpus)):
                 raise ValueError(f"{name} {list(cpus)}: vCPU numbers >= 0, at least one")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch {self.max_batch}: at least one entry a replay")
         if self.ring_spin_us is not None and not self.ring_spin_us >= 0:
             raise ValueError(f"ring_spin_us {self.ring_spin_us}: a spin of 0 us or more")
+
+    def batch_limit(self, cfg) -> int:
+        """Entries a replay takes for a drafter of `cfg`: max_batch, at most one per slot, and on the push pair at
+        most what one collective carries (`kernels.push.max_rows`: 12 requests of the full preset)."""
+        n = min(self.max_batch, self.n_slots)
+        if self.backend == "push" and self.tp == 2:
+            from ..kernels.push import max_rows
+            n = min(n, max_rows(cfg.hidden_size) // cfg.block_size)
+        return max(1, n)
 
     @property
     def spin_us(self) -> float:
@@ -150,7 +164,7 @@ class RankWorker:
         # The front-end scans every entry's values before it publishes them (contract.validate_entries): the ranks
         # check only what guards their slots.
         self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress,
-                                 values_checked=True)
+                                 values_checked=True, max_batch=self.spec.batch_limit(cfg))
         log.info("rank %d: connected through %s%s", self.rank, coll.describe(),
                  f"; {self.engine.status()['graphs']}" if graphs else "")
         return coll.describe()

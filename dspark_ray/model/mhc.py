@@ -1,7 +1,8 @@
 """mHC: the four residual streams, their mix before each sublayer, and the HyperHead that collapses them at exit.
 
-Streams X (rows, M=4, h) stay fp32 throughout. The mixing rows `fn` are rounded to fp16 (exllamav3 does so for
-batches of <= 32 rows, which covers every batch we replay: at most 4 requests x 5 tokens); dots in fp32 with the
+Streams X (rows, M=4, h) stay fp32 throughout. The mixing rows `fn` are rounded to fp16 at every batch width
+(exllamav3 does so for batches of <= 32 rows, 6 requests x 5 tokens, and keeps them unrounded above: there a request's
+drafts would depend on its batch; here they are its drafts alone, exllamav3's at any width); dots in fp32 with the
 pinned tree order. Sums over the 4 streams run k = 0..3 as separate multiply and add (no FMA), a fixed choice.
 """
 from __future__ import annotations
