@@ -49,6 +49,7 @@ collective sequence.
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -367,6 +368,20 @@ class GraphSet:
         fns += [(("insert", rows), lambda rows=rows: self._insert_fn(rows)) for rows in self.insert_buckets]
         fns += [(("step", key), lambda key=key: self._draft_fn(*key, self.step_rows[key[0]]))
                 for key in keys if self.step_rows]
+        # No garbage collection inside a capture: an unreachable object collected there (an earlier graph set's
+        # graphs, pinned buffers, events) frees CUDA memory or queries events, which invalidates the capture (seen
+        # once in the gpu tests: "operation failed due to a previous error during capture"). Collected before.
+        gc.collect()
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_all(fns, progress)
+        finally:
+            if gc_was_on:
+                gc.enable()
+        self.capture_seconds = time.monotonic() - t0
+
+    def _capture_all(self, fns, progress) -> None:
         total, done = len(fns), 0
         with ops.graph_launches():       # the fast path's kernels launch with PDL here (Hopper and later)
             if self.cuda:
@@ -391,7 +406,6 @@ class GraphSet:
             self._noop = self._capture_noop()
             torch.cuda.synchronize()
             self.graph_bytes = max(0, free0 - torch.cuda.mem_get_info()[0])
-        self.capture_seconds = time.monotonic() - t0
 
     def _capture_noop(self) -> torch.cuda.CUDAGraph:
         """A graph of one kernel on a buffer of its own, for `rehearse_launch`."""
