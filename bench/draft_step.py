@@ -202,6 +202,17 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
             states[0].rollback(top - rows)
             gs.run([(states[0], top - rows, taps)], states[:1], [17], 5, False)
         res["step"][str(rows)] = stats(timed(step, args.replays)) | {"host_p50": host_p50()}
+    res["step_batch"] = {}
+    for bsz in sorted({b for b, _ in args.shapes if b > 1}):   # a decode round at bsz requests: 3 rows each
+        taps = [workload.make_taps(cfg, 3, torch.Generator().manual_seed(50 + r)) for r in range(bsz)]
+        tops, seeds = [s.position for s in states[:bsz]], [17 + 1000 * r for r in range(bsz)]
+
+        def step_batch(bsz=bsz, taps=taps, tops=tops, seeds=seeds):
+            for s, top in zip(states, tops):
+                s.rollback(top - 3)
+            gs.run([(s, top - 3, t) for s, top, t in zip(states, tops, taps)], states[:bsz], seeds, 5, False)
+        res["step_batch"][f"{bsz},3"] = stats(timed(step_batch, args.replays // 2)) | {"host_p50": host_p50()}
+        log(f"{mode} rank {rank}: step of {bsz} requests x 3 rows: p50 {res['step_batch'][f'{bsz},3']['p50_ms']:.3f} ms")
     res["profile_1req"] = profile(d, states, args, barrier)
     res["graph_kernels_1req"] = graph_kernels(gs, states, barrier)
     free, total = torch.cuda.mem_get_info()
