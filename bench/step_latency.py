@@ -2,7 +2,7 @@
 the shared-memory ring and the transport. Also the ring's own round trip.
 
 Deploys one pair on a local Ray (tiny preset on CPU; `--preset full` with GPUs), runs the demo client's kind of
-rounds (1 request, `--rows` fresh rows per round, n_out 5), and times the same entries through an in-process
+rounds (`--requests` entries a STEP, 1 by default; `--rows` fresh rows each per round, n_out 5), and times the same entries through an in-process
 emulated pair (both ranks in this process, each on its own thread; on a CPU host they share one interpreter lock, so
 this is slower than the deployed pair's two processes) and reads rank 0's own engine time per step from the
 deployment: the service's overhead is the TCP round trip minus that. Every party stamps each step
@@ -65,6 +65,7 @@ def main() -> None:
                                                          "section 9) instead of TCP")
     ap.add_argument("--rounds", type=int, default=60)
     ap.add_argument("--rows", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=1, help="entries a STEP (one per request, each its own slot)")
     ap.add_argument("--warmup-rounds", type=int, default=None,
                     help="untimed rounds first (default 3000 with GPUs, 20 on a CPU): a serving engine steps without "
                          "pause, and the host path's hops took 2-3x longer in the first second of rounds on the GPU "
@@ -114,24 +115,32 @@ def main() -> None:
     cfg = ck.config
     g = torch.Generator().manual_seed(0)
     warm = a.warmup_rounds if a.warmup_rounds is not None else (3000 if gpu else 20)
+    # Per round, one entry per request (request q on slot q); with several requests the taps come from a bank (fresh
+    # taps for every entry of 3000 warm-up rounds would not fit in memory).
+    R = a.requests
+    bank = [workload.make_taps(cfg, a.rows, g) for _ in range(64)] if R > 1 else None
     entries = []
-    pos = 0
+    pos = [0] * R
     for r in range(warm + a.rounds):
         n = 8 if r == 0 else a.rows
-        entries.append(StepEntry(slot=0, seed=int(torch.randint(0, cfg.vocab_size, (1,), generator=g)), n_out=5,
-                                 start=pos, token_ids=torch.randint(0, cfg.vocab_size, (n,), generator=g),
-                                 taps=workload.make_taps(cfg, n, g)))
-        pos += n
+        batch = []
+        for q in range(R):
+            taps = workload.make_taps(cfg, n, g) if bank is None or r == 0 else bank[(r * R + q) % len(bank)]
+            batch.append(StepEntry(slot=q, seed=int(torch.randint(0, cfg.vocab_size, (1,), generator=g)), n_out=5,
+                                   start=pos[q], token_ids=torch.randint(0, cfg.vocab_size, (n,), generator=g),
+                                   taps=taps))
+            pos[q] += n
+        entries.append(batch)
 
     # In-process: the emulated pair (two threads), same entries (CPU only: on a GPU host the reference for the
     # round trip is the pair's graph replay, bench/draft_step.py, and rank 0's own engine time below).
     inproc = []
     if not gpu:
         d0, d1 = make_emulated(cfg, ckpt=ck)
-        e0, e1 = RankEngine(d0, 1, 0), RankEngine(d1, 1, 1)
-        for e in entries:
+        e0, e1 = RankEngine(d0, R, 0), RankEngine(d1, R, 1)
+        for batch in entries:
             t0 = time.perf_counter()
-            run_pair(lambda: e0.step([e]), lambda: e1.step([e]))
+            run_pair(lambda: e0.step(batch), lambda: e1.step(batch))
             inproc.append((time.perf_counter() - t0) * 1e3)
 
     # Every party also stamps its thread's CPU time (stamps.cpu_now); Ray's workers inherit this environment.
@@ -139,7 +148,7 @@ def main() -> None:
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
     all_cpus = os.sched_getaffinity(0)
-    base = PairSpec(checkpoint=ckpt, tp=a.tp, n_slots=4, backend="push" if gpu else "gloo", device=device,
+    base = PairSpec(checkpoint=ckpt, tp=a.tp, n_slots=max(4, R), backend="push" if gpu else "gloo", device=device,
                     ring_spin_us=a.ring_spin_us)
     gap_ns = int(a.gap_us * 1e3)
     pinning = {"ranks": a.rank_cpus, "frontend": a.frontend_cpus, "client": a.client_cpu}
@@ -157,25 +166,26 @@ def main() -> None:
         os.sched_setaffinity(0, {pins["client"]} if pins["client"] is not None else all_cpus)  # the client's thread
         with DrafterClient(host, int(port), timeout_s=60, spin_us=a.client_spin_us, shm=a.shm) as c:
             c.hello(client="step_latency bench")
-            (gr,) = c.acquire(1)
+            grants = c.acquire(R)
             log(f"warm-up rounds: {warm}")
-            for i, e in enumerate(entries):
+            for i, batch in enumerate(entries):
                 if i == warm:
                     before = ray.get(fe.status.remote())      # while connected: the connection's thread is listed
                     log(f"timed rounds: {a.rounds}")
-                ent = make_entry(slot=gr.slot, generation=gr.generation, seed_token=e.seed, start_pos=e.start,
-                                 token_ids=e.token_ids.numpy(), taps=e.taps.numpy(), n_out=5)
+                ents = [make_entry(slot=gr.slot, generation=gr.generation, seed_token=e.seed, start_pos=e.start,
+                                   token_ids=e.token_ids.numpy(), taps=e.taps.numpy(), n_out=5)
+                        for gr, e in zip(grants, batch)]
                 if gap_ns:
                     # Busy, like an engine's thread driving its trunk's forward (a sleep would also cool this core).
                     until = now() + gap_ns
                     while now() < until:
                         pass
                 t0 = now()
-                (res,) = c.step([ent], deadline_ms=60_000)
+                res = c.step(ents, deadline_ms=60_000)
                 if i >= warm:
                     client.append((t0, now()))
                     sent.append(c.last_sent_ns - t0)
-                assert res.code == Code.OK, res.reason
+                assert all(x.code == Code.OK for x in res), [x.reason for x in res]
             log("timed rounds: done")
             status = ray.get(fe.status.remote())
         st = ray.get(fe.stamps.remote())
@@ -249,7 +259,7 @@ def main() -> None:
         "bench": "step_latency",
         "command": "python bench/step_latency.py " + " ".join(sys.argv[1:]),
         "config": {"preset": a.preset, "tp": base.tp, "backend": base.backend if base.tp == 2 else None,
-                   "requests": 1, "rows_per_round": a.rows,
+                   "requests": R, "rows_per_round": a.rows,
                    "n_out": 5, "rounds": a.rounds, "warmup_rounds": warm, "repeats": a.repeats,
                    "pin_ab": a.pin_ab, "client_spin_us": a.client_spin_us, "gap_us": a.gap_us,
                    "server_and_ring_spin_us": base.spin_us,
