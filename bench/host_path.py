@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from dspark_ray import contract as C                                        # noqa: E402
 from dspark_ray.actors import messages as M                                 # noqa: E402
+from dspark_ray.collectives import LocalCollectives                         # noqa: E402
 from dspark_ray.config import full                                          # noqa: E402
 from dspark_ray.engine import EntryOut                                      # noqa: E402
 from dspark_ray.frontend import Identity, StepService                       # noqa: E402
@@ -102,7 +103,7 @@ class ShapesOnly:
     at full shapes, without a checkpoint)."""
 
     def __init__(self, cfg):
-        self.cfg, self.device, self.coll = cfg, torch.device("cpu"), None
+        self.cfg, self.device, self.coll = cfg, torch.device("cpu"), LocalCollectives(1)
 
     def new_slot(self) -> SlotState:
         c = self.cfg
@@ -162,7 +163,7 @@ def measure(rows: int, n: int) -> dict:
     slot = gs.slots[0]
     slot.advance(0, 200)
     inserts = [(slot, 200, M.to_step_entries(M.decode_batch(in_slot), width)[0].taps)]
-    packed = torch.zeros(1, 3 * 5 + 1, dtype=torch.float64)
+    packed = torch.zeros(1, 2 * 5 + 1, dtype=torch.float64)          # drafts, confidences, confident length
 
     def py_loop():
         x = 0
@@ -186,7 +187,7 @@ def measure(rows: int, n: int) -> dict:
         "rank_to_step_entries": timed(lambda: M.to_step_entries(M.decode_batch(in_slot), width), n),
         "rank_stage_insert": timed(lambda: [gs._stage_insert(c) for c in gs._chunks(inserts)], n),
         "rank_stage_draft": timed(lambda: gs._stage_draft([slot], [5]), n),
-        "rank_unpack": timed(lambda: gs._unpack(packed, 5, False, True), n),
+        "rank_unpack": timed(lambda: gs._unpack(packed, 1, 5, 5, False, True), n),
         "rank_results_encode": timed(lambda: M.encode(M.RankReply(M.to_rank_results([out]))), n),
         "frontend_decode_reply": timed(lambda: M.decode_reply(reply), n),
         "reply_encode": timed(lambda: writer._encode(C.StepReply(results=[C.EntryResult(

@@ -107,6 +107,11 @@ class Collectives(ABC):
     def describe(self) -> str:
         return f"{self.name} (world {self.world_size}, local ranks {list(self.local_ranks)})"
 
+    def max_rows(self, width: int) -> int | None:
+        """Most rows one collective carries for rows of `width` values (an all-reduce of (rows, width) partials, an
+        exchange of `rows` tops); None: no bound. A graph set drafts no wider batch (graphs.GraphSet)."""
+        return None
+
     @contextlib.contextmanager
     def graph_capture(self):
         """Wrap a torch.cuda.graph capture of a step (push counts the collectives recorded)."""

@@ -115,6 +115,9 @@ class _CountingCollectives(Collectives):
     def describe(self):
         return self.inner.describe()
 
+    def max_rows(self, width):
+        return self.inner.max_rows(width)
+
 
 class RankEngine:
     """`graphs=True` builds the rank's graph set (`graphs.GraphSet`: captured as CUDA graphs on a GPU, run uncaptured

@@ -227,8 +227,11 @@ class GraphSet:
         c = drafter.cfg
         dev = drafter.device
         self.cuda = dev.type == "cuda"
-        # A batch never holds a slot twice, so no batch is wider than the slots.
-        self.max_requests = max_requests = max(1, min(max_requests, n_slots))
+        # A batch never holds a slot twice, so no batch is wider than the slots; nor than one collective carries.
+        max_requests = min(max_requests, n_slots)
+        if (rows := self.coll.max_rows(c.hidden_size)) is not None:
+            max_requests = min(max_requests, rows // c.block_size)
+        self.max_requests = max_requests = max(1, max_requests)
         self.n_outs = n_outs or tuple(range(1, c.block_size + 1))
         # The request buckets: 1..EXACT_REQUESTS exactly, then WIDE_BUCKETS up to max_requests (the last one
         # max_requests itself); _bucket[n] is the bucket a batch of n requests runs in.

@@ -5,6 +5,7 @@ are checked on the GPU (test_gpu_graphs.py)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from dspark_ray import workload
@@ -164,6 +165,26 @@ def test_wide_batches_run_padded_in_their_bucket_with_the_eager_bits(cfg, ckpt):
             assert together.confident_len[r] == alone.confident_len[0]
             if margins:
                 assert np.array_equal(together.margins[r], alone.margins[0])
+
+
+def test_no_batch_is_wider_than_the_slots_or_one_collective(cfg, ckpt, monkeypatch):
+    """A graph set drafts at most one request a slot, and no more rows than one collective of its pair carries (the
+    push pair's layout: 64 rows, 12 requests of the full preset); the deployment's batch limit says the same."""
+    from dspark_ray.actors.rank import PairSpec
+    from dspark_ray.config import full
+    from dspark_ray.kernels.push import max_rows
+    d = make_drafter(cfg, "tp1", ckpt=ckpt)
+    assert GraphSet(d, 5).max_requests == 5 and GraphSet(d, 5).wide_buckets == (5,)
+    monkeypatch.setattr(d.coll, "max_rows", lambda width: 3 * cfg.block_size + 1, raising=False)
+    capped = GraphSet(d, 16)
+    assert capped.max_requests == 3 and capped.wide_buckets == () and capped._bucket == [0, 1, 2, 3]
+    assert max_rows(5120) == 64
+    push = PairSpec(checkpoint="x", backend="push", device="cuda")
+    assert push.batch_limit(full()) == 12 and PairSpec(checkpoint="x").batch_limit(full()) == 16
+    assert PairSpec(checkpoint="x", n_slots=8).batch_limit(full()) == 8
+    assert PairSpec(checkpoint="x", max_batch=3).batch_limit(full()) == 3
+    with pytest.raises(ValueError, match="max_batch"):
+        PairSpec(checkpoint="x", max_batch=0)
 
 
 def test_the_engines_answers_come_from_the_download_in_the_contracts_dtypes(cfg, ckpt):

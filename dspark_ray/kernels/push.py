@@ -44,8 +44,9 @@ DEFAULT_MAX_WORDS = 64 * 5120        # 64 rows of the hidden size 5120, fp32
 
 
 def max_rows(hidden_size: int) -> int:
-    """Most rows one push collective of the default layout carries: an all-reduce of (rows, hidden_size) fp32
-    partials, a (max, index) / top-2 exchange of MAXX rows. A draft of R requests sends R x block_size rows."""
+    """Most rows one push collective of the default layout carries (`PushCollectives.max_rows`, before one is
+    built): an all-reduce of (rows, hidden_size) fp32 partials, a (max, index) / top-2 exchange of MAXX rows. A draft
+    of R requests sends R x block_size rows."""
     return min(MAXX, DEFAULT_MAX_WORDS // hidden_size)
 U32_MAX = 0xFFFFFFFF
 
@@ -412,6 +413,9 @@ class PushCollectives(Collectives):
             graph.replay()
         except Exception as e:
             self._poison(f"graph replay failed: {e}")
+
+    def max_rows(self, width: int) -> int:
+        return min(self.layout.maxx, self.layout.max_words // width)
 
     # --- health ------------------------------------------------------------------------------------------------
     @property
