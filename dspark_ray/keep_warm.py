@@ -16,6 +16,9 @@ a rehearsal never fails a step.
 After a real step the first rehearsal waits longer (`DSPARK_KEEP_WARM_HOLD_US`, 250 us): the code is still warm,
 and with STEPs back to back the next one comes 100-200 us after a party's last step, often in the middle of a
 rehearsal that would have started at 100 us (a rank's ring hop read 37-45 us against 11 before keep-warm).
+A rehearsal takes at most the first REHEARSAL_ENTRIES entries of a batch: every entry runs the same code, so a few
+keep it warm, and a piece of a 16-entry batch (its checks, its staging: 0.2-0.4 ms on the GPU host) would hold a STEP
+that comes meanwhile for that long.
 `DSPARK_KEEP_WARM=0` turns it off, `DSPARK_KEEP_WARM_US` sets the period.
 """
 from __future__ import annotations
@@ -27,6 +30,8 @@ import time
 from typing import Callable
 
 log = logging.getLogger("dspark_ray.keep_warm")
+
+REHEARSAL_ENTRIES = 4       # entries of a batch a rehearsal runs (module docstring)
 
 
 def keep_warm_enabled() -> bool:

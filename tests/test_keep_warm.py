@@ -257,3 +257,46 @@ def test_waits_that_outlast_their_spin_are_counted_and_a_mostly_asleep_party_say
     assert wu.status() == {"steps": 3 * WINDOW, "after_sleep": 3 * WINDOW * 3 // 4, "spin_ms": 2.0}
     hints = [m for m in caplog.messages if "found it asleep" in m]
     assert len(hints) == 1 and hints[0].startswith("rank 9: 75% of the last 100 STEPs found it asleep")
+
+
+def test_a_wide_batch_is_rehearsed_by_its_first_entries(cfg):
+    """Every entry runs the same code, so the rank and the STEP server rehearse a wide batch's first
+    REHEARSAL_ENTRIES entries: a piece's cost stays bounded (a STEP arriving during it waits for it)."""
+    from dspark_ray import contract as C
+    from dspark_ray.actors import messages as M
+    from dspark_ray.actors.rank import PairSpec, RankWorker
+    from dspark_ray.engine import EntryOut
+    from dspark_ray.keep_warm import REHEARSAL_ENTRIES
+    from dspark_ray.transport.tcp import TcpServer
+    from dspark_ray.wire import HEADER_SIZE, FrameWriter
+    n, width = 9, cfg.n_taps * cfg.hidden_size
+    taps = workload.make_taps(cfg, 2, torch.Generator().manual_seed(1)).numpy()
+    seen = []
+
+    class Engine:
+        graphs = None
+
+        def rehearse(self, entries):
+            seen.append(("rank", [e.slot for e in entries]))
+    w = RankWorker(PairSpec(checkpoint="x"), 0)
+    w.engine, w.keep_warm = Engine(), KeepWarm("rank", every_us=0, enabled=True)
+    batch = M.RankBatch([3], [M.RankEntry(s, 5, 5, 0, np.arange(2, dtype="<i4").tobytes(), taps.tobytes(), -1, False)
+                              for s in range(n)])
+    out = EntryOut(0, "", np.arange(5, dtype=np.int32), np.full(5, 0.5, np.float32), None, 2)
+    w._rehearse_from(M.encode(batch), width, [out] * n)
+    w.keep_warm()
+    assert seen == [("rank", list(range(REHEARSAL_ENTRIES)))]
+    assert set(w.keep_warm.pieces) == {"decode", "engine", "reply"} and not w.keep_warm.dropped
+
+    class Handler:
+        def rehearse(self, step):
+            seen.append(("server", [e.slot for e in step.entries]))
+    server = TcpServer(Handler(), keep_warm=KeepWarm("server", every_us=0, enabled=True))
+    step = C.Step(entries=[C.make_entry(slot=s, generation=1, seed_token=5, token_ids=[1, 2], taps=taps)
+                           for s in range(n)])
+    writer = FrameWriter()
+    size = writer._encode(step, 0)
+    reply = C.StepReply(results=[C.EntryResult(generation=1) for _ in range(n)])
+    server._rehearse_from(bytes(writer._buf[HEADER_SIZE:size]), reply)
+    server.keep_warm()
+    assert seen[-1] == ("server", list(range(REHEARSAL_ENTRIES))) and not server.keep_warm.dropped

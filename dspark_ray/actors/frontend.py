@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict
 
 from ..frontend import PairFailure, StepService
-from ..keep_warm import KeepWarm
+from ..keep_warm import REHEARSAL_ENTRIES, KeepWarm
 from ..stamps import Stamps, cpu_now, now
 from . import messages as M
 from .rank import SAFE_ENV, PairSpec, rank_actor_class
@@ -168,7 +168,8 @@ class PairManager:
         self.last_seq = seq
         self.stamps.add(row)
         if self.keep_warm is not None and self.keep_warm.wants_sample("batch", len(payload)):
-            self.keep_warm.set("batch", lambda: M.encode(batch))
+            sample = M.RankBatch(batch.resets, batch.entries[:REHEARSAL_ENTRIES])      # (keep_warm.py)
+            self.keep_warm.set("batch", lambda: M.encode(sample))
             self.keep_warm.set("reply", lambda reply=comps[0][1]: M.decode_reply(reply))
         return results
 

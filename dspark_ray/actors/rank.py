@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine import EngineBroken, RankEngine, StepFailed
-from ..keep_warm import KeepWarm, launch_rehearsal_period_us
+from ..keep_warm import REHEARSAL_ENTRIES, KeepWarm, launch_rehearsal_period_us
 from ..stamps import Stamps, cpu_now, now
 from ..wake_ups import WakeUps
 from . import messages as M
@@ -229,8 +229,13 @@ class RankWorker:
             self.wake_ups.add(woke)
 
     def _rehearse_from(self, batch: bytes, width: int, outs) -> None:
-        """Rehearse this batch's decode, checks and staging (and rank 0 its answer's encoding) between steps."""
+        """Rehearse this batch's decode, checks and staging (and rank 0 its answer's encoding) between steps: its
+        first REHEARSAL_ENTRIES entries (keep_warm.py)."""
         engine, entries = self.engine, []
+        sample = M.decode_batch(batch)
+        if len(sample.entries) > REHEARSAL_ENTRIES:
+            batch = M.encode(M.RankBatch(sample.resets, sample.entries[:REHEARSAL_ENTRIES]))
+            outs = outs[:REHEARSAL_ENTRIES]
 
         def decode():
             entries[:] = M.to_step_entries(M.decode_batch(batch), width)

@@ -21,9 +21,10 @@ import time
 
 from ..contract import (Acquire, Code, ErrorReply, Hello, HelloReply, MsgType, Release, ShmAttach, ShmAttachReply,
                         Step, StepHandler, StepReply)
+from ..keep_warm import REHEARSAL_ENTRIES
 from ..stamps import Stamps, cpu_now, now
 from ..wake_ups import WakeUps
-from ..wire import (DEFAULT_MAX_FRAME_BYTES, ConnectionClosed, FrameError, FrameReader, FrameWriter,
+from ..wire import (DEFAULT_MAX_FRAME_BYTES, HEADER_SIZE, ConnectionClosed, FrameError, FrameReader, FrameWriter,
                     VersionMismatch, bound_blocking_io, decode_payload, spinning_recv_into)
 from .shm import attach_ring, serve_ring
 
@@ -241,6 +242,12 @@ class TcpServer:
         handler_rehearse = getattr(self.handler, "rehearse", None)
         scratch = FrameWriter(self.max_frame_bytes)
         decoded = [decode_payload(MsgType.STEP, payload)]    # the checks' input, renewed by each decode piece
+        if len(decoded[0].entries) > REHEARSAL_ENTRIES:     # the first few entries (keep_warm.py)
+            step = decoded[0]
+            n = scratch._encode(Step(entries=step.entries[:REHEARSAL_ENTRIES], deadline_ms=step.deadline_ms), 0)
+            payload = bytes(scratch._buf[HEADER_SIZE:n])
+            decoded[0] = decode_payload(MsgType.STEP, payload)
+            reply = StepReply(results=reply.results[:REHEARSAL_ENTRIES])
 
         def decode():
             decoded[0] = decode_payload(MsgType.STEP, payload)
