@@ -212,7 +212,8 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
                 s.rollback(top - 3)
             gs.run([(s, top - 3, t) for s, top, t in zip(states, tops, taps)], states[:bsz], seeds, 5, False)
         res["step_batch"][f"{bsz},3"] = stats(timed(step_batch, args.replays // 2)) | {"host_p50": host_p50()}
-        log(f"{mode} rank {rank}: step of {bsz} requests x 3 rows: p50 {res['step_batch'][f'{bsz},3']['p50_ms']:.3f} ms")
+        p50 = res["step_batch"][f"{bsz},3"]["p50_ms"]
+        log(f"{mode} rank {rank}: step of {bsz} requests x 3 rows: p50 {p50:.3f} ms")
     res["profile_1req"] = profile(d, states, args, barrier)
     res["graph_kernels_1req"] = graph_kernels(gs, states, barrier)
     free, total = torch.cuda.mem_get_info()

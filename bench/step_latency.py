@@ -5,8 +5,8 @@ Deploys one pair on a local Ray (tiny preset on CPU; `--preset full` with GPUs),
 rounds (`--requests` entries a STEP, 1 by default; `--rows` fresh rows each per round, n_out 5), and times the
 same entries through an in-process emulated pair (both ranks in this process, each on its own thread; on a CPU host
 they share one interpreter lock, so this is slower than the deployed pair's two processes) and reads rank 0's own
-engine time per step from the deployment: the service's overhead is the TCP round trip minus that. Every party stamps each step
-(`dspark_ray/stamps.py`); the JSON's "timeline" gives each hop of the round trip.
+engine time per step from the deployment: the service's overhead is the TCP round trip minus that. Every party
+stamps each step (`dspark_ray/stamps.py`); the JSON's "timeline" gives each hop of the round trip.
 Prints one JSON object (p50 / p99 / min in ms, config, device, commit).
 
     .venv/bin/python bench/step_latency.py [--rounds 60] [--out bench/results/step_latency_cpu.json]
