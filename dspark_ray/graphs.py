@@ -1,5 +1,6 @@
-"""CUDA graphs of one rank's step: the draft for every (requests 1..4) x (n_out 1..B) x (plain, margins) bucket and the
-context insert for row buckets up to 128, captured once at start-up over static buffers.
+"""CUDA graphs of one rank's step: the draft for every (requests 1..4) x (n_out 1..B) x (plain, margins) bucket, wider
+batches in the buckets of WIDE_BUCKETS (padded, n_out B), and the context insert for row buckets up to 128, captured
+once at start-up over static buffers.
 
 The set owns its slots: every slot's main-kv ring lives in one pool tensor (one spare slot takes the pad rows of
 an insert bucket), so a captured graph reads and writes any slot by index. A step's inputs travel in one pinned
