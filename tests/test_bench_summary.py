@@ -51,6 +51,6 @@ def test_kernel_benches_refuse_cleanly_without_cuda(capsys):
     import torch
     if torch.cuda.is_available():
         pytest.skip("CUDA present: the benches would run")
-    for name in ("markov_step", "l2_retention", "router_overlap", "expert_tiles"):
+    for name in ("markov_step", "l2_retention", "router_overlap", "expert_tiles", "chunked_linear"):
         assert importlib.import_module(f"bench.{name}").main(["--reps", "1"]) == 2, name
         assert f"{name}: needs CUDA" in capsys.readouterr().err
