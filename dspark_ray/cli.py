@@ -199,7 +199,8 @@ def _print_status(st: dict) -> None:
     print(f"{st['name']}: endpoint {st['endpoint']}, tp {st['tp']} ({st['backend']}), worker generation "
           f"{st['worker_generation']}, {'UNAVAILABLE: ' + st['unavailable'] if st['unavailable'] else 'serving'}")
     print(f"  slots {st['slots']['held']}/{st['slots']['capacity']} held, {st['sessions']} sessions; "
-          f"steps {st['stats']['steps']}, batches {st['stats']['batches']}, entries {st['stats']['entries']}")
+          f"steps {st['stats']['steps']}, batches {st['stats']['batches']} (up to {st.get('max_batch')} entries "
+          f"each), entries {st['stats']['entries']}")
     print(f"  supervisor: {st['supervisor']}")
     print(f"  endpoint threads: {step_threads(st.get('process'), 'tcp-')}; {asleep(st.get('wake_ups'))}")
     for r in st["ranks"]:

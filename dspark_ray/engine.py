@@ -287,5 +287,5 @@ class RankEngine:
               "time": time.time()}
         if self.graphs:
             st["graphs"] = {"count": self.graphs.n_graphs, "capture_s": round(self.graphs.capture_seconds, 3),
-                            "bytes": self.graphs.graph_bytes}
+                            "bytes": self.graphs.graph_bytes, "request_buckets": self.graphs.request_buckets}
         return st

@@ -240,6 +240,7 @@ class GraphSet:
         wide = [b for b in WIDE_BUCKETS if exact[-1] < b < max_requests]
         wide += [max_requests] if max_requests > exact[-1] else []
         self.wide_buckets = tuple(wide)
+        self.request_buckets = tuple(exact + wide)
         self._bucket = [0] + [min(b for b in exact + wide if b >= n) for n in range(1, max_requests + 1)]
         self.insert_buckets = insert_buckets
         self.W = c.sliding_window

@@ -308,7 +308,7 @@ def test_a_closed_sessions_slots_are_free_again(pair):
     other.close()
 
 
-def test_a_step_larger_than_the_replay_limit_is_split(pair, cfg, ckpt, ray_cluster):
+def test_a_step_larger_than_the_replay_limit_is_split(pair, cfg, ckpt, ray_cluster, capsys):
     """The test pair takes 6 entries a replay (`max_batch=6`: graph buckets 1-4 and 6): 8 entries run as a batch of
     6 (a wide bucket) and one of 2, with the in-process engine's answers bit for bit."""
     g = torch.Generator().manual_seed(6)
@@ -319,8 +319,13 @@ def test_a_step_larger_than_the_replay_limit_is_split(pair, cfg, ckpt, ray_clust
         grants = acquire_when_free(c, 8)
         step_as_reference(c, RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 8), grants, batch)
         c.release([g.slot for g in grants])
-    after = ray_cluster.get(pair[0].status.remote())["stats"]["batch_sizes"]
+    st = ray_cluster.get(pair[0].status.remote())
+    after = st["stats"]["batch_sizes"]
     assert len(after) == 7 and after[6] - before[6] >= 1 and sum(after) - sum(before) >= 2
+    assert st["max_batch"] == 6 and all(list(r["graphs"]["request_buckets"]) == [1, 2, 3, 4, 6] for r in st["ranks"])
+    from dspark_ray.cli import _print_status                        # what `dspark-ray status` prints of it
+    _print_status(st)
+    assert "(up to 6 entries each)" in capsys.readouterr().out
 
 
 def test_status_reports_each_step_threads_cpu_time_and_waits(pair, cfg, ray_cluster):

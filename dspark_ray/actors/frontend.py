@@ -302,6 +302,7 @@ def frontend_actor_class():
             return {"rss_bytes": _rss_bytes(), "process": process_facts(), "name": self.name,
                     "endpoint": self.server.endpoint if self.started else None, "node_ip": self.node_ip,
                     "tp": self.spec.tp, "backend": self.spec.backend, "model_digest": self.identity.model_digest,
+                    "max_batch": self.limits.max_entries_per_replay,
                     "pid": os.getpid(), "env": {k: os.environ.get(k) for k in SAFE_ENV},
                     **self.service.status(), "supervisor": self.supervisor.status(),
                     "keep_warm": self.keep_warm.status(),
