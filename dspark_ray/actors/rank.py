@@ -221,21 +221,21 @@ class RankWorker:
             # stamped before the hand-off: the front-end may see the completion at once
             row["encoded"], row["cpu_encoded"] = now(), cpu_now()
             if status == M.STATUS_OK and warm.wants_sample("batch", len(view)):
-                self._rehearse_from(bytes(view), width, outs)    # a copy: the view is the ring's until complete()
+                self._rehearse_from(view, width, outs)
             self.reader.complete(seq, status, payload)
             warm.ran()
             last_step, sleeps = time.monotonic(), self.reader.sleeps
             self.stamps.add(row)
             self.wake_ups.add(woke)
 
-    def _rehearse_from(self, batch: bytes, width: int, outs) -> None:
+    def _rehearse_from(self, view, width: int, outs) -> None:
         """Rehearse this batch's decode, checks and staging (and rank 0 its answer's encoding) between steps: its
-        first REHEARSAL_ENTRIES entries (keep_warm.py)."""
+        first REHEARSAL_ENTRIES entries (keep_warm.py), encoded into bytes of their own (the view is the ring's
+        until complete())."""
         engine, entries = self.engine, []
-        sample = M.decode_batch(batch)
-        if len(sample.entries) > REHEARSAL_ENTRIES:
-            batch = M.encode(M.RankBatch(sample.resets, sample.entries[:REHEARSAL_ENTRIES]))
-            outs = outs[:REHEARSAL_ENTRIES]
+        sample = M.decode_batch(view)
+        batch = M.encode(M.RankBatch(sample.resets, sample.entries[:REHEARSAL_ENTRIES]))
+        outs = outs[:REHEARSAL_ENTRIES]
 
         def decode():
             entries[:] = M.to_step_entries(M.decode_batch(batch), width)

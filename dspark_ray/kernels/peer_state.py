@@ -92,6 +92,10 @@ class Layout:
     def words(self) -> int:
         return (self.max_words + 3) // 4 * 4
 
+    def max_rows(self, width: int) -> int:
+        """Most rows one collective carries: an all-reduce of (rows, width) fp32 partials, an exchange of maxx."""
+        return min(self.maxx, self.max_words // width)
+
     @property
     def off_acks(self) -> int:
         return self.OFF_FLAGS + 2 * self.maxb * 8

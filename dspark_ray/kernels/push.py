@@ -34,21 +34,20 @@ import numpy as np
 from ..collectives import CaptureInfo, CollectiveError, Collectives, MaxPart, Top2Part
 from .ipc import PeerHandle, HANDLE_VERSION, check_peer_handle, close_ipc_handle, export_ipc_handle, \
     open_ipc_handle, this_host, this_pid
-from .peer_state import MAXB, MAXX, HostGuard, Layout, PeerState, describe_error_word, process_poison
+from .peer_state import MAXB, HostGuard, Layout, PeerState, describe_error_word, process_poison
 
 # 2 s (seed 000): a live pair meets in microseconds and a step takes ~2 ms, so a collective still waiting after
 # 2 s has a dead, hung or diverged peer; the bound must stay short enough that a failed STEP answers INTERNAL
 # long before a client gives up. DSPARK_PUSH_TIMEOUT_MS overrides it.
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_MAX_WORDS = 64 * 5120        # 64 rows of the hidden size 5120, fp32
+U32_MAX = 0xFFFFFFFF
 
 
 def max_rows(hidden_size: int) -> int:
     """Most rows one push collective of the default layout carries (`PushCollectives.max_rows`, before one is
-    built): an all-reduce of (rows, hidden_size) fp32 partials, a (max, index) / top-2 exchange of MAXX rows. A draft
-    of R requests sends R x block_size rows."""
-    return min(MAXX, DEFAULT_MAX_WORDS // hidden_size)
-U32_MAX = 0xFFFFFFFF
+    built). A draft of R requests sends R x block_size rows."""
+    return Layout(DEFAULT_MAX_WORDS).max_rows(hidden_size)
 
 
 def push_unavailable_reason(device: int | None = None) -> str | None:
@@ -415,7 +414,7 @@ class PushCollectives(Collectives):
             self._poison(f"graph replay failed: {e}")
 
     def max_rows(self, width: int) -> int:
-        return min(self.layout.maxx, self.layout.max_words // width)
+        return self.layout.max_rows(width)
 
     # --- health ------------------------------------------------------------------------------------------------
     @property

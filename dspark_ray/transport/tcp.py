@@ -184,7 +184,7 @@ class TcpServer:
                     if warm is not None:
                         warm.ran()
                         if isinstance(reply, StepReply) and warm.wants_sample("frame", reader.last_length):
-                            self._rehearse_from(bytes(reader.last_payload()), reply)
+                            self._rehearse_from(reader.last_payload(), reply)
         except ConnectionClosed:
             if self._stopping.is_set():
                 why = "closed by server (stopping)"
@@ -234,20 +234,19 @@ class TcpServer:
         finally:
             ring.close()
 
-    def _rehearse_from(self, payload: bytes, reply: StepReply) -> None:
+    def _rehearse_from(self, payload: memoryview, reply: StepReply) -> None:
         """Rehearse this STEP's decode, the handler's checks (its `rehearse`) and the reply's encoding between
         frames (keep_warm.py); into a writer of its own, since any connection's thread may run it. Three pieces, so
         a frame that arrives during a rehearsal waits for one of them at most (the poll's readiness check runs
         between pieces)."""
         handler_rehearse = getattr(self.handler, "rehearse", None)
         scratch = FrameWriter(self.max_frame_bytes)
+        # Its first few entries (keep_warm.py), encoded into bytes of their own (the view is the reader's buffer).
+        step = decode_payload(MsgType.STEP, payload)
+        n = scratch._encode(Step(entries=step.entries[:REHEARSAL_ENTRIES], deadline_ms=step.deadline_ms), 0)
+        payload = bytes(scratch._buf[HEADER_SIZE:n])
+        reply = StepReply(results=reply.results[:REHEARSAL_ENTRIES])
         decoded = [decode_payload(MsgType.STEP, payload)]    # the checks' input, renewed by each decode piece
-        if len(decoded[0].entries) > REHEARSAL_ENTRIES:     # the first few entries (keep_warm.py)
-            step = decoded[0]
-            n = scratch._encode(Step(entries=step.entries[:REHEARSAL_ENTRIES], deadline_ms=step.deadline_ms), 0)
-            payload = bytes(scratch._buf[HEADER_SIZE:n])
-            decoded[0] = decode_payload(MsgType.STEP, payload)
-            reply = StepReply(results=reply.results[:REHEARSAL_ENTRIES])
 
         def decode():
             decoded[0] = decode_payload(MsgType.STEP, payload)
