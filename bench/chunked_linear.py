@@ -1,30 +1,24 @@
-"""Wide batches' dense linears: cuBLAS on each 32-row chunk (what the step does: `kernels/gemm.py`, one weight read
-per chunk) against one Triton launch that reads each weight tile once and applies it to every chunk. GPU only; an
-experiment for the next GPU session, not used by the step.
+"""The draft step's dense linears: cuBLAS once per 32-row chunk (`DSPARK_DENSE=cublas`, one weight read per chunk)
+against `kernels/chunked_linear.py` (one launch, each weight tile read once for every chunk). GPU only.
 
-    python bench/chunked_linear.py [--reps 50] [--chunks 1,2,3] [--modes tp1,pair] \
+    python bench/chunked_linear.py [--reps 50] [--chunks 1,2,3,4] [--modes tp1,pair] [--sweep] \
         [--out bench/results/gpu/chunked_linear_h200.json]
 
-Why: batch invariance pads a batch's rows to chunks of exactly 32 for cuBLAS, so 16 requests (80 rows) read every
-dense weight three times; on one H200 that is ~1.2 ms of a 5.3 ms draft step (notes/engine.md, twenty-second
-session). The kernel here keeps one (BK, BN) weight tile in registers for every chunk's 32-row `tl.dot`, each chunk
-its own accumulator: a row's products and their order depend on that row and the weights only, whatever the chunk
-count (checked below, bit for bit). Adopting it would mean the same kernel at every batch width, one request too, so
-its 1-chunk time against cuBLAS matters as much as its 3-chunk time.
-
-Per (mode, shape, chunks): `cublas_us` (chunks calls of the padded 32-row GEMM) and `chunked_us` (one launch), each
-(spin + call) - (spin alone) right behind a latency-bound stand-in in a PDL graph, p50 of `--reps` replays, the calls
-rotating through copies of the weight past the L2; the chunked kernel's error against fp64, and whether each chunk's
-rows equal the same rows run as one chunk (batch invariant) and 20 repeated calls (deterministic).
+Per (mode, shape, chunks), each time (spin + call) - (spin alone) right behind a latency-bound stand-in in a PDL
+graph, p50 of `--reps` replays, the calls rotating through copies of the weight past the L2 (as the step's GEMMs):
+`cublas_us`; `chunked_us`, the kernel with the tiles the step uses (`chunked_linear.tiles`); `other_ch_us`, the same
+tiles with the other chunks-per-program choice (1 or every chunk), which gives the same bits; the error against
+fp64; whether each chunk's rows equal that chunk run alone, and 20 repeated calls (deterministic).
+With `--sweep`: instead, a sweep of (bn, split, ch) tilings per shape (`tilings`), each checked chunk by chunk
+against a one-chunk call of the same (bn, split) (`gpu/chunked_linear_sweep_h200.json`: the data behind `tiles`).
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import torch
-import triton
-import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -32,123 +26,137 @@ sys.path.insert(0, str(ROOT))
 from bench import kernel_bench  # noqa: E402
 from bench.gemm_preload import SpinStandIn  # noqa: E402
 from bench.tcp_roundtrip import emit  # noqa: E402
-from dspark_ray.kernels.fused_ops import F16, launch_opts, pdl_enter  # noqa: E402
+from dspark_ray.kernels.chunked_linear import _SMEM, BK, COUNTERS, MAX_CH, Tiles, chunked_linear, tiles  # noqa: E402
 
 ROWS = 32               # kernels/gemm.PAD_ROWS: a chunk
 
-# (N, K, fp16 out) of the draft step's dense linears with one row block per call (the grouped wo_a left out), for
-# one pair rank and for one card; the head is the largest read of all.
+# (N, K, groups, fp16 out) of the draft step's dense linears, for one pair rank and for one card; the head is the
+# largest read of all.
 SHAPES = {
-    "pair": {"wq_a|wkv": (1792, 5120, True), "wq_b": (16384, 1280, True), "wo_b": (5120, 4096, False),
-             "shared w1|w3": (2304, 5120, True), "head": (64640, 5120, True)},
-    "tp1": {"wq_a|wkv": (1792, 5120, True), "wq_b": (32768, 1280, True), "wo_b": (5120, 8192, False),
-            "shared w1|w3": (4608, 5120, True), "head": (129280, 5120, True)},
+    "pair": {"wq_a|wkv": (1792, 5120, 1, True), "wq_b": (16384, 1280, 1, True), "wo_a": (4096, 4096, 4, True),
+             "wo_b": (5120, 4096, 1, False), "shared w1|w3": (2304, 5120, 1, True),
+             "shared w2": (5120, 1152, 1, False), "head": (64640, 5120, 1, True)},
+    "tp1": {"wq_a|wkv": (1792, 5120, 1, True), "wq_b": (32768, 1280, 1, True), "wo_a": (8192, 4096, 8, True),
+            "wo_b": (5120, 8192, 1, False), "shared w1|w3": (4608, 5120, 1, True),
+            "shared w2": (5120, 2304, 1, False), "head": (129280, 5120, 1, True)},
 }
 
 
-@triton.jit
-def _chunk_dot(x_ptr, kk, k_ok, wt, acc, c: tl.constexpr, K):
-    """One chunk's 32 rows against the weight tile: the same 32 x BK x BN dot for every chunk."""
-    rows = c * 32 + tl.arange(0, 32)
-    xt = tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + kk[None, :], mask=k_ok[None, :], other=0.0)
-    return tl.dot(xt, wt, acc)
+def tilings(n: int, k: int, chunks: int, sms: int):
+    """The sweep: 1 chunk a program (side by side) or every chunk; 64 or 128 columns; up to two K splits that give
+    between one and six programs per SM (split 1 when none does)."""
+    for ch in sorted({1, min(chunks, MAX_CH)}):
+        rp = -(-chunks // ch)
+        for bn in (64, 128):
+            blocks = -(-n // bn) * rp
+            splits = [s for s in (1, 2, 4, 8, 16) if k // s >= BK and blocks * s <= 6 * sms]
+            splits = [s for s in splits if blocks * s >= sms][:2] or splits[-1:] or [1]
+            for split in splits:
+                stages = 4
+                while stages > 2 and stages * (ch * ROWS * BK + BK * bn) * 2 > _SMEM:
+                    stages -= 1
+                yield Tiles(bn=bn, split=split, ch=ch, stages=stages)
 
 
-@triton.jit
-def _store_chunk(out_ptr, acc, c: tl.constexpr, cols, c_ok, N, OUT_F16: tl.constexpr):
-    dst = out_ptr + (c * 32 + tl.arange(0, 32)).to(tl.int64)[:, None] * N + cols[None, :]
-    if OUT_F16:
-        tl.store(dst, acc.to(tl.float16), mask=c_ok[None, :])
-    else:
-        tl.store(dst, acc, mask=c_ok[None, :])
+class Case:
+    """One (shape, chunks): its input, the weight copies, and the two kernels to compare on them."""
 
+    def __init__(self, n, k, groups, f16, chunks, ws, g, dev):
+        from dspark_ray.kernels import gemm
+        self.n, self.k, self.groups, self.chunks, self.ws = n, k, groups, chunks, ws
+        self.out_dtype = torch.float16 if f16 else torch.float32
+        shape = (groups, chunks * ROWS, k) if groups > 1 else (chunks * ROWS, k)
+        self.x = torch.randn(shape, generator=g, device=dev).to(torch.float16)
+        rows = chunks * ROWS
+        if groups > 1:     # the step's grouped layout, read in place (`gemm.grouped_rows_empty`)
+            self.xg = self.x.as_strided((rows, groups, k), (k, rows * k, 1))
+            self.cublas = lambda w: gemm.padded_grouped_linear(self.xg, w)
+        else:
+            self.cublas = lambda w: (gemm.padded_linear_f16 if f16 else gemm.padded_linear)(self.x, w)
 
-@triton.jit
-def _chunked_linear_kernel(x_ptr, w_ptr, out_ptr, N, K, CHUNKS: tl.constexpr, OUT_F16: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    """Program p: columns [p * BN, (p + 1) * BN) of out for every chunk of x ((CHUNKS * 32, K) fp16, padded)."""
-    pdl_enter(PDL)
-    cols = tl.program_id(0) * BN + tl.arange(0, BN)
-    c_ok = cols < N
-    w_cols = w_ptr + cols.to(tl.int64)[None, :] * K
-    acc0 = tl.zeros((32, BN), dtype=tl.float32)
-    acc1 = tl.zeros((32, BN), dtype=tl.float32)
-    acc2 = tl.zeros((32, BN), dtype=tl.float32)
-    acc3 = tl.zeros((32, BN), dtype=tl.float32)
-    for k in range(0, K, BK):
-        kk = k + tl.arange(0, BK)
-        k_ok = kk < K
-        wt = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & c_ok[None, :], other=0.0)
-        acc0 = _chunk_dot(x_ptr, kk, k_ok, wt, acc0, 0, K)
-        if CHUNKS > 1:
-            acc1 = _chunk_dot(x_ptr, kk, k_ok, wt, acc1, 1, K)
-        if CHUNKS > 2:
-            acc2 = _chunk_dot(x_ptr, kk, k_ok, wt, acc2, 2, K)
-        if CHUNKS > 3:
-            acc3 = _chunk_dot(x_ptr, kk, k_ok, wt, acc3, 3, K)
-    _store_chunk(out_ptr, acc0, 0, cols, c_ok, N, OUT_F16)
-    if CHUNKS > 1:
-        _store_chunk(out_ptr, acc1, 1, cols, c_ok, N, OUT_F16)
-    if CHUNKS > 2:
-        _store_chunk(out_ptr, acc2, 2, cols, c_ok, N, OUT_F16)
-    if CHUNKS > 3:
-        _store_chunk(out_ptr, acc3, 3, cols, c_ok, N, OUT_F16)
+    def run(self, w, t: Tiles | None = None, x=None):
+        x = self.x if x is None else x
+        out = torch.empty((x.shape[-2], self.n), dtype=self.out_dtype, device=x.device)
+        return chunked_linear(x, w, out, self.groups, t)
 
+    def chunk(self, c: int):
+        return self.x[..., c * ROWS:(c + 1) * ROWS, :].contiguous()
 
-def chunked_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, bn: int = 64, bk: int = 128,
-                   warps: int = 4, stages: int = 3) -> torch.Tensor:
-    """x (chunks * 32, K) fp16, its rows padded to whole chunks (1-4), @ w (N, K).T -> (chunks * 32, N)."""
-    m, k = x.shape
-    chunks = m // ROWS
-    assert m == chunks * ROWS and 1 <= chunks <= 4 and x.is_contiguous() and w.is_contiguous()
-    n = w.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    _chunked_linear_kernel[(triton.cdiv(n, bn),)](x, w, out, n, k, CHUNKS=chunks, OUT_F16=out_dtype == F16,
-                                                  BN=bn, BK=bk, num_warps=warps, num_stages=stages,
-                                                  **launch_opts(out))
-    return out
+    def reference(self, w):
+        xs = self.x.double()
+        if self.groups == 1:
+            return xs @ w.double().t()
+        r = self.n // self.groups
+        return torch.cat([xs[i] @ w[i * r:(i + 1) * r].double().t() for i in range(self.groups)], -1)
+
+    def alone_same_bits(self, y, t: Tiles) -> bool:
+        one = dataclasses.replace(t, ch=1)          # each chunk alone, one program per chunk
+        return all(torch.equal(self.run(self.ws[0], one, self.chunk(c)), y[c * ROWS:(c + 1) * ROWS])
+                   for c in range(self.chunks))
 
 
 def main(argv=None) -> int:
     def extra(ap):
         ap.add_argument("--sleep-us", type=float, default=10.0, help="the stand-in kernel's spin")
-        ap.add_argument("--chunks", default="1,2,3", help="32-row chunks per call (3: 16 requests of 5 rows)")
+        ap.add_argument("--chunks", default="1,2,3,4", help="32-row chunks per call (3: 16 requests of 5 rows)")
         ap.add_argument("--modes", default="tp1,pair")
         ap.add_argument("--only", default="", help="comma list of shape names")
+        ap.add_argument("--sweep", action="store_true", help="time a sweep of tilings instead of the step's tiles")
     started = kernel_bench.start("chunked_linear", __doc__, 50, argv, extra=extra, matmul="fast")
     if started is None:
         return 2
     args, dev, g = started
     from dspark_ray.kernels import gemm
+    gemm.DENSE = "cublas"                 # the baseline's calls; the kernel is called directly
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
     chunk_counts = [int(c) for c in args.chunks.split(",")]
     res = kernel_bench.header("chunked_linear", {"chunks": chunk_counts, "sleep_us": args.sleep_us, "reps": args.reps,
-                                                 "shapes": SHAPES}, cases={})
-    sp = SpinStandIn(dev, args.sleep_us, args.reps)
-    res["spin_alone_us"] = round(sp.alone_us, 2)
+                                                 "sweep": args.sweep, "shapes": SHAPES}, cases={})
+    spin = SpinStandIn(dev, args.sleep_us, args.reps)
+
+    def after_us(calls) -> float:
+        us = spin.after_us(calls)
+        COUNTERS.release()               # graph_time's graph, which held the captured calls' counters, is gone
+        return us
+
+    res["spin_alone_us"] = round(spin.alone_us, 2)
     only = set(filter(None, args.only.split(",")))
     for mode in args.modes.split(","):
-        for name, (n, k, f16) in SHAPES[mode].items():
+        for name, (n, k, groups, f16) in SHAPES[mode].items():
             if only and name not in only:
                 continue
             copies = max(2, -(-200_000_000 // (n * k * 2)))
             ws = [(torch.randn((n, k), generator=g, device=dev) * 0.02).to(torch.float16) for _ in range(copies)]
-            out = torch.float16 if f16 else torch.float32
-            mm = gemm.padded_linear_f16 if f16 else gemm.padded_linear
             for chunks in chunk_counts:
-                x = (torch.randn((chunks * ROWS, k), generator=g, device=dev)).to(torch.float16)
+                c = Case(n, k, groups, f16, chunks, ws, g, dev)
                 row = {"weight_mb": round(n * k * 2 / 1e6, 2), "copies": copies}
-                row["cublas_us"] = round(sp.after_us([lambda w=w: mm(x, w) for w in ws]), 2)
-                row["chunked_us"] = round(sp.after_us([lambda w=w: chunked_linear(x, w, out) for w in ws]), 2)
-                row["chunked_over_cublas"] = round(row["chunked_us"] / row["cublas_us"], 3)
-                y = chunked_linear(x, ws[0], out)
-                ref = x.double() @ ws[0].double().t()
+                row["cublas_us"] = round(after_us([lambda w=w: c.cublas(w) for w in ws]), 2)
+                if args.sweep:
+                    row["tilings"] = []
+                    for t in tilings(n, k, chunks, sms):
+                        us = after_us([lambda w=w, t=t: c.run(w, t) for w in ws])
+                        row["tilings"].append({"tiles": t.__dict__, "us": round(us, 2),
+                                               "chunks_alone_same_bits": c.alone_same_bits(c.run(ws[0], t), t)})
+                    best = min(row["tilings"], key=lambda r: r["us"])
+                    row["best"], t = best, Tiles(**best["tiles"])
+                else:
+                    t = tiles(n, k, groups, chunks, sms)
+                    other = dataclasses.replace(t, ch=1 if t.ch > 1 else min(chunks, MAX_CH))
+                    row["tiles"] = t.__dict__
+                    row["chunked_us"] = round(after_us([lambda w=w: c.run(w, t) for w in ws]), 2)
+                    row["other_ch_us"] = round(after_us([lambda w=w: c.run(w, other) for w in ws]), 2)
+                    row["other_ch"] = other.ch
+                    row["chunked_over_cublas"] = round(row["chunked_us"] / row["cublas_us"], 3)
+                y = c.run(ws[0], t)
+                ref = c.reference(ws[0])
                 row["rel_err"] = float((y.double() - ref).abs().max() / ref.abs().max())
-                row["chunks_alone_same_bits"] = all(
-                    torch.equal(chunked_linear(x[c * ROWS:(c + 1) * ROWS].contiguous(), ws[0], out),
-                                y[c * ROWS:(c + 1) * ROWS]) for c in range(chunks))
-                row["deterministic"] = all(torch.equal(y, chunked_linear(x, ws[0], out)) for _ in range(20))
+                row["chunks_alone_same_bits"] = c.alone_same_bits(y, t)
+                row["deterministic"] = all(torch.equal(y, c.run(ws[0], t)) for _ in range(20))
                 res["cases"][f"{mode} {name} x{chunks}"] = row
-                print(f"chunked_linear: {mode} {name} x{chunks}: {row}", file=sys.stderr, flush=True)
+                print(f"chunked_linear: {mode} {name} x{chunks}: cublas {row['cublas_us']} us, chunked "
+                      f"{row.get('chunked_us', row.get('best', {}).get('us'))} us {t}, other ch "
+                      f"{row.get('other_ch_us')}, alone-bits {row['chunks_alone_same_bits']}, deterministic "
+                      f"{row['deterministic']}", file=sys.stderr, flush=True)
             del ws
     emit(res, args.out, 1)
     return 0

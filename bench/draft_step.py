@@ -105,15 +105,16 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     """Capture and time one mode in this process (pair: one rank; its peer runs the same code)."""
     from dspark_ray.collectives import LocalCollectives, SoloCollectives
     from dspark_ray.graphs import GraphSet
-    from dspark_ray.kernels.gemm import describe_matmul, use_matmul
+    from dspark_ray.kernels.gemm import dense_for, describe_matmul, use_matmul
     from dspark_ray.model.drafter import Drafter
     from dspark_ray.model.layout import Layout
     from dspark_ray.modes import read_rank
     from dspark_ray.stamps import now
     from dspark_ray.weights.loader import Checkpoint
-    use_matmul(args.matmul)
     ck = Checkpoint(args.ckpt)
     cfg = ck.config
+    n_req = max([4] + [b for b, _ in args.shapes])     # the widest batch: the deployment's --max-batch
+    use_matmul(args.matmul, dense_for(n_req * cfg.block_size, args.dense))
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     layout = Layout(cfg, 1 if mode == "tp1" else 2)
@@ -124,7 +125,6 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     del weights             # the drafter holds what it uses (the routed experts stacked, the per-expert tensors freed)
     log(f"{mode} rank {rank}: loaded {resident / 2**30:.2f} GiB in {time.time() - t0:.1f} s ({describe_matmul()})")
     # Slots for the widest shape timed (4 at least: the step and insert rows use them) and one for the inserts.
-    n_req = max([4] + [b for b, _ in args.shapes])
     if args.graph_set == "minimal":     # A/B of the time outside the kernels against the set's size (notes/engine.md)
         gs = GraphSet(d, n_slots=5, max_requests=1, n_outs=(5,), insert_buckets=(8, 128))
     else:
@@ -132,7 +132,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     gs.capture(lambda k, n: log(f"{mode} rank {rank}: captured {k}/{n}") if k % 15 == 0 or k == n else None)
     log(f"{mode} rank {rank}: {gs.n_graphs} graphs in {gs.capture_seconds:.2f} s, {gs.graph_bytes / 2**20:.0f} MiB")
     states = _slots(gs, cfg, n_req if args.graph_set == "full" else 4, cfg.sliding_window + 32, args.start)
-    res = {"mode": mode, "rank": rank, "capture_s": round(gs.capture_seconds, 3),
+    res = {"mode": mode, "rank": rank, "matmul": describe_matmul(), "capture_s": round(gs.capture_seconds, 3),
            "graph_mib": round(gs.graph_bytes / 2**20, 1), "resident_gib": round(resident / 2**30, 3),
            "dense_bytes_per_step": dense, "expert_bytes": expert_b, "draft": {}, "insert": {}, "step": {},
            "experts": {}}
@@ -457,6 +457,9 @@ def main(argv=None) -> int:
     ap.add_argument("--settle", type=int, default=300, help="untimed replays before the first shape")
     ap.add_argument("--start", type=int, default=5000, help="position of the slots' context rows")
     ap.add_argument("--matmul", default="fast", help="fast (batch-invariant GPU kernels) or exact")
+    ap.add_argument("--dense", default="auto", choices=["auto", "triton", "cublas"],
+                    help="the dense linears' kernel (gemm.dense_for; auto: as serve --dense auto with --max-batch the "
+                         "widest shape timed)")
     ap.add_argument("--graph-set", choices=["full", "minimal"], default="full",
                     help="minimal: only the 1-request n_out-5 draft graph and the 8 / 128-row inserts (shape 1,5)")
     ap.add_argument("--repeats", type=int, default=1,

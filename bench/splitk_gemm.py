@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from bench import kernel_bench  # noqa: E402
 from bench.gemm_preload import CALLS, SpinStandIn  # noqa: E402
 from bench.tcp_roundtrip import emit  # noqa: E402
+from dspark_ray.kernels.chunked_linear import _fence_gpu  # noqa: E402
 from dspark_ray.kernels.fused_ops import F16, F32, launch_opts  # noqa: E402
 
 
@@ -49,13 +50,6 @@ class LinearTiles:
     warps: int = 4
     stages: int = 4
     preload: bool = False
-
-
-@triton.jit
-def _fence_gpu():
-    """fence.acq_rel.gpu in every thread (the split partials' stores ordered before the block's ticket)."""
-    tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r,r", [tl.zeros((1,), tl.int32)],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -215,6 +209,7 @@ def main(argv=None) -> int:
         return 2
     args, dev, g = started
     from dspark_ray.kernels import gemm
+    gemm.DENSE = "cublas"               # the baseline: cuBLAS on padded chunks (PAD_ROWS set per timing below)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     res = kernel_bench.header("splitk_gemm", {"rows": args.rows, "sleep_us": args.sleep_us, "calls_per_graph": CALLS,
                                               "reps": args.reps, "shapes": SHAPES}, cases={})

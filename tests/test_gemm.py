@@ -130,8 +130,12 @@ def test_use_matmul_round_trip():
         assert gemm.use_matmul("auto") == ("fast" if torch.cuda.is_available() else "exact")
         with pytest.raises(ValueError):
             gemm.use_matmul("fastest")
+        with pytest.raises(ValueError, match="dense kernel"):
+            gemm.use_matmul("fast", dense="cutlass")
+        assert gemm.use_matmul("fast", dense="cublas") == "fast" and "dense=cublas" in gemm.describe_matmul()
     finally:
         ops.set_matmul(*saved)
+        gemm.DENSE = "triton"
     assert ops.current_matmul() == saved
 
 

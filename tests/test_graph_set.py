@@ -185,6 +185,15 @@ def test_no_batch_is_wider_than_the_slots_or_one_collective(cfg, ckpt, monkeypat
     assert PairSpec(checkpoint="x", max_batch=3).batch_limit(full()) == 3
     with pytest.raises(ValueError, match="max_batch"):
         PairSpec(checkpoint="x", max_batch=0)
+    # The dense kernel a rank installs: the one-read Triton kernel once a batch can span two 32-row chunks.
+    from dspark_ray.kernels.gemm import dense_for
+    rows = [PairSpec(checkpoint="x", max_batch=b).batch_limit(full()) * full().block_size for b in (4, 6, 7, 16)]
+    assert [dense_for(r) for r in rows] == ["cublas", "cublas", "triton", "triton"]
+    assert dense_for(80, "cublas") == "cublas" and dense_for(5, "triton") == "triton"
+    with pytest.raises(ValueError, match="dense kernel"):
+        dense_for(5, "cutlass")
+    with pytest.raises(ValueError, match="dense"):
+        PairSpec(checkpoint="x", dense="cutlass")
 
 
 def test_the_engines_answers_come_from_the_download_in_the_contracts_dtypes(cfg, ckpt):

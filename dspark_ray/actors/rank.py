@@ -53,6 +53,10 @@ class PairSpec:
     # everywhere for a CPU reference to compare against bit for bit).
     graphs: bool | None = None
     matmul: str = "auto"
+    # The fast path's dense kernel on a GPU (`gemm.dense_for`): "auto" (Triton's one-read-for-every-chunk kernel
+    # when the widest batch spans more than one 32-row chunk, i.e. max_batch >= 7 on the 5-row blocks; cuBLAS up
+    # to that, 3-4 % faster at 1-4 requests), "triton" or "cublas".
+    dense: str = "auto"
     # vCPUs for the per-step threads (scheduling.pin_thread): rank r's step loop on rank_cpus[r], the front-end's
     # endpoint threads on frontend_cpus. None: wherever the kernel puts them.
     rank_cpus: list[int] | None = None
@@ -69,6 +73,8 @@ class PairSpec:
             cpus = getattr(self, name)
             if cpus is not None and (not cpus or any(int(c) < 0 for c in cpus)):
                 raise ValueError(f"{name} {list(cpus)}: vCPU numbers >= 0, at least one")
+        if self.dense not in ("auto", "triton", "cublas"):
+            raise ValueError(f"dense {self.dense!r}: auto, triton or cublas")
         if self.max_batch < 1:
             raise ValueError(f"max_batch {self.max_batch}: at least one entry a replay")
         if self.ring_spin_us is not None and not self.ring_spin_us >= 0:
@@ -112,11 +118,12 @@ class RankWorker:
         from ..modes import read_rank
         from ..weights.loader import Checkpoint
         t0 = time.time()
-        if self.spec.device.startswith("cuda") or self.spec.matmul != "auto":
-            from ..kernels.gemm import describe_matmul, use_matmul
-            use_matmul(self.spec.matmul)
-            log.info("rank %d: matmul %s", self.rank, describe_matmul())
         ck = Checkpoint(self.spec.checkpoint)
+        if self.spec.device.startswith("cuda") or self.spec.matmul != "auto":
+            from ..kernels.gemm import dense_for, describe_matmul, use_matmul
+            cfg = ck.config
+            use_matmul(self.spec.matmul, dense_for(self.spec.batch_limit(cfg) * cfg.block_size, self.spec.dense))
+            log.info("rank %d: matmul %s", self.rank, describe_matmul())
         self.ckpt = ck
         self.total = len(ck.names())
         layout = Layout(ck.config, self.spec.tp)

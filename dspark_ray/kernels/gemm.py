@@ -4,9 +4,12 @@ The exact tree-sum GEMM of `model.ops` is batch invariant by construction but fa
 model. These kernels keep its property (a row's bits never depend on which other rows share the call, nor on the
 process or the card of a given kind) with library-speed throughput:
 
-* `padded_linear` (dense layers): cuBLAS, always called with one (PAD_ROWS, N, K) shape. cuBLAS picks its
-  algorithm by a deterministic heuristic of (shape, dtype, device, workspace, alignment), so fixing the shape
-  fixes the kernel, and a GEMM kernel never mixes rows, so a row's result cannot depend on the batch.
+* `padded_linear` (dense layers): the rows in chunks of exactly PAD_ROWS (the last padded). On a GPU, one launch
+  of `chunked_linear` for all chunks: each weight tile read once and applied to every chunk's own fixed-shape dot,
+  its tiles fixed by the weight's shape and the card (`chunked_linear.tiles`). With DSPARK_DENSE=cublas (or off a
+  GPU), cuBLAS once per chunk, always with one (PAD_ROWS, N, K) shape: cuBLAS picks its algorithm by a
+  deterministic heuristic of (shape, dtype, device, workspace, alignment), so fixing the shape fixes the kernel,
+  but every chunk reads the whole weight again. Either way a row's result cannot depend on the batch.
 * `indexed_linear` (routed experts, one (row, expert) pair at a time): a Triton kernel, one program per (row, N
   block), a fixed reduction order over K, reading only the row's own expert (gathering `w[idx]` would copy up to
   15 experts x 23.6 MB per matrix). The fast path's MoE runs the grouped kernels of `fused_moe` instead, which
@@ -43,6 +46,11 @@ SMALL_WEIGHT_BYTES = 0
 BLOCK_N = 64
 BLOCK_K = 128
 NUM_WARPS = 4
+# The dense linears on a GPU (`use_matmul(..., dense=)`): "triton" (`chunked_linear`, one weight read for every
+# chunk) or "cublas" (a padded cuBLAS GEMM per chunk). A start-up choice: the two give different bits, so every
+# process of a deployment runs the same one (`dense_for`).
+DENSE = "triton"
+DENSE_KERNELS = ("triton", "cublas")
 
 _PINNED: dict = {}
 _MM_OUT_DTYPE: dict = {}        # device type -> whether torch.mm(..., out_dtype=fp32) runs there (not on CPU)
@@ -136,16 +144,38 @@ def _small(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.is_cuda and w.numel() * w.element_size() <= SMALL_WEIGHT_BYTES
 
 
+def dense_for(rows: int, choice: str = "auto") -> str:
+    """The dense kernel for a deployment whose widest draft batch has `rows` rows. "auto": "triton" when that batch
+    spans more than one chunk, else "cublas". On one H200 (full preset, `bench/results/gpu/draft_step_dense_ab_h200
+    .json`) cuBLAS was 3-4 % faster at 1-4 requests (one chunk), the Triton kernel 14-20 % faster at 8-16 (two to
+    three chunks, each weight read once instead of once a chunk)."""
+    if choice == "auto":
+        return "triton" if rows > PAD_ROWS else "cublas"
+    if choice not in DENSE_KERNELS:
+        raise ValueError(f"dense kernel must be auto, triton or cublas, not {choice!r}")
+    return choice
+
+
+def _chunked(x: torch.Tensor) -> bool:
+    """Whether a dense linear on x runs `chunked_linear` (one launch) rather than cuBLAS once per chunk."""
+    return x.is_cuda and DENSE == "triton" and PAD_ROWS == 32
+
+
 def _padded_mm(x: torch.Tensor, w: torch.Tensor, mm, out_dtype: torch.dtype) -> torch.Tensor:
-    """x (..., K) @ w.T through `mm(chunk, w)` on chunks of exactly PAD_ROWS rows of a padded copy of x."""
+    """x (..., K) @ w.T on chunks of exactly PAD_ROWS rows of a padded copy of x: `chunked_linear` in one launch,
+    or `mm(chunk, w)` per chunk."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     m, n = x2.shape[0], w.shape[0]
     if m == 0:
         return torch.empty((*lead, n), dtype=out_dtype, device=x.device)
     xp, chunks = _padded_rows(x2)
-    outs = [mm(xp[c * PAD_ROWS:(c + 1) * PAD_ROWS], w) for c in range(chunks)]
-    out = outs[0] if chunks == 1 else torch.cat(outs)
+    if _chunked(x2):
+        from .chunked_linear import chunked_linear
+        out = chunked_linear(xp, w, torch.empty((chunks * PAD_ROWS, n), dtype=out_dtype, device=x.device))
+    else:
+        outs = [mm(xp[c * PAD_ROWS:(c + 1) * PAD_ROWS], w) for c in range(chunks)]
+        out = outs[0] if chunks == 1 else torch.cat(outs)
     return out[:m].reshape(*lead, n)
 
 
@@ -176,10 +206,10 @@ def padded_linear_f16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def padded_grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """fp16 (n, G * R): group g of x (n, G, K) times rows [g*R, (g+1)*R) of w (G * R, K), one batched GEMM of a
-    fixed (G, PAD_ROWS, K) x (G, K, R) shape per chunk of rows (the attention's grouped wo_a, in one launch
-    instead of G; fp32 accumulation, one rounding to fp16 in the epilogue). Off CUDA: one `padded_linear` per
-    group."""
+    """fp16 (n, G * R): group g of x (n, G, K) times rows [g*R, (g+1)*R) of w (G * R, K) (the attention's grouped
+    wo_a; fp32 accumulation, one rounding to fp16). On a GPU: `chunked_linear` over every group and chunk in one
+    launch, or (DSPARK_DENSE=cublas) one batched GEMM of a fixed (G, PAD_ROWS, K) x (G, K, R) shape per chunk.
+    Off CUDA: one `padded_linear` per group."""
     n, g, k = x.shape
     r = w.shape[0] // g
     wg = w.view(g, r, k)
@@ -190,6 +220,10 @@ def padded_grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # reads in place: as a strided batch (row stride G * R, group stride R), which cuBLAS takes as its output
     # without a copy. (Written group-major, it took a transposing copy kernel of ~2.5 us a block.)
     res = rows_empty(n, g * r, torch.float16, x.device)
+    if _chunked(x):
+        from .chunked_linear import chunked_linear
+        chunked_linear(xp, w, res.as_strided((chunks * PAD_ROWS, g * r), (g * r, 1)), groups=g)
+        return res
     full = res.as_strided((chunks * PAD_ROWS, g, r), (g * r, r, 1))
     for c in range(chunks):
         torch.bmm(xp[:, c * PAD_ROWS:(c + 1) * PAD_ROWS], wg.transpose(1, 2),
@@ -211,10 +245,15 @@ def indexed_linear_reference(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor
     return torch.einsum("pk,pnk->pn", x.double(), w[idx].double()).float()
 
 
-def use_matmul(mode: str) -> str:
+def use_matmul(mode: str, dense: str = "triton") -> str:
     """Install the kernels of `model.ops`: "exact" (the reference: tree-sum matmuls, op chains), "fast" (these
     matmuls and the fused kernels of `kernels/fused.py`; pins determinism first), "auto" (fast with CUDA, else
-    exact). A start-up choice; returns the mode installed."""
+    exact); `dense` picks the fast path's dense kernel on a GPU ("triton" or "cublas", `dense_for`). A start-up
+    choice; returns the mode installed."""
+    global DENSE
+    if dense not in DENSE_KERNELS:
+        raise ValueError(f"dense kernel must be triton or cublas, not {dense!r}")
+    DENSE = dense
     if mode == "auto":
         mode = "fast" if torch.cuda.is_available() else "exact"
     if mode == "exact":
@@ -241,5 +280,5 @@ def describe_matmul() -> str:
     if mode == "fast" and torch.cuda.is_available():
         from .fused_ops import pdl_active
         pdl = "graphs" if pdl_active() else "off"
-    return (f"matmul mode={mode} pad_rows={PAD_ROWS} triton(BLOCK_N={BLOCK_N},BLOCK_K={BLOCK_K},"
+    return (f"matmul mode={mode} pad_rows={PAD_ROWS} dense={DENSE} triton(BLOCK_N={BLOCK_N},BLOCK_K={BLOCK_K},"
             f"num_warps={NUM_WARPS}) fused[{fused}] pinned[{pinned}] pdl={pdl}")

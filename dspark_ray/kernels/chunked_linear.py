@@ -1,0 +1,270 @@
+"""The fast path's dense linears on a GPU: one Triton launch that reads each weight tile once for every 32-row chunk.
+
+Why not cuBLAS: batch invariance needs one fixed GEMM shape, so `gemm.padded_linear` used to call cuBLAS once per
+chunk of PAD_ROWS (32) rows, and 16 requests (80 rows, 3 chunks) read every dense weight three times: 1.2 ms of a
+5.3 ms draft step on one H200. Here a program keeps a (BK, BN) weight tile for each of its chunks' own 32-row
+`tl.dot`, each chunk its own accumulator, so a chunk's bits are those of the same chunk alone, whatever the chunk
+count and whichever program holds it (`bench/chunked_linear.py` checks every tiling bit for bit on the GPU). Measured
+behind a latency-bound kernel as in the step (`bench/results/gpu/chunked_linear_h200.json`): 0.9-1.1x cuBLAS at one
+chunk, 0.39-0.71x at two and three.
+
+Under PDL (the graphs) a program lets the next kernel's programs be scheduled at its start, as the fused kernels do
+(`pdl_enter`). Letting them in only after the K loop (so that, waiting, they hold no SM slots the GEMM could use)
+was slower, and so was launching without PDL (`gpu/draft_step_trigger_*_h200.json`, one card at 1 request 1.366 /
+1.354 ms against 1.310).
+
+Launch: program (r, n, s) takes chunks [r * ch, (r + 1) * ch), columns [n * BN, (n + 1) * BN) and the K range
+[s * KS, (s + 1) * KS). r varies fastest, so programs sharing a weight tile run side by side and all but the first
+read it from L2. With a K split each program writes its fp32 partials and takes a ticket on its (r, n) counter; the
+one taking the last ticket sums the partials in split order (partial 0 first, whichever program it is) and resets
+the counter, so counters are zero between calls.
+
+What fixes the bits: (BN, BK, split) come from (N, K, group width, the card's SM count) alone (`tiles`), never from
+the row count or a timing; the chunks per program (ch) only decide which program computes a chunk, not how. Grouped
+(the attention's wo_a): columns [g * R, (g + 1) * R) of the output from group g of x, one launch for every group.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .fused_ops import F16, launch_opts, pdl_enter
+
+ROWS = 32                      # a chunk: gemm.PAD_ROWS
+BK = 128
+WARPS = 4
+MAX_CH = 4                     # chunks one program may hold (one accumulator each)
+COUNTER_POOL = 1 << 21         # split-K tickets for captured calls, per card (8 MiB)
+_SMEM = 227 * 1024             # shared memory per program on an H100 / H200: bounds the pipeline stages
+
+
+@triton.jit
+def _fence_gpu():
+    """fence.acq_rel.gpu in every thread (the split partials' stores ordered before the block's ticket)."""
+    tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r,r", [tl.zeros((1,), tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _chunk_dot(x_at, chunk, sxm, M, kk, k_ok, wt, acc):
+    """One chunk's 32 rows against the weight tile: the same 32 x BK x BN dot for every chunk."""
+    rows = chunk * 32 + tl.arange(0, 32)
+    xt = tl.load(x_at + rows.to(tl.int64)[:, None] * sxm + kk[None, :], mask=(rows < M)[:, None] & k_ok[None, :],
+                 other=0.0)
+    return tl.dot(xt, wt, acc)
+
+
+@triton.jit
+def _store_rows(out_ptr, acc, chunk, cols, c_ok, M, N, OUT_F16: tl.constexpr):
+    rows = chunk * 32 + tl.arange(0, 32)
+    dst = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    ok = (rows < M)[:, None] & c_ok[None, :]
+    if OUT_F16:
+        tl.store(dst, acc.to(tl.float16), mask=ok)
+    else:
+        tl.store(dst, acc, mask=ok)
+
+
+@triton.jit
+def _partial(part_ptr, slot, BN: tl.constexpr):
+    """The (32, BN) fp32 partial at `slot` of the partials buffer: pointers."""
+    return part_ptr + slot.to(tl.int64) * 32 * BN + tl.arange(0, 32)[:, None] * BN + tl.arange(0, BN)[None, :]
+
+
+@triton.jit
+def _finish(out_ptr, part_ptr, acc, chunk, slot, cols, c_ok, M, N, last, SPLIT: tl.constexpr, OUT_F16: tl.constexpr,
+            BN: tl.constexpr):
+    """Chunk `chunk`'s result: stored (no split), or, in the program holding the last ticket, its SPLIT partials
+    (at slot .. slot + SPLIT - 1) summed in split order and stored."""
+    if SPLIT > 1:
+        if last:
+            tot = tl.load(_partial(part_ptr, slot, BN), cache_modifier=".cg")
+            for j in tl.static_range(1, SPLIT):
+                tot += tl.load(_partial(part_ptr, slot + j, BN), cache_modifier=".cg")
+            _store_rows(out_ptr, tot, chunk, cols, c_ok, M, N, OUT_F16)
+    else:
+        _store_rows(out_ptr, acc, chunk, cols, c_ok, M, N, OUT_F16)
+
+
+@triton.jit
+def _chunked_linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, ctr_ptr, M, N, K, R, sxm, sxg, KS,
+                           SPLIT: tl.constexpr, CH: tl.constexpr, OUT_F16: tl.constexpr, BN: tl.constexpr,
+                           BK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    r = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    s = tl.program_id(2)
+    cols = pid_n * BN + tl.arange(0, BN)
+    c_ok = cols < N
+    x_at = x_ptr + ((pid_n * BN) // R).to(tl.int64) * sxg          # this column block's group of x (BN divides R)
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * K
+    c0 = r * CH
+    acc0 = tl.zeros((32, BN), dtype=tl.float32)
+    acc1 = tl.zeros((32, BN), dtype=tl.float32)
+    acc2 = tl.zeros((32, BN), dtype=tl.float32)
+    acc3 = tl.zeros((32, BN), dtype=tl.float32)
+    k_lo = s * KS
+    k_hi = tl.minimum(K, k_lo + KS)
+    for k in range(k_lo, k_hi, BK):
+        kk = k + tl.arange(0, BK)
+        k_ok = kk < k_hi
+        wt = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+        acc0 = _chunk_dot(x_at, c0, sxm, M, kk, k_ok, wt, acc0)
+        if CH > 1:
+            acc1 = _chunk_dot(x_at, c0 + 1, sxm, M, kk, k_ok, wt, acc1)
+        if CH > 2:
+            acc2 = _chunk_dot(x_at, c0 + 2, sxm, M, kk, k_ok, wt, acc2)
+        if CH > 3:
+            acc3 = _chunk_dot(x_at, c0 + 3, sxm, M, kk, k_ok, wt, acc3)
+    base = (r * tl.num_programs(1) + pid_n) * CH * SPLIT       # chunk c of this program: slots base + c * SPLIT ..
+    ctr = ctr_ptr + r * tl.num_programs(1) + pid_n
+    last = s < 0                                                 # a tensor False; the ticket's answer when split
+    if SPLIT > 1:
+        tl.store(_partial(part_ptr, base + s, BN), acc0)
+        if CH > 1:
+            tl.store(_partial(part_ptr, base + SPLIT + s, BN), acc1)
+        if CH > 2:
+            tl.store(_partial(part_ptr, base + 2 * SPLIT + s, BN), acc2)
+        if CH > 3:
+            tl.store(_partial(part_ptr, base + 3 * SPLIT + s, BN), acc3)
+        _fence_gpu()                           # every thread's partials visible at L2 before the ticket is taken
+        tl.debug_barrier()
+        last = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+    _finish(out_ptr, part_ptr, acc0, c0, base, cols, c_ok, M, N, last, SPLIT, OUT_F16, BN)
+    if CH > 1:
+        _finish(out_ptr, part_ptr, acc1, c0 + 1, base + SPLIT, cols, c_ok, M, N, last, SPLIT, OUT_F16, BN)
+    if CH > 2:
+        _finish(out_ptr, part_ptr, acc2, c0 + 2, base + 2 * SPLIT, cols, c_ok, M, N, last, SPLIT, OUT_F16, BN)
+    if CH > 3:
+        _finish(out_ptr, part_ptr, acc3, c0 + 3, base + 3 * SPLIT, cols, c_ok, M, N, last, SPLIT, OUT_F16, BN)
+    if SPLIT > 1:
+        if last:
+            tl.atomic_xchg(ctr, 0, sem="relaxed", scope="gpu")                 # zero for the next call
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """One launch: output columns per program (bn), K splits, chunks per program (ch), pipeline stages."""
+    bn: int
+    split: int
+    ch: int
+    stages: int
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def tiles(n: int, k: int, groups: int, chunks: int, sms: int) -> Tiles:
+    """The launch for an (N, K) weight (in `groups` column groups) on `chunks` chunks, on a card of `sms` SMs.
+
+    bn and split fix the bits and depend on the weight and the card only: 128 columns a program when that still
+    gives a program per SM (the head, one card's wq_b), else 64; then the fewest K splits (powers of two, at least
+    two BK steps each) that give a program per SM (wq_a | wkv 8, wo_b 2, a pair rank's shared w1 | w3 4).
+    ch only spreads the work: a program per chunk while that stays within two programs per SM (they run side by
+    side, the weight tile read once from HBM), else every chunk in one program. Measured per shape in
+    `bench/chunked_linear.py`."""
+    width = n // groups
+    bn = 128 if n // 128 >= sms and (groups == 1 or width % 128 == 0) else 64
+    if groups > 1 and (width % bn or n % groups):
+        raise ValueError(f"chunked_linear: group width {width} is not a multiple of {bn} columns")
+    blocks = -(-n // bn)
+    split = 1
+    while blocks * split < sms and k // (split * 2) >= 2 * BK:
+        split *= 2
+    ch = 1 if blocks * split * chunks <= 2 * sms else min(chunks, MAX_CH)
+    stages = 4
+    while stages > 2 and stages * (ch * ROWS * BK + BK * bn) * 2 > _SMEM:
+        stages -= 1
+    return Tiles(bn=bn, split=split, ch=ch, stages=stages)
+
+
+class Counters:
+    """Split-K tickets, zero between calls (the last program of a block resets its own).
+
+    Eager calls take one slice per (card, stream), reused call after call: calls on a stream run one after the
+    other (under PDL a program waits for the kernel before it first), and calls on other streams (the shared
+    expert's branch) hold other slices. A call captured into a CUDA graph takes a slice of its own for the graph's
+    life from a pool made, zeroed, by the first eager call on the card (the graph set's warm-up): a memset inside
+    a graph would run at every replay."""
+
+    def __init__(self, pool: int = COUNTER_POOL):
+        self.pool_size = pool
+        self.eager: dict = {}
+        self.pools: dict = {}              # card index -> [pool tensor, next free]
+
+    def take(self, device: torch.device, count: int) -> torch.Tensor:
+        if device.type != "cuda":                  # the Triton interpreter (CPU tests): one slice
+            key = (device.type, None)
+            if key not in self.eager or self.eager[key].numel() < count:
+                self.eager[key] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+            return self.eager[key][:count]
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if torch.cuda.is_current_stream_capturing():
+            entry = self.pools.get(index)
+            if entry is None:
+                raise RuntimeError("chunked_linear: captured before any eager call on this card; run the step "
+                                   "once outside the capture first (the graph set's warm-up does)")
+            if entry[1] + count > self.pool_size:
+                raise RuntimeError(f"chunked_linear: the {self.pool_size} split-K counters for captured calls are "
+                                   f"used up (raise kernels.chunked_linear.COUNTER_POOL)")
+            entry[1] += count
+            return entry[0][entry[1] - count:entry[1]]
+        if index not in self.pools:
+            self.pools[index] = [torch.zeros(self.pool_size, dtype=torch.int32, device=device), 0]
+        key = (index, torch.cuda.current_stream(device).cuda_stream)
+        t = self.eager.get(key)
+        if t is None or t.numel() < count:
+            t = self.eager[key] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        return t[:count]
+
+    def captured(self) -> int:
+        """Counters held by captured calls, all cards."""
+        return sum(e[1] for e in self.pools.values())
+
+    def release(self) -> None:
+        """Hand the captured calls' counters out again: only once every graph holding such a call is gone (the
+        benches, between timings)."""
+        for e in self.pools.values():
+            e[1] = 0
+
+
+COUNTERS = Counters()
+
+
+def chunked_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, groups: int = 1,
+                   tiles_override: Tiles | None = None) -> torch.Tensor:
+    """out (chunks * 32, N) = x @ w.T, out fp16 or fp32 (written in place, returned). x: (chunks * 32, K) fp16
+    row-contiguous, or grouped (G, chunks * 32, K) contiguous, group g giving columns [g * R, (g + 1) * R) of out.
+    w (N, K) fp16 contiguous."""
+    if groups > 1:
+        g, m, k = x.shape
+        assert g == groups and x.is_contiguous()
+        sxm, sxg = k, m * k
+    else:
+        m, k = x.shape
+        assert x.stride() == (k, 1)
+        sxm, sxg = k, 0
+    n = w.shape[0]
+    chunks = m // ROWS
+    assert m == chunks * ROWS and w.shape[1] == k and w.is_contiguous() and out.shape == (m, n)
+    assert out.is_contiguous() and x.dtype == w.dtype == F16 and out.dtype in (F16, torch.float32)
+    if m == 0:
+        return out
+    t = tiles_override or tiles(n, k, groups, chunks, sm_count(x.device.index or 0))
+    rp, nb = -(-chunks // t.ch), -(-n // t.bn)
+    ks = -(-(-(-k // t.split)) // BK) * BK
+    if t.split > 1:
+        part = torch.empty((rp * nb * t.ch * t.split * ROWS * t.bn,), dtype=torch.float32, device=x.device)
+        ctr = COUNTERS.take(x.device, rp * nb)
+    else:
+        part = ctr = out
+    _chunked_linear_kernel[(rp, nb, t.split)](
+        x, w, out, part, ctr, m, n, k, n // groups, sxm, sxg, ks, SPLIT=t.split, CH=t.ch, OUT_F16=out.dtype == F16,
+        BN=t.bn, BK=BK, num_warps=WARPS, num_stages=t.stages, **launch_opts(out))
+    return out
