@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--warmup-rounds", type=int, default=None, help="default: 200 on a GPU, 5 on a CPU")
     ap.add_argument("--rows", type=int, default=3, help="fresh rows per request per round (the first round: 8)")
     ap.add_argument("--slots", type=int, default=8, help="slots per worker")
+    ap.add_argument("--dense", default="auto", choices=["auto", "triton", "cublas"], help="serve --dense")
     ap.add_argument("--out")
     a = ap.parse_args()
 
@@ -79,13 +80,14 @@ def main() -> None:
     out = {"bench": "scaling", "device": torch.cuda.get_device_name(0) if gpu else _device(),
            "commit": _commit(), "command": "python " + " ".join(sys.argv),
            "config": {"preset": a.preset, "cards": cards, "requests": requests, "rounds": a.rounds,
-                      "warmup_rounds": warm, "rows_per_round": a.rows, "n_out": 5, "slots_per_worker": a.slots},
+                      "warmup_rounds": warm, "rows_per_round": a.rows, "n_out": 5, "slots_per_worker": a.slots,
+                      "dense": a.dense},
            "layouts": []}
     for name, tp, n in layouts(cards):
         if n < 1:
             log(f"{name}: needs {tp} cards, {cards} given: skipped")
             continue
-        spec = PairSpec(checkpoint=ckpt, tp=tp, n_slots=a.slots, device=device,
+        spec = PairSpec(checkpoint=ckpt, tp=tp, n_slots=a.slots, device=device, dense=a.dense,
                         backend="push" if gpu and tp == 2 else "gloo")
         log(f"{name}: deploying {n} worker(s) of tp {tp}")
         t0 = time.monotonic()

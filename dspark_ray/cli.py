@@ -289,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                              "bucket above 4 requests is one more captured graph pair per margins setting")
         sp.add_argument("--dense", choices=["auto", "triton", "cublas"], default="auto",
                         help="the dense linears' kernel on a GPU: auto picks the one-read Triton kernel when a batch "
-                             "can span more than 32 rows (--max-batch 7 or more), cuBLAS otherwise (3-4%% faster "
-                             "at 1-4 requests, 14-20%% slower at 8-16)")
+                             "can span more than 32 rows (--max-batch 7 or more), cuBLAS otherwise (2-7%% faster "
+                             "at 1 request, 9-17%% slower at 8-16)")
         sp.add_argument("--name", default="dspark")
         sp.add_argument("--device", choices=["cpu", "cuda"])
         sp.add_argument("--backend", choices=["gloo", "push"])
@@ -318,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--address")
         sp.add_argument("--dense", choices=["auto", "triton", "cublas"], default="auto",
                         help="the dense linears' kernel on a GPU: auto picks the one-read Triton kernel when a batch "
-                             "can span more than 32 rows (--max-batch 7 or more), cuBLAS otherwise (3-4%% faster "
-                             "at 1-4 requests, 14-20%% slower at 8-16)")
+                             "can span more than 32 rows (--max-batch 7 or more), cuBLAS otherwise (2-7%% faster "
+                             "at 1 request, 9-17%% slower at 8-16)")
         sp.add_argument("--name", default="dspark")
         sp.add_argument("--json", action="store_true")
         sp.set_defaults(fn=fn)

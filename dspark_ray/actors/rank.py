@@ -55,7 +55,7 @@ class PairSpec:
     matmul: str = "auto"
     # The fast path's dense kernel on a GPU (`gemm.dense_for`): "auto" (Triton's one-read-for-every-chunk kernel
     # when the widest batch spans more than one 32-row chunk, i.e. max_batch >= 7 on the 5-row blocks; cuBLAS up
-    # to that, 3-4 % faster at 1-4 requests), "triton" or "cublas".
+    # to that, 2-7 % faster at 1 request), "triton" or "cublas".
     dense: str = "auto"
     # vCPUs for the per-step threads (scheduling.pin_thread): rank r's step loop on rank_cpus[r], the front-end's
     # endpoint threads on frontend_cpus. None: wherever the kernel puts them.

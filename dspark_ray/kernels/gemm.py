@@ -146,9 +146,10 @@ def _small(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def dense_for(rows: int, choice: str = "auto") -> str:
     """The dense kernel for a deployment whose widest draft batch has `rows` rows. "auto": "triton" when that batch
-    spans more than one chunk, else "cublas". On one H200 (full preset, `bench/results/gpu/draft_step_dense_ab_h200
-    .json`) cuBLAS was 3-4 % faster at 1-4 requests (one chunk), the Triton kernel 14-20 % faster at 8-16 (two to
-    three chunks, each weight read once instead of once a chunk)."""
+    spans more than one chunk, else "cublas". On one H200, full preset, one card's draft step
+    (`bench/results/gpu/draft_step_dense_{auto,cublas}_h200.json`): cuBLAS 1-2 % faster at 1-4 requests (one
+    chunk), the Triton kernel 9-16 % faster at 8-16 (two to three chunks, each weight read once, not once a chunk);
+    served, 5-7 % at 1 request and 10-17 % at 16 (`gpu/scaling_h200_one_card_dense_*.json`)."""
     if choice == "auto":
         return "triton" if rows > PAD_ROWS else "cublas"
     if choice not in DENSE_KERNELS:
