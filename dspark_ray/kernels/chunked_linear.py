@@ -5,8 +5,9 @@ chunk of PAD_ROWS (32) rows, and 16 requests (80 rows, 3 chunks) read every dens
 5.3 ms draft step on one H200. Here a program keeps a (BK, BN) weight tile for each of its chunks' own 32-row
 `tl.dot`, each chunk its own accumulator, so a chunk's bits are those of the same chunk alone, whatever the chunk
 count and whichever program holds it (`bench/chunked_linear.py` checks every tiling bit for bit on the GPU). Measured
-behind a latency-bound kernel as in the step (`bench/results/gpu/chunked_linear_h200.json`): 0.9-1.1x cuBLAS at one
-chunk, 0.39-0.71x at two and three.
+behind a latency-bound kernel as in the step (`bench/results/gpu/chunked_linear_h200.json`): 0.92-1.17x cuBLAS at
+one chunk, 0.39-0.93x at two and three. In the step it is 1-2 % slower at 1-4 requests and 9-16 % faster at 8-16 on
+one card, so a deployment takes it only where a batch can span two chunks (`gemm.dense_for`, `serve --dense`).
 
 Under PDL (the graphs) a program lets the next kernel's programs be scheduled at its start, as the fused kernels do
 (`pdl_enter`). Letting them in only after the K loop (so that, waiting, they hold no SM slots the GEMM could use)
