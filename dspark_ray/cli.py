@@ -207,9 +207,15 @@ def _print_status(st: dict) -> None:
         loop = step_threads(r.get("process"), f"dspark-rank{r.get('rank')}")
         print(f"  rank {r.get('rank')}: pid {r.get('pid')}, steps {r.get('steps')}, failed {r.get('failed_steps')},"
               f" broken {r.get('broken')}, last error {r.get('last_error') or '-'}; step loop: {loop}; "
-              f"{asleep(r.get('wake_ups'))}")
+              f"{asleep(r.get('wake_ups'))}; {_matmul(r.get('matmul'))}")
     for e in st["last_errors"]:
         print(f"  error: {e}")
+
+
+def _matmul(m: dict | None) -> str:
+    if not m:
+        return "matmul ?"
+    return f"matmul {m['mode']}" + (f" (dense {m['dense']})" if m.get("dense") else "")
 
 
 def cmd_stop(a) -> int:

@@ -325,7 +325,12 @@ def test_a_step_larger_than_the_replay_limit_is_split(pair, cfg, ckpt, ray_clust
     assert st["max_batch"] == 6 and all(list(r["graphs"]["request_buckets"]) == [1, 2, 3, 4, 6] for r in st["ranks"])
     from dspark_ray.cli import _print_status                        # what `dspark-ray status` prints of it
     _print_status(st)
-    assert "(up to 6 entries each)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "(up to 6 entries each)" in out
+    for r in st["ranks"]:              # the kernels each rank installed: a CPU rank the exact path, no dense kernel
+        m = r["matmul"]
+        assert m["mode"] in ("exact", "fast") and (m["dense"] is None) == (m["mode"] == "exact"), m
+        assert f"matmul {m['mode']}" in out
 
 
 def test_status_reports_each_step_threads_cpu_time_and_waits(pair, cfg, ray_cluster):

@@ -257,6 +257,7 @@ class RankWorker:
     def status(self) -> dict:
         st = self.engine.status() if self.engine else {"rank": self.rank, "loading": self.progress()}
         st["pid"] = os.getpid()
+        st["matmul"] = matmul_status()
         st["keep_warm"] = self.keep_warm.status()
         st["wake_ups"] = self.wake_ups.status()
         st["process"] = process_facts()
@@ -269,6 +270,14 @@ class RankWorker:
             self._thread.join(3)
         if self.reader:
             self.reader.close()
+
+
+def matmul_status() -> dict:
+    """The kernels this process installed: the matmul mode, and on the fast path the dense kernel."""
+    from ..kernels import gemm
+    from ..model import ops
+    mode = ops.current_matmul()[2]
+    return {"mode": mode, "dense": gemm.DENSE if mode == "fast" else None}
 
 
 def rank_actor_class():
