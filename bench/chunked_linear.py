@@ -1,4 +1,4 @@
-"""The draft step's dense linears: cuBLAS once per 32-row chunk (`DSPARK_DENSE=cublas`, one weight read per chunk)
+"""The draft step's dense linears: cuBLAS once per 32-row chunk (`serve --dense cublas`, one weight read per chunk)
 against `kernels/chunked_linear.py` (one launch, each weight tile read once for every chunk). GPU only.
 
     python bench/chunked_linear.py [--reps 50] [--chunks 1,2,3,4] [--modes tp1,pair] [--sweep] \

@@ -6,8 +6,8 @@ process or the card of a given kind) with library-speed throughput:
 
 * `padded_linear` (dense layers): the rows in chunks of exactly PAD_ROWS (the last padded). On a GPU, one launch
   of `chunked_linear` for all chunks: each weight tile read once and applied to every chunk's own fixed-shape dot,
-  its tiles fixed by the weight's shape and the card (`chunked_linear.tiles`). With DSPARK_DENSE=cublas (or off a
-  GPU), cuBLAS once per chunk, always with one (PAD_ROWS, N, K) shape: cuBLAS picks its algorithm by a
+  its tiles fixed by the weight's shape and the card (`chunked_linear.tiles`). With `use_matmul(dense="cublas")`,
+  cuBLAS once per chunk (off a GPU, torch.mm the same way), always with one (PAD_ROWS, N, K) shape: cuBLAS picks its algorithm by a
   deterministic heuristic of (shape, dtype, device, workspace, alignment), so fixing the shape fixes the kernel,
   but every chunk reads the whole weight again. Either way a row's result cannot depend on the batch.
 * `indexed_linear` (routed experts, one (row, expert) pair at a time): a Triton kernel, one program per (row, N
@@ -158,7 +158,8 @@ def dense_for(rows: int, choice: str = "auto") -> str:
 
 
 def _chunked(x: torch.Tensor) -> bool:
-    """Whether a dense linear on x runs `chunked_linear` (one launch) rather than cuBLAS once per chunk."""
+    """Whether a dense linear on x runs `chunked_linear` (one launch) rather than cuBLAS once per chunk (also for
+    a bench that sets another PAD_ROWS: the kernel's chunk is 32 rows)."""
     return x.is_cuda and DENSE == "triton" and PAD_ROWS == 32
 
 
@@ -209,7 +210,7 @@ def padded_linear_f16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def padded_grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """fp16 (n, G * R): group g of x (n, G, K) times rows [g*R, (g+1)*R) of w (G * R, K) (the attention's grouped
     wo_a; fp32 accumulation, one rounding to fp16). On a GPU: `chunked_linear` over every group and chunk in one
-    launch, or (DSPARK_DENSE=cublas) one batched GEMM of a fixed (G, PAD_ROWS, K) x (G, K, R) shape per chunk.
+    launch, or (dense "cublas") one batched GEMM of a fixed (G, PAD_ROWS, K) x (G, K, R) shape per chunk.
     Off CUDA: one `padded_linear` per group."""
     n, g, k = x.shape
     r = w.shape[0] // g
