@@ -47,11 +47,13 @@ def split_replays(ev: list, gap_us: float = 500.0) -> list[list]:
     return reps
 
 
-def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None, barrier=None, nvtx: bool = False) -> dict:
+def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None, barrier=None, nvtx: bool = False,
+             dense: str = "cublas") -> dict:
     """Capture a one-request graph set for this rank, then profile three replays and keep the last one's kernels.
     A pair rank meets its peer at `barrier` before each profiled replay, so both launch it at the same moment and a
     collective's time is its own, not the wait for a peer that launched later. `nvtx`: no profiler; one replay
-    inside the NVTX range "ncu_replay", for Nsight Compute to time each of its kernels alone (see main's help)."""
+    inside the NVTX range "ncu_replay", for Nsight Compute to time each of its kernels alone (see main's help).
+    `dense`: the dense linears' kernel (`gemm.use_matmul`)."""
     from bench.draft_step import _slots
     from dspark_ray.collectives import LocalCollectives
     from dspark_ray.graphs import GraphSet
@@ -61,7 +63,7 @@ def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None, barrier=Non
     from dspark_ray.modes import read_rank
     from dspark_ray.weights.loader import Checkpoint
     from torch.profiler import ProfilerActivity, profile
-    use_matmul("fast")
+    use_matmul("fast", dense)
     ck = Checkpoint(ckpt)
     cfg = ck.config
     layout = Layout(cfg, 1 if mode == "tp1" else 2)     # solo: rank 0's shard of the pair, no collectives
@@ -116,23 +118,23 @@ def launch_grids(prof) -> dict:
     return {k: sorted(v) for k, v in grids.items()}
 
 
-def solo_timeline(ckpt: str, start: int, nvtx: bool = False) -> dict:
+def solo_timeline(ckpt: str, start: int, nvtx: bool = False, dense: str = "cublas") -> dict:
     from dspark_ray.collectives import SoloCollectives
-    return timeline("solo", 0, ckpt, start, SoloCollectives(0), nvtx=nvtx)
+    return timeline("solo", 0, ckpt, start, SoloCollectives(0), nvtx=nvtx, dense=dense)
 
 
-def _pair_rank(rank: int, port: int, shm_name: str, ckpt: str, start: int) -> dict:
+def _pair_rank(rank: int, port: int, shm_name: str, ckpt: str, start: int, dense: str) -> dict:
     import torch.distributed as dist
     from bench.draft_step import SpinBarrier, connect_pair_rank
     gloo, pc = connect_pair_rank(rank, port, ckpt)
     barrier = SpinBarrier(shm_name, rank)
     dist.barrier(group=gloo.group)          # both attached to the shared counters
-    return timeline("pair", rank, ckpt, start, pc, barrier)
+    return timeline("pair", rank, ckpt, start, pc, barrier, dense=dense)
 
 
-def run_pair(ckpt: str, start: int) -> dict:
+def run_pair(ckpt: str, start: int, dense: str = "cublas") -> dict:
     from bench.card_procs import run_pair as in_two_processes
-    r0, r1 = in_two_processes(_pair_rank, ckpt, start, timeout_s=300)
+    r0, r1 = in_two_processes(_pair_rank, ckpt, start, dense, timeout_s=300)
     return {"pair_rank0": r0, "pair_rank1": r1}
 
 
@@ -144,19 +146,22 @@ def main() -> int:
     ap.add_argument("--nvtx-replay", action="store_true",
                     help="tp1 / solo: no profiler, one replay in the NVTX range ncu_replay, for `ncu --nvtx "
                     "--nvtx-include ncu_replay/ --graph-profiling node --cache-control all` (each kernel timed alone)")
+    ap.add_argument("--dense", default="cublas", choices=["triton", "cublas"],
+                    help="the dense linears' kernel (1 request: what serve --dense auto runs up to --max-batch 6)")
     ap.add_argument("--out")
     args = ap.parse_args()
     from bench.tcp_roundtrip import _commit
     out = {"bench": "kernel_timeline", "command": " ".join(["python"] + sys.argv), "commit": _commit(),
-           "device": torch.cuda.get_device_name(0), "pdl": pdl_capable(), "timelines": {}}
+           "device": torch.cuda.get_device_name(0), "pdl": pdl_capable(), "dense": args.dense, "timelines": {}}
     for mode in args.modes.split(","):
         print(f"kernel_timeline: {mode} ...", file=sys.stderr, flush=True)
         if mode in ("tp1", "solo"):
             torch.set_num_threads(1)
-            out["timelines"][mode] = (timeline("tp1", 0, args.ckpt, args.start, nvtx=args.nvtx_replay)
-                                      if mode == "tp1" else solo_timeline(args.ckpt, args.start, args.nvtx_replay))
+            out["timelines"][mode] = (timeline("tp1", 0, args.ckpt, args.start, nvtx=args.nvtx_replay, dense=args.dense)
+                                      if mode == "tp1" else solo_timeline(args.ckpt, args.start, args.nvtx_replay,
+                                                                          args.dense))
         else:
-            out["timelines"].update(run_pair(args.ckpt, args.start))
+            out["timelines"].update(run_pair(args.ckpt, args.start, args.dense))
     text = json.dumps(out)
     if args.out:
         Path(args.out).write_text(text)

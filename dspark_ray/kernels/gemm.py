@@ -7,9 +7,10 @@ process or the card of a given kind) with library-speed throughput:
 * `padded_linear` (dense layers): the rows in chunks of exactly PAD_ROWS (the last padded). On a GPU, one launch
   of `chunked_linear` for all chunks: each weight tile read once and applied to every chunk's own fixed-shape dot,
   its tiles fixed by the weight's shape and the card (`chunked_linear.tiles`). With `use_matmul(dense="cublas")`,
-  cuBLAS once per chunk (off a GPU, torch.mm the same way), always with one (PAD_ROWS, N, K) shape: cuBLAS picks its algorithm by a
-  deterministic heuristic of (shape, dtype, device, workspace, alignment), so fixing the shape fixes the kernel,
-  but every chunk reads the whole weight again. Either way a row's result cannot depend on the batch.
+  cuBLAS once per chunk (off a GPU, torch.mm the same way), always with one (PAD_ROWS, N, K) shape: cuBLAS picks
+  its algorithm by a deterministic heuristic of (shape, dtype, device, workspace, alignment), so fixing the shape
+  fixes the kernel, but every chunk reads the whole weight again. Either way a row's result cannot depend on the
+  batch.
 * `indexed_linear` (routed experts, one (row, expert) pair at a time): a Triton kernel, one program per (row, N
   block), a fixed reduction order over K, reading only the row's own expert (gathering `w[idx]` would copy up to
   15 experts x 23.6 MB per matrix). The fast path's MoE runs the grouped kernels of `fused_moe` instead, which
