@@ -26,9 +26,8 @@ sys.path.insert(0, str(ROOT))
 from bench import kernel_bench  # noqa: E402
 from bench.gemm_preload import SpinStandIn  # noqa: E402
 from bench.tcp_roundtrip import emit  # noqa: E402
-from dspark_ray.kernels.chunked_linear import _SMEM, BK, COUNTERS, MAX_CH, Tiles, chunked_linear, tiles  # noqa: E402
-
-ROWS = 32               # kernels/gemm.PAD_ROWS: a chunk
+from dspark_ray.kernels.chunked_linear import (BK, COUNTERS, MAX_CH, ROWS, Tiles,  # noqa: E402
+                                               chunked_linear, pipeline_stages, tiles)
 
 # (N, K, groups, fp16 out) of the draft step's dense linears, for one pair rank and for one card; the head is the
 # largest read of all.
@@ -52,10 +51,7 @@ def tilings(n: int, k: int, chunks: int, sms: int):
             splits = [s for s in (1, 2, 4, 8, 16) if k // s >= BK and blocks * s <= 6 * sms]
             splits = [s for s in splits if blocks * s >= sms][:2] or splits[-1:] or [1]
             for split in splits:
-                stages = 4
-                while stages > 2 and stages * (ch * ROWS * BK + BK * bn) * 2 > _SMEM:
-                    stages -= 1
-                yield Tiles(bn=bn, split=split, ch=ch, stages=stages)
+                yield Tiles(bn=bn, split=split, ch=ch, stages=pipeline_stages(ch, bn))
 
 
 class Case:

@@ -18,6 +18,7 @@ import torch
 
 from ..engine import EngineBroken, RankEngine, StepFailed
 from ..keep_warm import REHEARSAL_ENTRIES, KeepWarm, launch_rehearsal_period_us
+from ..kernels.gemm import DENSE_KERNELS
 from ..stamps import Stamps, cpu_now, now
 from ..wake_ups import WakeUps
 from . import messages as M
@@ -73,8 +74,8 @@ class PairSpec:
             cpus = getattr(self, name)
             if cpus is not None and (not cpus or any(int(c) < 0 for c in cpus)):
                 raise ValueError(f"{name} {list(cpus)}: vCPU numbers >= 0, at least one")
-        if self.dense not in ("auto", "triton", "cublas"):
-            raise ValueError(f"dense {self.dense!r}: auto, triton or cublas")
+        if self.dense not in ("auto", *DENSE_KERNELS):
+            raise ValueError(f"dense {self.dense!r}: auto, {' or '.join(DENSE_KERNELS)}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch {self.max_batch}: at least one entry a replay")
         if self.ring_spin_us is not None and not self.ring_spin_us >= 0:

@@ -179,10 +179,16 @@ def tiles(n: int, k: int, groups: int, chunks: int, sms: int) -> Tiles:
     while blocks * split < sms and k // (split * 2) >= 2 * BK:
         split *= 2
     ch = 1 if blocks * split * chunks <= 2 * sms else min(chunks, MAX_CH)
+    return Tiles(bn=bn, split=split, ch=ch, stages=pipeline_stages(ch, bn))
+
+
+def pipeline_stages(ch: int, bn: int) -> int:
+    """Pipeline stages for ch chunks a program and bn columns: up to 4, while each stage's x and weight tiles fit
+    the shared memory (a speed choice: stages never change a bit)."""
     stages = 4
     while stages > 2 and stages * (ch * ROWS * BK + BK * bn) * 2 > _SMEM:
         stages -= 1
-    return Tiles(bn=bn, split=split, ch=ch, stages=stages)
+    return stages
 
 
 class Counters:
@@ -200,29 +206,30 @@ class Counters:
         self.pools: dict = {}              # card index -> [pool tensor, next free]
 
     def take(self, device: torch.device, count: int) -> torch.Tensor:
-        if device.type != "cuda":                  # the Triton interpreter (CPU tests): one slice
-            key = (device.type, None)
-            if key not in self.eager or self.eager[key].numel() < count:
-                self.eager[key] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-            return self.eager[key][:count]
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if torch.cuda.is_current_stream_capturing():
-            entry = self.pools.get(index)
-            if entry is None:
-                raise RuntimeError("chunked_linear: captured before any eager call on this card; run the step "
-                                   "once outside the capture first (the graph set's warm-up does)")
-            if entry[1] + count > self.pool_size:
-                raise RuntimeError(f"chunked_linear: the {self.pool_size} split-K counters for captured calls are "
-                                   f"used up (raise kernels.chunked_linear.COUNTER_POOL)")
-            entry[1] += count
-            return entry[0][entry[1] - count:entry[1]]
-        if index not in self.pools:
-            self.pools[index] = [torch.zeros(self.pool_size, dtype=torch.int32, device=device), 0]
-        key = (index, torch.cuda.current_stream(device).cuda_stream)
+        if device.type != "cuda":
+            key = (device.type, None)                # the Triton interpreter (CPU tests): one slice
+        else:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            if torch.cuda.is_current_stream_capturing():
+                return self._captured(index, count)
+            if index not in self.pools:
+                self.pools[index] = [torch.zeros(self.pool_size, dtype=torch.int32, device=device), 0]
+            key = (index, torch.cuda.current_stream(device).cuda_stream)
         t = self.eager.get(key)
         if t is None or t.numel() < count:
             t = self.eager[key] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
         return t[:count]
+
+    def _captured(self, index: int, count: int) -> torch.Tensor:
+        entry = self.pools.get(index)
+        if entry is None:
+            raise RuntimeError("chunked_linear: captured before any eager call on this card; run the step "
+                               "once outside the capture first (the graph set's warm-up does)")
+        if entry[1] + count > self.pool_size:
+            raise RuntimeError(f"chunked_linear: the {self.pool_size} split-K counters for captured calls are "
+                               f"used up (raise kernels.chunked_linear.COUNTER_POOL)")
+        entry[1] += count
+        return entry[0][entry[1] - count:entry[1]]
 
     def captured(self) -> int:
         """Counters held by captured calls, all cards."""
