@@ -42,15 +42,18 @@ SHAPES = {
 
 
 def tilings(n: int, k: int, chunks: int, sms: int):
-    """The sweep: 1 chunk a program (side by side) or every chunk; 64 or 128 columns; up to two K splits that give
-    between one and six programs per SM (split 1 when none does)."""
+    """The sweep: 1 chunk a program (side by side) or every chunk; 64 or 128 columns; every K split from 1 to 8
+    (not only powers of two: the busiest SM's share depends on how the programs divide among the SMs) that gives
+    each split at least two BK steps, leaves none empty and makes at most four programs per SM."""
+    steps = -(-k // BK)
     for ch in sorted({1, min(chunks, MAX_CH)}):
         rp = -(-chunks // ch)
         for bn in (64, 128):
             blocks = -(-n // bn) * rp
-            splits = [s for s in (1, 2, 4, 8, 16) if k // s >= BK and blocks * s <= 6 * sms]
-            splits = [s for s in splits if blocks * s >= sms][:2] or splits[-1:] or [1]
-            for split in splits:
+            for split in range(1, 9):
+                ks = -(-steps // split)
+                if split > 1 and (ks < 2 or steps - (split - 1) * ks < 1 or blocks * split > 4 * sms):
+                    continue
                 yield Tiles(bn=bn, split=split, ch=ch, stages=pipeline_stages(ch, bn))
 
 
