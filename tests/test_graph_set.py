@@ -169,7 +169,7 @@ def test_wide_batches_run_padded_in_their_bucket_with_the_eager_bits(cfg, ckpt):
 
 def test_no_batch_is_wider_than_the_slots_or_one_collective(cfg, ckpt, monkeypatch):
     """A graph set drafts at most one request a slot, and no more rows than one collective of its pair carries (the
-    push pair's layout: 64 rows, 12 requests of the full preset); the deployment's batch limit says the same."""
+    push pair's layout: 128 rows, 25 requests of the full preset); the deployment's batch limit says the same."""
     from dspark_ray.actors.rank import PairSpec
     from dspark_ray.config import full
     from dspark_ray.kernels.push import max_rows
@@ -178,9 +178,12 @@ def test_no_batch_is_wider_than_the_slots_or_one_collective(cfg, ckpt, monkeypat
     monkeypatch.setattr(d.coll, "max_rows", lambda width: 3 * cfg.block_size + 1, raising=False)
     capped = GraphSet(d, 16)
     assert capped.max_requests == 3 and capped.wide_buckets == () and capped._bucket == [0, 1, 2, 3]
-    assert max_rows(5120) == 64
+    assert max_rows(5120) == 128
     push = PairSpec(checkpoint="x", backend="push", device="cuda")
-    assert push.batch_limit(full()) == 12 and PairSpec(checkpoint="x").batch_limit(full()) == 16
+    assert push.batch_limit(full()) == 16 and PairSpec(checkpoint="x").batch_limit(full()) == 16
+    wide = dict(checkpoint="x", n_slots=32, max_batch=32)
+    assert PairSpec(backend="push", device="cuda", **wide).batch_limit(full()) == 25       # 128 rows // 5
+    assert PairSpec(**wide).batch_limit(full()) == 32
     assert PairSpec(checkpoint="x", n_slots=8).batch_limit(full()) == 8
     assert PairSpec(checkpoint="x", max_batch=3).batch_limit(full()) == 3
     with pytest.raises(ValueError, match="max_batch"):

@@ -83,7 +83,7 @@ class PairSpec:
 
     def batch_limit(self, cfg) -> int:
         """Entries a replay takes for a drafter of `cfg`: max_batch, at most one per slot, and on the push pair at
-        most what one collective carries (`kernels.push.max_rows`: 12 requests of the full preset)."""
+        most what one collective carries (`kernels.push.max_rows`: 128 rows, 25 requests of the full preset)."""
         n = min(self.max_batch, self.n_slots)
         if self.backend == "push" and self.tp == 2:
             from ..kernels.push import max_rows

@@ -59,7 +59,7 @@ def describe_error_word(word: int) -> str:
 # --- layout ----------------------------------------------------------------------------------------------------
 
 MAXB = 128          # most blocks of one push launch: flags and acks per parity
-MAXX = 64           # most rows of one (max, index) / top-2 exchange (the service needs 20)
+MAXX = 128          # most rows of one (max, index) / top-2 exchange (16 requests x 5 rows: 80); one block
 EPOCH_LAST = 0xFFFFFFFF  # the last epoch that may be published; one more launch fails closed (ERR_EXHAUSTED)
 LAMPORT_EMPTY = 0xFFBFFFFF  # push.cu: an empty Lamport receive word (a signaling NaN: no arithmetic produces one)
 

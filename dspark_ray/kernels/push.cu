@@ -25,8 +25,8 @@
 
 #ifndef PUSH_MAXB
 #define PUSH_MAXB 128
-#define PUSH_MAXX 64
-#define PUSH_RECV4 81920
+#define PUSH_MAXX 128
+#define PUSH_RECV4 163840
 #define OFF_EPOCH 0
 #define OFF_DONE 4
 #define OFF_LASTN 8
@@ -37,7 +37,7 @@
 #define OFF_FLAGS 256
 #define OFF_ACKS 2304
 #define OFF_XRECV 4096
-#define OFF_RECV 8192
+#define OFF_RECV 12288
 #endif
 
 typedef unsigned int u32;

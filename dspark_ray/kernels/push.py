@@ -40,7 +40,7 @@ from .peer_state import MAXB, HostGuard, Layout, PeerState, describe_error_word,
 # 2 s has a dead, hung or diverged peer; the bound must stay short enough that a failed STEP answers INTERNAL
 # long before a client gives up. DSPARK_PUSH_TIMEOUT_MS overrides it.
 DEFAULT_TIMEOUT_S = 2.0
-DEFAULT_MAX_WORDS = 64 * 5120        # 64 rows of the hidden size 5120, fp32
+DEFAULT_MAX_WORDS = 128 * 5120       # 128 rows of the hidden size 5120, fp32 (16 requests x 5 rows: 80)
 U32_MAX = 0xFFFFFFFF
 
 

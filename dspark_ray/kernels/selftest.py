@@ -151,10 +151,11 @@ def _exact_sequence(v, pc, seed, count):
     for k in range(count):
         kind = rnd.choice(["ar", "ar", "max", "top2"])
         if kind == "ar":
-            n = rnd.choice([2, 4, 7, 1000, 5 * H, 10 * H, 20 * H, 3 * H + 3, min(64 * H, pc.layout.max_words)])
+            n = rnd.choice([2, 4, 7, 1000, 5 * H, 10 * H, 20 * H, 3 * H + 3, min(64 * H, pc.layout.max_words),
+                            min(80 * H, pc.layout.max_words), pc.layout.max_rows(H) * H])
             nb = rnd.choice([None, None, 1, 3, 8, 32, 128])
         else:
-            n, nb = rnd.choice([1, 5, 20, 64]), None
+            n, nb = rnd.choice([1, 5, 20, 64, min(80, pc.layout.maxx), pc.layout.maxx]), None
         got, want = _run_op(v, pc, kind, n, seed * 1000 + k, nb)
         _check(f"#{k} {kind} n={n} blocks={nb}", got, want, errors)
     pc.check_error()
@@ -168,12 +169,14 @@ def sc_exact(v):
     mixed random sequence."""
     _set_ranges(v)
     errors = []
-    for n in (2, 4, 7, 1000, 5 * H, 20 * H, 3 * H + 3, 64 * H):
+    # up to the layout's widest: 16 requests of 5 rows are 80, the default layout carries 128
+    for n in (2, 4, 7, 1000, 5 * H, 20 * H, 3 * H + 3, 64 * H, min(80 * H, v.pc.layout.max_words),
+              v.pc.layout.max_rows(H) * H):
         for nb in (None, 1, 3, 8, 32, 128):
             got, want = _run_op(v, v.pc, "ar", n, 11, nb)
             _check(f"ar n={n} blocks={nb}", got, want, errors)
     for kind in ("max", "top2"):
-        for n in (1, 5, 20, 64):
+        for n in (1, 5, 20, 64, min(80, v.pc.layout.maxx), v.pc.layout.maxx):
             got, want = _run_op(v, v.pc, kind, n, 12)
             _check(f"{kind} n={n}", got, want, errors)
     for n, nb in ((16, None), (1003, 3), (5 * H, None)):
@@ -209,7 +212,8 @@ def _graph_case(v, pc, replays=40, check_at=(0, 1, 2, 10, 25, 39)):
     plan = []
     for k in range(20):
         kind = ("ar", "ar", "max", "ar", "top2")[k % 5]
-        n = (2, 5 * H, 10 * H, 15 * H, 20 * H, 64 * H)[k % 6] if kind == "ar" else (1, 4, 20)[k % 3]
+        n = (2, 5 * H, 10 * H, 15 * H, 20 * H, min(80 * H, pc.layout.max_words))[k % 6] if kind == "ar" \
+            else (1, 4, 20, min(80, pc.layout.maxx))[k % 4]
         plan.append((kind, n))
     static = []
     for k, (kind, n) in enumerate(plan):
