@@ -10,15 +10,19 @@ VARIANT:
                 instead of the fewest powers of two that give a program per SM (bn as `tiles`)
   sweep:<json>  per weight shape, the fastest (bn, split) at one chunk of a `bench/chunked_linear.py --sweep` run
   nopdl         the chunked kernel launched without programmatic dependent launch (every other kernel with it)
+  evict_first   the weight tiles loaded with eviction_policy="evict_first" (streamed weights leave the L2 to the
+                step's activations and small weights, as cuBLAS's TMA loads hint); no bit changes
 
 A variant that changes (bn, split) changes the bits of the dense linears (each deployment runs one rule); the
 ch choice is the kernel's (`tiles`). The 1 December 2026 calls: `bench/results/gpu/draft_step_dense_variants_h200.json`.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import runpy
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +72,21 @@ def from_sweep(path: str):
     return rule
 
 
+def kernel_variant(old: str, new: str):
+    """`_chunked_linear_kernel` compiled from the module's source with `old` replaced by `new` (Triton reads a
+    kernel's source from its file, so the variant is written to one and imported)."""
+    src = Path(cl.__file__).read_text()
+    if src.count(old) != 1:
+        raise SystemExit(f"dense_variants: {old!r} is not in kernels/chunked_linear.py exactly once")
+    src = src.replace(old, new).replace("from .fused_ops import", "from dspark_ray.kernels.fused_ops import")
+    path = Path(tempfile.mkdtemp()) / "chunked_linear_variant.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("chunked_linear_variant", path)
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod._chunked_linear_kernel
+
+
 def install(variant: str) -> None:
     if variant == "model":
         rule = balanced
@@ -76,10 +95,16 @@ def install(variant: str) -> None:
     elif variant == "nopdl":
         cl.launch_opts = lambda t: fused_ops._PLAIN_OPTS
         rule = HEAD
+    elif variant == "evict_first":
+        cl._chunked_linear_kernel = kernel_variant(
+            "wt = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & c_ok[None, :], other=0.0)",
+            "wt = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & c_ok[None, :], other=0.0, "
+            "eviction_policy=\"evict_first\")")
+        rule = HEAD
     elif variant == "current":
         rule = HEAD
     else:
-        raise SystemExit(f"unknown variant {variant!r}: current | model | sweep:<json> | nopdl")
+        raise SystemExit(f"unknown variant {variant!r}: current | model | sweep:<json> | nopdl | evict_first")
     seen = set()
 
     def logged(n, k, groups, chunks, sms):
