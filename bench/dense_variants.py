@@ -28,32 +28,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.chunked_linear import SHAPES  # noqa: E402
+from bench.chunked_linear import SHAPES, split_fits  # noqa: E402
 from dspark_ray.kernels import chunked_linear as cl  # noqa: E402
 from dspark_ray.kernels import fused_ops  # noqa: E402
 
 HEAD = cl.tiles
 
 
-def with_split(n: int, bn: int, split: int, chunks: int, sms: int) -> cl.Tiles:
-    """(bn, split) given; ch and stages as `tiles` picks them."""
-    blocks = -(-n // bn)
-    ch = 1 if blocks * split * chunks <= 2 * sms else min(chunks, cl.MAX_CH)
-    return cl.Tiles(bn=bn, split=split, ch=ch, stages=cl.pipeline_stages(ch, bn))
-
-
 def balanced(n: int, k: int, groups: int, chunks: int, sms: int, fill: int = 2) -> cl.Tiles:
     bn = HEAD(n, k, groups, chunks, sms).bn
     blocks, steps = -(-n // bn), -(-k // cl.BK)
     best = None
-    for split in range(1, 17):
-        ks = -(-steps // split)
-        if split > 1 and (ks < 2 or steps - (split - 1) * ks < 1):      # each split two steps at least, none empty
-            continue
-        cost = -(-blocks * split // sms) * (ks + fill)
+    for split in filter(lambda s: split_fits(steps, s), range(1, 17)):
+        cost = -(-blocks * split // sms) * (-(-steps // split) + fill)
         if best is None or cost < best[0]:
             best = (cost, split)
-    return with_split(n, bn, best[1], chunks, sms)
+    return cl.with_split(n, bn, best[1], chunks, sms)
 
 
 def from_sweep(path: str):
@@ -67,7 +57,7 @@ def from_sweep(path: str):
 
     def rule(n, k, groups, chunks, sms):
         if (n, k, groups) in best:
-            return with_split(n, *best[(n, k, groups)], chunks, sms)
+            return cl.with_split(n, *best[(n, k, groups)], chunks, sms)
         return HEAD(n, k, groups, chunks, sms)
     return rule
 

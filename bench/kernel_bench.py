@@ -1,6 +1,7 @@
 """What the one-card kernel benches (`expert_tiles`, `router_overlap`, `markov_step`, `l2_retention`, `gemm`)
 share: their command line (`--reps`, `--out`, and their own flags), the CUDA check, the card and its seeded
-generator, an L2 flush buffer, the timing of a captured graph, and the result's header."""
+generator, an L2 flush buffer, the timing of a captured graph, a linear's error against fp64, and the result's
+header."""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,14 @@ def stats(ts) -> dict:
     ts = sorted(ts)
     return {"p50_us": round(statistics.median(ts), 2), "p99_us": round(ts[min(len(ts) - 1, int(0.99 * len(ts)))], 2),
             "min_us": round(ts[0], 2)}
+
+
+def rel_err_fp64(y: torch.Tensor, x_groups, w: torch.Tensor) -> float:
+    """max |y - ref| / max |ref| for ref the fp64 linear of w (N, K): output columns in len(x_groups) equal groups,
+    group i computed from x_groups[i] (M, K) (one group: an ordinary linear)."""
+    r = w.shape[0] // len(x_groups)
+    ref = torch.cat([x.double() @ w[i * r:(i + 1) * r].double().t() for i, x in enumerate(x_groups)], -1)
+    return float((y.double() - ref).abs().max() / ref.abs().max())
 
 
 def header(name: str, config: dict, **sections) -> dict:

@@ -265,13 +265,8 @@ def main(argv=None) -> int:
                 t = LinearTiles(**best["tiles"])
                 w = ws[0]
                 y = splitk_linear(x, w, out, t, groups)
-                xs = x.double()
-                if groups == 1:
-                    ref = xs @ w.double().t()
-                else:
-                    r = n // groups
-                    ref = torch.cat([xs[:, i] @ w[i * r:(i + 1) * r].double().t() for i in range(groups)], -1)
-                row["best_rel_err"] = float((y.double() - ref).abs().max() / ref.abs().max())
+                row["best_rel_err"] = kernel_bench.rel_err_fp64(
+                    y, [x[:, i] for i in range(groups)] if groups > 1 else [x], w)
                 row["best_deterministic"] = all(torch.equal(y, splitk_linear(x, ws[0], out, t, groups))
                                                 for _ in range(100))     # a racy ticket would show as other bits
                 row["best_row_alone_same_bits"] = bool(torch.equal(splitk_linear(x[:1], w, out, t, groups)[0], y[0]))

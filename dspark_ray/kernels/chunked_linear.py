@@ -178,7 +178,13 @@ def tiles(n: int, k: int, groups: int, chunks: int, sms: int) -> Tiles:
     split = 1
     while blocks * split < sms and k // (split * 2) >= 2 * BK:
         split *= 2
-    ch = 1 if blocks * split * chunks <= 2 * sms else min(chunks, MAX_CH)
+    return with_split(n, bn, split, chunks, sms)
+
+
+def with_split(n: int, bn: int, split: int, chunks: int, sms: int) -> Tiles:
+    """The launch for given (bn, split): a program per chunk while that stays within two programs per SM, else
+    every chunk (at most MAX_CH) in one program; the stages that fit. Neither changes a bit."""
+    ch = 1 if -(-n // bn) * split * chunks <= 2 * sms else min(chunks, MAX_CH)
     return Tiles(bn=bn, split=split, ch=ch, stages=pipeline_stages(ch, bn))
 
 
