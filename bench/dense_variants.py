@@ -12,6 +12,11 @@ VARIANT:
   nopdl         the chunked kernel launched without programmatic dependent launch (every other kernel with it)
   evict_first   the weight tiles loaded with eviction_policy="evict_first" (streamed weights leave the L2 to the
                 step's activations and small weights, as cuBLAS's TMA loads hint); no bit changes
+  shared_late   the shared expert's w2 GEMM forked after the routed experts' gate / up kernel (beside their w2
+                kernel) instead of with its gate / up GEMM beside the router; no bit changes
+  experts:<spec> the routed experts' grouped kernel with other tiles (the dense kernel as it is): spec is
+                g<I>=bn.bk.warps.stages[.bm],p<I>=... for the gated (w1 | w3) and plain (w2) calls of
+                expert width I (1152 a pair rank, 2304 one card); a call not named keeps its tiles
 
 A variant that changes (bn, split) changes the bits of the dense linears (each deployment runs one rule); the
 ch choice is the kernel's (`tiles`). The 1 December 2026 calls: `bench/results/gpu/draft_step_dense_variants_h200.json`.
@@ -24,6 +29,8 @@ import runpy
 import sys
 import tempfile
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -77,6 +84,53 @@ def kernel_variant(old: str, new: str):
     return mod._chunked_linear_kernel
 
 
+def expert_tiles(spec: str) -> None:
+    from dspark_ray.kernels import fused_moe
+    chosen = {}
+    for item in spec.split(","):
+        key, tiles = item.split("=")
+        chosen[(key[0] == "g", int(key[1:]))] = fused_moe.ExpertTiles(*map(int, tiles.split(".")))
+    head = fused_moe.grouped_tiles
+
+    def tiles(gated, n, k, device_index):
+        t = chosen.get((gated, n if gated else k))
+        return head(gated, n, k, device_index) if t is None else t
+    fused_moe.grouped_tiles = tiles
+    print(f"dense_variants[experts]: {chosen}", file=sys.stderr)
+
+
+def expert_out_late(act, w2, experts, weights, late):
+    """`fused_moe.expert_out` with the shared expert's branch joined only before the combine."""
+    import triton
+    from dspark_ray.kernels import fused_moe as fm
+    n, kc = experts.shape
+    h = w2.shape[1]
+    d = fm._grouped(act, w2, None, experts, 1, 0.0)
+    shared = late.join()
+    out = torch.empty((n, h), dtype=torch.float32, device=act.device)
+    fm._expert_combine_kernel[(n, triton.cdiv(h, 1024))](
+        d, experts.contiguous(), weights.contiguous(), shared.contiguous(), out, h,
+        KC=kc, KCP=triton.next_power_of_2(kc), BLOCK=1024, num_warps=4, **fm.launch_opts(out))
+    return out
+
+
+def shared_late() -> None:
+    """The shared expert in two branches: gate / up + SwiGLU beside the router (as now), its w2 forked once the
+    routed experts' gate / up kernel is queued, so it runs beside their w2 kernel, not beside the gate / up kernel."""
+    from dspark_ray.model import moe, ops
+
+    def shared(self, f):
+        gu, i = ops.linear(f, self.shared_w13), self.shared_i
+        return ops.swiglu(gu[..., :i], gu[..., i:], self.limit)
+
+    def routed(self, f, experts, weights, shared_act):
+        act = ops.fused("expert_act")(f, self.w1, self.w3, experts, self.limit)
+        late = ops.branch(lambda a: ops.linear(a, self.shared_w2, out_dtype=ops.F32), shared_act.join())
+        return expert_out_late(act, self.w2, experts, weights, late)
+    moe.Experts.shared, moe.Experts.routed = shared, routed
+    print("dense_variants[shared_late]: the shared expert's w2 beside the routed w2", file=sys.stderr)
+
+
 def install(variant: str) -> None:
     if variant == "model":
         rule = balanced
@@ -92,6 +146,12 @@ def install(variant: str) -> None:
             "eviction_policy=\"evict_first\")")
         rule = HEAD
     elif variant == "current":
+        rule = HEAD
+    elif variant == "shared_late":
+        shared_late()
+        rule = HEAD
+    elif variant.startswith("experts:"):
+        expert_tiles(variant[len("experts:"):])
         rule = HEAD
     else:
         raise SystemExit(f"unknown variant {variant!r}: current | model | sweep:<json> | nopdl | evict_first")

@@ -8,7 +8,7 @@ launches, each routed to another set of experts, replayed), beside the time to r
 records whether each setting gives the bits of the base tiles (any fixed setting is batch invariant:
 tests/test_fused.py). On the H200 every setting gave the base tiles' bits; the best per shape ran at 85-94 % of the
 byte rate (gated) and 73-88 % (plain), narrower tiles (more programs per expert) ran slower, and the fastest are
-`fused_moe.GROUPED_TILES` / `GROUPED_TILES_BY_N` (bench/results/gpu/expert_tiles_h200.json).
+`fused_moe.GROUPED_TILES` / `GROUPED_TILES_BY_SHAPE` (bench/results/gpu/expert_tiles_h200.json).
 
     python bench/expert_tiles.py [--reps 200] [--out bench/results/gpu/expert_tiles_h200.json]
 """
@@ -30,14 +30,19 @@ H, E, PAIRS, TOPK, SETS = 5120, 128, 15, 3, 8
 SHAPES = {"tp1_gated": (True, 2304, H), "tp1_w2": (False, H, 2304),
           "rank_gated": (True, 1152, H), "rank_w2": (False, H, 1152)}       # (gated, N, K)
 BASE = (64, 128, 4, 3)             # the tiles before this bench (BLOCK_N, BLOCK_K, num_warps, Triton's default stages)
-# (BLOCK_N, BLOCK_K, num_warps, num_stages): narrower tiles spread an expert over more SMs; deeper stages keep more
-# bytes in flight per SM. Each setting compiles twice (gated, plain), ~1.5 s each: the list is kept short.
+# (BLOCK_N, BLOCK_K, num_warps, num_stages[, pairs a pass BM]): narrower tiles spread an expert over more SMs;
+# deeper stages keep more bytes in flight per SM; a smaller BM (the x tile's rows: ~3 pairs an expert at one
+# request) shrinks the x loads and the dot of a K step. Each setting compiles twice (gated, plain), ~1.5 s each: the
+# list is kept short.
 SETTINGS = [BASE, (64, 128, 4, 4), (64, 128, 8, 3), (64, 64, 4, 4),
             (32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 4), (32, 256, 4, 3), (32, 256, 8, 3),
             (16, 128, 4, 3), (16, 128, 4, 4), (16, 256, 4, 3), (16, 256, 4, 4), (16, 256, 8, 3),
             # the nineteenth session's: shorter K steps with deeper pipelines, wider N
             (64, 64, 4, 5), (64, 64, 4, 6), (64, 64, 8, 4), (64, 32, 4, 8), (128, 64, 4, 4), (128, 64, 8, 4),
-            (128, 64, 8, 3), (128, 128, 8, 3)]
+            (128, 64, 8, 3), (128, 128, 8, 3),
+            # the twenty-fifth session's: fewer pairs a pass (BM 16 / 32)
+            (64, 128, 4, 4, 16), (64, 64, 4, 6, 16), (32, 128, 4, 4, 16), (32, 256, 4, 4, 16), (16, 256, 4, 4, 16),
+            (128, 64, 4, 4, 16), (128, 128, 4, 4, 16), (32, 128, 2, 4, 16), (64, 128, 4, 6, 16), (64, 128, 4, 4, 32)]
 
 
 def routing(g: torch.Generator, device) -> list[torch.Tensor]:
@@ -51,12 +56,9 @@ def routing(g: torch.Generator, device) -> list[torch.Tensor]:
     return out
 
 
-def launch(kern, x, w1, w3, idx, out, gated, n, k, setting, x_div):
-    import triton
-    bn, bk, warps, stages = setting
-    kern[(idx.numel(), triton.cdiv(n, bn))](x, w1, w3 if gated else w1, idx, out, idx.numel(), n, k, x_div, 7.0,
-                                            GATED=gated, BM=64, BLOCK_N=bn, BLOCK_K=bk, PDL=False,
-                                            num_warps=warps, num_stages=stages)
+def launch(x, w1, w3, idx, out, gated, setting, x_div):
+    from dspark_ray.kernels.fused_moe import ExpertTiles, grouped_launch
+    grouped_launch(x, w1, w3 if gated else None, idx, out, x_div, 7.0, ExpertTiles(*setting))
 
 
 def main(argv=None) -> int:
@@ -65,7 +67,7 @@ def main(argv=None) -> int:
     if started is None:
         return 2
     args, dev, gw = started                         # gw: weights and inputs, made on the card
-    from dspark_ray.kernels.fused_moe import _grouped_expert_kernel as kern, grouped_tiles
+    from dspark_ray.kernels.fused_moe import ExpertTiles, grouped_tiles
     g = torch.Generator().manual_seed(0)            # routing (host)
     res = kernel_bench.header("expert_tiles", {"pairs": PAIRS, "distinct_experts": 6, "experts": E,
                                                "routing_sets": SETS, "reps": args.reps, "base": BASE}, shapes={})
@@ -77,14 +79,14 @@ def main(argv=None) -> int:
         x_div = TOPK if gated else 1
         sets = routing(g, dev)
         out = torch.empty((PAIRS, n), dtype=torch.float16 if gated else torch.float32, device=dev)
-        launch(kern, x, w1, w3, sets[0], out, gated, n, k, BASE, x_div)
+        launch(x, w1, w3, sets[0], out, gated, BASE, x_div)
         ref = out.clone()
         byte_ms = 6 * n * k * 2 * (2 if gated else 1) / 4.2e12 * 1e3
         rows = []
         for st in SETTINGS:
             try:
                 out.fill_(float("nan"))
-                launch(kern, x, w1, w3, sets[0], out, gated, n, k, st, x_div)
+                launch(x, w1, w3, sets[0], out, gated, st, x_div)
                 torch.cuda.synchronize()
             except Exception as e:      # noqa: BLE001 - a setting that does not compile (shared memory) is skipped
                 rows.append({"setting": st, "error": f"{type(e).__name__}: {str(e)[:120]}"})
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
             same = bool(torch.equal(out.view(torch.int16) if gated else out.view(torch.int32),
                                     ref.view(torch.int16) if gated else ref.view(torch.int32)))
             # SETS launches in one graph, one per routing set: no host launch cost timed
-            calls = [functools.partial(launch, kern, x, w1, w3, idx, out, gated, n, k, st, x_div) for idx in sets]
+            calls = [functools.partial(launch, x, w1, w3, idx, out, gated, st, x_div) for idx in sets]
             rows.append({"setting": st, "same_bits": same,
                          **kernel_bench.stats(kernel_bench.graph_time(calls, SETS, args.reps))})
             print(f"[expert_tiles] {name} {st}: {rows[-1]['p50_us']} us same_bits={same}", file=sys.stderr,
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
         ok = [r for r in rows if "p50_us" in r]
         best = min(ok, key=lambda r: r["p50_us"])
         base = next(r for r in ok if tuple(r["setting"]) == BASE)
-        used = next((r for r in ok if tuple(r["setting"]) == grouped_tiles(gated, n, dev.index or 0)), None)
+        used = next((r for r in ok if ExpertTiles(*r["setting"]) == grouped_tiles(gated, n, k, dev.index or 0)), None)
         res["shapes"][name] = {"gated": gated, "N": n, "K": k, "byte_bound_us": round(byte_ms * 1e3, 1),
                                "base": base, "in_use": used, "best": best, "all": rows}
         del w1, w3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 import triton
@@ -68,9 +69,29 @@ def _indexed_kernel(x_ptr, w_ptr, idx_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _pass_rows(idx_ptr, p, P, e, g0, BM: tl.constexpr, SCAN: tl.constexpr):
+    """The pairs of expert e ranked g0 .. g0 + BM - 1 (rank: place among its pairs in pair order; p is its first
+    pair), one per tile row: (pair index t, whether the row holds one). Each SCAN-pair chunk's matches are ranked
+    by a running count and each tile row sums the one pair index of its rank (a rank appears once)."""
+    slot = tl.arange(0, BM)
+    t = tl.zeros((BM,), dtype=tl.int32)
+    ok = slot < 0
+    seen = 0
+    for c0 in range(p, P, SCAN):
+        tc = c0 + tl.arange(0, SCAN)
+        m = (tc < P) & (tl.load(idx_ptr + tc, mask=tc < P, other=-1) == e)
+        rank = seen + tl.cumsum(m.to(tl.int32), axis=0) - 1
+        sel = m[:, None] & (rank[:, None] == (g0 + slot)[None, :])
+        t += tl.sum(tl.where(sel, tc[:, None], 0), axis=0)
+        ok = ok | (tl.sum(sel.to(tl.int32), axis=0) > 0)
+        seen += tl.sum(m.to(tl.int32), axis=0)
+    return t, ok
+
+
+@triton.jit
 def _grouped_expert_kernel(x_ptr, w1_ptr, w3_ptr, idx_ptr, out_ptr, P, N, K, X_DIV, limit,
-                           GATED: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PDL: tl.constexpr):
+                           GATED: tl.constexpr, BM: tl.constexpr, SCAN: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Routed experts, grouped: program (pair p, block of N) works only when p is the first pair routed to its
     expert; it then takes every pair of that expert, gathered BM at a time in pair order (usually one pass), through
     one read of the expert's weights per pass. Pair t reads input row t // X_DIV. GATED: out[t] = swiglu(x W1^T,
@@ -88,8 +109,8 @@ def _grouped_expert_kernel(x_ptr, w1_ptr, w3_ptr, idx_ptr, out_ptr, P, N, K, X_D
     e = tl.load(idx_ptr + p)
     first = P
     count = 0
-    for c0 in range(0, P, BM):
-        t = c0 + tl.arange(0, BM)
+    for c0 in range(0, P, SCAN):
+        t = c0 + tl.arange(0, SCAN)
         ids = tl.load(idx_ptr + t, mask=t < P, other=-1)
         first = tl.minimum(first, tl.min(tl.where(ids == e, t, P), axis=0))
         count += tl.sum((ids == e).to(tl.int32), axis=0)
@@ -97,22 +118,8 @@ def _grouped_expert_kernel(x_ptr, w1_ptr, w3_ptr, idx_ptr, out_ptr, P, N, K, X_D
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         w_rows = (e.to(tl.int64) * N + offs_n) * K
-        slot = tl.arange(0, BM)
         for g0 in range(0, count, BM):
-            # The expert's pairs of rank g0 .. g0 + BM - 1 (rank: place among its pairs in pair order) into the
-            # tile's rows: each chunk's matches ranked by a running count, each tile row summing the one pair
-            # index of its rank (a rank appears once).
-            t = tl.zeros((BM,), dtype=tl.int32)
-            ok = slot < 0
-            seen = 0
-            for c0 in range(p, P, BM):
-                tc = c0 + tl.arange(0, BM)
-                m = (tc < P) & (tl.load(idx_ptr + tc, mask=tc < P, other=-1) == e)
-                rank = seen + tl.cumsum(m.to(tl.int32), axis=0) - 1
-                sel = m[:, None] & (rank[:, None] == (g0 + slot)[None, :])
-                t += tl.sum(tl.where(sel, tc[:, None], 0), axis=0)
-                ok = ok | (tl.sum(sel.to(tl.int32), axis=0) > 0)
-                seen += tl.sum(m.to(tl.int32), axis=0)
+            t, ok = _pass_rows(idx_ptr, p, P, e, g0, BM, SCAN)
             x_rows = x_ptr + (t // X_DIV).to(tl.int64) * K
             acc1 = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
             acc3 = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
@@ -172,31 +179,44 @@ def indexed_linear(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch
 
 
 GROUP_BM = 64      # pairs of one expert per pass (a 16-request draft: 80 rows x top-3 = 240 pairs over its experts)
-# The grouped kernel's tiles, gated (w1 | w3 + SwiGLU) and plain (w2): (BLOCK_N, BLOCK_K, num_warps, num_stages).
-# Fixed, like every kernel here, per kind of call and output width N (a property of the weights: both ranks of a
-# pair, and the emulated pair, run the same tiles); the fastest of `bench/expert_tiles.py` on the H200, cold
-# weights, 6 distinct experts (bench/results/gpu/expert_tiles_h200.json, nineteenth session): gated 39.8 us on a
-# pair rank's N = 1152; one card's N = 2304 71.3 with BLOCK_K 64 against 77.3 with these; plain 21.5 / 38.4 us
-# (a pair rank / one card) against 22.9 / 39.8 with (64, 128, 4, 3). Every setting tried gave the same bits.
-GROUPED_TILES = {True: (64, 128, 4, 4), False: (128, 64, 4, 4)}
-GROUPED_TILES_BY_N = {(True, 2304): (64, 64, 4, 4)}
+SCAN = 64          # pairs a program scans at a time for its expert's pairs (any width gives the same pairs)
 
 
-def fit_stages(tiles: tuple[int, int, int, int], gated: bool, smem_limit: int) -> tuple[int, int, int, int]:
+class ExpertTiles(NamedTuple):
+    """One grouped call's blocking: output columns (bn) and K step (bk) a program, warps, pipeline stages, and
+    pairs a pass (bm: the x tile's rows, the tl.dot's M). None of them depends on the batch."""
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+    bm: int = GROUP_BM
+
+
+# The grouped kernel's tiles, gated (w1 | w3 + SwiGLU) and plain (w2). Fixed, like every kernel here, per kind of
+# call and output width N (a property of the weights: both ranks of a pair, and the emulated pair, run the same
+# tiles); the fastest of `bench/expert_tiles.py` on the H200, cold weights, 6 distinct experts
+# (bench/results/gpu/expert_tiles_h200.json, nineteenth session): gated 39.8 us on a pair rank's N = 1152; one
+# card's N = 2304 71.3 with BLOCK_K 64 against 77.3 with these; plain 21.5 / 38.4 us (a pair rank / one card)
+# against 22.9 / 39.8 with (64, 128, 4, 3). Every setting tried gave the same bits.
+GROUPED_TILES = {True: ExpertTiles(64, 128, 4, 4), False: ExpertTiles(128, 64, 4, 4)}
+GROUPED_TILES_BY_SHAPE = {(True, 2304, 5120): ExpertTiles(64, 64, 4, 4)}       # (gated, N, K)
+
+
+def fit_stages(tiles: ExpertTiles, gated: bool, smem_limit: int) -> ExpertTiles:
     """The tiles with as many of their pipeline stages as `smem_limit` bytes of shared memory per block hold, by an
     upper bound of the grouped kernel's use: each stage keeps its x tile and weight tile(s) (fp16)."""
-    bn, bk, warps, stages = tiles
-    while stages > 1 and stages * (GROUP_BM * bk + (2 if gated else 1) * bk * bn) * 2 > smem_limit:
+    stages = tiles.stages
+    while stages > 1 and stages * (tiles.bm * tiles.bk + (2 if gated else 1) * tiles.bk * tiles.bn) * 2 > smem_limit:
         stages -= 1
-    return bn, bk, warps, stages
+    return tiles._replace(stages=stages)
 
 
 @functools.cache
-def grouped_tiles(gated: bool, n: int, device_index: int | None) -> tuple[int, int, int, int]:
-    """The tiles of a call (GROUPED_TILES_BY_N, else GROUPED_TILES) for a card: the H200's 227 KiB per block holds
-    the gated call's 4 stages (192 KiB), an A100's 163 KiB 3 of them. Fixed per kind of card and shape, so both
-    ranks of a pair run the same tiles. device_index None: a CPU (the interpreter)."""
-    tiles = GROUPED_TILES_BY_N.get((gated, n), GROUPED_TILES[gated])
+def grouped_tiles(gated: bool, n: int, k: int, device_index: int | None) -> ExpertTiles:
+    """The tiles of an (N, K) call (GROUPED_TILES_BY_SHAPE, else GROUPED_TILES) for a card: the H200's 227 KiB per
+    block holds the gated call's 4 stages (192 KiB), an A100's 163 KiB 3 of them. Fixed per kind of card and
+    shape, so both ranks of a pair run the same tiles. device_index None: a CPU (the interpreter)."""
+    tiles = GROUPED_TILES_BY_SHAPE.get((gated, n, k), GROUPED_TILES[gated])
     if device_index is None:
         return tiles
     try:
@@ -207,18 +227,26 @@ def grouped_tiles(gated: bool, n: int, device_index: int | None) -> tuple[int, i
     return fit_stages(tiles, gated, limit)
 
 
+def grouped_launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, experts: torch.Tensor,
+                   out: torch.Tensor, x_div: int, limit: float, tiles: ExpertTiles) -> torch.Tensor:
+    """One grouped call with the given tiles (`_grouped` takes the deployment's; `bench/expert_tiles.py` others)."""
+    gated = w3 is not None
+    _grouped_expert_kernel[(experts.numel(), triton.cdiv(w1.shape[1], tiles.bn))](
+        x, w1, w3 if gated else w1, experts, out, experts.numel(), w1.shape[1], w1.shape[2], x_div, float(limit),
+        GATED=gated, BM=tiles.bm, SCAN=SCAN, BLOCK_N=tiles.bn, BLOCK_K=tiles.bk, num_warps=tiles.warps,
+        num_stages=tiles.stages, **launch_opts(out))
+    return out
+
+
 def _grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, experts: torch.Tensor, x_div: int,
              limit: float) -> torch.Tensor:
     p = experts.numel()
-    n, k = w1.shape[1], w1.shape[2]
+    n = w1.shape[1]
     gated = w3 is not None
     out = torch.empty((p, n), dtype=F16 if gated else F32, device=x.device)
     if p:
-        bn, bk, warps, stages = grouped_tiles(gated, n, x.device.index if x.is_cuda else None)
-        _grouped_expert_kernel[(p, triton.cdiv(n, bn))](
-            x.to(F16).contiguous(), w1, w3 if gated else w1, experts.contiguous(), out, p, n, k, x_div,
-            float(limit), GATED=gated, BM=GROUP_BM, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
-            **launch_opts(out))
+        grouped_launch(x.to(F16).contiguous(), w1, w3, experts.contiguous(), out, x_div, limit,
+                       grouped_tiles(gated, n, w1.shape[2], x.device.index if x.is_cuda else None))
     return out
 
 
