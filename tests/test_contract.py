@@ -110,6 +110,9 @@ BAD_ENTRIES = [
     (dict(taps=taps(5)), "slot 3: taps holds 7680 bytes, want 9216 (6 rows x 3 taps x 256 hidden x 2 bytes fp16)"),
     (dict(token_ids=[1, 2, 131000, 4, 5, 6]), "slot 3: token id 131000 >= vocab 4096"),
     (dict(token_ids=[1, 2, -7, 4, 5, 6]), "slot 3: token id -7 < 0"),
+    # past 64 rows the id scan is numpy's, not Python's (contract._max_u32): the same answers
+    (dict(token_ids=[5] * 99 + [4096], taps=taps(100)), "slot 3: token id 4096 >= vocab 4096"),
+    (dict(token_ids=[-1] + [5] * 99, taps=taps(100)), "slot 3: token id -1 < 0"),
     (dict(taps=_nonfinite_taps(np.inf)), "slot 3: taps row 4 holds inf or nan (fp16 taps must be finite)"),
     (dict(taps=_nonfinite_taps(-np.inf)), "slot 3: taps row 4 holds inf or nan (fp16 taps must be finite)"),
     (dict(taps=_nonfinite_taps(np.nan)), "slot 3: taps row 4 holds inf or nan (fp16 taps must be finite)"),
