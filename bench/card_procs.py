@@ -6,14 +6,22 @@ optionally pinned to one vCPU.
 
 The pair's ranks get a free loopback port for their gloo rendezvous and the name of a 16-byte shared-memory block
 for `draft_step.SpinBarrier`.
+
+A spawned process imports every module anew, so what a wrapper changed in the parent's modules (a kernel variant of
+`bench/dense_variants.py`) is not there: `SETUP_ENV` ("module:function:argument" in the environment, which the
+children inherit) names a function each child calls with the argument before the body.
 """
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import os
 import socket
 import traceback
 from multiprocessing import shared_memory
+
+
+SETUP_ENV = "DSPARK_BENCH_CHILD_SETUP"
 
 
 def free_port() -> int:
@@ -30,6 +38,10 @@ def _child(key: str, card: int, cpu: int | None, fn, fn_args: tuple, q) -> None:
     import torch
     torch.set_num_threads(1)
     try:
+        setup = os.environ.get(SETUP_ENV)
+        if setup:
+            module, function, argument = setup.split(":", 2)
+            getattr(importlib.import_module(module), function)(argument)
         q.put((key, fn(*fn_args)))
     except BaseException as e:       # noqa: BLE001 - reported to the parent
         q.put((key, {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-4000:]}))

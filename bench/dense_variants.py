@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import runpy
 import sys
 import tempfile
@@ -35,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import card_procs  # noqa: E402
 from bench.chunked_linear import SHAPES, split_fits  # noqa: E402
 from dspark_ray.kernels import chunked_linear as cl  # noqa: E402
 from dspark_ray.kernels import fused_ops  # noqa: E402
@@ -169,6 +171,9 @@ def install(variant: str) -> None:
 def main() -> None:
     if len(sys.argv) < 3:
         raise SystemExit(__doc__)
+    # The benches time a card in fresh spawned processes (bench/card_procs.py), which import the kernels anew: each
+    # installs the variant too, before the bench's body runs.
+    os.environ[card_procs.SETUP_ENV] = f"bench.dense_variants:install:{sys.argv[1]}"
     install(sys.argv[1])
     script = sys.argv[2]
     sys.argv = [script] + sys.argv[3:]

@@ -1,6 +1,6 @@
-"""Where one draft step's GPU time goes: every kernel of one graph replay (1 request, n_out 5), in order, with its
-start (us from the replay's first kernel) and duration, for one card (tp1) and for each rank of the NVLink pair.
-GPU only (two cards for the pair); the full preset from `--ckpt`.
+"""Where one draft step's GPU time goes: every kernel of one graph replay (1 request, or `--requests`, n_out 5), in
+order, with its start (us from the replay's first kernel) and duration, for one card (tp1) and for each rank of the
+NVLink pair. GPU only (two cards for the pair); the full preset from `--ckpt`.
 
     python bench/kernel_timeline.py --ckpt /tmp/full --modes tp1,solo,pair \
         --out bench/results/gpu/kernel_timeline_1x5_h200x2.json
@@ -48,12 +48,12 @@ def split_replays(ev: list, gap_us: float = 500.0) -> list[list]:
 
 
 def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None, barrier=None, nvtx: bool = False,
-             dense: str = "cublas") -> dict:
-    """Capture a one-request graph set for this rank, then profile three replays and keep the last one's kernels.
-    A pair rank meets its peer at `barrier` before each profiled replay, so both launch it at the same moment and a
-    collective's time is its own, not the wait for a peer that launched later. `nvtx`: no profiler; one replay
-    inside the NVTX range "ncu_replay", for Nsight Compute to time each of its kernels alone (see main's help).
-    `dense`: the dense linears' kernel (`gemm.use_matmul`)."""
+             dense: str = "cublas", requests: int = 1) -> dict:
+    """Capture a graph set of `requests` requests for this rank, then profile three replays and keep the last one's
+    kernels. A pair rank meets its peer at `barrier` before each profiled replay, so both launch it at the same
+    moment and a collective's time is its own, not the wait for a peer that launched later. `nvtx`: no profiler;
+    one replay inside the NVTX range "ncu_replay", for Nsight Compute to time each of its kernels alone (see main's
+    help). `dense`: the dense linears' kernel (`gemm.use_matmul`)."""
     from bench.draft_step import _slots
     from dspark_ray.collectives import LocalCollectives
     from dspark_ray.graphs import GraphSet
@@ -69,12 +69,12 @@ def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None, barrier=Non
     layout = Layout(cfg, 1 if mode == "tp1" else 2)     # solo: rank 0's shard of the pair, no collectives
     d = Drafter(cfg, [read_rank(ck, layout, rank, "cuda")], [layout.vocab_range(rank)[0]],
                 coll or LocalCollectives(1))
-    gs = GraphSet(d, n_slots=2, max_requests=1, n_outs=(5,), insert_buckets=(8, 128))
+    gs = GraphSet(d, n_slots=requests + 1, max_requests=requests, n_outs=(5,), insert_buckets=(8, 128))
     gs.capture()
-    states = _slots(gs, cfg, 1, cfg.sliding_window + 32, start)
+    states = _slots(gs, cfg, requests, cfg.sliding_window + 32, start)
 
     def step():
-        gs.run([], states, [17], 5, False)
+        gs.run([], states, [17 + i for i in range(requests)], 5, False)
     for _ in range(50):
         step()
     res = {"run_us": _median_us(step, 300)}
@@ -118,9 +118,9 @@ def launch_grids(prof) -> dict:
     return {k: sorted(v) for k, v in grids.items()}
 
 
-def solo_timeline(ckpt: str, start: int, nvtx: bool = False, dense: str = "cublas") -> dict:
+def solo_timeline(ckpt: str, start: int, nvtx: bool = False, dense: str = "cublas", requests: int = 1) -> dict:
     from dspark_ray.collectives import SoloCollectives
-    return timeline("solo", 0, ckpt, start, SoloCollectives(0), nvtx=nvtx, dense=dense)
+    return timeline("solo", 0, ckpt, start, SoloCollectives(0), nvtx=nvtx, dense=dense, requests=requests)
 
 
 def _pair_rank(rank: int, port: int, shm_name: str, ckpt: str, start: int, dense: str) -> dict:
@@ -148,18 +148,23 @@ def main() -> int:
                     "--nvtx-include ncu_replay/ --graph-profiling node --cache-control all` (each kernel timed alone)")
     ap.add_argument("--dense", default="cublas", choices=["triton", "cublas"],
                     help="the dense linears' kernel (1 request: what serve --dense auto runs up to --max-batch 6)")
+    ap.add_argument("--requests", type=int, default=1, help="tp1 / solo: requests a replay drafts for")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.requests != 1 and "pair" in args.modes.split(","):
+        ap.error("--requests: tp1 and solo only (the pair's timeline is of one request)")
     from bench.tcp_roundtrip import _commit
     out = {"bench": "kernel_timeline", "command": " ".join(["python"] + sys.argv), "commit": _commit(),
-           "device": torch.cuda.get_device_name(0), "pdl": pdl_capable(), "dense": args.dense, "timelines": {}}
+           "device": torch.cuda.get_device_name(0), "pdl": pdl_capable(), "dense": args.dense,
+           "requests": args.requests, "timelines": {}}
     for mode in args.modes.split(","):
         print(f"kernel_timeline: {mode} ...", file=sys.stderr, flush=True)
         if mode in ("tp1", "solo"):
             torch.set_num_threads(1)
-            out["timelines"][mode] = (timeline("tp1", 0, args.ckpt, args.start, nvtx=args.nvtx_replay, dense=args.dense)
+            out["timelines"][mode] = (timeline("tp1", 0, args.ckpt, args.start, nvtx=args.nvtx_replay,
+                                               dense=args.dense, requests=args.requests)
                                       if mode == "tp1" else solo_timeline(args.ckpt, args.start, args.nvtx_replay,
-                                                                          args.dense))
+                                                                          args.dense, args.requests))
         else:
             out["timelines"].update(run_pair(args.ckpt, args.start, args.dense))
     text = json.dumps(out)

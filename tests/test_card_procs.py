@@ -46,3 +46,23 @@ def test_one_card_alone_sees_card_0_and_an_error_names_its_process():
 
 def test_pinned_reads_one_entry_of_a_cpu_list():
     assert card_procs.pinned("2,3", 1) == 3 and card_procs.pinned("", 0) is None
+
+
+TAG = "as imported"
+
+
+def set_tag(value: str) -> None:
+    global TAG
+    TAG = value
+
+
+def read_tag() -> dict:
+    return {"tag": TAG}
+
+
+def test_children_run_the_named_setup_before_the_body(monkeypatch):
+    """A wrapper's change to a module (dense_variants' kernel variants) reaches the spawned children only through
+    SETUP_ENV: without it they see the module as imported."""
+    assert card_procs.run_alone(read_tag, timeout_s=120)["tag"] == "as imported"
+    monkeypatch.setenv(card_procs.SETUP_ENV, f"{__name__}:set_tag:from the parent")
+    assert card_procs.run_alone(read_tag, timeout_s=120)["tag"] == "from the parent"
