@@ -1,6 +1,6 @@
-"""Run another bench (bench/draft_step.py, bench/kernel_timeline.py) with a variant of the chunked dense kernel's
-launch, in the same process: an in-step A/B of `kernels/chunked_linear.py` without a knob in the kernel itself.
-GPU only (the benches it runs are).
+"""Run another bench (bench/draft_step.py, bench/kernel_timeline.py) with a variant of the step's kernels: an in-step
+A/B without a knob in the kernels themselves. The variant is installed in this process and, through
+`card_procs.SETUP_ENV`, in every card process the bench spawns. GPU only (the benches it runs are).
 
     python bench/dense_variants.py VARIANT bench/draft_step.py --ckpt /tmp/full --modes tp1,solo --dense triton ...
 
@@ -103,17 +103,9 @@ def expert_tiles(spec: str) -> None:
 
 def expert_out_late(act, w2, experts, weights, late):
     """`fused_moe.expert_out` with the shared expert's branch joined only before the combine."""
-    import triton
     from dspark_ray.kernels import fused_moe as fm
-    n, kc = experts.shape
-    h = w2.shape[1]
     d = fm._grouped(act, w2, None, experts, 1, 0.0)
-    shared = late.join()
-    out = torch.empty((n, h), dtype=torch.float32, device=act.device)
-    fm._expert_combine_kernel[(n, triton.cdiv(h, 1024))](
-        d, experts.contiguous(), weights.contiguous(), shared.contiguous(), out, h,
-        KC=kc, KCP=triton.next_power_of_2(kc), BLOCK=1024, num_warps=4, **fm.launch_opts(out))
-    return out
+    return fm.expert_combine(d, experts, weights, late.join())
 
 
 def shared_late() -> None:
@@ -156,7 +148,8 @@ def install(variant: str) -> None:
         expert_tiles(variant[len("experts:"):])
         rule = HEAD
     else:
-        raise SystemExit(f"unknown variant {variant!r}: current | model | sweep:<json> | nopdl | evict_first")
+        raise SystemExit(f"unknown variant {variant!r}: current | model | sweep:<json> | nopdl | evict_first | "
+                         "shared_late | experts:<spec>")
     seen = set()
 
     def logged(n, k, groups, chunks, sms):

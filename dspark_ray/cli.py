@@ -322,10 +322,6 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in (("status", cmd_status), ("stop", cmd_stop)):
         sp = sub.add_parser(name)
         sp.add_argument("--address")
-        sp.add_argument("--dense", choices=["auto", "triton", "cublas"], default="auto",
-                        help="the dense linears' kernel on a GPU: auto picks the one-read Triton kernel when a batch "
-                             "can span more than 32 rows (--max-batch 7 or more), cuBLAS otherwise (2-7%% faster "
-                             "at 1 request, 9-17%% slower at 8-16)")
         sp.add_argument("--name", default="dspark")
         sp.add_argument("--json", action="store_true")
         sp.set_defaults(fn=fn)

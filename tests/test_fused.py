@@ -393,10 +393,10 @@ def test_grouped_expert_tiles_fit_the_cards_shared_memory():
     cannot hold them (limits: H200 / H100, A100, RTX 3090)."""
     from dspark_ray.kernels.fused_moe import GROUPED_TILES, GROUPED_TILES_BY_SHAPE, fit_stages, grouped_tiles
     gated, plain = GROUPED_TILES[True], GROUPED_TILES[False]
-    assert fit_stages(gated, True, 232448) == gated and gated.stages == 4       # what the H200 bench chose
-    assert fit_stages(gated, True, 166912) == gated._replace(stages=3)              # 192 KiB > 163 KiB: 3 stages
+    assert fit_stages(gated, True, 232448) == gated and gated.stages == 4  # what the H200 bench chose
+    assert fit_stages(gated, True, 166912) == gated._replace(stages=3)     # 192 KiB > 163 KiB: 3 stages
     assert fit_stages(gated, True, 101376) == gated._replace(stages=2)
     assert fit_stages(plain, False, 101376) == plain                       # 4 x 24 KiB fits 99 KiB
-    assert fit_stages(gated, True, 1) == gated._replace(stages=1)                  # never below one stage
-    assert grouped_tiles(True, 1152, 5120, None) == gated                        # a CPU: the tiles as set
-    assert grouped_tiles(True, 2304, 5120, None) == GROUPED_TILES_BY_SHAPE[(True, 2304, 5120)]    # one card's own gated tiles
+    assert fit_stages(gated, True, 1) == gated._replace(stages=1)          # never below one stage
+    assert grouped_tiles(True, 1152, 5120, None) == gated                  # a CPU: the tiles as set
+    assert grouped_tiles(True, 2304, 5120, None) == GROUPED_TILES_BY_SHAPE[(True, 2304, 5120)]   # one card's own

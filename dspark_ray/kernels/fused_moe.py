@@ -259,10 +259,15 @@ def expert_act(f: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, experts: tor
 def expert_out(act: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                shared: torch.Tensor) -> torch.Tensor:
     """fp32 (n, h): the weighted routed outputs (ascending expert id) plus the shared expert's `shared`."""
+    return expert_combine(_grouped(act, w2, None, experts, 1, 0.0), experts, weights, shared)
+
+
+def expert_combine(d: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                   shared: torch.Tensor) -> torch.Tensor:
+    """fp32 (n, h): each row's routed outputs d (n*k, h) weighted and summed in ascending expert id, plus `shared`."""
     n, kc = experts.shape
-    h = w2.shape[1]
-    d = _grouped(act, w2, None, experts, 1, 0.0)
-    out = torch.empty((n, h), dtype=F32, device=act.device)
+    h = d.shape[1]
+    out = torch.empty((n, h), dtype=F32, device=d.device)
     if n:
         _expert_combine_kernel[(n, triton.cdiv(h, 1024))](
             d, experts.contiguous(), weights.contiguous(), shared.contiguous(), out, h,
