@@ -94,9 +94,9 @@ def expert_tiles(spec: str) -> None:
         chosen[(key[0] == "g", int(key[1:]))] = fused_moe.ExpertTiles(*map(int, tiles.split(".")))
     head = fused_moe.grouped_tiles
 
-    def tiles(gated, n, k, device_index):
+    def tiles(gated, n, k, device_index, few=False):          # the spec's tiles at every pair count
         t = chosen.get((gated, n if gated else k))
-        return head(gated, n, k, device_index) if t is None else t
+        return head(gated, n, k, device_index, few) if t is None else t
     fused_moe.grouped_tiles = tiles
     print(f"dense_variants[experts]: {chosen}", file=sys.stderr)
 

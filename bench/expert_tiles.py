@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     if started is None:
         return 2
     args, dev, gw = started                         # gw: weights and inputs, made on the card
-    from dspark_ray.kernels.fused_moe import ExpertTiles, grouped_tiles
+    from dspark_ray.kernels.fused_moe import FEW_PAIRS, ExpertTiles, grouped_tiles
     g = torch.Generator().manual_seed(0)            # routing (host)
     res = kernel_bench.header("expert_tiles", {"pairs": PAIRS, "distinct_experts": 6, "experts": E,
                                                "routing_sets": SETS, "reps": args.reps, "base": BASE}, shapes={})
@@ -102,7 +102,8 @@ def main(argv=None) -> int:
         ok = [r for r in rows if "p50_us" in r]
         best = min(ok, key=lambda r: r["p50_us"])
         base = next(r for r in ok if tuple(r["setting"]) == BASE)
-        used = next((r for r in ok if ExpertTiles(*r["setting"]) == grouped_tiles(gated, n, k, dev.index or 0)), None)
+        in_use = grouped_tiles(gated, n, k, dev.index or 0, PAIRS <= FEW_PAIRS)
+        used = next((r for r in ok if ExpertTiles(*r["setting"]) == in_use), None)
         res["shapes"][name] = {"gated": gated, "N": n, "K": k, "byte_bound_us": round(byte_ms * 1e3, 1),
                                "base": base, "in_use": used, "best": best, "all": rows}
         del w1, w3

@@ -61,6 +61,8 @@ _SCRIPT = textwrap.dedent("""
         "wq_a 1": (1792, 5120, 1, 1), "wq_a 3": (1792, 5120, 1, 3), "wq_b tp1 3": (32768, 1280, 1, 3),
         "wq_b pair 1": (16384, 1280, 1, 1), "wo_a tp1 1": (8192, 4096, 8, 1), "head 1": (129280, 5120, 1, 1),
         "odd 1": (96, 300, 1, 1)}.items()}
+    res["rule"] = {"wq_a": ck.rule_tiles(1792, 5120, 1, 132), "wq_b pair": ck.rule_tiles(16384, 1280, 1, 132),
+                   "wq_a 114 SMs": list(ck.tiles(1792, 5120, 1, 1, 114).__dict__.values())[:2]}
     print(json.dumps(res))
 """)
 
@@ -72,7 +74,7 @@ def test_chunked_linear_interpreter_cpu():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    tiles = res.pop("tiles")
+    tiles, rule = res.pop("tiles"), res.pop("rule")
     assert len(res) == 8
     for name, r in res.items():
         assert r["err"] < 2e-3 if "float16" in r["dtype"] else r["err"] < 1e-5, (name, r)
@@ -80,11 +82,13 @@ def test_chunked_linear_interpreter_cpu():
         assert r["counters_zero"], name
     # The bits-fixing part of a launch (bn, split) depends on the weight and the card, never on the chunk count.
     assert (tiles["wq_a 1"]["bn"], tiles["wq_a 1"]["split"]) == (tiles["wq_a 3"]["bn"], tiles["wq_a 3"]["split"])
-    assert (tiles["wq_a 1"]["bn"], tiles["wq_a 1"]["split"], tiles["wq_a 1"]["ch"]) == (64, 8, 1)
-    assert tiles["wq_a 3"]["ch"] == 3                         # 224 programs a chunk: more than 2 a SM side by side
+    # A 132-SM card takes the measured entries (MEASURED_TILES), other shapes and cards the rule.
+    assert (tiles["wq_a 1"]["bn"], tiles["wq_a 1"]["split"], tiles["wq_a 1"]["ch"]) == (64, 4, 1)
+    assert tiles["wq_a 3"]["ch"] == 3                         # 112 programs a chunk: more than 2 a SM side by side
     assert (tiles["wq_b tp1 3"]["bn"], tiles["wq_b tp1 3"]["split"]) == (128, 1)
-    assert (tiles["wq_b pair 1"]["bn"], tiles["wq_b pair 1"]["split"]) == (64, 1)
+    assert (tiles["wq_b pair 1"]["bn"], tiles["wq_b pair 1"]["split"]) == (128, 1)
     assert tiles["wo_a tp1 1"]["bn"] == 64 and tiles["head 1"]["bn"] == 128 and tiles["odd 1"]["bn"] == 64
+    assert rule == {"wq_a": [64, 8], "wq_b pair": [64, 1], "wq_a 114 SMs": [64, 8]}
 
 
 def test_tiles_refuse_a_group_width_off_the_tile():
@@ -98,7 +102,7 @@ def test_tiles_refuse_a_group_width_off_the_tile():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("k,n,groups", [(5120, 1792, 1), (1280, 16384, 1), (4096, 4096, 4), (5120, 129280, 1),
-                                        (300, 96, 1)])
+                                        (8192, 5120, 1), (5120, 2304, 1), (300, 96, 1)])  # splits 4 1 4 1 3 5 1
 def test_chunked_linear_gpu(k, n, groups, monkeypatch):
     from dspark_ray.kernels import chunked_linear as ck
     from dspark_ray.kernels import gemm

@@ -161,15 +161,41 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def tiles(n: int, k: int, groups: int, chunks: int, sms: int) -> Tiles:
-    """The launch for an (N, K) weight (in `groups` column groups) on `chunks` chunks, on a card of `sms` SMs.
+# (bn, split) measured per weight (N, K, groups) on a card of 132 SMs (H100 / H200 SXM), where the fastest tiling
+# differs from `rule_tiles`: every (bn, split 1-8) at one chunk behind a latency-bound kernel
+# (`bench/chunked_linear.py --sweep --chunks 1`, bench/results/gpu/chunked_linear_sweep_1chunk_h200.json), taken
+# into the step through `bench/dense_variants.py sweep:<that file>` and kept for what it did there, alternated with
+# the rule in one call (gpu/draft_step_dense_variants_s26_h200.json): the GPU's part at 16 requests 4249 -> 4177 us
+# on one card and 2590 -> 2509 on a pair rank, at 1 request 1255 -> 1249 and 802 -> 794. Non-power-of-two splits
+# (3, 5) spread the busiest SM's share of BK steps better. Like the rule, a property of the weight and the card:
+# both ranks of a pair and the emulated pair read the same entry, and no batch size changes it.
+MEASURED_TILES = {132: {
+    (1792, 5120, 1): (64, 4),       # wq_a | wkv (one card and a pair rank)
+    (32768, 1280, 1): (128, 1),     # one card's wq_b
+    (16384, 1280, 1): (128, 1),     # a pair rank's wq_b
+    (8192, 4096, 8): (64, 1),       # one card's wo_a (8 groups)
+    (4096, 4096, 4): (64, 4),       # a pair rank's wo_a (4 groups)
+    (5120, 8192, 1): (64, 3),       # one card's wo_b
+    (5120, 4096, 1): (64, 3),       # a pair rank's wo_b
+    (4608, 5120, 1): (128, 3),      # one card's shared w1 | w3
+    (2304, 5120, 1): (128, 5),      # a pair rank's shared w1 | w3
+    (5120, 2304, 1): (64, 3),       # one card's shared w2
+    (5120, 1152, 1): (64, 1),       # a pair rank's shared w2
+}}
 
-    bn and split fix the bits and depend on the weight and the card only: 128 columns a program when that still
-    gives a program per SM (the head, one card's wq_b), else 64; then the fewest K splits (powers of two, at least
-    two BK steps each) that give a program per SM (wq_a | wkv 8, wo_b 2, a pair rank's shared w1 | w3 4).
-    ch only spreads the work: a program per chunk while that stays within two programs per SM (they run side by
-    side, the weight tile read once from HBM), else every chunk in one program. Measured per shape in
-    `bench/chunked_linear.py`."""
+
+def tiles(n: int, k: int, groups: int, chunks: int, sms: int) -> Tiles:
+    """The launch for an (N, K) weight (in `groups` column groups) on `chunks` chunks, on a card of `sms` SMs:
+    (bn, split) from MEASURED_TILES for this card, else `rule_tiles`; the chunks per program from `with_split`."""
+    bn, split = MEASURED_TILES.get(sms, {}).get((n, k, groups)) or rule_tiles(n, k, groups, sms)
+    return with_split(n, bn, split, chunks, sms)
+
+
+def rule_tiles(n: int, k: int, groups: int, sms: int) -> tuple[int, int]:
+    """(bn, split) for a weight no measurement covers. They fix the bits and depend on the weight and the card only:
+    128 columns a program when that still gives a program per SM (the head, one card's wq_b), else 64; then the
+    fewest K splits (powers of two, at least two BK steps each) that give a program per SM (wq_a | wkv 8, wo_b 2, a
+    pair rank's shared w1 | w3 4). Measured per shape in `bench/chunked_linear.py`."""
     width = n // groups
     bn = 128 if n // 128 >= sms and (groups == 1 or width % 128 == 0) else 64
     if groups > 1 and (width % bn or n % groups):
@@ -178,7 +204,7 @@ def tiles(n: int, k: int, groups: int, chunks: int, sms: int) -> Tiles:
     split = 1
     while blocks * split < sms and k // (split * 2) >= 2 * BK:
         split *= 2
-    return with_split(n, bn, split, chunks, sms)
+    return bn, split
 
 
 def with_split(n: int, bn: int, split: int, chunks: int, sms: int) -> Tiles:

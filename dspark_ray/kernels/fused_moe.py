@@ -184,7 +184,9 @@ SCAN = 64          # pairs a program scans at a time for its expert's pairs (any
 
 class ExpertTiles(NamedTuple):
     """One grouped call's blocking: output columns (bn) and K step (bk) a program, warps, pipeline stages, and
-    pairs a pass (bm: the x tile's rows, the tl.dot's M). None of them depends on the batch."""
+    pairs a pass (bm: the x tile's rows, the tl.dot's M). None of them changes a bit: a pair's output is its fp32
+    products summed in the MMA's K order (16 at a time, ascending) whatever the blocking, so a call may pick its
+    tiles by its pair count (`FEW_PAIRS`) and a request's bits still do not depend on the batch."""
     bn: int
     bk: int
     warps: int
@@ -201,6 +203,18 @@ class ExpertTiles(NamedTuple):
 GROUPED_TILES = {True: ExpertTiles(64, 128, 4, 4), False: ExpertTiles(128, 64, 4, 4)}
 GROUPED_TILES_BY_SHAPE = {(True, 2304, 5120): ExpertTiles(64, 64, 4, 4)}       # (gated, N, K)
 
+# A call of at most FEW_PAIRS pairs (one request's draft block: 5 rows x top-3 = 15) has about one pair an expert,
+# and a 64-pair pass is mostly masked rows: these take 16-pair passes, the fastest with BM 16 / 32 of
+# `bench/expert_tiles.py` alone (gpu/expert_tiles_bm_h200.json, 2-6 % faster, the same bits). In the step,
+# alternated with the tiles above in one call (gpu/draft_step_expert_tiles_s26_h200.json), the GPU's part at 1
+# request: one card 1255 -> 1239 us, a pair rank 804 -> 786; at 4 requests mixed (1920 -> 1930, 1204 -> 1184) and
+# at 8-16 slower (+6-11 %), hence the pair-count threshold.
+FEW_PAIRS = 16
+GROUPED_TILES_FEW = {(True, 1152, 5120): ExpertTiles(32, 128, 2, 4, 16),       # a pair rank's gate / up
+                     (True, 2304, 5120): ExpertTiles(64, 128, 4, 4, 16),       # one card's gate / up
+                     (False, 5120, 1152): ExpertTiles(128, 64, 4, 4, 16),      # a pair rank's w2
+                     (False, 5120, 2304): ExpertTiles(128, 64, 4, 4, 16)}      # one card's w2
+
 
 def fit_stages(tiles: ExpertTiles, gated: bool, smem_limit: int) -> ExpertTiles:
     """The tiles with as many of their pipeline stages as `smem_limit` bytes of shared memory per block hold, by an
@@ -212,11 +226,13 @@ def fit_stages(tiles: ExpertTiles, gated: bool, smem_limit: int) -> ExpertTiles:
 
 
 @functools.cache
-def grouped_tiles(gated: bool, n: int, k: int, device_index: int | None) -> ExpertTiles:
-    """The tiles of an (N, K) call (GROUPED_TILES_BY_SHAPE, else GROUPED_TILES) for a card: the H200's 227 KiB per
-    block holds the gated call's 4 stages (192 KiB), an A100's 163 KiB 3 of them. Fixed per kind of card and
-    shape, so both ranks of a pair run the same tiles. device_index None: a CPU (the interpreter)."""
-    tiles = GROUPED_TILES_BY_SHAPE.get((gated, n, k), GROUPED_TILES[gated])
+def grouped_tiles(gated: bool, n: int, k: int, device_index: int | None, few: bool = False) -> ExpertTiles:
+    """The tiles of an (N, K) call (with `few` pairs GROUPED_TILES_FEW, else GROUPED_TILES_BY_SHAPE, else
+    GROUPED_TILES) for a card: the H200's 227 KiB per block holds the gated call's 4 stages (192 KiB), an A100's
+    163 KiB 3 of them. Fixed per kind of card, shape and pair count, so both ranks of a pair run the same tiles.
+    device_index None: a CPU (the interpreter)."""
+    tiles = (few and GROUPED_TILES_FEW.get((gated, n, k))) or GROUPED_TILES_BY_SHAPE.get((gated, n, k),
+                                                                                        GROUPED_TILES[gated])
     if device_index is None:
         return tiles
     try:
@@ -246,7 +262,7 @@ def _grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, experts
     out = torch.empty((p, n), dtype=F16 if gated else F32, device=x.device)
     if p:
         grouped_launch(x.to(F16).contiguous(), w1, w3, experts.contiguous(), out, x_div, limit,
-                       grouped_tiles(gated, n, w1.shape[2], x.device.index if x.is_cuda else None))
+                       grouped_tiles(gated, n, w1.shape[2], x.device.index if x.is_cuda else None, p <= FEW_PAIRS))
     return out
 
 
