@@ -38,9 +38,13 @@ def tiny_ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def ckpt(tiny_ckpt):
+def ckpt(request):
+    """The tiny synthetic drafter, or the checkpoint DSPARK_TEST_CKPT names (the GPU machine's full preset:
+    `DSPARK_TEST_CKPT=/tmp/full pytest tests/test_gpu_graphs.py -k "set and fast"` runs the graph set's bit checks,
+    batch invariance included, at the full shapes, where the kernels' measured tiles apply)."""
     from dspark_ray.weights.loader import Checkpoint
-    return Checkpoint(tiny_ckpt)
+    path = os.environ.get("DSPARK_TEST_CKPT")
+    return Checkpoint(path or request.getfixturevalue("tiny_ckpt"))
 
 
 @pytest.fixture(scope="session")
