@@ -6,6 +6,7 @@ A/B without a knob in the kernels themselves. The variant is installed in this p
 
 VARIANT:
   current       `chunked_linear.tiles` as it is (the baseline of the same call)
+  rule          the dense tiles from `chunked_linear.rule_tiles` alone (without the measured table)
   model         the K split that minimizes the busiest SM's BK steps, ceil(programs / SMs) * (steps a program + 2),
                 instead of the fewest powers of two that give a program per SM (bn as `tiles`)
   sweep:<json>  per weight shape, the fastest (bn, split) at one chunk of a `bench/chunked_linear.py --sweep` run
@@ -16,10 +17,15 @@ VARIANT:
                 kernel) instead of with its gate / up GEMM beside the router; no bit changes
   experts:<spec> the routed experts' grouped kernel with other tiles (the dense kernel as it is): spec is
                 g<I>=bn.bk.warps.stages[.bm],p<I>=... for the gated (w1 | w3) and plain (w2) calls of
-                expert width I (1152 a pair rank, 2304 one card); a call not named keeps its tiles
+                expert width I (1152 a pair rank, 2304 one card), at every pair count; a call not named keeps
+                its tiles
+  few_pairs:<n> the routed experts' calls of at most n pairs take `fused_moe.GROUPED_TILES_FEW` (now 16: one
+                request's block; 30 would take two requests' too)
 
 A variant that changes (bn, split) changes the bits of the dense linears (each deployment runs one rule); the
-ch choice is the kernel's (`tiles`). The 1 December 2026 calls: `bench/results/gpu/draft_step_dense_variants_h200.json`.
+ch choice is the kernel's (`tiles`). Runs: `bench/results/gpu/draft_step_dense_variants_s26_h200.json` and
+`draft_step_expert_tiles_s26_h200.json` (those of `draft_step_dense_variants_h200.json`, before the variants reached
+the spawned processes, are void).
 """
 from __future__ import annotations
 
@@ -147,9 +153,18 @@ def install(variant: str) -> None:
     elif variant.startswith("experts:"):
         expert_tiles(variant[len("experts:"):])
         rule = HEAD
+    elif variant.startswith("few_pairs:"):
+        from dspark_ray.kernels import fused_moe
+        fused_moe.FEW_PAIRS = int(variant[len("few_pairs:"):])
+        print(f"dense_variants[few_pairs]: calls of at most {fused_moe.FEW_PAIRS} pairs take the few-pair tiles",
+              file=sys.stderr)
+        rule = HEAD
+    elif variant == "rule":
+        def rule(n, k, groups, chunks, sms):
+            return cl.with_split(n, *cl.rule_tiles(n, k, groups, sms), chunks, sms)
     else:
-        raise SystemExit(f"unknown variant {variant!r}: current | model | sweep:<json> | nopdl | evict_first | "
-                         "shared_late | experts:<spec>")
+        raise SystemExit(f"unknown variant {variant!r}: current | rule | model | sweep:<json> | nopdl | evict_first "
+                         "| shared_late | experts:<spec> | few_pairs:<n>")
     seen = set()
 
     def logged(n, k, groups, chunks, sms):
