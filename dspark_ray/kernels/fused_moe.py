@@ -231,8 +231,8 @@ def grouped_tiles(gated: bool, n: int, k: int, device_index: int | None, few: bo
     GROUPED_TILES) for a card: the H200's 227 KiB per block holds the gated call's 4 stages (192 KiB), an A100's
     163 KiB 3 of them. Fixed per kind of card, shape and pair count, so both ranks of a pair run the same tiles.
     device_index None: a CPU (the interpreter)."""
-    tiles = (few and GROUPED_TILES_FEW.get((gated, n, k))) or GROUPED_TILES_BY_SHAPE.get((gated, n, k),
-                                                                                        GROUPED_TILES[gated])
+    tiles = GROUPED_TILES_FEW.get((gated, n, k)) if few else None
+    tiles = tiles or GROUPED_TILES_BY_SHAPE.get((gated, n, k), GROUPED_TILES[gated])
     if device_index is None:
         return tiles
     try:
