@@ -161,12 +161,12 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# (bn, split) measured per weight (N, K, groups) on a card of 132 SMs (H100 / H200 SXM), where the fastest tiling
-# differs from `rule_tiles`: every (bn, split 1-8) at one chunk behind a latency-bound kernel
-# (`bench/chunked_linear.py --sweep --chunks 1`, bench/results/gpu/chunked_linear_sweep_1chunk_h200.json), taken
-# into the step through `bench/dense_variants.py sweep:<that file>` and kept for what it did there, alternated with
-# the rule in one call (gpu/draft_step_dense_variants_s26_h200.json): the GPU's part at 16 requests 4249 -> 4177 us
-# on one card and 2590 -> 2509 on a pair rank, at 1 request 1255 -> 1249 and 802 -> 794. Non-power-of-two splits
+# (bn, split) measured per weight (N, K, groups) on the H200 (132 SMs; an H100 SXM, also 132, takes them unmeasured)
+# where the fastest tiling differs from `rule_tiles`: every (bn, split 1-8) at one chunk behind a latency-bound
+# kernel (`bench/chunked_linear.py --sweep --chunks 1`, bench/results/gpu/chunked_linear_sweep_1chunk_h200.json),
+# taken into the step through `bench/dense_variants.py sweep:<that file>` and kept for what it did there, alternated
+# with the rule in one call (gpu/draft_step_dense_variants_s26_h200.json): the GPU's part at 16 requests 4249 -> 4177
+# us on one card and 2590 -> 2509 on a pair rank, at 1 request 1255 -> 1249 and 802 -> 794. Non-power-of-two splits
 # (3, 5) spread the busiest SM's share of BK steps better. Like the rule, a property of the weight and the card:
 # both ranks of a pair and the emulated pair read the same entry, and no batch size changes it.
 MEASURED_TILES = {132: {
