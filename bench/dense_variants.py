@@ -19,7 +19,6 @@ VARIANT:
                 g<I>=bn.bk.warps.stages[.bm],p<I>=... for the gated (w1 | w3) and plain (w2) calls of
                 expert width I (1152 a pair rank, 2304 one card), at every pair count; a call not named keeps
                 its tiles
-  unfused_expand each mHC site's expand in a launch of its own before the next site's mix (as before the fusion)
   few_pairs:<n> the routed experts' calls of at most n pairs take `fused_moe.GROUPED_TILES_FEW` (now 16: one
                 request's block; 30 would take two requests' too)
 
@@ -160,17 +159,12 @@ def install(variant: str) -> None:
         print(f"dense_variants[few_pairs]: calls of at most {fused_moe.FEW_PAIRS} pairs take the few-pair tiles",
               file=sys.stderr)
         rule = HEAD
-    elif variant == "unfused_expand":
-        from dspark_ray.kernels import fused_mhc
-        fused_mhc.FUSE_EXPAND = False
-        print("dense_variants[unfused_expand]: each mHC expand in a launch of its own", file=sys.stderr)
-        rule = HEAD
     elif variant == "rule":
         def rule(n, k, groups, chunks, sms):
             return cl.with_split(n, *cl.rule_tiles(n, k, groups, sms), chunks, sms)
     else:
         raise SystemExit(f"unknown variant {variant!r}: current | rule | model | sweep:<json> | nopdl | evict_first "
-                         "| shared_late | experts:<spec> | few_pairs:<n> | unfused_expand")
+                         "| shared_late | experts:<spec> | few_pairs:<n>")
     seen = set()
 
     def logged(n, k, groups, chunks, sms):

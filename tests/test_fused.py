@@ -71,17 +71,6 @@ def kernel_checks(dev: str) -> dict:
     res["collapse_comb_looped"] = torch.equal(c2, c1) and torch.equal(p2, p1)     # the Sinkhorn half: unchanged
     y = rn(R, h)
     res["expand_exact"] = torch.equal(fused.mhc_expand(x, y, p, cb), mhc.HcSite.expand(x, y, p, cb))
-    # The expand inside the next site's mix: the bits of the expand launch and the site after it (h = 192: the
-    # mix's 512-column chunks straddle the streams), the head's exit site too, and each row alone its batched bits.
-    x1 = fused.mhc_expand(x, y, p, cb)
-    got = fused.expand_collapse_norm(x, y, p, cb, fn, base, scale, nw, iters=20, hc_eps=1e-6, norm_eps=eps)
-    want = (x1, *fused.mhc_collapse_norm(x1, fn, base, scale, nw, iters=20, hc_eps=1e-6, norm_eps=eps))
-    res["expand_collapse_exact"] = all(map(torch.equal, got, want))
-    hargs = (fn[:4], base[:4], scale[:1], nw)
-    res["expand_hyper_exact"] = all(map(torch.equal, fused.expand_hyper_head_norm(
-        x, y, p, cb, *hargs, hc_eps=1e-6, norm_eps=eps), fused.hyper_head_norm(x1, *hargs, hc_eps=1e-6, norm_eps=eps)))
-    res["expand_collapse_alone"] = _alone_equals_batch(lambda s: fused.expand_collapse_norm(
-        x[s], y[s], p[s], cb[s], fn, base, scale, nw, iters=20, hc_eps=1e-6, norm_eps=eps), R)
     hh = mhc.HyperHead(fn[:4], base[:4], scale[:1], hc_eps=1e-6, norm_eps=eps)
     pr1, no1 = fused.hyper_head_norm(x, fn[:4], base[:4], scale[:1], nw, hc_eps=1e-6, norm_eps=eps)
     pr0 = hh(x)

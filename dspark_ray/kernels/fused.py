@@ -28,8 +28,7 @@ from __future__ import annotations
 
 from .fused_attention import attend, head_norm_rope
 from .fused_head import confidence, markov_step, pack_outputs
-from .fused_mhc import (embed_streams, expand_collapse_norm, expand_hyper_head_norm, hyper_head_norm,
-                        mhc_collapse_norm, mhc_expand)
+from .fused_mhc import embed_streams, hyper_head_norm, mhc_collapse_norm, mhc_expand
 from .fused_moe import expert_act, expert_out, indexed_linear, route, router_logits, swiglu
 from .fused_ops import pdl_launches, rms_norm, rows_linear
 
@@ -46,8 +45,6 @@ TABLE = {
     "mhc_collapse_norm": mhc_collapse_norm,
     "hyper_head_norm": hyper_head_norm,
     "mhc_expand": mhc_expand,
-    "mhc_expand_collapse_norm": expand_collapse_norm,
-    "expand_hyper_head_norm": expand_hyper_head_norm,
     "embed_streams": embed_streams,
     "rms_norm": rms_norm,
     "head_norm_rope": head_norm_rope,

@@ -17,27 +17,11 @@ COMBINE_WARPS = 8        # as before the split; more warps would spread the 4x4 
 
 
 @triton.jit
-def _expand_at(src_ptr, y_ptr, post_ptr, comb_ptr, r, offs, m, H):
-    """X'[k, j] = post_k * y[j] + sum_i comb[i, k] * X[i, j], i in order, no FMA (`_mhc_expand_kernel`'s ops in its
-    order: the same bits) at flat offsets offs = k * H + j of row r's streams; 0.0 where m is False."""
-    k = offs // H
-    j = offs - k * H
-    xr = src_ptr + r * 4 * H + j
-    acc = tl.load(post_ptr + r * 4 + k, mask=m, other=0.0) * tl.load(y_ptr + r * H + j, mask=m, other=0.0)
-    for i in tl.static_range(4):
-        acc = acc + tl.load(comb_ptr + r * 16 + i * 4 + k, mask=m, other=0.0) * tl.load(xr + i * H, mask=m, other=0.0)
-    return tl.where(m, acc, 0.0)
-
-
-@triton.jit
-def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, src_ptr, y_ptr, post_ptr, comb_ptr, L, H, N_OUT, NCH,
-                    CHUNK: tl.constexpr, OUT: tl.constexpr, EXPAND: tl.constexpr, PDL: tl.constexpr):
+def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, L, N_OUT, NCH, CHUNK: tl.constexpr, OUT: tl.constexpr, PDL: tl.constexpr):
     """Program (chunk, row): over columns [chunk * CHUNK, +CHUNK) of X_row (the row's M*h streams), the partial dots
     with every fn16 row (o < N_OUT) and the partial sum of squares (o == N_OUT), to part[row, chunk, o]. The
     combine sums the chunks in order. (One program per (row, output) over all of X_row was 6 us a site at 5 rows:
-    25 programs a row, each a serial loop.) EXPAND: X_row is first made from the last sublayer's output, the
-    expand of `_expand_at` from the streams at src_ptr, and written to x_ptr (the next collapse and expand read it
-    there), so the site needs no expand launch of its own."""
+    25 programs a row, each a serial loop.)"""
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -46,11 +30,7 @@ def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, src_ptr, y_ptr, post_ptr, comb_ptr,
     f = tl.load(fn_ptr + o[:, None].to(tl.int64) * L + offs[None, :], mask=(o[:, None] < N_OUT) & m[None, :],
                 other=0.0).to(tl.float32)     # the fn16 rows (made before capture): read before the wait
     pdl_enter(PDL)
-    if EXPAND:
-        x = _expand_at(src_ptr, y_ptr, post_ptr, comb_ptr, r, offs, m, H)
-        tl.store(x_ptr + r * L + offs, x, mask=m)
-    else:
-        x = tl.load(x_ptr + r * L + offs, mask=m, other=0.0)
+    x = tl.load(x_ptr + r * L + offs, mask=m, other=0.0)
     f = tl.where(o[:, None] == N_OUT, x[None, :], f)
     tl.store(part_ptr + (r * NCH + c) * OUT + o, tl.sum(f * x[None, :], axis=1))
 
@@ -195,21 +175,19 @@ def _fn16(fn: torch.Tensor) -> torch.Tensor:
 
 def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor,
               normed: torch.Tensor, pre_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *, iters: int,
-              hc_eps: float, norm_eps: float, head: bool, expand: tuple | None = None) -> None:
+              hc_eps: float, norm_eps: float, head: bool) -> None:
     """One mHC site's collapse in two launches: the mix's partial dots per (chunk, row) into `part`, then the
     combine per (row, half) (each half sums the chunks into its own scratch row of `v`; `pre` is half 0's scratch
-    between its logits and its collapse). expand = (streams, y, post, comb): the mix makes x, the site's streams,
-    as `mhc_expand(streams, y, post, comb)` first (x is then its output buffer)."""
+    between its logits and its collapse)."""
     rows, m, h = x.shape
     L, n_out = m * h, fn.shape[0]
-    assert n_out < MIX_OUT and m == 4
+    assert n_out < MIX_OUT
     nch = triton.cdiv(L, MIX_CHUNK)
     part = torch.empty((rows, nch, MIX_OUT), dtype=F32, device=x.device)
     v = torch.empty((rows, 2, MIX_OUT), dtype=F32, device=x.device)
     pre = torch.empty((rows, 4), dtype=F32, device=x.device)
-    src, y, e_post, e_comb = expand if expand is not None else (x, x, x, x)
-    _mhc_mix_kernel[(nch, rows)](x, _fn16(fn), part, src, y, e_post, e_comb, L, h, n_out, nch, CHUNK=MIX_CHUNK,
-                                 OUT=MIX_OUT, EXPAND=expand is not None, num_warps=8, **launch_opts(x))
+    _mhc_mix_kernel[(nch, rows)](x, _fn16(fn), part, L, n_out, nch, CHUNK=MIX_CHUNK, OUT=MIX_OUT, num_warps=8,
+                                 **launch_opts(x))
     block = min(triton.next_power_of_2(h), COLLAPSE_BLOCK)
     _mhc_combine_kernel[(rows, 1 if head else 2)](
         x, part, v, base, scale, norm_w, normed, pre_out, pre, post, comb, h, L, n_out, nch, hc_eps, norm_eps, iters,
@@ -240,51 +218,6 @@ def hyper_head_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     prenorm = torch.empty((rows, h), dtype=F32, device=x.device)
     _collapse(x, fn, base, scale, norm_w, normed, prenorm, prenorm, prenorm, iters=1, hc_eps=hc_eps,
               norm_eps=norm_eps, head=True)
-    return prenorm, normed
-
-
-# Whether a site's expand runs inside its next mix (`expand_collapse_norm`, `expand_hyper_head_norm`) or as a launch
-# of its own before it (the same bits either way; bench/dense_variants.py `unfused_expand` sets it False).
-FUSE_EXPAND = True
-
-
-def _expand_args(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
-    x = x.contiguous()
-    return torch.empty_like(x), (x, y.contiguous(), post.contiguous(), comb.contiguous())
-
-
-def expand_collapse_norm(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                         fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor, *,
-                         iters: int, hc_eps: float, norm_eps: float):
-    """`mhc_expand(x, y, post, comb)` (the last sublayer's output folded into the streams), then
-    `mhc_collapse_norm` of the new streams: (streams, normed, post, comb) of the next site. One launch fewer: the
-    mix makes the streams as it reads them."""
-    if not FUSE_EXPAND:
-        x = mhc_expand(x, y, post, comb)
-        return (x, *mhc_collapse_norm(x, fn, base, scale, norm_w, iters=iters, hc_eps=hc_eps, norm_eps=norm_eps))
-    out, expand = _expand_args(x, y, post, comb)
-    rows, m, h = out.shape
-    normed = rows_empty(rows, h, F16, out.device)
-    post2 = torch.empty((rows, m), dtype=F32, device=out.device)
-    comb2 = torch.empty((rows, m, m), dtype=F32, device=out.device)
-    _collapse(out, fn, base, scale, norm_w, normed, normed, post2, comb2, iters=iters, hc_eps=hc_eps,
-              norm_eps=norm_eps, head=False, expand=expand)
-    return out, normed, post2, comb2
-
-
-def expand_hyper_head_norm(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                           fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor, *,
-                           hc_eps: float, norm_eps: float):
-    """`mhc_expand` of the last block's output, then `hyper_head_norm`: (prenorm, normed), one launch fewer."""
-    if not FUSE_EXPAND:
-        return hyper_head_norm(mhc_expand(x, y, post, comb), fn, base, scale, norm_w, hc_eps=hc_eps,
-                               norm_eps=norm_eps)
-    out, expand = _expand_args(x, y, post, comb)
-    rows, m, h = out.shape
-    normed = rows_empty(rows, h, F16, out.device)
-    prenorm = torch.empty((rows, h), dtype=F32, device=out.device)
-    _collapse(out, fn, base, scale, norm_w, normed, prenorm, prenorm, prenorm, iters=1, hc_eps=hc_eps,
-              norm_eps=norm_eps, head=True, expand=expand)
     return prenorm, normed
 
 

@@ -66,17 +66,16 @@ class _Block:
                                 limit=cfg.swiglu_limit)
                         for w in shards]
 
-    def __call__(self, x, pending, pos, window, valid, block, coll: Collectives):
-        """x: the streams; pending: the last block's (y, post, comb), still to be expanded into them (None before
-        the first block). Returns (streams, pending, experts): the ffn's expand is left to the next site."""
+    def __call__(self, x, pos, window, valid, block, coll: Collectives):
         with stage("dspark.mhc_norm"):
-            x, a, post, comb = self.hc_attn.expand_collapse_norm(x, pending, self.attn_norm)
+            a, post, comb = self.hc_attn.collapse_norm(x, self.attn_norm)
         with stage("dspark.attention"):
             parts = [attn(a, pos, window, valid, block) for attn in self.attn]
         with stage("dspark.all_reduce"):
             y = coll.all_reduce(parts)
         with stage("dspark.mhc_norm"):
-            x, f, post, comb = self.hc_ffn.expand_collapse_norm(x, (y, post, comb), self.ffn_norm)
+            x = HcSite.expand(x, y, post, comb)
+            f, post, comb = self.hc_ffn.collapse_norm(x, self.ffn_norm)
         with stage("dspark.routing"):
             # The shared expert needs no routing: a branch beside the router (H200, one card: beside the routed
             # experts' first kernel instead, it slowed that kernel by more than it hid, 1383 against 1340 us a step)
@@ -86,7 +85,8 @@ class _Block:
             parts = [ex.routed(f, experts, weights, s) for ex, s in zip(self.experts, shared)]
         with stage("dspark.all_reduce"):
             y = coll.all_reduce(parts)
-        return x, (y, post, comb), experts
+        with stage("dspark.mhc_norm"):
+            return HcSite.expand(x, y, post, comb), experts
 
 
 class Drafter:
@@ -215,12 +215,11 @@ class Drafter:
             x = e[:, None, :].expand(-1, c.hc_mult, -1).contiguous()       # (bsz*B, M, h) fp32 streams
             pos = (p0[:, None] + torch.arange(B, device=p0.device)).flatten()   # (bsz*B,) every block's positions
         self.last_experts = []
-        pending = None
         for n, blk in enumerate(self.blocks):
-            x, pending, experts = blk(x, pending, pos, windows[n], valid, B, self.coll)
+            x, experts = blk(x, pos, windows[n], valid, B, self.coll)
             self.last_experts.append(experts)
         with stage("dspark.mhc_norm"):
-            prenorm, normed = self.hyper_head.with_norm(x, self.final_norm, pending)  # (bsz*B, h) fp32, fp16
+            prenorm, normed = self.hyper_head.with_norm(x, self.final_norm)  # (bsz*B, h) fp32, fp16
         with stage("dspark.head"):
             out = self.head(normed.reshape(bsz, B, -1), prenorm.reshape(bsz, B, -1),
                             seeds, n_out, want_margins, keep_logits=debug)

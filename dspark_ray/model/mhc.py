@@ -71,18 +71,6 @@ class HcSite:
         c, post, comb = self.collapse(x)
         return rms_norm(c, norm_w, self.norm_eps), post, comb
 
-    def expand_collapse_norm(self, x: torch.Tensor, pending: tuple | None, norm_w: torch.Tensor):
-        """`expand(x, *pending)` (the last sublayer's output, post and comb; None at the first site: x as it is),
-        then `collapse_norm`: (streams, normed, post, comb). The fast path does both in the site's launches."""
-        if pending is None:
-            return (x, *self.collapse_norm(x, norm_w))
-        k = ops.fused("mhc_expand_collapse_norm")
-        if k is not None:
-            return k(x, *pending, self.fn, self.base, self.scale, norm_w, iters=self.iters, hc_eps=self.hc_eps,
-                     norm_eps=self.norm_eps)
-        x = self.expand(x, *pending)
-        return (x, *self.collapse_norm(x, norm_w))
-
     @staticmethod
     def expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """X[:, k] <- post_k * y + sum_i comb[i, k] * X[:, i] (comb indexed [source i, destination k])."""
@@ -111,16 +99,8 @@ class HyperHead:
         pre = sigmoid(v * self.scale[0] + self.base) + self.hc_eps
         return _weighted_streams(x, pre)
 
-    def with_norm(self, x: torch.Tensor, norm_w: torch.Tensor,
-                  pending: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The exit state and its final RMS norm: (prenorm (rows, h) fp32, normed (rows, h) fp16). pending: the last
-        block's (y, post, comb), expanded into x first (`HcSite.expand_collapse_norm`)."""
-        if pending is not None:
-            k = ops.fused("expand_hyper_head_norm")
-            if k is not None:
-                return k(x, *pending, self.fn, self.base, self.scale, norm_w, hc_eps=self.hc_eps,
-                         norm_eps=self.norm_eps)
-            x = HcSite.expand(x, *pending)
+    def with_norm(self, x: torch.Tensor, norm_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exit state and its final RMS norm: (prenorm (rows, h) fp32, normed (rows, h) fp16)."""
         k = ops.fused("hyper_head_norm")
         if k is not None:
             return k(x, self.fn, self.base, self.scale, norm_w, hc_eps=self.hc_eps, norm_eps=self.norm_eps)
