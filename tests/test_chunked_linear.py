@@ -93,15 +93,16 @@ def test_chunked_linear_interpreter_cpu():
 
 def test_measured_tiles_fit_the_kernel():
     """Every measured (bn, split) is one the kernel can run: whole BK steps per K range, none empty, and column
-    blocks that do not straddle a group (a bad entry would fail only on the card)."""
+    blocks that do not straddle a group (a bad entry would fail only on the card): the sweep's own rule."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
+    from bench.chunked_linear import split_fits
     from dspark_ray.kernels import chunked_linear as ck
     assert ck.MEASURED_TILES[132]
     for sms, table in ck.MEASURED_TILES.items():
         for (n, k, groups), (bn, split) in table.items():
-            ks = -(-(-(-k // split)) // ck.BK) * ck.BK
-            assert bn in (64, 128) and 1 <= split <= 8 and (split - 1) * ks < k, (n, k, groups, bn, split)
+            steps = -(-k // ck.BK)
+            assert bn in (64, 128) and 1 <= split <= 8 and split_fits(steps, split), (n, k, groups, bn, split)
             if groups > 1:
                 assert n % groups == 0 and (n // groups) % bn == 0, (n, k, groups, bn)
             assert ck.tiles(n, k, groups, 1, sms) == ck.with_split(n, bn, split, 1, sms)
