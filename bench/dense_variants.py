@@ -19,8 +19,8 @@ VARIANT:
                 g<I>=bn.bk.warps.stages[.bm],p<I>=... for the gated (w1 | w3) and plain (w2) calls of
                 expert width I (1152 a pair rank, 2304 one card), at every pair count; a call not named keeps
                 its tiles
-  few_pairs:<n> the routed experts' calls of at most n pairs take `fused_moe.GROUPED_TILES_FEW` (now 16: one
-                request's block; 30 would take two requests' too)
+  few_pairs:<n> the routed experts' calls of at most n pairs take `fused_moe.GROUPED_TILES_FEW` (now 60: up
+                to 4 requests' blocks; `draft_step_few_pairs_s27_h200.json` compared 16, 30, 45, 60)
 
 A variant that changes (bn, split) changes the bits of the dense linears (each deployment runs one rule); the
 ch choice is the kernel's (`tiles`). Runs: `bench/results/gpu/draft_step_dense_variants_s26_h200.json` and

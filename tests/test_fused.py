@@ -402,7 +402,7 @@ def test_grouped_expert_tiles_fit_the_cards_shared_memory():
     assert grouped_tiles(True, 2304, 5120, None) == GROUPED_TILES_BY_SHAPE[(True, 2304, 5120)]   # one card's own
     from dspark_ray.kernels.fused_moe import FEW_PAIRS, GROUPED_TILES_FEW
     assert grouped_tiles(True, 1152, 5120, None, True) == GROUPED_TILES_FEW[(True, 1152, 5120)]   # one request
-    assert grouped_tiles(False, 5120, 2304, None, True).bm == 16 and FEW_PAIRS == 16
+    assert grouped_tiles(False, 5120, 2304, None, True).bm == 16 and FEW_PAIRS == 60    # up to 4 requests
     assert grouped_tiles(True, 96, 80, None, True) == gated                 # a shape without few-pair tiles
 
 

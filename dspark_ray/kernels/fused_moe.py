@@ -203,13 +203,14 @@ class ExpertTiles(NamedTuple):
 GROUPED_TILES = {True: ExpertTiles(64, 128, 4, 4), False: ExpertTiles(128, 64, 4, 4)}
 GROUPED_TILES_BY_SHAPE = {(True, 2304, 5120): ExpertTiles(64, 64, 4, 4)}       # (gated, N, K)
 
-# A call of at most FEW_PAIRS pairs (one request's draft block: 5 rows x top-3 = 15) has about one pair an expert,
-# and a 64-pair pass is mostly masked rows: these take 16-pair passes, the fastest with BM 16 / 32 of
-# `bench/expert_tiles.py` alone (gpu/expert_tiles_bm_h200.json, 2-6 % faster, the same bits). In the step,
-# alternated with the tiles above in one call (gpu/draft_step_expert_tiles_s26_h200.json), the GPU's part at 1
-# request: one card 1255 -> 1239 us, a pair rank 804 -> 786; at 4 requests mixed (1920 -> 1930, 1204 -> 1184) and
-# at 8-16 slower (+6-11 %), hence the pair-count threshold.
-FEW_PAIRS = 16
+# A call of at most FEW_PAIRS pairs (up to 4 requests' draft blocks: 4 x 5 rows x top-3 = 60) has one or two pairs
+# an expert, and a 64-pair pass is mostly masked rows: these take 16-pair passes, the fastest with BM 16 / 32 of
+# `bench/expert_tiles.py` alone (gpu/expert_tiles_bm_h200.json, 2-6 % faster, the same bits). In the step, the GPU's
+# part alternated in one call (one card / a pair rank, us): 1 request 1255 -> 1239 / 804 -> 786
+# (gpu/draft_step_expert_tiles_s26_h200.json); 2 requests 1489 -> 1418 / 958 -> 907, 3 requests 1660 -> 1631 /
+# 1077 -> 1044, 4 requests 1895 -> 1894 / 1205 -> 1169 (gpu/draft_step_few_pairs_s27_h200.json); at 8-16 requests
+# slower (+6-11 %), hence the pair-count threshold.
+FEW_PAIRS = 60
 GROUPED_TILES_FEW = {(True, 1152, 5120): ExpertTiles(32, 128, 2, 4, 16),       # a pair rank's gate / up
                      (True, 2304, 5120): ExpertTiles(64, 128, 4, 4, 16),       # one card's gate / up
                      (False, 5120, 1152): ExpertTiles(128, 64, 4, 4, 16),      # a pair rank's w2
