@@ -19,8 +19,8 @@ VARIANT:
                 g<I>=bn.bk.warps.stages[.bm],p<I>=... for the gated (w1 | w3) and plain (w2) calls of
                 expert width I (1152 a pair rank, 2304 one card), at every pair count; a call not named keeps
                 its tiles
-  few_pairs:<n> the routed experts' calls of at most n pairs take `fused_moe.GROUPED_TILES_FEW` (now 60: up
-                to 4 requests' blocks; `draft_step_few_pairs_s27_h200.json` compared 16, 30, 45, 60)
+  few_pairs:<n> the last of `fused_moe.FEW_PAIR_TIERS` bounded at n pairs (now 60: up to 4 requests'
+                blocks; `draft_step_few_pairs_s27_h200.json` compared 16, 30, 45, 60)
 
 A variant that changes (bn, split) changes the bits of the dense linears (each deployment runs one rule); the
 ch choice is the kernel's (`tiles`). Runs: `bench/results/gpu/draft_step_dense_variants_s26_h200.json` and
@@ -100,9 +100,9 @@ def expert_tiles(spec: str) -> None:
         chosen[(key[0] == "g", int(key[1:]))] = fused_moe.ExpertTiles(*map(int, tiles.split(".")))
     head = fused_moe.grouped_tiles
 
-    def tiles(gated, n, k, device_index, few=False):          # the spec's tiles at every pair count
+    def tiles(gated, n, k, device_index, pairs=None):          # the spec's tiles at every pair count
         t = chosen.get((gated, n if gated else k))
-        return head(gated, n, k, device_index, few) if t is None else t
+        return head(gated, n, k, device_index, pairs) if t is None else t
     fused_moe.grouped_tiles = tiles
     print(f"dense_variants[experts]: {chosen}", file=sys.stderr)
 
@@ -155,9 +155,9 @@ def install(variant: str) -> None:
         rule = HEAD
     elif variant.startswith("few_pairs:"):
         from dspark_ray.kernels import fused_moe
-        fused_moe.FEW_PAIRS = int(variant[len("few_pairs:"):])
-        print(f"dense_variants[few_pairs]: calls of at most {fused_moe.FEW_PAIRS} pairs take the few-pair tiles",
-              file=sys.stderr)
+        most = int(variant[len("few_pairs:"):])
+        fused_moe.FEW_PAIR_TIERS = (*fused_moe.FEW_PAIR_TIERS[:-1], (most, fused_moe.FEW_PAIR_TIERS[-1][1]))
+        print(f"dense_variants[few_pairs]: the last few-pair tier up to {most} pairs", file=sys.stderr)
         rule = HEAD
     elif variant == "rule":
         def rule(n, k, groups, chunks, sms):

@@ -1,7 +1,8 @@
 """The routed experts' grouped kernel over its tile settings, at the full preset's shapes (GPU only).
 
-At one request a block routes 5 rows x top-3 = 15 pairs to ~6 distinct experts. The grouped kernel
-(`kernels/fused_moe._grouped_expert_kernel`) gives each (expert, block of N outputs) one program that streams that
+At one request a block routes 5 rows x top-3 = 15 pairs to ~6 distinct experts (`--requests R`: 15 R pairs, to
+the distinct experts a full-preset block reads at R requests on a pair rank: 6 / 8 / 11 / 14 for R = 1-4). The
+grouped kernel (`kernels/fused_moe._grouped_expert_kernel`) gives each (expert, block of N outputs) one program that streams that
 tile of the expert's weights over K. This times each setting (BLOCK_N, BLOCK_K, num_warps, num_stages) on one
 card's and one pair rank's shapes, gated (w1 | w3 + SwiGLU) and plain (w2), on cold weights (a captured graph of 8
 launches, each routed to another set of experts, replayed), beside the time to read the bytes at 4.2 TB/s, and
@@ -10,7 +11,7 @@ tests/test_fused.py). On the H200 every setting gave the base tiles' bits; the b
 byte rate (gated) and 73-88 % (plain), narrower tiles (more programs per expert) ran slower, and the fastest are
 `fused_moe.GROUPED_TILES` / `GROUPED_TILES_BY_SHAPE` (bench/results/gpu/expert_tiles_h200.json).
 
-    python bench/expert_tiles.py [--reps 200] [--out bench/results/gpu/expert_tiles_h200.json]
+    python bench/expert_tiles.py [--reps 200] [--requests 1] [--out bench/results/gpu/expert_tiles_h200.json]
 """
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ sys.path.insert(0, str(ROOT))
 from bench import kernel_bench  # noqa: E402
 from bench.tcp_roundtrip import emit  # noqa: E402
 
-H, E, PAIRS, TOPK, SETS = 5120, 128, 15, 3, 8
+H, E, TOPK, SETS = 5120, 128, 3, 8
+# distinct experts a block reads at 1-4 requests (draft_step's "distinct experts" of a pair rank over its 3 blocks,
+# bench/results/draft_step_h200x2.md: 17 / 25 / 34 / 42)
+DISTINCT = {1: 6, 2: 8, 3: 11, 4: 14}
 SHAPES = {"tp1_gated": (True, 2304, H), "tp1_w2": (False, H, 2304),
           "rank_gated": (True, 1152, H), "rank_w2": (False, H, 1152)}       # (gated, N, K)
 BASE = (64, 128, 4, 3)             # the tiles before this bench (BLOCK_N, BLOCK_K, num_warps, Triton's default stages)
@@ -42,16 +46,18 @@ SETTINGS = [BASE, (64, 128, 4, 4), (64, 128, 8, 3), (64, 64, 4, 4),
             (128, 64, 8, 3), (128, 128, 8, 3),
             # the twenty-fifth session's: fewer pairs a pass (BM 16 / 32)
             (64, 128, 4, 4, 16), (64, 64, 4, 6, 16), (32, 128, 4, 4, 16), (32, 256, 4, 4, 16), (16, 256, 4, 4, 16),
-            (128, 64, 4, 4, 16), (128, 128, 4, 4, 16), (32, 128, 2, 4, 16), (64, 128, 4, 6, 16), (64, 128, 4, 4, 32)]
+            (128, 64, 4, 4, 16), (128, 128, 4, 4, 16), (32, 128, 2, 4, 16), (64, 128, 4, 6, 16), (64, 128, 4, 4, 32),
+            # the twenty-seventh session's: 32-pair passes for 2-4 requests' 30-60 pairs
+            (32, 128, 2, 4, 32), (128, 64, 4, 4, 32), (64, 64, 4, 4, 32)]
 
 
-def routing(g: torch.Generator, device) -> list[torch.Tensor]:
-    """SETS routings of PAIRS pairs: 5 rows x 3 distinct experts each, ~6 distinct in all (as a full-preset block
-    at one request), each set on experts of its own so that the timed launches read cold weights."""
+def routing(g: torch.Generator, device, pairs: int, distinct: int) -> list[torch.Tensor]:
+    """SETS routings of `pairs` pairs: rows of 3 distinct experts each, drawn from `distinct` experts (as a
+    full-preset block), each set on experts of its own so that the timed launches read cold weights."""
     out = []
     for s in range(SETS):
-        pool = torch.randperm(E // SETS, generator=g)[:6] + s * (E // SETS)
-        rows = [pool[torch.randperm(6, generator=g)[:TOPK]].sort().values for _ in range(PAIRS // TOPK)]
+        pool = torch.randperm(E // SETS, generator=g)[:distinct] + s * (E // SETS)
+        rows = [pool[torch.randperm(distinct, generator=g)[:TOPK]].sort().values for _ in range(pairs // TOPK)]
         out.append(torch.cat(rows).to(torch.int32).to(device))
     return out
 
@@ -63,25 +69,29 @@ def launch(x, w1, w3, idx, out, gated, setting, x_div):
 
 def main(argv=None) -> int:
     started = kernel_bench.start("expert_tiles", __doc__, 200, argv,
-                                 extra=lambda ap: ap.add_argument("--shapes", default=",".join(SHAPES)))
+                                 extra=lambda ap: (ap.add_argument("--shapes", default=",".join(SHAPES)),
+                                                   ap.add_argument("--requests", type=int, default=1,
+                                                                   choices=sorted(DISTINCT))))
     if started is None:
         return 2
     args, dev, gw = started                         # gw: weights and inputs, made on the card
-    from dspark_ray.kernels.fused_moe import FEW_PAIRS, ExpertTiles, grouped_tiles
+    from dspark_ray.kernels.fused_moe import ExpertTiles, grouped_tiles
     g = torch.Generator().manual_seed(0)            # routing (host)
-    res = kernel_bench.header("expert_tiles", {"pairs": PAIRS, "distinct_experts": 6, "experts": E,
+    pairs, distinct = 5 * TOPK * args.requests, DISTINCT[args.requests]
+    res = kernel_bench.header("expert_tiles", {"requests": args.requests, "pairs": pairs, "distinct_experts": distinct,
+                                               "experts": E,
                                                "routing_sets": SETS, "reps": args.reps, "base": BASE}, shapes={})
     for name in args.shapes.split(","):
         gated, n, k = SHAPES[name]
         w1 = torch.randn((E, n, k), generator=gw, device=dev, dtype=torch.float16) * 0.02
         w3 = torch.randn((E, n, k), generator=gw, device=dev, dtype=torch.float16) * 0.02 if gated else None
-        x = torch.randn((PAIRS // TOPK if gated else PAIRS, k), generator=gw, device=dev, dtype=torch.float16)
+        x = torch.randn((pairs // TOPK if gated else pairs, k), generator=gw, device=dev, dtype=torch.float16)
         x_div = TOPK if gated else 1
-        sets = routing(g, dev)
-        out = torch.empty((PAIRS, n), dtype=torch.float16 if gated else torch.float32, device=dev)
+        sets = routing(g, dev, pairs, distinct)
+        out = torch.empty((pairs, n), dtype=torch.float16 if gated else torch.float32, device=dev)
         launch(x, w1, w3, sets[0], out, gated, BASE, x_div)
         ref = out.clone()
-        byte_ms = 6 * n * k * 2 * (2 if gated else 1) / 4.2e12 * 1e3
+        byte_ms = distinct * n * k * 2 * (2 if gated else 1) / 4.2e12 * 1e3
         rows = []
         for st in SETTINGS:
             try:
@@ -102,7 +112,7 @@ def main(argv=None) -> int:
         ok = [r for r in rows if "p50_us" in r]
         best = min(ok, key=lambda r: r["p50_us"])
         base = next(r for r in ok if tuple(r["setting"]) == BASE)
-        in_use = grouped_tiles(gated, n, k, dev.index or 0, PAIRS <= FEW_PAIRS)
+        in_use = grouped_tiles(gated, n, k, dev.index or 0, pairs)
         used = next((r for r in ok if ExpertTiles(*r["setting"]) == in_use), None)
         res["shapes"][name] = {"gated": gated, "N": n, "K": k, "byte_bound_us": round(byte_ms * 1e3, 1),
                                "base": base, "in_use": used, "best": best, "all": rows}

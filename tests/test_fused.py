@@ -400,10 +400,15 @@ def test_grouped_expert_tiles_fit_the_cards_shared_memory():
     assert fit_stages(gated, True, 1) == gated._replace(stages=1)          # never below one stage
     assert grouped_tiles(True, 1152, 5120, None) == gated                  # a CPU: the tiles as set
     assert grouped_tiles(True, 2304, 5120, None) == GROUPED_TILES_BY_SHAPE[(True, 2304, 5120)]   # one card's own
-    from dspark_ray.kernels.fused_moe import FEW_PAIRS, GROUPED_TILES_FEW
-    assert grouped_tiles(True, 1152, 5120, None, True) == GROUPED_TILES_FEW[(True, 1152, 5120)]   # one request
-    assert grouped_tiles(False, 5120, 2304, None, True).bm == 16 and FEW_PAIRS == 60    # up to 4 requests
-    assert grouped_tiles(True, 96, 80, None, True) == gated                 # a shape without few-pair tiles
+    from dspark_ray.kernels.fused_moe import FEW_PAIR_TIERS
+    (one, one_request), (few, up_to_four) = FEW_PAIR_TIERS
+    assert (one, few) == (16, 60)                                           # one request; up to four
+    assert grouped_tiles(True, 1152, 5120, None, 15) == up_to_four[(True, 1152, 5120)]    # a rank: no 1-request tier
+    assert grouped_tiles(True, 2304, 5120, None, 15) == one_request[(True, 2304, 5120)]   # one card, one request
+    assert grouped_tiles(True, 2304, 5120, None, 17) == up_to_four[(True, 2304, 5120)]    # one card, two requests
+    assert grouped_tiles(False, 5120, 2304, None, 60).bm == 16
+    assert grouped_tiles(False, 5120, 2304, None, 61) == GROUPED_TILES[False]            # past the tiers
+    assert grouped_tiles(True, 96, 80, None, 15) == gated                 # a shape without few-pair tiles
 
 
 @pytest.mark.gpu
@@ -411,24 +416,28 @@ def test_grouped_expert_tiles_fit_the_cards_shared_memory():
 @pytest.mark.parametrize("gated,n,k", [(True, 1152, 5120), (True, 2304, 5120), (False, 5120, 1152),
                                        (False, 5120, 2304)])
 def test_few_pair_expert_tiles_same_bits_gpu(gated, n, k):
-    """The few-pair tiles (16-pair passes) give the bits of the batch's tiles at the full preset's shapes, for one
-    request's 15 pairs and for pairs spread over and stacked on experts: a request's drafts do not depend on
+    """Every few-pair tier's tiles (16-pair passes) give the bits of the batch's tiles at the full preset's shapes,
+    for one to four requests' pairs, spread over and stacked on experts: a request's drafts do not depend on
     whether it shares the replay."""
-    from dspark_ray.kernels.fused_moe import GROUPED_TILES_FEW, grouped_launch, grouped_tiles
+    from dspark_ray.kernels.fused_moe import FEW_PAIR_TIERS, _fit_card, grouped_launch, grouped_tiles
     g = torch.Generator(device="cuda").manual_seed(n + k)
     e = 16
     w1 = torch.randn((e, n, k), generator=g, device="cuda", dtype=torch.float16) * 0.02
     w3 = torch.randn((e, n, k), generator=g, device="cuda", dtype=torch.float16) * 0.02 if gated else None
-    few, wide = grouped_tiles(gated, n, k, 0, True), grouped_tiles(gated, n, k, 0, False)
-    assert few.bm == 16 and few == GROUPED_TILES_FEW[(gated, n, k)]._replace(stages=few.stages) and few != wide
-    for pairs in (3, 15, 16, 60):
+    wide = grouped_tiles(gated, n, k, 0)
+    tiers = [_fit_card(t[(gated, n, k)], gated, 0) for _, t in FEW_PAIR_TIERS if (gated, n, k) in t]
+    assert tiers and all(t.bm == 16 and t != wide for t in tiers)
+    for pairs in (3, 15, 16, 17, 60):
+        assert grouped_tiles(gated, n, k, 0, pairs) in tiers
         idx = torch.randint(0, e, (pairs,), generator=g, device="cuda")
         idx[: pairs // 3] = 5                                    # several pairs on one expert: more than one pass
         rows = -(-pairs // 3) if gated else pairs          # pair p reads row p // 3 (top-3) or row p
         x = torch.randn((rows, k), generator=g, device="cuda", dtype=torch.float16)
         outs = []
-        for t in (few, wide):
+        for t in (wide, *tiers):
             out = torch.full((pairs, n), float("nan"), dtype=torch.float16 if gated else torch.float32, device="cuda")
             outs.append(grouped_launch(x, w1, w3, idx, out, 3 if gated else 1, 7.0, t))
         torch.cuda.synchronize()
-        assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1]), (gated, n, k, pairs)
+        assert not outs[0].isnan().any(), (gated, n, k, pairs)
+        for t, o in zip(tiers, outs[1:]):
+            assert torch.equal(o, outs[0]), (gated, n, k, pairs, t)

@@ -186,7 +186,7 @@ class ExpertTiles(NamedTuple):
     """One grouped call's blocking: output columns (bn) and K step (bk) a program, warps, pipeline stages, and
     pairs a pass (bm: the x tile's rows, the tl.dot's M). None of them changes a bit: a pair's output is its fp32
     products summed in the MMA's K order (16 at a time, ascending) whatever the blocking, so a call may pick its
-    tiles by its pair count (`FEW_PAIRS`) and a request's bits still do not depend on the batch."""
+    tiles by its pair count (`FEW_PAIR_TIERS`) and a request's bits still do not depend on the batch."""
     bn: int
     bk: int
     warps: int
@@ -203,18 +203,26 @@ class ExpertTiles(NamedTuple):
 GROUPED_TILES = {True: ExpertTiles(64, 128, 4, 4), False: ExpertTiles(128, 64, 4, 4)}
 GROUPED_TILES_BY_SHAPE = {(True, 2304, 5120): ExpertTiles(64, 64, 4, 4)}       # (gated, N, K)
 
-# A call of at most FEW_PAIRS pairs (up to 4 requests' draft blocks: 4 x 5 rows x top-3 = 60) has one or two pairs
-# an expert, and a 64-pair pass is mostly masked rows: these take 16-pair passes, the fastest with BM 16 / 32 of
-# `bench/expert_tiles.py` alone (gpu/expert_tiles_bm_h200.json, 2-6 % faster, the same bits). In the step, the GPU's
-# part alternated in one call (one card / a pair rank, us): 1 request 1255 -> 1239 / 804 -> 786
-# (gpu/draft_step_expert_tiles_s26_h200.json); 2 requests 1489 -> 1418 / 958 -> 907, 3 requests 1660 -> 1631 /
-# 1077 -> 1044, 4 requests 1895 -> 1894 / 1205 -> 1169 (gpu/draft_step_few_pairs_s27_h200.json); at 8-16 requests
-# slower (+6-11 %), hence the pair-count threshold.
-FEW_PAIRS = 60
-GROUPED_TILES_FEW = {(True, 1152, 5120): ExpertTiles(32, 128, 2, 4, 16),       # a pair rank's gate / up
-                     (True, 2304, 5120): ExpertTiles(64, 128, 4, 4, 16),       # one card's gate / up
-                     (False, 5120, 1152): ExpertTiles(128, 64, 4, 4, 16),      # a pair rank's w2
-                     (False, 5120, 2304): ExpertTiles(128, 64, 4, 4, 16)}      # one card's w2
+# Calls of few pairs (one to four requests' draft blocks: R x 5 rows x top-3 = 15 R pairs) have one or two pairs
+# an expert, and a 64-pair pass is mostly masked rows: they take 16-pair passes. FEW_PAIR_TIERS: (most pairs,
+# tiles by (gated, N, K)); a call takes the first tier its pair count fits that holds its shape, else the batch's
+# tiles above. Picked in the step, the GPU's part alternated in one call (one card / a pair rank, us):
+# * 16-pair passes up to 16 pairs (gpu/draft_step_expert_tiles_s26_h200.json): 1 request 1255 -> 1239 / 804 -> 786;
+#   at 8-16 requests slower (+6-11 %), hence the tiers;
+# * up to 60 (gpu/draft_step_few_pairs_s27_h200.json): 2 requests 1489 -> 1418 / 958 -> 907, 3 requests
+#   1660 -> 1631 / 1077 -> 1044, 4 requests 1895 -> 1894 / 1205 -> 1169;
+# * one card's own at 17-60 pairs, the best of `bench/expert_tiles.py --requests 2 / 4`
+#   (gpu/draft_step_expert_tiles_mid_s27_h200.json): 2 requests 1393 -> 1377, 4 requests 1858 -> 1827; a pair
+#   rank's best there ran slower in the step (4 requests 1150 -> 1172) and is not taken.
+# Every tile setting gives the same bits (class docstring; test_few_pair_expert_tiles_same_bits_gpu).
+FEW_PAIR_TIERS = (
+    (16, {(True, 2304, 5120): ExpertTiles(64, 128, 4, 4, 16),        # one card's gate / up, one request
+          (False, 5120, 2304): ExpertTiles(128, 64, 4, 4, 16)}),     # one card's w2, one request
+    (60, {(True, 1152, 5120): ExpertTiles(32, 128, 2, 4, 16),        # a pair rank's gate / up
+          (False, 5120, 1152): ExpertTiles(128, 64, 4, 4, 16),       # a pair rank's w2
+          (True, 2304, 5120): ExpertTiles(32, 128, 2, 4, 16),        # one card's gate / up, 2-4 requests
+          (False, 5120, 2304): ExpertTiles(64, 128, 4, 4, 16)}),     # one card's w2, 2-4 requests
+)
 
 
 def fit_stages(tiles: ExpertTiles, gated: bool, smem_limit: int) -> ExpertTiles:
@@ -226,14 +234,19 @@ def fit_stages(tiles: ExpertTiles, gated: bool, smem_limit: int) -> ExpertTiles:
     return tiles._replace(stages=stages)
 
 
+def grouped_tiles(gated: bool, n: int, k: int, device_index: int | None, pairs: int | None = None) -> ExpertTiles:
+    """The tiles of an (N, K) call of `pairs` pairs (FEW_PAIR_TIERS, else GROUPED_TILES_BY_SHAPE, else
+    GROUPED_TILES; None: the batch's) for a card. Fixed per kind of card, shape and pair count, so both ranks of a
+    pair run the same tiles. device_index None: a CPU (the interpreter)."""
+    key = (gated, n, k)
+    tiles = next((t[key] for most, t in FEW_PAIR_TIERS if pairs is not None and pairs <= most and key in t), None)
+    return _fit_card(tiles or GROUPED_TILES_BY_SHAPE.get(key, GROUPED_TILES[gated]), gated, device_index)
+
+
 @functools.cache
-def grouped_tiles(gated: bool, n: int, k: int, device_index: int | None, few: bool = False) -> ExpertTiles:
-    """The tiles of an (N, K) call (with `few` pairs GROUPED_TILES_FEW, else GROUPED_TILES_BY_SHAPE, else
-    GROUPED_TILES) for a card: the H200's 227 KiB per block holds the gated call's 4 stages (192 KiB), an A100's
-    163 KiB 3 of them. Fixed per kind of card, shape and pair count, so both ranks of a pair run the same tiles.
-    device_index None: a CPU (the interpreter)."""
-    tiles = GROUPED_TILES_FEW.get((gated, n, k)) if few else None
-    tiles = tiles or GROUPED_TILES_BY_SHAPE.get((gated, n, k), GROUPED_TILES[gated])
+def _fit_card(tiles: ExpertTiles, gated: bool, device_index: int | None) -> ExpertTiles:
+    """The tiles with the stages the card's shared memory holds: the H200's 227 KiB per block holds the gated
+    call's 4 stages (192 KiB), an A100's 163 KiB 3 of them."""
     if device_index is None:
         return tiles
     try:
@@ -263,7 +276,7 @@ def _grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, experts
     out = torch.empty((p, n), dtype=F16 if gated else F32, device=x.device)
     if p:
         grouped_launch(x.to(F16).contiguous(), w1, w3, experts.contiguous(), out, x_div, limit,
-                       grouped_tiles(gated, n, w1.shape[2], x.device.index if x.is_cuda else None, p <= FEW_PAIRS))
+                       grouped_tiles(gated, n, w1.shape[2], x.device.index if x.is_cuda else None, p))
     return out
 
 
