@@ -1,15 +1,17 @@
 """The routed experts' grouped kernel over its tile settings, at the full preset's shapes (GPU only).
 
-At one request a block routes 5 rows x top-3 = 15 pairs to ~6 distinct experts (`--requests R`: 15 R pairs, to
-the distinct experts a full-preset block reads at R requests on a pair rank: 6 / 8 / 11 / 14 for R = 1-4). The
-grouped kernel (`kernels/fused_moe._grouped_expert_kernel`) gives each (expert, block of N outputs) one program that streams that
-tile of the expert's weights over K. This times each setting (BLOCK_N, BLOCK_K, num_warps, num_stages) on one
+At one request a block routes 5 rows x top-3 = 15 pairs to ~6 distinct experts (`--requests R`: 15 R pairs, to the
+distinct experts a full-preset block reads at R requests on a pair rank: 6 / 8 / 11 / 14 for R = 1-4). The grouped
+kernel (`kernels/fused_moe._grouped_expert_kernel`) gives each (expert, block of N outputs) one program that streams
+that tile of the expert's weights over K. This times each setting (BLOCK_N, BLOCK_K, num_warps, num_stages) on one
 card's and one pair rank's shapes, gated (w1 | w3 + SwiGLU) and plain (w2), on cold weights (a captured graph of 8
 launches, each routed to another set of experts, replayed), beside the time to read the bytes at 4.2 TB/s, and
 records whether each setting gives the bits of the base tiles (any fixed setting is batch invariant:
 tests/test_fused.py). On the H200 every setting gave the base tiles' bits; the best per shape ran at 85-94 % of the
 byte rate (gated) and 73-88 % (plain), narrower tiles (more programs per expert) ran slower, and the fastest are
-`fused_moe.GROUPED_TILES` / `GROUPED_TILES_BY_SHAPE` (bench/results/gpu/expert_tiles_h200.json).
+`fused_moe.GROUPED_TILES` / `GROUPED_TILES_BY_SHAPE` (bench/results/gpu/expert_tiles_h200.json); those of 1-4
+requests' few pairs are `fused_moe.FEW_PAIR_TIERS` (expert_tiles_bm_h200.json, expert_tiles_r{2,4}_h200.json, then
+in the step).
 
     python bench/expert_tiles.py [--reps 200] [--requests 1] [--out bench/results/gpu/expert_tiles_h200.json]
 """
