@@ -66,3 +66,21 @@ def test_children_run_the_named_setup_before_the_body(monkeypatch):
     assert card_procs.run_alone(read_tag, timeout_s=120)["tag"] == "as imported"
     monkeypatch.setenv(card_procs.SETUP_ENV, f"{__name__}:set_tag:from the parent")
     assert card_procs.run_alone(read_tag, timeout_s=120)["tag"] == "from the parent"
+
+
+def test_expert_variants_change_what_the_kernel_reads(monkeypatch):
+    """dense_variants' expert variants (the in-step A/B tool) replace what `fused_moe._grouped` reads: the last
+    few-pair tier's bound, and the tiles by expert width at every pair count."""
+    from bench import dense_variants
+    from dspark_ray.kernels import chunked_linear, fused_moe
+    monkeypatch.setattr(fused_moe, "FEW_PAIR_TIERS", fused_moe.FEW_PAIR_TIERS)
+    monkeypatch.setattr(fused_moe, "grouped_tiles", fused_moe.grouped_tiles)
+    monkeypatch.setattr(chunked_linear, "tiles", chunked_linear.tiles)
+    few = fused_moe.FEW_PAIR_TIERS[-1][1][(True, 1152, 5120)]
+    assert fused_moe.grouped_tiles(True, 1152, 5120, None, 45) == few
+    dense_variants.install("few_pairs:30")
+    assert fused_moe.grouped_tiles(True, 1152, 5120, None, 30) == few
+    assert fused_moe.grouped_tiles(True, 1152, 5120, None, 45) == fused_moe.GROUPED_TILES[True]
+    dense_variants.install("experts:g1152=16.256.4.4.32")
+    assert fused_moe.grouped_tiles(True, 1152, 5120, None, 45) == fused_moe.ExpertTiles(16, 256, 4, 4, 32)
+    assert fused_moe.grouped_tiles(False, 5120, 1152, None, 45) == fused_moe.GROUPED_TILES[False]   # not named
