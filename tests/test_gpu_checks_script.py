@@ -14,15 +14,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(tmp_path, cards: int, fail: str = "", only: str | None = None) -> subprocess.CompletedProcess:
+def run(tmp_path, cards: int, fail: str = "", only: str | None = None,
+        pin: str | None = None) -> subprocess.CompletedProcess:
     shim = tmp_path / "python"
     # the device count for the script's probe; any other call succeeds at once, except one naming `fail`
     shim.write_text(f"#!/bin/sh\ncase \"$*\" in *device_count*) echo {cards};; *{fail or '@none@'}*) exit 3;; "
-                    "*) echo ok;; esac\n")
+                    "*) echo \"ok $*\";; esac\n")
     shim.chmod(0o755)
     env = {**os.environ, "PYTHON": str(shim)}
     if only is not None:
         env["ONLY"] = only
+    env.pop("PIN_CPUS", None)
+    if pin is not None:
+        env["PIN_CPUS"] = pin
     return subprocess.run(["bash", "scripts/gpu_checks.sh", str(tmp_path / "out"), str(tmp_path / "ckpt")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
@@ -52,3 +56,15 @@ def test_only_and_a_failing_step(tmp_path):
     assert "step_latency: rc 3" in failed.stdout
     none = run(tmp_path, 0)
     assert none.returncode == 2 and "no CUDA device" in none.stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash and timeout")
+def test_the_draft_step_bench_is_pinned_as_the_committed_tables(tmp_path):
+    """The draft-step bench starts at position 900,000 and pins its ranks to PIN_CPUS; an empty PIN_CPUS unpins."""
+    pinned = run(tmp_path, 2, only="draft_step", pin="3,4")
+    args = (tmp_path / "out" / "draft_step.txt").read_text()
+    assert pinned.returncode == 0 and "--modes tp1,pair,solo" in args
+    assert "--start 900000" in args and "--pin-cpus 3,4 " in args
+    run(tmp_path, 1, only="draft_step", pin="")
+    args = (tmp_path / "out" / "draft_step.txt").read_text()
+    assert "--modes tp1,solo" in args and "--pin-cpus" not in args
