@@ -287,13 +287,25 @@ def kernel_checks(dev: str) -> dict:
     ci = torch.cat((ops.f16(prenorm), me), dim=-1)
     ref_conf = ops.sigmoid(ops.f16(ops.linear_tree(ci, cw) + cb.float())[..., 0].float())
     thr = float(ref_conf.median())
-    conf, lens = fused.confidence(prenorm, me, cw, cb, thr)
+
+    def confidence(pre, me_, b_):            # the head's two halves: prenorm (beside the head GEMM), then Markov
+        return fused.confidence(fused.confidence_prenorm(pre, cw, me_.shape[1]), me_, cw, b_, thr)
+    conf, lens = confidence(prenorm, me, cb)
     res["confidence"] = _rel(conf, ref_conf)
     res["confident_len_exact"] = torch.equal(lens, confident_prefix(conf, thr))
     res["confident_len_varies"] = len(set(lens.tolist())) > 1
-    res["confidence_alone"] = _alone_equals_batch(lambda s: fused.confidence(prenorm[s], me[s], cw, cb, thr), 3)
-    c3, l3 = fused.confidence(prenorm, me[:, :3], cw, None, thr)        # n_out 3: rows past n_out never read
-    res["confidence_n_out_prefix_bits"] = torch.equal(fused.confidence(prenorm, me[:, :3], cw, cb, thr)[0], conf[:, :3])
+    res["confidence_alone"] = _alone_equals_batch(lambda s: confidence(prenorm[s], me[s], cb), 3)
+    c3, l3 = confidence(prenorm, me[:, :3], None)        # n_out 3: rows past n_out never read
+    res["confidence_n_out_prefix_bits"] = torch.equal(confidence(prenorm, me[:, :3], cb)[0], conf[:, :3])
+    # A Markov step's embedding written into one column of the loop's (bsz, n_out, r) buffer: its own bits there,
+    # the other columns untouched.
+    embs = torch.full((2, 5, w1.shape[1]), 7.0, dtype=torch.float16, device=dev)
+    fresh = fused.markov_step(lg_t, 2, seeds[:2], w1, w2_t, b2_t, 7, False)
+    into = fused.markov_step(lg_t, 2, seeds[:2], w1, w2_t, b2_t, 7, False, me_out=embs[:, 3])
+    res["markov_embedding_in_place"] = (torch.equal(embs[:, 3], fresh[0])
+                                        and into[0].data_ptr() == embs[:, 3].data_ptr()
+                                        and bool((embs[:, [0, 1, 2, 4]] == 7.0).all())
+                                        and all(torch.equal(a, b) for a, b in zip(fresh[1:4], into[1:4])))
     # The graph set's packing and the block's input streams: no arithmetic, so the reference's exact bits.
     d_, m_ = torch.randint(0, 129280, (3, 4), device=dev), rn(3, 4)
     for marg in (m_, None):

@@ -46,7 +46,7 @@ def _markov_tile(lg_ptr, lg_row, logits_ptr, b, me, w2, b2, v0, V, BV: tl.conste
 
 
 @triton.jit
-def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_ptr, logits_ptr, part_ptr,
+def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_ptr, me_row, logits_ptr, part_ptr,
                            V, NB, R: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr, HAS_BIAS: tl.constexpr,
                            KEEP: tl.constexpr, PDL: tl.constexpr):
     """Program (request b, SUB consecutive tiles of BV vocab rows) of one Markov step: me = f16(markov_w1[prev[b]])
@@ -61,7 +61,7 @@ def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_
     r = tl.arange(0, R)
     me = tl.load(w1_ptr + tl.load(prev_ptr + b) * R + r).to(tl.float16)
     if nb == 0:
-        tl.store(me_ptr + b * R + r, me)
+        tl.store(me_ptr + b * me_row + r, me)
     m1, i1, m2 = _markov_tile(lg_ptr, lg_row, logits_ptr, b, me, w2, b2, v0, V, BV, HAS_BIAS, KEEP)
     for k in tl.static_range(1, SUB):
         w2, b2 = _markov_weights(w2_ptr, b2_ptr, v0 + k * BV, V, R, BV, HAS_BIAS)
@@ -105,17 +105,21 @@ MARKOV_TILING = (32, 2, 4)
 
 
 def markov_step(lg: torch.Tensor, step: int, prev: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                b2: torch.Tensor | None, start: int, keep_logits: bool, tiling: tuple[int, int, int] | None = None):
+                b2: torch.Tensor | None, start: int, keep_logits: bool, tiling: tuple[int, int, int] | None = None,
+                me_out: torch.Tensor | None = None):
     """One step of the Markov loop on one vocabulary shard: lg (bsz, n_out, V) fp16 / fp32 trunk logits,
     prev (bsz,) the previous tokens -> (me (bsz, r) fp16, top1 (bsz,) fp32, top2 (bsz,) fp32, global argmax
     (bsz,) int64, logits (bsz, V) fp32 or None). Ties go to the lower id; a NaN logit never wins. Every tiling
-    gives the same bits (a row's sum does not depend on it; the merges only compare)."""
+    gives the same bits (a row's sum does not depend on it; the merges only compare). me_out: where me goes (a
+    (bsz, r) view with unit stride along r, e.g. one column of the loop's (bsz, n_out, r) embeddings, so the loop
+    needs no stack of them); a fresh tensor without it."""
     bsz, _, V = lg.shape
     R = w2.shape[1]
     dev = lg.device
     bv, sub, warps = tiling or MARKOV_TILING
     nb = triton.cdiv(V, bv * sub)
-    me = torch.empty((bsz, R), dtype=F16, device=dev)
+    me = torch.empty((bsz, R), dtype=F16, device=dev) if me_out is None else me_out
+    assert me.shape == (bsz, R) and me.stride(1) == 1
     logits = torch.empty((bsz, V), dtype=F32, device=dev) if keep_logits else me
     part = torch.empty((bsz, nb, 3), dtype=F32, device=dev)
     top1 = torch.empty(bsz, dtype=F32, device=dev)
@@ -123,7 +127,7 @@ def markov_step(lg: torch.Tensor, step: int, prev: torch.Tensor, w1: torch.Tenso
     idx = torch.empty(bsz, dtype=torch.int64, device=dev)
     lg_s = lg[:, step]
     _markov_partial_kernel[(bsz, nb)](lg_s, lg.stride(0), prev.contiguous(), w1, w2, w2 if b2 is None else b2, me,
-                                      logits, part, V, nb, R=R, BV=bv, SUB=sub, HAS_BIAS=b2 is not None,
+                                      me.stride(0), logits, part, V, nb, R=R, BV=bv, SUB=sub, HAS_BIAS=b2 is not None,
                                       KEEP=keep_logits, num_warps=warps, **launch_opts(me))
     _markov_top_kernel[(bsz,)](part, top1, top2, idx, nb, start, NBP=triton.next_power_of_2(nb), num_warps=8,
                                **launch_opts(part))
@@ -131,14 +135,12 @@ def markov_step(lg: torch.Tensor, step: int, prev: torch.Tensor, w1: torch.Tenso
 
 
 @triton.jit
-def _confidence_kernel(pre_ptr, pre_row, me_ptr, w_ptr, b_ptr, conf_ptr, len_ptr, H, R, N_OUT, threshold,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr,
-                       PDL: tl.constexpr):
-    """One program per request, all its drafted rows at once: for row i, c = f16([f16(prenorm_i) ; me_i] . w + b),
-    the sigmoid score of c (fp64, rounded once), and the length of the all-confident prefix
-    (`heads.confident_prefix`). The rows form one (NP, BLOCK) tile per step over h, NP fixed by the block size
-    (never by n_out), so a row's sums, and its bits, are the same for every n_out. (Row by row, the 25 dependent
-    loads ran 17.5 us at the full size, latency bound.)"""
+def _confidence_prenorm_kernel(pre_ptr, pre_row, w_ptr, part_ptr, H, N_OUT, BLOCK: tl.constexpr, NP: tl.constexpr,
+                               PDL: tl.constexpr):
+    """The prenorm half of the confidence head, one program per request: part[b, i] = f16(prenorm_i) . w[:h] in
+    fp32 for its drafted rows. The rows form one (NP, BLOCK) tile per step over h, NP fixed by the block size (never
+    by n_out), so a row's sum, and its bits, are the same for every n_out. It needs nothing from the Markov loop,
+    so the head runs it beside the head GEMM; the loop's tail keeps only the Markov half (`_confidence_kernel`)."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
@@ -150,11 +152,24 @@ def _confidence_kernel(pre_ptr, pre_row, me_ptr, w_ptr, b_ptr, conf_ptr, len_ptr
         x = tl.load(pre_ptr + b * pre_row + i[:, None] * H + offs[None, :], mask=row_ok[:, None] & m[None, :],
                     other=0.0).to(tl.float16).to(tl.float32)
         acc += x * tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)[None, :]
+    tl.store(part_ptr + b * NP + i, tl.sum(acc, axis=1))
+
+
+@triton.jit
+def _confidence_kernel(part_ptr, me_ptr, w_ptr, b_ptr, conf_ptr, len_ptr, H, R, N_OUT, threshold,
+                       HAS_BIAS: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr, PDL: tl.constexpr):
+    """One program per request, all its drafted rows at once: for row i, c = f16(part_i + me_i . w[h:] + b) (part:
+    `_confidence_prenorm_kernel`'s fp32 sum, so the sum is the one the single kernel of before made), the sigmoid
+    score of c (fp64, rounded once), and the length of the all-confident prefix (`heads.confident_prefix`)."""
+    pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, NP)
+    row_ok = i < N_OUT
     ro = tl.arange(0, RB)
     w_r = tl.load(w_ptr + H + ro, mask=ro < R, other=0.0).to(tl.float32)
     e = tl.load(me_ptr + (b * N_OUT + i[:, None]) * R + ro[None, :], mask=row_ok[:, None] & (ro[None, :] < R),
                 other=0.0).to(tl.float32)
-    y = tl.sum(acc, axis=1) + tl.sum(e * w_r[None, :], axis=1)
+    y = tl.load(part_ptr + b * NP + i) + tl.sum(e * w_r[None, :], axis=1)
     if HAS_BIAS:
         y = y + tl.load(b_ptr).to(tl.float32)
     c = sigmoid64(y.to(tl.float16).to(tl.float32))
@@ -165,21 +180,32 @@ def _confidence_kernel(pre_ptr, pre_row, me_ptr, w_ptr, b_ptr, conf_ptr, len_ptr
     tl.store(len_ptr + b, n_conf.to(tl.int64))
 
 
-def confidence(prenorm: torch.Tensor, me: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-               threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The confidence head in one launch (was ~12: the fp16 cast, the concatenation, the GEMV and its split-K
-    reduce, the sigmoid, the prefix's compare / cumprod / sum): prenorm (bsz, B, h) fp32 (rows < n_out read),
-    me (bsz, n_out, r) fp16 Markov embeddings, w (1, h + r) fp16, b (1,) or None -> (scores (bsz, n_out) fp32,
-    confident prefix lengths (bsz,) int64)."""
-    bsz, n_out, r = me.shape
-    block, h = prenorm.shape[1], prenorm.shape[-1]
+def confidence_prenorm(prenorm: torch.Tensor, w: torch.Tensor, n_out: int) -> torch.Tensor:
+    """The prenorm half of the confidence head's dot products: prenorm (bsz, B, h) fp32 (rows < n_out read), w
+    (1, h + r) fp16 -> (bsz, B) fp32 partial sums (rows past n_out hold 0), for `confidence`."""
+    bsz, block, h = prenorm.shape
     prenorm = prenorm if prenorm.stride(-1) == 1 and prenorm.stride(1) == h else prenorm.contiguous()
+    np_ = triton.next_power_of_2(block)
+    part = torch.empty((bsz, np_), dtype=F32, device=prenorm.device)
+    _confidence_prenorm_kernel[(bsz,)](prenorm, prenorm.stride(0), w, part, h, n_out, BLOCK=2048, NP=np_,
+                                       num_warps=8, **launch_opts(part))
+    return part
+
+
+def confidence(part: torch.Tensor, me: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+               threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The confidence head's scores and prefixes (was ~12 launches: the fp16 cast, the concatenation, the GEMV and
+    its split-K reduce, the sigmoid, the prefix's compare / cumprod / sum): part (bsz, NP) from
+    `confidence_prenorm`, me (bsz, n_out, r) fp16 Markov embeddings, w (1, h + r) fp16, b (1,) or None ->
+    (scores (bsz, n_out) fp32, confident prefix lengths (bsz,) int64)."""
+    bsz, n_out, r = me.shape
+    h = w.shape[-1] - r
     me = me.contiguous()
     conf = torch.empty((bsz, n_out), dtype=F32, device=me.device)
     lens = torch.empty(bsz, dtype=torch.int64, device=me.device)
-    _confidence_kernel[(bsz,)](prenorm, prenorm.stride(0), me, w, w if b is None else b, conf, lens, h, r, n_out,
-                               threshold, HAS_BIAS=b is not None, BLOCK=2048, RB=triton.next_power_of_2(r),
-                               NP=triton.next_power_of_2(block), num_warps=8, **launch_opts(conf))
+    _confidence_kernel[(bsz,)](part, me, w, w if b is None else b, conf, lens, h, r, n_out, threshold,
+                               HAS_BIAS=b is not None, RB=triton.next_power_of_2(r), NP=part.shape[1], num_warps=8,
+                               **launch_opts(conf))
     return conf, lens
 
 

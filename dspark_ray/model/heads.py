@@ -58,18 +58,24 @@ class DraftHead:
     def __call__(self, normed: torch.Tensor, prenorm: torch.Tensor, seeds: torch.Tensor, n_out: int,
                  want_margins: bool, keep_logits: bool = False) -> HeadOut:
         """normed (bsz, B, h) fp16 final-norm output; prenorm (bsz, B, h) fp32 HyperHead output; seeds (bsz,)."""
-        fused_step = ops.fused("markov_step")
+        fused_step, fused_conf = ops.fused("markov_step"), ops.fused("confidence")
+        # Confidence of row i from [f16(prenorm_i) ; markov embedding of the token that predicted d_{i+1}]. The
+        # prenorm half of its dot product needs nothing from the Markov loop: a branch beside the head GEMM.
+        conf_part = (ops.branch(ops.fused("confidence_prenorm"), prenorm, self.conf_w, n_out)
+                     if fused_conf is not None else None)
         if fused_step is None:
             lg = [linear(normed[:, :n_out], s.head).float() for s in self.shards]      # only the rows we draft
             step = self._step
         else:                                     # the kernel reads the fp16 logits (one kernel pair per shard)
             lg = [linear(normed[:, :n_out], s.head) for s in self.shards]
             step = partial(self._fused_step, fused_step)
+        # step i writes its Markov embedding into column i (no stack of them after the loop)
+        embs = torch.empty((normed.shape[0], n_out, self.markov_w1.shape[1]), dtype=torch.float16,
+                           device=normed.device)
         prev = seeds.to(torch.int64)
-        drafts, margins, embs, logits = [], [], [], []
+        drafts, margins, logits = [], [], []
         for i in range(n_out):                    # sequential: each draft feeds the next step's Markov embedding
-            me, tops, ls = step(lg, i, prev, want_margins, keep_logits)
-            embs.append(me)
+            tops, ls = step(lg, i, prev, embs[:, i], want_margins, keep_logits)
             if keep_logits:
                 logits.append(torch.cat(ls, dim=-1))
             if want_margins:
@@ -78,12 +84,10 @@ class DraftHead:
             else:
                 _, prev = self.coll.max_exchange(tops)
             drafts.append(prev)
-        # Confidence of row i from [f16(prenorm_i) ; markov embedding of the token that predicted d_{i+1}].
-        fused_conf = ops.fused("confidence")
         if fused_conf is not None:
-            conf, lens = fused_conf(prenorm, torch.stack(embs, dim=1), self.conf_w, self.conf_b, self.threshold)
+            conf, lens = fused_conf(ops.joined(conf_part), embs, self.conf_w, self.conf_b, self.threshold)
         else:
-            ci = torch.cat((f16(prenorm[:, :n_out]), torch.stack(embs, dim=1)), dim=-1)
+            ci = torch.cat((f16(prenorm[:, :n_out]), embs), dim=-1)
             c = linear(ci, self.conf_w, bias=self.conf_b)[..., 0]
             conf = sigmoid(c.float())
             lens = confident_prefix(conf, self.threshold)
@@ -95,18 +99,21 @@ class DraftHead:
             logits=torch.stack(logits, dim=1) if keep_logits else None,
         )
 
-    def _step(self, lg, i, prev, want_top2: bool, keep_logits: bool):
-        """One Markov step in the reference ops: (me, each shard's local top, each shard's logits)."""
-        me = f16(self.markov_w1[prev])                                              # (bsz, r) bf16 -> fp16
-        ls = [lg[k][:, i] + linear(me, s.markov_w2, bias=s.markov_b2).float() for k, s in enumerate(self.shards)]
-        return me, [_local_top(l, s.start, want_top2) for l, s in zip(ls, self.shards)], ls
+    def _step(self, lg, i, prev, me, want_top2: bool, keep_logits: bool):
+        """One Markov step in the reference ops, its Markov embedding written into me: (each shard's local top,
+        each shard's logits)."""
+        e = f16(self.markov_w1[prev])                                               # (bsz, r) bf16 -> fp16
+        me.copy_(e)
+        ls = [lg[k][:, i] + linear(e, s.markov_w2, bias=s.markov_b2).float() for k, s in enumerate(self.shards)]
+        return [_local_top(l, s.start, want_top2) for l, s in zip(ls, self.shards)], ls
 
-    def _fused_step(self, kernel, lg, i, prev, want_top2: bool, keep_logits: bool):
-        """The same step through the fused `markov_step` kernel (its Markov GEMV in the kernel's own order)."""
-        tops, ls, me = [], [], None
+    def _fused_step(self, kernel, lg, i, prev, me, want_top2: bool, keep_logits: bool):
+        """The same step through the fused `markov_step` kernel (its Markov GEMV in the kernel's own order); each
+        shard writes the same embedding bits into me."""
+        tops, ls = [], []
         for k, s in enumerate(self.shards):
-            me, top1, top2, idx, l = kernel(lg[k], i, prev, self.markov_w1, s.markov_w2, s.markov_b2, s.start,
-                                            keep_logits)
+            _, top1, top2, idx, l = kernel(lg[k], i, prev, self.markov_w1, s.markov_w2, s.markov_b2, s.start,
+                                           keep_logits, me_out=me)
             tops.append((top1, top2, idx) if want_top2 else (top1, idx))
             ls.append(l)
-        return me, tops, ls
+        return tops, ls
