@@ -107,6 +107,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     from dspark_ray.graphs import GraphSet
     from dspark_ray.kernels.gemm import dense_for, describe_matmul, use_matmul
     from dspark_ray.model.drafter import Drafter
+    from dspark_ray.model.heads import markov_cache_rows
     from dspark_ray.model.layout import Layout
     from dspark_ray.modes import read_rank
     from dspark_ray.stamps import now
@@ -122,8 +123,15 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     coll = coll or (LocalCollectives(1) if mode == "tp1" else SoloCollectives(rank))
     d = Drafter(cfg, [weights], [layout.vocab_range(rank)[0]], coll)
     dense, expert_b, resident = weight_bytes(weights)
+    markov_w2 = sum(t.numel() * t.element_size() for n, t in weights.items() if "markov_w2" in n)
     del weights             # the drafter holds what it uses (the routed experts stacked, the per-expert tensors freed)
-    log(f"{mode} rank {rank}: loaded {resident / 2**30:.2f} GiB in {time.time() - t0:.1f} s ({describe_matmul()})")
+    lo, hi = layout.vocab_range(rank)          # the rows serve --markov-cache caches, sized as a rank sizes them
+    torch.cuda.empty_cache()
+    d.cache_markov(markov_cache_rows(args.markov_cache, cfg.vocab_size, (hi - lo) * 2, torch.cuda.mem_get_info()[0]))
+    if d.head.markov_map is not None and bool((d.head.markov_map >= 0).all()):     # markov_w2 is never read
+        dense -= markov_w2
+    log(f"{mode} rank {rank}: loaded {resident / 2**30:.2f} GiB in {time.time() - t0:.1f} s ({describe_matmul()}); "
+        f"Markov bias rows cached: {d.markov_cache_bytes / 2**30:.2f} GiB")
     # Slots for the widest shape timed (4 at least: the step and insert rows use them) and one for the inserts.
     if args.graph_set == "minimal":     # A/B of the time outside the kernels against the set's size (notes/engine.md)
         gs = GraphSet(d, n_slots=5, max_requests=1, n_outs=(5,), insert_buckets=(8, 128))
@@ -134,6 +142,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     states = _slots(gs, cfg, n_req if args.graph_set == "full" else 4, cfg.sliding_window + 32, args.start)
     res = {"mode": mode, "rank": rank, "matmul": describe_matmul(), "capture_s": round(gs.capture_seconds, 3),
            "graph_mib": round(gs.graph_bytes / 2**20, 1), "resident_gib": round(resident / 2**30, 3),
+           "markov_cache_gib": round(d.markov_cache_bytes / 2**30, 3),
            "dense_bytes_per_step": dense, "expert_bytes": expert_b, "draft": {}, "insert": {}, "step": {},
            "experts": {}}
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -440,7 +449,9 @@ def markdown(out: dict) -> str:
                              + ", ".join(f"{t['kernel'][:40]} {t['us']} us x{t['count']}" for t in g["top"][:8]))
     lines += ["", "Memory per card: " + "; ".join(
         f"{m} {(out[m]['rank0'] if m == 'pair' else out[m])['memory']['card_used_gib']} GiB used, graphs "
-        f"{(out[m]['rank0'] if m == 'pair' else out[m])['graph_mib']} MiB" for m in ("tp1", "solo", "pair") if m in out)]
+        f"{(out[m]['rank0'] if m == 'pair' else out[m])['graph_mib']} MiB, cached Markov bias rows "
+        f"{(out[m]['rank0'] if m == 'pair' else out[m]).get('markov_cache_gib', 0)} GiB"
+        for m in ("tp1", "solo", "pair") if m in out)]
     return "\n".join(lines) + "\n"
 
 
@@ -460,6 +471,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dense", default="auto", choices=["auto", "triton", "cublas"],
                     help="the dense linears' kernel (gemm.dense_for; auto: as serve --dense auto with --max-batch the "
                          "widest shape timed)")
+    ap.add_argument("--markov-cache", default="auto",
+                    help="cached Markov bias rows, as serve --markov-cache: auto (serve's default: every token's row "
+                         "when they fit in half the memory the weights leave), all, off or a row count")
     ap.add_argument("--graph-set", choices=["full", "minimal"], default="full",
                     help="minimal: only the 1-request n_out-5 draft graph and the 8 / 128-row inserts (shape 1,5)")
     ap.add_argument("--repeats", type=int, default=1,

@@ -203,6 +203,7 @@ def main() -> None:
             # The per-step processes: cores, load, each thread's last core and niceness (Ray starts workers at 15)
             # (actors/scheduling.py).
             "processes": {"frontend": status.get("process"), "ranks": [r.get("process") for r in status["ranks"]]},
+            "markov_cache": [r.get("markov_cache") for r in status["ranks"]],
             "rank0_engine_step": summary(rank_ms),
             "tcp_step": summary(tcp),
             # The client's own part of client_to_server: encoding the STEP and the send call (on loopback the send
@@ -262,7 +263,7 @@ def main() -> None:
                    "requests": R, "rows_per_round": a.rows,
                    "n_out": 5, "rounds": a.rounds, "warmup_rounds": warm, "repeats": a.repeats,
                    "pin_ab": a.pin_ab, "client_spin_us": a.client_spin_us, "gap_us": a.gap_us,
-                   "server_and_ring_spin_us": base.spin_us,
+                   "server_and_ring_spin_us": base.spin_us, "markov_cache": base.markov_cache,
                    "pinned_vcpus": pinning, "step_graphs": step_graphs_enabled(),
                    "keep_warm_us": keep_warm_period_us() if keep_warm_enabled() else None,
                    "transport": "shm" if a.shm else "tcp"},

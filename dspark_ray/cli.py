@@ -104,6 +104,7 @@ def cmd_serve(a, *, then=None) -> int:
         spec = PairSpec(checkpoint=os.path.abspath(ckpt), tp=a.tp, n_slots=a.slots, backend=backend, device=device,
                         collective_timeout_s=a.collective_timeout, rank_cpus=a.rank_cpus,
                         frontend_cpus=a.frontend_cpus, max_batch=a.max_batch, dense=a.dense,
+                        markov_cache=a.markov_cache,
                         ring_spin_us=None if a.spin_ms is None else a.spin_ms * 1e3)
     except ValueError as e:
         print(f"dspark-ray serve: {e}", file=sys.stderr)
@@ -297,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the dense linears' kernel on a GPU: auto picks the one-read Triton kernel when a batch "
                              "can span more than 32 rows (--max-batch 7 or more), cuBLAS otherwise (2-7%% faster "
                              "at 1 request, 9-17%% slower at 8-16)")
+        sp.add_argument("--markov-cache", default="auto",
+                        help="cached Markov bias rows (the same drafts, less read per step): auto (every token's "
+                             "row on a GPU when they take at most half the memory the weights leave: 15.6 GiB a "
+                             "pair rank of the full preset), all, off, or a row count (the lower ids)")
         sp.add_argument("--name", default="dspark")
         sp.add_argument("--device", choices=["cpu", "cuda"])
         sp.add_argument("--backend", choices=["gloo", "push"])
@@ -322,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in (("status", cmd_status), ("stop", cmd_stop)):
         sp = sub.add_parser(name)
         sp.add_argument("--address")
+        sp.add_argument("--markov-cache", default="auto",
+                        help="cached Markov bias rows (the same drafts, less read per step): auto (every token's "
+                             "row on a GPU when they take at most half the memory the weights leave: 15.6 GiB a "
+                             "pair rank of the full preset), all, off, or a row count (the lower ids)")
         sp.add_argument("--name", default="dspark")
         sp.add_argument("--json", action="store_true")
         sp.set_defaults(fn=fn)

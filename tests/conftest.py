@@ -86,7 +86,8 @@ def deploy_pair(ray_cluster, ckpt_dir, name, **kw):
     spec = PairSpec(checkpoint=str(ckpt_dir), tp=kw.pop("tp", 2), n_slots=kw.pop("n_slots", 8),
                     collective_timeout_s=kw.pop("collective_timeout_s", 3.0),
                     step_timeout_s=kw.pop("step_timeout_s", None), rank_cpus=kw.pop("rank_cpus", None),
-                    frontend_cpus=kw.pop("frontend_cpus", None), max_batch=kw.pop("max_batch", 6), **gpu)
+                    frontend_cpus=kw.pop("frontend_cpus", None), max_batch=kw.pop("max_batch", 6),
+                    markov_cache=kw.pop("markov_cache", "auto"), **gpu)
     fe, endpoint = deploy(spec, name=name, **kw)
     host, port = endpoint.rsplit(":", 1)
     return fe, host, int(port)

@@ -18,6 +18,7 @@ from dspark_ray.actors.scheduling import pin_thread, thread_deltas, thread_nicen
 from dspark_ray.client import ClientError, DrafterClient
 from dspark_ray.contract import Code, make_entry
 from dspark_ray.engine import RankEngine, StepEntry
+from dspark_ray.model.layout import Layout
 from dspark_ray.modes import make_drafter
 
 from conftest import PAIR_BACKEND, deploy_pair, step_as_reference, to_entry
@@ -31,7 +32,10 @@ RANK_CPUS, FRONTEND_CPUS = [CPUS[0], CPUS[-1]], [CPUS[-1]]
 
 @pytest.fixture(scope="module")
 def pair(ray_cluster, tiny_ckpt):
-    fe, host, port = deploy_pair(ray_cluster, tiny_ckpt, "e2e", rank_cpus=RANK_CPUS, frontend_cpus=FRONTEND_CPUS)
+    # Every token's Markov bias row cached (serve --markov-cache all): every answer below is still checked against
+    # the in-process reference, which caches none.
+    fe, host, port = deploy_pair(ray_cluster, tiny_ckpt, "e2e", rank_cpus=RANK_CPUS, frontend_cpus=FRONTEND_CPUS,
+                                 markov_cache="all")
     yield fe, host, port
     teardown("e2e")
 
@@ -115,6 +119,8 @@ def test_a_bad_pinning_is_refused_before_anything_starts():
         PairSpec(checkpoint="x", ring_spin_us=-1.0)
     assert PairSpec(checkpoint="x", device="cuda").spin_us == 100_000.0       # longer than a trunk's forward
     assert PairSpec(checkpoint="x").spin_us == 50.0 and PairSpec(checkpoint="x", ring_spin_us=0.0).spin_us == 0.0
+    with pytest.raises(ValueError, match="markov cache 'most'"):
+        PairSpec(checkpoint="x", markov_cache="most")
 
 
 def test_serve_refuses_a_bad_pinning_before_it_starts_ray(capsys, tiny_ckpt):
@@ -344,6 +350,9 @@ def test_status_reports_each_step_threads_cpu_time_and_waits(pair, cfg, ray_clus
         assert set(d) == {"cpu_ms", "run_delay_ms", "preempted"} and min(d.values()) >= 0, d
     t = after["ranks"][0]["process"]["threads"]["dspark-rank0"]
     assert t["cpu_ms"] > 0 and t["run_delay_ms"] >= 0 and t["preempted"] >= 0
+    for r in range(2):               # the fixture's --markov-cache all: every id, on the rank's vocabulary shard
+        lo, hi = Layout(cfg, 2).vocab_range(r)
+        assert after["ranks"][r]["markov_cache"] == {"rows": cfg.vocab_size, "bytes": cfg.vocab_size * (hi - lo) * 2}
 
 
 def test_every_party_keeps_its_step_path_warm_between_steps(pair, cfg, ray_cluster):

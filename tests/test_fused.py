@@ -256,6 +256,29 @@ def kernel_checks(dev: str) -> dict:
     res["markov_confidences"] = _rel(out.confidences, ref.confidences)
     one = dh(normed[1:2], prenorm[1:2], seeds[1:2], 5, True, keep_logits=True)
     res["markov_alone"] = torch.equal(one.drafts[0], out.drafts[1]) and torch.equal(one.margins[0], out.margins[1])
+    # Cached Markov bias rows: `markov_rows` makes the bits the step adds (with zero logits the step's logits are its
+    # bias), and the loop with rows cached for some of its previous tokens (not others) drafts the uncached bits.
+    ops.set_matmul(*saved[:3], fused_table={"markov_step": fused.markov_step, "markov_rows": fused.markov_rows})
+    prevs = torch.cat((seeds[:, None], out.drafts[:, :-1]), dim=1).flatten().unique()
+    toks = torch.cat((prevs[::2], torch.arange(400, 470, device=dev)[~torch.isin(torch.arange(400, 470, device=dev),
+                                                                                prevs)]))
+    rows = fused.markov_rows(toks, w1, w2[256:], b2[256:])
+    zero = torch.zeros(len(toks), 1, 256, dtype=torch.float16, device=dev)
+    lz = fused.markov_step(zero, 0, toks, w1, w2[256:], b2[256:], 256, True)[4]
+    res["markov_rows_step_bits"] = torch.equal(lz.nan_to_num(7.0), rows.float().nan_to_num(7.0))
+    hits = torch.isin(prevs, toks)
+    res["markov_cache_hits_and_misses"] = bool(hits.any()) and not bool(hits.all())
+    for name, cached_toks in (("some", toks), ("every", torch.arange(V - 1, -1, -1, device=dev))):
+        # some tokens: the partial kernel's branch; every token (given in any order): the table kernel
+        cached = DraftHead([VocabShard(s.head, s.markov_w2, s.markov_b2, s.start) for s in dh.shards], w1,
+                           dh.conf_w, None, LocalCollectives(2))
+        cached.cache_markov_rows(cached_toks)
+        got = cached(normed, prenorm, seeds, 5, True, keep_logits=True)
+        res[f"markov_cache_{name}_same_bits"] = (
+            torch.equal(got.drafts, out.drafts) and torch.equal(got.margins, out.margins)
+            and torch.equal(got.confidences, out.confidences)
+            and torch.equal(got.logits.nan_to_num(7.0), out.logits.nan_to_num(7.0)))
+    ops.set_matmul(*saved[:3], fused_table={"markov_step": fused.markov_step})
     # Every tiling of the Markov step gives the default's bits: on 200 vocab rows (part-filled and empty tiles), a
     # tie across tiles (ids 20 and 37: the lower wins, the runner-up equals the top), a NaN logit.
     from dspark_ray.kernels.fused_head import MARKOV_TILING

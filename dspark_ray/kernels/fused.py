@@ -27,7 +27,7 @@ The kernels live beside the model module whose chains they replace (`fused_mhc`,
 from __future__ import annotations
 
 from .fused_attention import attend, head_norm_rope
-from .fused_head import confidence, confidence_prenorm, markov_step, pack_outputs
+from .fused_head import confidence, confidence_prenorm, markov_rows, markov_step, pack_outputs
 from .fused_mhc import embed_streams, hyper_head_norm, mhc_collapse_norm, mhc_expand
 from .fused_moe import expert_act, expert_out, indexed_linear, route, router_logits, swiglu
 from .fused_ops import pdl_launches, rms_norm, rows_linear
@@ -36,6 +36,7 @@ __all__ = ["TABLE", "indexed_linear", "rows_linear"]
 
 TABLE = {
     "markov_step": markov_step,
+    "markov_rows": markov_rows,
     "confidence": confidence,
     "confidence_prenorm": confidence_prenorm,
     "pack_outputs": pack_outputs,

@@ -24,18 +24,23 @@ def _markov_weights(w2_ptr, b2_ptr, v0, V, R: tl.constexpr, BV: tl.constexpr, HA
 
 
 @triton.jit
-def _markov_tile(lg_ptr, lg_row, logits_ptr, b, me, w2, b2, v0, V, BV: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 KEEP: tl.constexpr):
-    """Vocab rows [v0, v0 + BV) of one Markov step (their weights w2, b2 loaded): l = lg[b, step] +
-    f16(markov_w2 me + b2), NaN -> -inf; the tile's (max, first argmax, runner-up). A row's dot product is one row
-    of a (BV, R) tile summed along R, its order fixed by R and the layout along R (a warp's 32 lanes, 8 elements
-    each), never by BV or the grid."""
-    v = v0 + tl.arange(0, BV)
-    ok = v < V
+def _markov_bias(w2, b2, me, HAS_BIAS: tl.constexpr):
+    """f16(markov_w2 me + b2) of a (BV, R) weight tile, as fp32. A row's dot product is one row of the tile summed
+    along R, its order fixed by R and the layout along R (a warp's 32 lanes, 8 elements each), never by BV or the
+    grid: the cached rows (`markov_rows`) come from this same sum, so they hold the live step's bits."""
     y = tl.sum(w2 * me.to(tl.float32)[None, :], axis=1)
     if HAS_BIAS:
         y = y + b2
-    l = tl.load(lg_ptr + b * lg_row + v, mask=ok, other=0.0).to(tl.float32) + y.to(tl.float16).to(tl.float32)
+    return y.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _markov_tile(lg_ptr, lg_row, logits_ptr, b, bias, v0, V, BV: tl.constexpr, KEEP: tl.constexpr):
+    """Vocab rows [v0, v0 + BV) of one Markov step (their Markov bias given): l = lg[b, step] + bias, NaN -> -inf;
+    the tile's (max, first argmax, runner-up)."""
+    v = v0 + tl.arange(0, BV)
+    ok = v < V
+    l = tl.load(lg_ptr + b * lg_row + v, mask=ok, other=0.0).to(tl.float32) + bias
     if KEEP:
         tl.store(logits_ptr + b * V + v, l, mask=ok)
     l = tl.where((l != l) | ~ok, float("-inf"), l)
@@ -46,26 +51,51 @@ def _markov_tile(lg_ptr, lg_row, logits_ptr, b, me, w2, b2, v0, V, BV: tl.conste
 
 
 @triton.jit
-def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_ptr, me_row, logits_ptr, part_ptr,
-                           V, NB, R: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           KEEP: tl.constexpr, PDL: tl.constexpr):
+def _markov_tile_bias(w2_ptr, b2_ptr, cache_ptr, row, me, v0, V, R: tl.constexpr, BV: tl.constexpr,
+                      HAS_BIAS: tl.constexpr):
+    """The Markov bias of vocab rows [v0, v0 + BV): the cached row's (row >= 0), else computed from markov_w2."""
+    v = v0 + tl.arange(0, BV)
+    if row >= 0:
+        bias = tl.load(cache_ptr + row * V + v, mask=v < V, other=0.0).to(tl.float32)
+    else:
+        w2, b2 = _markov_weights(w2_ptr, b2_ptr, v0, V, R, BV, HAS_BIAS)
+        bias = _markov_bias(w2, b2, me, HAS_BIAS)
+    return bias
+
+
+@triton.jit
+def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, map_ptr, cache_ptr, me_ptr, me_row,
+                           logits_ptr, part_ptr, V, NB, R: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, CACHED: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr):
     """Program (request b, SUB consecutive tiles of BV vocab rows) of one Markov step: me = f16(markov_w1[prev[b]])
-    and the tiles' (max, first argmax, runner-up), merged in vocabulary order (exact: a merge only compares)."""
+    and the tiles' (max, first argmax, runner-up), merged in vocabulary order (exact: a merge only compares). With
+    CACHED, a previous token that has a cached bias row (map[prev] >= 0) reads it instead of markov_w2."""
     b = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     v0 = nb * (SUB * BV)
-    # The first tile's weights before the wait: they are weights, so they may be read while the kernel before
-    # this one drains.
-    w2, b2 = _markov_weights(w2_ptr, b2_ptr, v0, V, R, BV, HAS_BIAS)
+    if not CACHED:
+        # The first tile's weights before the wait: they are weights, so they may be read while the kernel before
+        # this one drains. (With a cache the token decides whether they are read at all.)
+        w2, b2 = _markov_weights(w2_ptr, b2_ptr, v0, V, R, BV, HAS_BIAS)
     pdl_enter(PDL)
     r = tl.arange(0, R)
-    me = tl.load(w1_ptr + tl.load(prev_ptr + b) * R + r).to(tl.float16)
+    prev = tl.load(prev_ptr + b)
+    me = tl.load(w1_ptr + prev * R + r).to(tl.float16)
     if nb == 0:
         tl.store(me_ptr + b * me_row + r, me)
-    m1, i1, m2 = _markov_tile(lg_ptr, lg_row, logits_ptr, b, me, w2, b2, v0, V, BV, HAS_BIAS, KEEP)
+    if CACHED:
+        row = tl.load(map_ptr + prev).to(tl.int64)
+        bias = _markov_tile_bias(w2_ptr, b2_ptr, cache_ptr, row, me, v0, V, R, BV, HAS_BIAS)
+    else:
+        bias = _markov_bias(w2, b2, me, HAS_BIAS)
+    m1, i1, m2 = _markov_tile(lg_ptr, lg_row, logits_ptr, b, bias, v0, V, BV, KEEP)
     for k in tl.static_range(1, SUB):
-        w2, b2 = _markov_weights(w2_ptr, b2_ptr, v0 + k * BV, V, R, BV, HAS_BIAS)
-        n1, j1, n2 = _markov_tile(lg_ptr, lg_row, logits_ptr, b, me, w2, b2, v0 + k * BV, V, BV, HAS_BIAS, KEEP)
+        if CACHED:
+            bias = _markov_tile_bias(w2_ptr, b2_ptr, cache_ptr, row, me, v0 + k * BV, V, R, BV, HAS_BIAS)
+        else:
+            w2, b2 = _markov_weights(w2_ptr, b2_ptr, v0 + k * BV, V, R, BV, HAS_BIAS)
+            bias = _markov_bias(w2, b2, me, HAS_BIAS)
+        n1, j1, n2 = _markov_tile(lg_ptr, lg_row, logits_ptr, b, bias, v0 + k * BV, V, BV, KEEP)
         # the lower rows (m) win a tie: the first argmax; the runner-up is the larger of the loser's max and the
         # winner's own runner-up
         lo = m1 >= n1
@@ -76,6 +106,46 @@ def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, me_
     tl.store(base, m1)
     tl.store(base + 1, i1.to(tl.float32))         # < 2^24: exact in fp32
     tl.store(base + 2, m2)
+
+
+@triton.jit
+def _markov_table_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, table_ptr, me_ptr, me_row, logits_ptr, part_ptr, V, NB,
+                         R: tl.constexpr, BV: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr):
+    """Program (request b, BV vocab rows) of one Markov step when every token's bias row is cached (row t holds
+    token t's): the row's tile added to the logits, the tile's (max, first argmax, runner-up). No weight is read,
+    so a program takes a wide tile (the partials merge exactly whatever their width)."""
+    pdl_enter(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    v0 = nb * BV
+    prev = tl.load(prev_ptr + b)
+    if nb == 0:
+        r = tl.arange(0, R)
+        tl.store(me_ptr + b * me_row + r, tl.load(w1_ptr + prev * R + r).to(tl.float16))
+    v = v0 + tl.arange(0, BV)
+    bias = tl.load(table_ptr + prev * V + v, mask=v < V, other=0.0).to(tl.float32)
+    m1, i1, m2 = _markov_tile(lg_ptr, lg_row, logits_ptr, b, bias, v0, V, BV, KEEP)
+    base = part_ptr + (b * NB + nb) * 3
+    tl.store(base, m1)
+    tl.store(base + 1, i1.to(tl.float32))
+    tl.store(base + 2, m2)
+
+
+@triton.jit
+def _markov_rows_kernel(tok_ptr, w1_ptr, w2_ptr, b2_ptr, out_ptr, V, T, TG: tl.constexpr, R: tl.constexpr,
+                        BV: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Program (TG tokens, BV vocab rows): the tokens' Markov bias rows f16(markov_w2 f16(markov_w1[t]) + b2) on
+    these vocab rows, the weight tile read once for its TG tokens; the sum is the live step's (`_markov_bias`)."""
+    t0 = tl.program_id(0) * TG
+    v0 = tl.program_id(1) * BV
+    v = v0 + tl.arange(0, BV)
+    r = tl.arange(0, R)
+    w2, b2 = _markov_weights(w2_ptr, b2_ptr, v0, V, R, BV, HAS_BIAS)
+    for j in range(TG):
+        if t0 + j < T:
+            me = tl.load(w1_ptr + tl.load(tok_ptr + t0 + j) * R + r).to(tl.float16)
+            y = _markov_bias(w2, b2, me, HAS_BIAS)
+            tl.store(out_ptr + (t0 + j).to(tl.int64) * V + v, y.to(tl.float16), mask=v < V)
 
 
 @triton.jit
@@ -102,36 +172,70 @@ def _markov_top_kernel(part_ptr, top1_ptr, top2_ptr, idx_ptr, NB, start, NBP: tl
 # H200 (66 MB), from 72 to 53-63 us on a pair rank's shard (three runs), with the same bits (`bench/markov_step.py`,
 # bench/results/gpu/markov_step_h200.json).
 MARKOV_TILING = (32, 2, 4)
+# (vocab rows per program, warps) of a step that reads every row from the cache (`_markov_table_kernel`): no weight
+# tile to hold, so wide tiles and few partials for the top kernel to merge.
+MARKOV_TABLE_TILING = (1024, 4)
 
 
 def markov_step(lg: torch.Tensor, step: int, prev: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                 b2: torch.Tensor | None, start: int, keep_logits: bool, tiling: tuple[int, int, int] | None = None,
-                me_out: torch.Tensor | None = None):
+                me_out: torch.Tensor | None = None, cache: tuple[torch.Tensor, torch.Tensor] | None = None):
     """One step of the Markov loop on one vocabulary shard: lg (bsz, n_out, V) fp16 / fp32 trunk logits,
     prev (bsz,) the previous tokens -> (me (bsz, r) fp16, top1 (bsz,) fp32, top2 (bsz,) fp32, global argmax
     (bsz,) int64, logits (bsz, V) fp32 or None). Ties go to the lower id; a NaN logit never wins. Every tiling
     gives the same bits (a row's sum does not depend on it; the merges only compare). me_out: where me goes (a
     (bsz, r) view with unit stride along r, e.g. one column of the loop's (bsz, n_out, r) embeddings, so the loop
-    needs no stack of them); a fresh tensor without it."""
+    needs no stack of them); a fresh tensor without it. cache: (map (V_all,) int32, rows (n, V) fp16), the bias
+    rows `markov_rows` made for the tokens t with map[t] >= 0 (row map[t]); the same bits as without it. With a row
+    for every token (n == V_all) row t must be token t's (`DraftHead.cache_markov_rows` orders them so)."""
     bsz, _, V = lg.shape
     R = w2.shape[1]
     dev = lg.device
-    bv, sub, warps = tiling or MARKOV_TILING
+    table = cache is not None and cache[1].shape[0] == w1.shape[0]      # every token's row, row t token t's
+    bv, sub, warps = (MARKOV_TABLE_TILING[0], 1, MARKOV_TABLE_TILING[1]) if table else (tiling or MARKOV_TILING)
     nb = triton.cdiv(V, bv * sub)
     me = torch.empty((bsz, R), dtype=F16, device=dev) if me_out is None else me_out
     assert me.shape == (bsz, R) and me.stride(1) == 1
+    if cache is not None:
+        assert cache[0].dtype == torch.int32 and cache[1].shape[1] == V and cache[1].is_contiguous()
     logits = torch.empty((bsz, V), dtype=F32, device=dev) if keep_logits else me
     part = torch.empty((bsz, nb, 3), dtype=F32, device=dev)
     top1 = torch.empty(bsz, dtype=F32, device=dev)
     top2 = torch.empty(bsz, dtype=F32, device=dev)
     idx = torch.empty(bsz, dtype=torch.int64, device=dev)
     lg_s = lg[:, step]
-    _markov_partial_kernel[(bsz, nb)](lg_s, lg.stride(0), prev.contiguous(), w1, w2, w2 if b2 is None else b2, me,
-                                      me.stride(0), logits, part, V, nb, R=R, BV=bv, SUB=sub, HAS_BIAS=b2 is not None,
-                                      KEEP=keep_logits, num_warps=warps, **launch_opts(me))
+    if table:
+        _markov_table_kernel[(bsz, nb)](lg_s, lg.stride(0), prev.contiguous(), w1, cache[1], me, me.stride(0), logits,
+                                        part, V, nb, R=R, BV=bv, KEEP=keep_logits, num_warps=warps,
+                                        **launch_opts(me))
+    else:
+        cmap, rows = cache if cache is not None else (me, me)
+        _markov_partial_kernel[(bsz, nb)](lg_s, lg.stride(0), prev.contiguous(), w1, w2, w2 if b2 is None else b2, cmap,
+                                          rows, me, me.stride(0), logits, part, V, nb, R=R, BV=bv, SUB=sub,
+                                          HAS_BIAS=b2 is not None, CACHED=cache is not None, KEEP=keep_logits,
+                                          num_warps=warps, **launch_opts(me))
     _markov_top_kernel[(bsz,)](part, top1, top2, idx, nb, start, NBP=triton.next_power_of_2(nb), num_warps=8,
                                **launch_opts(part))
     return me, top1, top2, idx, (logits if keep_logits else None)
+
+
+MARKOV_ROWS_TOKENS = 64         # tokens a program of `markov_rows` makes rows for, reading its weight tile once
+
+
+def markov_rows(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Markov bias rows of `tokens` (T,) on this shard: (T, V) fp16, row j = f16(markov_w2 f16(markov_w1[t_j])
+    + b2), in the live step's sum (`markov_step` reads them back with its `cache`). Into `out` when given."""
+    V, R = w2.shape
+    T = tokens.shape[0]
+    bv, _, warps = MARKOV_TILING        # the step's tile and warps: the same layout along R, so the same sums
+    out = torch.empty((T, V), dtype=F16, device=w2.device) if out is None else out
+    assert out.shape == (T, V) and out.is_contiguous()
+    grid = (triton.cdiv(T, MARKOV_ROWS_TOKENS), triton.cdiv(V, bv))
+    _markov_rows_kernel[grid](tokens.to(torch.int64).contiguous(), w1, w2, w2 if b2 is None else b2, out, V, T,
+                              TG=MARKOV_ROWS_TOKENS, R=R, BV=bv, HAS_BIAS=b2 is not None, num_warps=warps,
+                              enable_fp_fusion=False)
+    return out
 
 
 @triton.jit

@@ -23,6 +23,7 @@ class VocabShard:
     markov_w2: torch.Tensor             # (V_r, r) fp16
     markov_b2: torch.Tensor | None      # (V_r,) fp16 or None
     start: int                          # global id of local row 0
+    markov_rows: torch.Tensor | None = None     # (n, V_r) fp16 cached Markov bias rows (DraftHead.cache_markov_rows)
 
 
 @dataclass
@@ -32,6 +33,33 @@ class HeadOut:
     confident_len: torch.Tensor         # (bsz,) int64: longest all-confident prefix
     margins: torch.Tensor | None        # (bsz, n_out) fp32 top-1 minus top-2 of the combined logits
     logits: torch.Tensor | None         # (bsz, n_out, sum of local V_r) fp32, the local shards' final logits
+
+
+# What "auto" may take for cached Markov bias rows: this share of the card's memory still free once the weights
+# are in (the graphs, their pools and the step's activations take far less on the H200).
+MARKOV_CACHE_AUTO_SHARE = 0.5
+
+
+def markov_cache_rows(choice: str | int, vocab: int, row_bytes: int = 0, free_bytes: int | None = None) -> int:
+    """Rows to cache (the ids [0, rows)) for `choice`: "off" / 0, "all" (every id), a row count, or "auto": every
+    id when they take at most MARKOV_CACHE_AUTO_SHARE of `free_bytes` (a card's free memory; None, as on a CPU
+    where the reference path gains nothing: none), else as many as fit there, in whole 256-row tiles."""
+    if choice == "auto":
+        if free_bytes is None or row_bytes <= 0:
+            return 0
+        fit = int(MARKOV_CACHE_AUTO_SHARE * free_bytes) // row_bytes
+        return vocab if fit >= vocab else fit // 256 * 256
+    if choice == "all":
+        return vocab
+    if choice == "off":
+        return 0
+    try:
+        n = int(choice)
+    except (TypeError, ValueError):
+        raise ValueError(f"markov cache {choice!r}: auto, all, off or a row count") from None
+    if n < 0:
+        raise ValueError(f"markov cache {n}: a row count >= 0")
+    return min(n, vocab)
 
 
 def confident_prefix(conf: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -54,6 +82,47 @@ class DraftHead:
                  conf_b: torch.Tensor | None, coll: Collectives, threshold: float = 0.5):
         self.shards, self.markov_w1, self.conf_w, self.conf_b = shards, markov_w1, conf_w, conf_b
         self.coll, self.threshold = coll, threshold
+        self.markov_map: torch.Tensor | None = None     # (V,) int32: a token's cached bias row, or -1
+
+    def drop_markov_rows(self) -> None:
+        """No cached rows: every step computes its bias from markov_w2 (frees the rows)."""
+        self.markov_map = None
+        for s in self.shards:
+            s.markov_rows = None
+
+    def cache_markov_rows(self, tokens: torch.Tensor, progress=None) -> int:
+        """Cache the Markov bias rows f16(markov_w2 f16(markov_w1[t]) + b2) of `tokens` (distinct ids) on every
+        shard. A Markov step whose previous token has one reads that row (V_r x 2 bytes) instead of computing it
+        from markov_w2 (V_r x r x 2 bytes): the same bits, since the row is made by the step's own sum (the fused
+        kernel's `markov_rows`, or the reference's `linear` in chunks of 32 rows, batch-invariant either way).
+        Returns the bytes the rows take."""
+        V = self.markov_w1.shape[0]
+        dev = self.markov_w1.device
+        tokens = tokens.to(device=dev, dtype=torch.int64)
+        if not tokens.numel() or (int(tokens.min()) < 0 or int(tokens.max()) >= V
+                                  or tokens.unique().numel() != tokens.numel()):
+            raise ValueError(f"Markov cache tokens must be distinct ids in [0, {V}), at least one")
+        self.drop_markov_rows()          # (the old rows go before the new ones are made)
+        if tokens.numel() == V:          # every id: row t is token t's (the kernel then needs no map)
+            tokens = torch.arange(V, device=dev)
+        cmap = torch.full((V,), -1, dtype=torch.int32, device=dev)
+        cmap[tokens] = torch.arange(tokens.numel(), dtype=torch.int32, device=dev)
+        build = ops.fused("markov_rows")
+        held = 0
+        for s in self.shards:
+            rows = torch.empty((tokens.numel(), s.markov_w2.shape[0]), dtype=torch.float16, device=dev)
+            step = 8192 if build is not None else 32
+            for c in range(0, tokens.numel(), step):
+                if build is not None:
+                    build(tokens[c:c + step], self.markov_w1, s.markov_w2, s.markov_b2, out=rows[c:c + step])
+                else:
+                    rows[c:c + step] = self._bias(f16(self.markov_w1[tokens[c:c + step]]), s)
+                if progress is not None:
+                    progress(min(c + step, tokens.numel()), tokens.numel())
+            s.markov_rows = rows
+            held += rows.numel() * rows.element_size()
+        self.markov_map = cmap
+        return held
 
     def __call__(self, normed: torch.Tensor, prenorm: torch.Tensor, seeds: torch.Tensor, n_out: int,
                  want_margins: bool, keep_logits: bool = False) -> HeadOut:
@@ -104,16 +173,31 @@ class DraftHead:
         each shard's logits)."""
         e = f16(self.markov_w1[prev])                                               # (bsz, r) bf16 -> fp16
         me.copy_(e)
-        ls = [lg[k][:, i] + linear(e, s.markov_w2, bias=s.markov_b2).float() for k, s in enumerate(self.shards)]
+        ls = [lg[k][:, i] + self._cached_bias(e, prev, s).float() for k, s in enumerate(self.shards)]
         return [_local_top(l, s.start, want_top2) for l, s in zip(ls, self.shards)], ls
+
+    @staticmethod
+    def _bias(e: torch.Tensor, s: VocabShard) -> torch.Tensor:
+        """The Markov bias of embeddings e (n, r) fp16 on shard s: (n, V_r) fp16 (the live step's and the cache's)."""
+        return linear(e, s.markov_w2, bias=s.markov_b2)
+
+    def _cached_bias(self, e: torch.Tensor, prev: torch.Tensor, s: VocabShard) -> torch.Tensor:
+        """The reference's bias with a cache: the cached row where the token has one (selected, not instead: this
+        path is the exact twin that proves the rows' bits, not a fast one)."""
+        live = self._bias(e, s)
+        if self.markov_map is None:
+            return live
+        row = self.markov_map[prev]
+        return torch.where((row >= 0)[:, None], s.markov_rows[row.clamp(min=0).long()], live)
 
     def _fused_step(self, kernel, lg, i, prev, me, want_top2: bool, keep_logits: bool):
         """The same step through the fused `markov_step` kernel (its Markov GEMV in the kernel's own order); each
         shard writes the same embedding bits into me."""
         tops, ls = [], []
         for k, s in enumerate(self.shards):
+            cache = (self.markov_map, s.markov_rows) if self.markov_map is not None else None
             _, top1, top2, idx, l = kernel(lg[k], i, prev, self.markov_w1, s.markov_w2, s.markov_b2, s.start,
-                                           keep_logits, me_out=me)
+                                           keep_logits, me_out=me, cache=cache)
             tops.append((top1, top2, idx) if want_top2 else (top1, idx))
             ls.append(l)
         return tops, ls
