@@ -208,9 +208,15 @@ def _print_status(st: dict) -> None:
         loop = step_threads(r.get("process"), f"dspark-rank{r.get('rank')}")
         print(f"  rank {r.get('rank')}: pid {r.get('pid')}, steps {r.get('steps')}, failed {r.get('failed_steps')},"
               f" broken {r.get('broken')}, last error {r.get('last_error') or '-'}; step loop: {loop}; "
-              f"{asleep(r.get('wake_ups'))}; {_matmul(r.get('matmul'))}")
+              f"{asleep(r.get('wake_ups'))}; {_matmul(r.get('matmul'))}; {_markov_cache(r.get('markov_cache'))}")
     for e in st["last_errors"]:
         print(f"  error: {e}")
+
+
+def _markov_cache(m: dict | None) -> str:
+    if not m:
+        return "markov cache ?"
+    return f"markov cache {m['rows']} rows ({m['bytes'] / 2**30:.2f} GiB)" if m["rows"] else "markov cache off"
 
 
 def _matmul(m: dict | None) -> str:

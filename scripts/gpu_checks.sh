@@ -50,9 +50,9 @@ if [ ! -f "$CKPT/dspark-manifest.json" ]; then        # written last: a checkpoi
 synthesize(full(), '$CKPT', device='cuda:0', progress=False); print('full preset synthesized to $CKPT')"
 fi
 step tests_one_card 900 $PY -m pytest -q -rA tests/test_chunked_linear.py tests/test_gemm.py tests/test_fused.py \
-    tests/test_gpu_graphs.py tests/test_gpu_drafter.py tests/test_push_gpu.py -m gpu
+    tests/test_gpu_graphs.py tests/test_gpu_drafter.py tests/test_markov_cache.py tests/test_push_gpu.py -m gpu
 DSPARK_TEST_CKPT=$CKPT step tests_full_graph_set 600 $PY -m pytest -q tests/test_gpu_graphs.py \
-    -k "(every_graph_of_the_set or wide_buckets) and fast"
+    tests/test_markov_cache.py -m gpu -k "(every_graph_of_the_set or wide_buckets) and fast or live_bits_on_the_card"
 if [ "$CARDS" -ge 2 ]; then
     DSPARK_FULL_CKPT=$CKPT step tests_push_pair 900 $PY -m pytest -q -rA tests/test_push_pair.py
     DSPARK_TEST_PAIR=push step tests_deployed_pair 900 $PY -m pytest -q -rA tests/test_deploy.py \

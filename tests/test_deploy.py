@@ -337,6 +337,7 @@ def test_a_step_larger_than_the_replay_limit_is_split(pair, cfg, ckpt, ray_clust
         m = r["matmul"]
         assert m["mode"] in ("exact", "fast") and (m["dense"] is None) == (m["mode"] == "exact"), m
         assert f"matmul {m['mode']}" in out
+    assert out.count(f"markov cache {cfg.vocab_size} rows") == 2          # the fixture's --markov-cache all
 
 
 def test_status_reports_each_step_threads_cpu_time_and_waits(pair, cfg, ray_cluster):
