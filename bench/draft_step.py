@@ -396,6 +396,11 @@ def gpu_wait_us(out: dict, mode: str, k: str) -> float | None:
     return min(waits) if all(w is not None for w in waits) else None
 
 
+def _cache_note(res: dict) -> str:
+    """The cached Markov bias rows of a mode's result (results from before the cache have none to report)."""
+    return f", cached Markov bias rows {res['markov_cache_gib']} GiB" if "markov_cache_gib" in res else ""
+
+
 def markdown(out: dict) -> str:
     lines = [f"# Draft step, {out['preset']} preset, {out['device']} (commit {out['commit']})", "",
              f"Command: `{out['command']}`", "",
@@ -449,8 +454,8 @@ def markdown(out: dict) -> str:
                              + ", ".join(f"{t['kernel'][:40]} {t['us']} us x{t['count']}" for t in g["top"][:8]))
     lines += ["", "Memory per card: " + "; ".join(
         f"{m} {(out[m]['rank0'] if m == 'pair' else out[m])['memory']['card_used_gib']} GiB used, graphs "
-        f"{(out[m]['rank0'] if m == 'pair' else out[m])['graph_mib']} MiB, cached Markov bias rows "
-        f"{(out[m]['rank0'] if m == 'pair' else out[m]).get('markov_cache_gib', 0)} GiB"
+        f"{(out[m]['rank0'] if m == 'pair' else out[m])['graph_mib']} MiB" + _cache_note(out[m]['rank0'] if m == 'pair'
+                                                                                  else out[m])
         for m in ("tp1", "solo", "pair") if m in out)]
     return "\n".join(lines) + "\n"
 
