@@ -127,11 +127,14 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     del weights             # the drafter holds what it uses (the routed experts stacked, the per-expert tensors freed)
     lo, hi = layout.vocab_range(rank)          # the rows serve --markov-cache caches, sized as a rank sizes them
     torch.cuda.empty_cache()
+    t_cache = time.time()
     d.cache_markov(markov_cache_rows(args.markov_cache, cfg.vocab_size, (hi - lo) * 2, torch.cuda.mem_get_info()[0]))
+    torch.cuda.synchronize()
+    t_cache = time.time() - t_cache
     if d.head.markov_map is not None and bool((d.head.markov_map >= 0).all()):     # markov_w2 is never read
         dense -= markov_w2
     log(f"{mode} rank {rank}: loaded {resident / 2**30:.2f} GiB in {time.time() - t0:.1f} s ({describe_matmul()}); "
-        f"Markov bias rows cached: {d.markov_cache_bytes / 2**30:.2f} GiB")
+        f"Markov bias rows cached: {d.markov_cache_bytes / 2**30:.2f} GiB in {t_cache:.2f} s")
     # Slots for the widest shape timed (4 at least: the step and insert rows use them) and one for the inserts.
     if args.graph_set == "minimal":     # A/B of the time outside the kernels against the set's size (notes/engine.md)
         gs = GraphSet(d, n_slots=5, max_requests=1, n_outs=(5,), insert_buckets=(8, 128))
@@ -142,7 +145,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     states = _slots(gs, cfg, n_req if args.graph_set == "full" else 4, cfg.sliding_window + 32, args.start)
     res = {"mode": mode, "rank": rank, "matmul": describe_matmul(), "capture_s": round(gs.capture_seconds, 3),
            "graph_mib": round(gs.graph_bytes / 2**20, 1), "resident_gib": round(resident / 2**30, 3),
-           "markov_cache_gib": round(d.markov_cache_bytes / 2**30, 3),
+           "markov_cache_gib": round(d.markov_cache_bytes / 2**30, 3), "markov_cache_s": round(t_cache, 2),
            "dense_bytes_per_step": dense, "expert_bytes": expert_b, "draft": {}, "insert": {}, "step": {},
            "experts": {}}
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
