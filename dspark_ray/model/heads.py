@@ -90,7 +90,7 @@ class DraftHead:
         for s in self.shards:
             s.markov_rows = None
 
-    def cache_markov_rows(self, tokens: torch.Tensor, progress=None) -> int:
+    def cache_markov_rows(self, tokens: torch.Tensor) -> int:
         """Cache the Markov bias rows f16(markov_w2 f16(markov_w1[t]) + b2) of `tokens` (distinct ids) on every
         shard. A Markov step whose previous token has one reads that row (V_r x 2 bytes) instead of computing it
         from markov_w2 (V_r x r x 2 bytes): the same bits, since the row is made by the step's own sum (the fused
@@ -117,8 +117,6 @@ class DraftHead:
                     build(tokens[c:c + step], self.markov_w1, s.markov_w2, s.markov_b2, out=rows[c:c + step])
                 else:
                     rows[c:c + step] = self._bias(f16(self.markov_w1[tokens[c:c + step]]), s)
-                if progress is not None:
-                    progress(min(c + step, tokens.numel()), tokens.numel())
             s.markov_rows = rows
             held += rows.numel() * rows.element_size()
         self.markov_map = cmap
