@@ -107,7 +107,6 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     from dspark_ray.graphs import GraphSet
     from dspark_ray.kernels.gemm import dense_for, describe_matmul, use_matmul
     from dspark_ray.model.drafter import Drafter
-    from dspark_ray.model.heads import markov_cache_rows
     from dspark_ray.model.layout import Layout
     from dspark_ray.modes import read_rank
     from dspark_ray.stamps import now
@@ -125,13 +124,11 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     dense, expert_b, resident = weight_bytes(weights)
     markov_w2 = sum(t.numel() * t.element_size() for n, t in weights.items() if "markov_w2" in n)
     del weights             # the drafter holds what it uses (the routed experts stacked, the per-expert tensors freed)
-    lo, hi = layout.vocab_range(rank)          # the rows serve --markov-cache caches, sized as a rank sizes them
-    torch.cuda.empty_cache()
     t_cache = time.time()
-    d.cache_markov(markov_cache_rows(args.markov_cache, cfg.vocab_size, (hi - lo) * 2, torch.cuda.mem_get_info()[0]))
+    rows = d.cache_markov_for(args.markov_cache)       # the rows serve --markov-cache caches, sized as a rank does
     torch.cuda.synchronize()
     t_cache = time.time() - t_cache
-    if d.head.markov_map is not None and bool((d.head.markov_map >= 0).all()):     # markov_w2 is never read
+    if rows == cfg.vocab_size:                         # every row cached: markov_w2 is never read
         dense -= markov_w2
     log(f"{mode} rank {rank}: loaded {resident / 2**30:.2f} GiB in {time.time() - t0:.1f} s ({describe_matmul()}); "
         f"Markov bias rows cached: {d.markov_cache_bytes / 2**30:.2f} GiB in {t_cache:.2f} s")

@@ -333,10 +333,6 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in (("status", cmd_status), ("stop", cmd_stop)):
         sp = sub.add_parser(name)
         sp.add_argument("--address")
-        sp.add_argument("--markov-cache", default="auto",
-                        help="cached Markov bias rows (the same drafts, less read per step): auto (every token's "
-                             "row on a GPU when they take at most half the memory the weights leave: 15.6 GiB a "
-                             "pair rank of the full preset), all, off, or a row count (the lower ids)")
         sp.add_argument("--name", default="dspark")
         sp.add_argument("--json", action="store_true")
         sp.set_defaults(fn=fn)

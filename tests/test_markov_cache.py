@@ -66,6 +66,8 @@ def test_cache_choices_and_bad_tokens_are_refused(cfg, full_weights):
     assert d.head.markov_map is None and d.head.shards[0].markov_rows is None      # a refused cache changes nothing
     assert d.cache_markov(64) == 64 * cfg.vocab_size * 2 and d.cache_markov(0) == 0
     assert d.head.markov_map is None and d.head.shards[0].markov_rows is None      # 0 rows: none held, none read
+    assert d.cache_markov_for("auto") == 0 and d.head.markov_map is None            # a CPU drafter: auto is none
+    assert d.cache_markov_for("all") == cfg.vocab_size and d.markov_cache_bytes == cfg.vocab_size ** 2 * 2
 
 
 @pytest.mark.gpu

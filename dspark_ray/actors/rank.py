@@ -189,17 +189,11 @@ class RankWorker:
 
     def _cache_markov(self, drafter) -> None:
         """The Markov bias rows the spec asks for, sized against what the card has left now the weights are in."""
-        cfg, free = drafter.cfg, None
-        if self.spec.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-            free = torch.cuda.mem_get_info()[0]
-        lo, hi = self.layout.vocab_range(self.rank)
-        rows = markov_cache_rows(self.spec.markov_cache, cfg.vocab_size, row_bytes=(hi - lo) * 2, free_bytes=free)
+        t0 = time.time()
+        rows = drafter.cache_markov_for(self.spec.markov_cache)
         if rows:
-            t0 = time.time()
-            held = drafter.cache_markov(rows)
             log.info("rank %d: Markov bias rows of %d / %d ids cached (%.2f GiB) in %.2f s", self.rank, rows,
-                     cfg.vocab_size, held / 2**30, time.time() - t0)
+                     drafter.cfg.vocab_size, drafter.markov_cache_bytes / 2**30, time.time() - t0)
         self.markov_cache = {"rows": rows, "bytes": drafter.markov_cache_bytes}
 
     def serve(self, ring_handle) -> None:

@@ -18,7 +18,7 @@ from ..config import DrafterConfig
 from ..finite import first_nonfinite_row
 from . import ops
 from .attention import Attention
-from .heads import DraftHead, HeadOut, VocabShard
+from .heads import DraftHead, HeadOut, VocabShard, markov_cache_rows
 from .mhc import HcSite, HyperHead
 from .moe import Experts, Router
 from .ops import Rope, linear, rms_norm
@@ -130,6 +130,18 @@ class Drafter:
         else:
             self.markov_cache_bytes = self.head.cache_markov_rows(torch.arange(min(rows, self.cfg.vocab_size)))
         return self.markov_cache_bytes
+
+    def cache_markov_for(self, choice: str | int) -> int:
+        """Cache the rows `choice` asks for (`heads.markov_cache_rows`: auto sizes them against what this drafter's
+        card has free now; none on a CPU); returns the row count."""
+        free = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info(self.device)[0]
+        row_bytes = sum(s.markov_w2.shape[0] for s in self.head.shards) * 2
+        rows = markov_cache_rows(choice, self.cfg.vocab_size, row_bytes=row_bytes, free_bytes=free)
+        self.cache_markov(rows)
+        return rows
 
     # -- slots -----------------------------------------------------------------------------------------------------
     def new_slot(self) -> SlotState:
