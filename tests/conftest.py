@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
 import torch
 
+from dspark_ray.actors import messages as M
 from dspark_ray.contract import Code, make_entry
 
 # The model's results do not depend on the thread count (pinned reduction order), but its many small ops run
@@ -94,6 +96,21 @@ def deploy_pair(ray_cluster, ckpt_dir, name, **kw):
 
 
 # ---- STEPs against the in-process reference (the deployment and pool tests) -------------------------------------
+class EnginePair:
+    """A worker's pair in this process (frontend.Pair): the rank loop's decode, step and encode (actors/rank.py)
+    around one engine; `delay_s` stands for a slow step."""
+
+    def __init__(self, engine, width: int, delay_s: float = 0.0):
+        self.engine, self.width, self.delay_s = engine, width, delay_s
+
+    def run(self, batch):
+        time.sleep(self.delay_s)
+        b = M.decode_batch(M.encode(batch))
+        self.engine.reset_slots(b.resets)
+        outs = self.engine.step(M.to_step_entries(b, self.width))
+        return M.decode_reply(M.encode(M.RankReply(M.to_rank_results(outs)))).results
+
+
 def to_entry(e, slot, gen, **over):
     kw = dict(slot=slot, generation=gen, seed_token=e.seed, start_pos=e.start, token_ids=e.token_ids.numpy(),
               taps=e.taps.numpy(), rollback_to=e.rollback_to, n_out=e.n_out, want_margins=e.want_margins)

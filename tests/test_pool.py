@@ -11,7 +11,6 @@ import pytest
 
 from dspark_ray import contract as C
 from dspark_ray import workload
-from dspark_ray.actors import messages as M
 from dspark_ray.client import ClientError
 from dspark_ray.engine import RankEngine
 from dspark_ray.frontend import Identity, StepService
@@ -19,22 +18,7 @@ from dspark_ray.modes import make_drafter
 from dspark_ray.pool import DrafterPool
 from dspark_ray.transport.tcp import TcpServer
 
-from conftest import step_as_reference, to_entry
-
-
-class EnginePair:
-    """A worker's pair in this process: the rank loop's decode, step and encode (actors/rank.py) around one engine;
-    `delay_s` stands for a slow step."""
-
-    def __init__(self, engine: RankEngine, width: int, delay_s: float = 0.0):
-        self.engine, self.width, self.delay_s = engine, width, delay_s
-
-    def run(self, batch: M.RankBatch) -> list[M.RankResult]:
-        time.sleep(self.delay_s)
-        b = M.decode_batch(M.encode(batch))
-        self.engine.reset_slots(b.resets)
-        outs = self.engine.step(M.to_step_entries(b, self.width))
-        return M.decode_reply(M.encode(M.RankReply(M.to_rank_results(outs)))).results
+from conftest import EnginePair, step_as_reference, to_entry
 
 
 class Worker:

@@ -1,0 +1,163 @@
+"""A bad entry fails alone and changes nothing else, over many random STEPs.
+
+Two front-ends (`frontend.StepService`), each before its own engine (the split drafter, run as a rank runs it:
+`conftest.EnginePair`), take the same rounds. The first gets each round's STEP with bad entries mixed in at random
+places (every kind of input the contract refuses), the second the same STEP without them. Every bad entry must be
+refused (BAD_ENTRY, or STALE_GENERATION for a stale generation), every good entry must get the twin's answer bit for
+bit, and every slot must stand where the twin's stands: a refused entry leaves no trace, in the front-end's cursors
+or in the ranks' rows. A STEP refused as a whole (its deadline) reaches neither. The messages go through the wire
+encoding both ways, as a server reads them (the arrays are views of the frame).
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+
+from dspark_ray import contract as C
+from dspark_ray import wire
+from dspark_ray.engine import RankEngine
+from dspark_ray.frontend import Identity, StepService
+from dspark_ray.modes import make_drafter
+
+from conftest import EnginePair
+
+N_SLOTS = 4
+ROUNDS = 80
+
+
+def _service(cfg, ckpt) -> tuple[StepService, int]:
+    engine = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), N_SLOTS)
+    svc = StepService(Identity("model", cfg.digest(), 2, cfg.max_model_len),
+                      C.Limits.for_config(cfg, slot_capacity=N_SLOTS),
+                      EnginePair(engine, cfg.n_taps * cfg.hidden_size), window=cfg.sliding_window)
+    sid = svc.open_session("test")
+    assert svc.hello(sid, C.Hello()).ok
+    assert [g.slot for g in svc.acquire(sid, C.Acquire(n=N_SLOTS)).slots] == list(range(N_SLOTS))
+    return svc, sid
+
+
+def _through_the_wire(msg):
+    frame = wire.encode(msg, request_id=1)
+    mtype, _, n = wire.parse_header(frame[:wire.HEADER_SIZE], len(frame))
+    return wire.decode_payload(mtype, memoryview(frame)[wire.HEADER_SIZE:wire.HEADER_SIZE + n])
+
+
+def _good_entry(rng: random.Random, cfg, cursor, slot: int) -> C.Entry:
+    """A valid entry for the slot as it stands: rows continuing its context (any start on a fresh slot), sometimes
+    after a rollback to a position it still holds."""
+    rows = rng.randint(0, 6)
+    rollback, start = -1, cursor.position
+    if cursor.fresh:
+        start = rng.randrange(0, 4000)
+        rows = max(rows, 1)
+    elif rng.random() < 0.2:
+        lowest = max(cursor.base, cursor.position - cursor.capacity + cursor.window)
+        rollback = rng.randint(lowest, cursor.position)
+        start = rollback if rollback != cursor.base else rng.randrange(0, 4000)
+    taps = np.random.default_rng(rng.randrange(1 << 30)).standard_normal((rows, cfg.n_taps * cfg.hidden_size))
+    return C.make_entry(slot=slot, generation=cursor.generation, seed_token=rng.randrange(cfg.vocab_size),
+                        start_pos=start, token_ids=[rng.randrange(cfg.vocab_size) for _ in range(rows)],
+                        taps=(0.5 * taps).astype(np.float16), rollback_to=rollback, n_out=rng.randint(1, 5),
+                        want_margins=rng.random() < 0.3)
+
+
+def _bad_entry(rng: random.Random, cfg, limits, cursor, slot: int) -> tuple[str, C.Entry]:
+    """An entry for a slot no other entry of the STEP names, valid but for one defect the contract names (each
+    sure to be refused whatever the slot's state)."""
+    good = _good_entry(rng, cfg, cursor, slot)
+    kinds = ["slot", "n_out", "seed", "start", "rollback_low", "rollback_high", "ids_bytes", "generation",
+             "negative_generation", "too_many_rows"]
+    if good.rows:
+        kinds += ["token_id", "taps_bytes", "taps_nonfinite"]
+    if not cursor.fresh and good.rollback_to < 0 and good.rows:
+        kinds.append("gap")
+    kind = rng.choice(kinds)
+    f = {k: getattr(good, k) for k in good.__struct_fields__}
+    if kind == "slot":
+        f["slot"] = rng.choice([-1, N_SLOTS, 1 << 20])
+    elif kind == "n_out":
+        f["n_out"] = rng.choice([0, -1, limits.max_n_out + 1])
+    elif kind == "seed":
+        f["seed_token"] = rng.choice([-1, cfg.vocab_size, 1 << 40])
+    elif kind == "start":
+        f["start_pos"] = -1 - rng.randrange(10)
+    elif kind == "rollback_low":
+        f["rollback_to"] = -2
+    elif kind == "rollback_high":
+        f["rollback_to"] = cursor.position + 1 + rng.randrange(5)
+    elif kind == "ids_bytes":
+        f["token_ids"] = bytes(good.token_ids) + b"\x01"
+    elif kind == "generation":
+        f["generation"] = good.generation + rng.choice([1, 2])
+    elif kind == "negative_generation":
+        f["generation"] = -1
+    elif kind == "too_many_rows":
+        n = limits.max_rows_per_entry + 1
+        f.update(token_ids=np.zeros(n, "<i4").tobytes(), taps=np.zeros((n, limits.taps_width), np.float16).tobytes())
+    elif kind == "token_id":
+        ids = np.frombuffer(good.token_ids, "<i4").copy()
+        ids[rng.randrange(ids.size)] = rng.choice([-1, cfg.vocab_size, -(1 << 31)])
+        f["token_ids"] = ids.tobytes()
+    elif kind == "taps_bytes":
+        f["taps"] = bytes(good.taps)[:-2] if rng.random() < 0.5 else bytes(good.taps) + b"\0\0"
+    elif kind == "taps_nonfinite":
+        taps = np.frombuffer(good.taps, np.float16).copy()
+        taps[rng.randrange(taps.size)] = rng.choice([np.inf, -np.inf, np.nan])
+        f["taps"] = taps.tobytes()
+    elif kind == "gap":
+        f["start_pos"] = cursor.position + rng.choice([1, 7] + ([-1] if cursor.position > cursor.base + 1 else []))
+    return kind, C.Entry(**f)
+
+
+def _cursors(svc):
+    return [(s.cursor.generation, s.cursor.base, s.cursor.position, s.busy) for s in svc.slots]
+
+
+def test_bad_entries_fail_alone_and_leave_no_trace(cfg, ckpt):
+    rng = random.Random(0)     # (seeds 0-3 checked; each run ~25 s on the CI machine)
+    mixed, sid_m = _service(cfg, ckpt)
+    clean, sid_c = _service(cfg, ckpt)
+    limits = mixed.limits
+    kinds_seen: set[str] = set()
+    oks = 0
+    for r in range(ROUNDS):
+        slots = rng.sample(range(N_SLOTS), rng.randint(1, N_SLOTS))
+        good = [_good_entry(rng, cfg, clean.slots[s].cursor, s) for s in slots]
+        entries: list[tuple[str | None, C.Entry]] = [(None, e) for e in good]
+        free = [s for s in range(N_SLOTS) if s not in slots]
+        for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
+            if free and rng.random() < 0.8:       # one defect, on a slot the STEP names nowhere else
+                s = free.pop(rng.randrange(len(free)))
+                entries.insert(rng.randint(0, len(entries)), _bad_entry(rng, cfg, limits, clean.slots[s].cursor, s))
+            else:                                 # a slot named twice: refused after its first (a good one)
+                k = rng.randrange(len(good))
+                twin = _good_entry(rng, cfg, clean.slots[good[k].slot].cursor, good[k].slot)
+                entries.insert(rng.randint(entries.index((None, good[k])) + 1, len(entries)), ("duplicate", twin))
+        if rng.random() < 0.04:      # refused as a whole: reaches neither front-end, changes nothing
+            whole = mixed.step(sid_m, _through_the_wire(C.Step(entries=[e for _, e in entries], deadline_ms=0.0)),
+                               time.monotonic_ns())
+            assert isinstance(whole, C.ErrorReply) and whole.code == C.Code.BAD_ENTRY and "deadline" in whole.reason
+            assert _cursors(mixed) == _cursors(clean)
+            continue
+        got = mixed.step(sid_m, _through_the_wire(C.Step(entries=[e for _, e in entries], deadline_ms=60_000.0)),
+                         time.monotonic_ns()).results
+        want = iter(clean.step(sid_c, _through_the_wire(C.Step(entries=good, deadline_ms=60_000.0)),
+                               time.monotonic_ns()).results)
+        assert len(got) == len(entries)
+        for (kind, e), g in zip(entries, got):
+            if kind is None:
+                w = next(want)
+                assert g == w, f"round {r}: slot {e.slot}'s answer changed by the bad entries beside it"
+                oks += g.code == C.Code.OK
+            else:
+                kinds_seen.add(kind)
+                want_code = C.Code.STALE_GENERATION if kind == "generation" else C.Code.BAD_ENTRY
+                assert g.code == want_code, f"round {r}: a bad entry ({kind}) answered {g.code.name}: {g.reason}"
+                assert g.reason.startswith(f"slot {e.slot}:") and not g.drafts, g.reason
+                if kind == "duplicate":
+                    assert "named by entries" in g.reason
+        assert _cursors(mixed) == _cursors(clean), f"round {r}: a refused entry moved a slot"
+    assert oks >= ROUNDS            # the good entries ran (their answers were compared, not just refused alike)
+    assert len(kinds_seen) >= 13, sorted(kinds_seen)
