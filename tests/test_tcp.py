@@ -319,6 +319,60 @@ def test_a_bad_frame_closes_only_its_own_connection(server, front, kind):
     good.close()
 
 
+def _mutated_session(rng, k: int) -> list[bytes]:
+    """A session's frames (HELLO, ACQUIRE, STEP, RELEASE) with one of them damaged at random: bytes overwritten,
+    cut short, bytes slipped in, or its header naming another message type."""
+    frames = [hello_frame(), wire.encode(C.Acquire(n=1 + k % 3), 2),
+              wire.encode(C.Step(entries=[entry(k % LIMITS.slot_capacity, rows=k % 4)]), 3),
+              wire.encode(C.Release(slots=[k % LIMITS.slot_capacity]), 4)]
+    i = rng.randrange(len(frames))
+    b = bytearray(frames[i])
+    how = k % 4
+    if how == 0:
+        for _ in range(rng.randint(1, 6)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+    elif how == 1:
+        del b[rng.randrange(len(b)):]
+    elif how == 2:
+        at = rng.randrange(wire.HEADER_SIZE, len(b) + 1)
+        b[at:at] = rng.randbytes(rng.randint(1, 8))
+    else:
+        b[6] = rng.randrange(16)            # the message type field
+    frames[i] = bytes(b)
+    return frames
+
+
+def test_randomly_damaged_sessions_close_alone_and_leak_no_slot(server, front, caplog):
+    """120 sessions, each with one frame damaged at random: each ends with its connection closed by the server (or
+    answered, when the damage left a valid frame), no handler or server error is logged, every session's slots come
+    back, and a healthy client is served throughout."""
+    import random
+    rng = random.Random(7)
+    good = connect(server)
+    [held] = good.acquire(1)
+    n = 120
+    for k in range(n):
+        s = raw(server)
+        try:
+            for f in _mutated_session(rng, k):
+                s.sendall(f)
+            s.shutdown(socket.SHUT_WR)
+        except OSError:         # the server closed it already (a bad frame early in the session)
+            pass
+        assert_closed_by_server(s)
+        if k % 20 == 0:
+            [r] = good.step([entry(held.slot, seed=41, n_out=3)], deadline_ms=50)
+            assert r.code == C.Code.OK and r.drafts_array().tolist() == [42, 43, 44]
+    deadline = time.monotonic() + WAIT_S
+    while len(front.closed) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(front.closed) == n                                   # every damaged session was closed
+    assert sorted(front.free + [held.slot]) == list(range(LIMITS.slot_capacity))    # and gave its slots back
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or "handler failed" in r.getMessage()]
+    assert_served(good, held.slot)
+    good.close()
+
+
 def test_a_step_before_hello_closes_the_connection(server, front):
     good = connect(server)
     good.acquire(1)
