@@ -48,12 +48,13 @@ def split_replays(ev: list, gap_us: float = 500.0) -> list[list]:
 
 
 def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None, barrier=None, nvtx: bool = False,
-             dense: str = "cublas", requests: int = 1) -> dict:
+             dense: str = "cublas", requests: int = 1, markov_cache: str = "auto") -> dict:
     """Capture a graph set of `requests` requests for this rank, then profile three replays and keep the last one's
     kernels. A pair rank meets its peer at `barrier` before each profiled replay, so both launch it at the same
     moment and a collective's time is its own, not the wait for a peer that launched later. `nvtx`: no profiler;
     one replay inside the NVTX range "ncu_replay", for Nsight Compute to time each of its kernels alone (see main's
-    help). `dense`: the dense linears' kernel (`gemm.use_matmul`)."""
+    help). `dense`: the dense linears' kernel (`gemm.use_matmul`); `markov_cache`: the cached Markov bias rows, as
+    `serve --markov-cache` sizes them (`Drafter.cache_markov_for`)."""
     from bench.draft_step import _slots
     from dspark_ray.collectives import LocalCollectives
     from dspark_ray.graphs import GraphSet
@@ -69,6 +70,7 @@ def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None, barrier=Non
     layout = Layout(cfg, 1 if mode == "tp1" else 2)     # solo: rank 0's shard of the pair, no collectives
     d = Drafter(cfg, [read_rank(ck, layout, rank, "cuda")], [layout.vocab_range(rank)[0]],
                 coll or LocalCollectives(1))
+    rows = d.cache_markov_for(markov_cache)
     gs = GraphSet(d, n_slots=requests + 1, max_requests=requests, n_outs=(5,), insert_buckets=(8, 128))
     gs.capture()
     states = _slots(gs, cfg, requests, cfg.sliding_window + 32, start)
@@ -77,7 +79,7 @@ def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None, barrier=Non
         gs.run([], states, [17 + i for i in range(requests)], 5, False)
     for _ in range(50):
         step()
-    res = {"run_us": _median_us(step, 300)}
+    res = {"run_us": _median_us(step, 300), "markov_cache_rows": rows}
     if nvtx:
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_push("ncu_replay")
@@ -118,23 +120,25 @@ def launch_grids(prof) -> dict:
     return {k: sorted(v) for k, v in grids.items()}
 
 
-def solo_timeline(ckpt: str, start: int, nvtx: bool = False, dense: str = "cublas", requests: int = 1) -> dict:
+def solo_timeline(ckpt: str, start: int, nvtx: bool = False, dense: str = "cublas", requests: int = 1,
+                  markov_cache: str = "auto") -> dict:
     from dspark_ray.collectives import SoloCollectives
-    return timeline("solo", 0, ckpt, start, SoloCollectives(0), nvtx=nvtx, dense=dense, requests=requests)
+    return timeline("solo", 0, ckpt, start, SoloCollectives(0), nvtx=nvtx, dense=dense, requests=requests,
+                    markov_cache=markov_cache)
 
 
-def _pair_rank(rank: int, port: int, shm_name: str, ckpt: str, start: int, dense: str) -> dict:
+def _pair_rank(rank: int, port: int, shm_name: str, ckpt: str, start: int, dense: str, markov_cache: str) -> dict:
     import torch.distributed as dist
     from bench.draft_step import SpinBarrier, connect_pair_rank
     gloo, pc = connect_pair_rank(rank, port, ckpt)
     barrier = SpinBarrier(shm_name, rank)
     dist.barrier(group=gloo.group)          # both attached to the shared counters
-    return timeline("pair", rank, ckpt, start, pc, barrier, dense=dense)
+    return timeline("pair", rank, ckpt, start, pc, barrier, dense=dense, markov_cache=markov_cache)
 
 
-def run_pair(ckpt: str, start: int, dense: str = "cublas") -> dict:
+def run_pair(ckpt: str, start: int, dense: str = "cublas", markov_cache: str = "auto") -> dict:
     from bench.card_procs import run_pair as in_two_processes
-    r0, r1 = in_two_processes(_pair_rank, ckpt, start, dense, timeout_s=300)
+    r0, r1 = in_two_processes(_pair_rank, ckpt, start, dense, markov_cache, timeout_s=300)
     return {"pair_rank0": r0, "pair_rank1": r1}
 
 
@@ -149,6 +153,8 @@ def main() -> int:
     ap.add_argument("--dense", default="cublas", choices=["triton", "cublas"],
                     help="the dense linears' kernel (1 request: what serve --dense auto runs up to --max-batch 6)")
     ap.add_argument("--requests", type=int, default=1, help="tp1 / solo: requests a replay drafts for")
+    ap.add_argument("--markov-cache", default="auto", help="cached Markov bias rows, as serve --markov-cache: auto, "
+                    "all, off or a row count")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.requests != 1 and "pair" in args.modes.split(","):
@@ -156,17 +162,19 @@ def main() -> int:
     from bench.tcp_roundtrip import _commit
     out = {"bench": "kernel_timeline", "command": " ".join(["python"] + sys.argv), "commit": _commit(),
            "device": torch.cuda.get_device_name(0), "pdl": pdl_capable(), "dense": args.dense,
-           "requests": args.requests, "timelines": {}}
+           "requests": args.requests, "markov_cache": args.markov_cache, "timelines": {}}
     for mode in args.modes.split(","):
         print(f"kernel_timeline: {mode} ...", file=sys.stderr, flush=True)
         if mode in ("tp1", "solo"):
             torch.set_num_threads(1)
             out["timelines"][mode] = (timeline("tp1", 0, args.ckpt, args.start, nvtx=args.nvtx_replay,
-                                               dense=args.dense, requests=args.requests)
+                                               dense=args.dense, requests=args.requests,
+                                               markov_cache=args.markov_cache)
                                       if mode == "tp1" else solo_timeline(args.ckpt, args.start, args.nvtx_replay,
-                                                                          args.dense, args.requests))
+                                                                          args.dense, args.requests,
+                                                                          args.markov_cache))
         else:
-            out["timelines"].update(run_pair(args.ckpt, args.start, args.dense))
+            out["timelines"].update(run_pair(args.ckpt, args.start, args.dense, args.markov_cache))
     text = json.dumps(out)
     if args.out:
         Path(args.out).write_text(text)
