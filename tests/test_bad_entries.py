@@ -6,7 +6,9 @@ places (every kind of input the contract refuses), the second the same STEP with
 refused (BAD_ENTRY, or STALE_GENERATION for a stale generation), every good entry must get the twin's answer bit for
 bit, and every slot must stand where the twin's stands: a refused entry leaves no trace, in the front-end's cursors
 or in the ranks' rows. A STEP refused as a whole (its deadline) reaches neither. The messages go through the wire
-encoding both ways, as a server reads them (the arrays are views of the frame).
+encoding both ways, as a server reads them (the arrays are views of the frame). The second test does the same with
+three sessions stepping at once, so that the good entries share batches (and a bad entry may name a slot another
+session is stepping).
 """
 from __future__ import annotations
 
@@ -27,15 +29,19 @@ N_SLOTS = 4
 ROUNDS = 80
 
 
-def _service(cfg, ckpt) -> tuple[StepService, int]:
-    engine = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), N_SLOTS)
+def _service(cfg, ckpt, n_slots: int = N_SLOTS, sessions: int = 1) -> tuple[StepService, list[int]]:
+    """A front-end before its own engine; `sessions` sessions splitting the slots in order."""
+    engine = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), n_slots)
     svc = StepService(Identity("model", cfg.digest(), 2, cfg.max_model_len),
-                      C.Limits.for_config(cfg, slot_capacity=N_SLOTS),
+                      C.Limits.for_config(cfg, slot_capacity=n_slots),
                       EnginePair(engine, cfg.n_taps * cfg.hidden_size), window=cfg.sliding_window)
-    sid = svc.open_session("test")
-    assert svc.hello(sid, C.Hello()).ok
-    assert [g.slot for g in svc.acquire(sid, C.Acquire(n=N_SLOTS)).slots] == list(range(N_SLOTS))
-    return svc, sid
+    sids = []
+    for k in range(sessions):
+        sids.append(svc.open_session(f"test{k}"))
+        assert svc.hello(sids[-1], C.Hello()).ok
+        per = n_slots // sessions
+        assert [g.slot for g in svc.acquire(sids[-1], C.Acquire(n=per)).slots] == list(range(k * per, (k + 1) * per))
+    return svc, sids
 
 
 def _through_the_wire(msg):
@@ -63,7 +69,7 @@ def _good_entry(rng: random.Random, cfg, cursor, slot: int) -> C.Entry:
                         want_margins=rng.random() < 0.3)
 
 
-def _bad_entry(rng: random.Random, cfg, limits, cursor, slot: int) -> tuple[str, C.Entry]:
+def _bad_entry(rng: random.Random, cfg, limits, cursor, slot: int, foreign: list[int] = ()) -> tuple[str, C.Entry]:
     """An entry for a slot no other entry of the STEP names, valid but for one defect the contract names (each
     sure to be refused whatever the slot's state)."""
     good = _good_entry(rng, cfg, cursor, slot)
@@ -73,10 +79,14 @@ def _bad_entry(rng: random.Random, cfg, limits, cursor, slot: int) -> tuple[str,
         kinds += ["token_id", "taps_bytes", "taps_nonfinite"]
     if not cursor.fresh and good.rollback_to < 0 and good.rows:
         kinds.append("gap")
+    if foreign:
+        kinds.append("foreign")
     kind = rng.choice(kinds)
     f = {k: getattr(good, k) for k in good.__struct_fields__}
     if kind == "slot":
-        f["slot"] = rng.choice([-1, N_SLOTS, 1 << 20])
+        f["slot"] = rng.choice([-1, limits.slot_capacity, 1 << 20])
+    elif kind == "foreign":                 # a slot another session holds (and may be stepping right now)
+        f["slot"] = rng.choice(foreign)
     elif kind == "n_out":
         f["n_out"] = rng.choice([0, -1, limits.max_n_out + 1])
     elif kind == "seed":
@@ -117,8 +127,8 @@ def _cursors(svc):
 
 def test_bad_entries_fail_alone_and_leave_no_trace(cfg, ckpt):
     rng = random.Random(0)     # (seeds 0-3 checked; each run ~25 s on the CI machine)
-    mixed, sid_m = _service(cfg, ckpt)
-    clean, sid_c = _service(cfg, ckpt)
+    mixed, [sid_m] = _service(cfg, ckpt)
+    clean, [sid_c] = _service(cfg, ckpt)
     limits = mixed.limits
     kinds_seen: set[str] = set()
     oks = 0
@@ -161,3 +171,89 @@ def test_bad_entries_fail_alone_and_leave_no_trace(cfg, ckpt):
         assert _cursors(mixed) == _cursors(clean), f"round {r}: a refused entry moved a slot"
     assert oks >= ROUNDS            # the good entries ran (their answers were compared, not just refused alike)
     assert len(kinds_seen) >= 13, sorted(kinds_seen)
+
+
+def test_bad_entries_fail_alone_while_sessions_step_at_once(cfg, ckpt):
+    """Three sessions step at once, their good entries merged into shared batches by the front-end's queue, with
+    bad entries mixed in (among them entries naming another session's slots, which that session may be stepping
+    at that moment). Every good entry gets the answer it gets when its session steps alone, on a front-end that
+    never saw a bad entry (batch invariance makes the merge invisible), and every slot ends where it should."""
+    import threading
+    from dspark_ray.model.state import SlotCursor
+    sessions, per = 3, 2
+    mixed, sids_m = _service(cfg, ckpt, sessions * per, sessions)
+    clean, sids_c = _service(cfg, ckpt, sessions * per, sessions)
+    limits = mixed.limits
+    owned = [list(range(k * per, (k + 1) * per)) for k in range(sessions)]
+    plans = []                     # per session: rounds of ([(kind, entry)], [good entries])
+    for k in range(sessions):
+        rng = random.Random(100 + k)
+        shadow = {}
+        for s in owned[k]:
+            shadow[s] = SlotCursor(cfg.sliding_window, limits.max_rows_per_entry)
+            shadow[s].generation = mixed.slots[s].cursor.generation
+        foreign = [s for j in range(sessions) if j != k for s in owned[j]]
+        rounds = []
+        for _ in range(25):
+            slots = rng.sample(owned[k], rng.randint(1, per))
+            good = [_good_entry(rng, cfg, shadow[s], s) for s in slots]
+            entries: list[tuple[str | None, C.Entry]] = [(None, e) for e in good]
+            free = [s for s in owned[k] if s not in slots]
+            for _ in range(rng.choice([0, 1, 1, 2])):
+                if free and rng.random() < 0.7:
+                    s = free.pop()
+                    entries.insert(rng.randint(0, len(entries)), _bad_entry(rng, cfg, limits, shadow[s], s, foreign))
+                else:
+                    kind, bad = _bad_entry(rng, cfg, limits, shadow[slots[0]], slots[0], foreign)
+                    if kind != "foreign":
+                        kind, bad = "duplicate", _good_entry(rng, cfg, shadow[slots[0]], slots[0])
+                        at = rng.randint(entries.index((None, good[0])) + 1, len(entries))
+                    else:
+                        at = rng.randint(0, len(entries))
+                    entries.insert(at, (kind, bad))
+            for e in good:             # where the slot stands after the good entry
+                if e.rollback_to >= 0:
+                    shadow[e.slot].rollback(e.rollback_to)
+                shadow[e.slot].advance(e.start_pos, e.rows)
+            rounds.append((entries, good))
+        plans.append(rounds)
+
+    got: list[list] = [[] for _ in range(sessions)]
+    errors: list[BaseException] = []
+    start = threading.Barrier(sessions)
+
+    def run(k):
+        try:
+            start.wait(10)
+            for entries, _ in plans[k]:
+                msg = _through_the_wire(C.Step(entries=[e for _, e in entries], deadline_ms=120_000.0))
+                got[k].append(mixed.step(sids_m[k], msg, time.monotonic_ns()).results)
+        except BaseException as e:     # noqa: BLE001  (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(sessions)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+
+    steps = sum(1 for rounds in plans for _, good in rounds if good)
+    assert mixed.stats["batches"] < steps, "no batch took entries of two STEPs: the test did not merge anything"
+    kinds_seen = set()
+    for k in range(sessions):
+        for r, ((entries, good), results) in enumerate(zip(plans[k], got[k])):
+            want = iter(clean.step(sids_c[k], _through_the_wire(C.Step(entries=good, deadline_ms=60_000.0)),
+                                   time.monotonic_ns()).results)
+            for (kind, e), g in zip(entries, results):
+                if kind is None:
+                    w = next(want)
+                    assert w.code == C.Code.OK, w.reason
+                    assert g == w, f"session {k} round {r}: slot {e.slot}'s answer changed"
+                else:
+                    kinds_seen.add(kind)
+                    want_code = C.Code.STALE_GENERATION if kind == "generation" else C.Code.BAD_ENTRY
+                    assert g.code == want_code and g.reason.startswith(f"slot {e.slot}:"), (kind, g.reason)
+                    if kind == "foreign":
+                        assert "not held by this session" in g.reason
+    assert _cursors(mixed) == _cursors(clean)
+    assert "foreign" in kinds_seen and len(kinds_seen) >= 10, sorted(kinds_seen)
