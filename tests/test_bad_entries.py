@@ -13,6 +13,7 @@ session is stepping).
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import numpy as np
@@ -21,6 +22,7 @@ from dspark_ray import contract as C
 from dspark_ray import wire
 from dspark_ray.engine import RankEngine
 from dspark_ray.frontend import Identity, StepService
+from dspark_ray.model.state import SlotCursor
 from dspark_ray.modes import make_drafter
 
 from conftest import EnginePair
@@ -178,8 +180,6 @@ def test_bad_entries_fail_alone_while_sessions_step_at_once(cfg, ckpt):
     bad entries mixed in (among them entries naming another session's slots, which that session may be stepping
     at that moment). Every good entry gets the answer it gets when its session steps alone, on a front-end that
     never saw a bad entry (batch invariance makes the merge invisible), and every slot ends where it should."""
-    import threading
-    from dspark_ray.model.state import SlotCursor
     sessions, per = 3, 2
     mixed, sids_m = _service(cfg, ckpt, sessions * per, sessions)
     clean, sids_c = _service(cfg, ckpt, sessions * per, sessions)
