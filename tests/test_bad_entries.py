@@ -71,9 +71,11 @@ def _good_entry(rng: random.Random, cfg, cursor, slot: int) -> C.Entry:
                         want_margins=rng.random() < 0.3)
 
 
-def _bad_entry(rng: random.Random, cfg, limits, cursor, slot: int, foreign: list[int] = ()) -> tuple[str, C.Entry]:
+def _bad_entry(rng: random.Random, cfg, limits, cursor, slot: int, foreign: list[int] = (),
+               kind: str | None = None) -> tuple[str, C.Entry]:
     """An entry for a slot no other entry of the STEP names, valid but for one defect the contract names (each
-    sure to be refused whatever the slot's state)."""
+    sure to be refused whatever the slot's state); `kind` picks the defect, else one at random. "foreign": one of
+    the `foreign` slots, held by another session."""
     good = _good_entry(rng, cfg, cursor, slot)
     kinds = ["slot", "n_out", "seed", "start", "rollback_low", "rollback_high", "ids_bytes", "generation",
              "negative_generation", "too_many_rows"]
@@ -83,7 +85,7 @@ def _bad_entry(rng: random.Random, cfg, limits, cursor, slot: int, foreign: list
         kinds.append("gap")
     if foreign:
         kinds.append("foreign")
-    kind = rng.choice(kinds)
+    kind = kind or rng.choice(kinds)
     f = {k: getattr(good, k) for k in good.__struct_fields__}
     if kind == "slot":
         f["slot"] = rng.choice([-1, limits.slot_capacity, 1 << 20])
@@ -123,6 +125,52 @@ def _bad_entry(rng: random.Random, cfg, limits, cursor, slot: int, foreign: list
     return kind, C.Entry(**f)
 
 
+def _round(rng: random.Random, cfg, limits, cursor, slots: list[int], owned: list[int], bad_counts: list[int],
+           foreign: list[int] = ()) -> tuple[list[tuple[str | None, C.Entry]], list[C.Entry]]:
+    """One round's STEP: a good entry for each of `slots` (cursor[s]: where slot s stands), with bad entries
+    inserted at random places, rng.choice(bad_counts) of them: each with one defect on an `owned` slot the STEP
+    names nowhere else, or when none is left, a second entry for a slot a good entry names (refused after its
+    first) or an entry for a `foreign` slot. Returns ([(kind or None, entry)], the good entries)."""
+    good = [_good_entry(rng, cfg, cursor[s], s) for s in slots]
+    entries: list[tuple[str | None, C.Entry]] = [(None, e) for e in good]
+    free = [s for s in owned if s not in slots]
+    others = list(foreign)
+    for _ in range(rng.choice(bad_counts)):
+        if free and rng.random() < 0.8:
+            s = free.pop(rng.randrange(len(free)))
+            kind, bad = _bad_entry(rng, cfg, limits, cursor[s], s, others)
+            entries.insert(rng.randint(0, len(entries)), (kind, bad))
+        elif others and rng.random() < 0.5:
+            kind, bad = _bad_entry(rng, cfg, limits, cursor[slots[0]], slots[0], others, kind="foreign")
+            entries.insert(rng.randint(0, len(entries)), (kind, bad))
+        else:
+            k = rng.randrange(len(good))
+            kind, bad = "duplicate", _good_entry(rng, cfg, cursor[good[k].slot], good[k].slot)
+            entries.insert(rng.randint(entries.index((None, good[k])) + 1, len(entries)), (kind, bad))
+        if kind == "foreign":       # named once in the STEP, so that it is refused for its owner alone
+            others.remove(bad.slot)
+    return entries, good
+
+
+def _assert_answers(entries, got, want, where: str, kinds_seen: set[str]) -> None:
+    """Every good entry's answer is its twin's (`want`, in order) bit for bit; every bad one is refused, for its
+    own slot, with the code and the reason of its defect."""
+    assert len(got) == len(entries)
+    want = iter(want)
+    for (kind, e), g in zip(entries, got):
+        if kind is None:
+            assert g == next(want), f"{where}: slot {e.slot}'s answer changed by the bad entries beside it"
+            continue
+        kinds_seen.add(kind)
+        want_code = C.Code.STALE_GENERATION if kind == "generation" else C.Code.BAD_ENTRY
+        assert g.code == want_code, f"{where}: a bad entry ({kind}) answered {g.code.name}: {g.reason}"
+        assert g.reason.startswith(f"slot {e.slot}:") and not g.drafts, g.reason
+        if kind == "duplicate":
+            assert "named by entries" in g.reason
+        if kind == "foreign":
+            assert "not held by this session" in g.reason
+
+
 def _cursors(svc):
     return [(s.cursor.generation, s.cursor.base, s.cursor.position, s.busy) for s in svc.slots]
 
@@ -134,19 +182,10 @@ def test_bad_entries_fail_alone_and_leave_no_trace(cfg, ckpt):
     limits = mixed.limits
     kinds_seen: set[str] = set()
     oks = 0
+    cursor = [s.cursor for s in clean.slots]
     for r in range(ROUNDS):
         slots = rng.sample(range(N_SLOTS), rng.randint(1, N_SLOTS))
-        good = [_good_entry(rng, cfg, clean.slots[s].cursor, s) for s in slots]
-        entries: list[tuple[str | None, C.Entry]] = [(None, e) for e in good]
-        free = [s for s in range(N_SLOTS) if s not in slots]
-        for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
-            if free and rng.random() < 0.8:       # one defect, on a slot the STEP names nowhere else
-                s = free.pop(rng.randrange(len(free)))
-                entries.insert(rng.randint(0, len(entries)), _bad_entry(rng, cfg, limits, clean.slots[s].cursor, s))
-            else:                                 # a slot named twice: refused after its first (a good one)
-                k = rng.randrange(len(good))
-                twin = _good_entry(rng, cfg, clean.slots[good[k].slot].cursor, good[k].slot)
-                entries.insert(rng.randint(entries.index((None, good[k])) + 1, len(entries)), ("duplicate", twin))
+        entries, good = _round(rng, cfg, limits, cursor, slots, list(range(N_SLOTS)), [0, 0, 1, 1, 2, 3])
         if rng.random() < 0.04:      # refused as a whole: reaches neither front-end, changes nothing
             whole = mixed.step(sid_m, _through_the_wire(C.Step(entries=[e for _, e in entries], deadline_ms=0.0)),
                                time.monotonic_ns())
@@ -155,21 +194,10 @@ def test_bad_entries_fail_alone_and_leave_no_trace(cfg, ckpt):
             continue
         got = mixed.step(sid_m, _through_the_wire(C.Step(entries=[e for _, e in entries], deadline_ms=60_000.0)),
                          time.monotonic_ns()).results
-        want = iter(clean.step(sid_c, _through_the_wire(C.Step(entries=good, deadline_ms=60_000.0)),
-                               time.monotonic_ns()).results)
-        assert len(got) == len(entries)
-        for (kind, e), g in zip(entries, got):
-            if kind is None:
-                w = next(want)
-                assert g == w, f"round {r}: slot {e.slot}'s answer changed by the bad entries beside it"
-                oks += g.code == C.Code.OK
-            else:
-                kinds_seen.add(kind)
-                want_code = C.Code.STALE_GENERATION if kind == "generation" else C.Code.BAD_ENTRY
-                assert g.code == want_code, f"round {r}: a bad entry ({kind}) answered {g.code.name}: {g.reason}"
-                assert g.reason.startswith(f"slot {e.slot}:") and not g.drafts, g.reason
-                if kind == "duplicate":
-                    assert "named by entries" in g.reason
+        want = clean.step(sid_c, _through_the_wire(C.Step(entries=good, deadline_ms=60_000.0)),
+                          time.monotonic_ns()).results
+        _assert_answers(entries, got, want, f"round {r}", kinds_seen)
+        oks += sum(w.code == C.Code.OK for w in want)
         assert _cursors(mixed) == _cursors(clean), f"round {r}: a refused entry moved a slot"
     assert oks >= ROUNDS            # the good entries ran (their answers were compared, not just refused alike)
     assert len(kinds_seen) >= 13, sorted(kinds_seen)
@@ -196,21 +224,7 @@ def test_bad_entries_fail_alone_while_sessions_step_at_once(cfg, ckpt):
         rounds = []
         for _ in range(25):
             slots = rng.sample(owned[k], rng.randint(1, per))
-            good = [_good_entry(rng, cfg, shadow[s], s) for s in slots]
-            entries: list[tuple[str | None, C.Entry]] = [(None, e) for e in good]
-            free = [s for s in owned[k] if s not in slots]
-            for _ in range(rng.choice([0, 1, 1, 2])):
-                if free and rng.random() < 0.7:
-                    s = free.pop()
-                    entries.insert(rng.randint(0, len(entries)), _bad_entry(rng, cfg, limits, shadow[s], s, foreign))
-                else:
-                    kind, bad = _bad_entry(rng, cfg, limits, shadow[slots[0]], slots[0], foreign)
-                    if kind != "foreign":
-                        kind, bad = "duplicate", _good_entry(rng, cfg, shadow[slots[0]], slots[0])
-                        at = rng.randint(entries.index((None, good[0])) + 1, len(entries))
-                    else:
-                        at = rng.randint(0, len(entries))
-                    entries.insert(at, (kind, bad))
+            entries, good = _round(rng, cfg, limits, shadow, slots, owned[k], [0, 1, 1, 2], foreign)
             for e in good:             # where the slot stands after the good entry
                 if e.rollback_to >= 0:
                     shadow[e.slot].rollback(e.rollback_to)
@@ -242,18 +256,9 @@ def test_bad_entries_fail_alone_while_sessions_step_at_once(cfg, ckpt):
     kinds_seen = set()
     for k in range(sessions):
         for r, ((entries, good), results) in enumerate(zip(plans[k], got[k])):
-            want = iter(clean.step(sids_c[k], _through_the_wire(C.Step(entries=good, deadline_ms=60_000.0)),
-                                   time.monotonic_ns()).results)
-            for (kind, e), g in zip(entries, results):
-                if kind is None:
-                    w = next(want)
-                    assert w.code == C.Code.OK, w.reason
-                    assert g == w, f"session {k} round {r}: slot {e.slot}'s answer changed"
-                else:
-                    kinds_seen.add(kind)
-                    want_code = C.Code.STALE_GENERATION if kind == "generation" else C.Code.BAD_ENTRY
-                    assert g.code == want_code and g.reason.startswith(f"slot {e.slot}:"), (kind, g.reason)
-                    if kind == "foreign":
-                        assert "not held by this session" in g.reason
+            want = clean.step(sids_c[k], _through_the_wire(C.Step(entries=good, deadline_ms=60_000.0)),
+                              time.monotonic_ns()).results
+            assert all(w.code == C.Code.OK for w in want), [w.reason for w in want]
+            _assert_answers(entries, results, want, f"session {k} round {r}", kinds_seen)
     assert _cursors(mixed) == _cursors(clean)
     assert "foreign" in kinds_seen and len(kinds_seen) >= 10, sorted(kinds_seen)
