@@ -267,11 +267,6 @@ def cmd_layout(a) -> int:
     return 0
 
 
-def cmd_synth(a) -> int:
-    from .weights.synth import synth_main
-    return synth_main(a.rest)
-
-
 def cpu_list(text: str) -> list[int]:
     """"9,12" -> [9, 12] (for the step path's pinned vCPUs)."""
     return [int(c) for c in text.split(",") if c.strip()]
@@ -279,6 +274,10 @@ def cpu_list(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["synth"]:
+        from .weights.synth import synth_main
+        return synth_main(argv[1:])
     p = argparse.ArgumentParser(prog="dspark-ray", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -343,9 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--shm", action="store_true", help="requests through shared memory (the endpoint's host only)")
     sp.set_defaults(fn=cmd_step)
-    sp = sub.add_parser("synth", help="write a synthetic checkpoint (see --help of synth)", add_help=False)
-    sp.add_argument("rest", nargs=argparse.REMAINDER)
-    sp.set_defaults(fn=cmd_synth)
+    # synth has its own parser (weights/synth.py, which imports torch): main() hands it its arguments first.
+    sub.add_parser("synth", help="write a deterministic synthetic checkpoint (dspark-ray synth --help)")
     sp = sub.add_parser("layout", help="what each rank holds, from the layout table")
     sp.add_argument("--preset", choices=["tiny", "full"], default="full")
     sp.add_argument("--tp", type=int, choices=[1, 2], default=2)
