@@ -40,6 +40,11 @@ class DrafterConfig:
     hc_eps: float = 1e-6
     n_shared_experts: int = 1
     routed_scaling_factor: float = 1.0
+    # The router this drafter implements (model/moe.py: sqrt(softplus) scores, a bias added for the top-k choice
+    # only, as exllamav3's deepseek_v4.py asserts). Read so that a checkpoint naming another is refused, not served
+    # with these.
+    scoring_func: str = "sqrtsoftplus"
+    topk_method: str = "noaux_tc"
     swiglu_limit: float = 10.0
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
@@ -106,6 +111,10 @@ class DrafterConfig:
         need(0 <= self.dspark_noise_token_id < self.vocab_size, "dspark_noise_token_id", "must be a token id < vocab_size")
         need(list(self.dspark_target_layer_ids) == sorted(set(self.dspark_target_layer_ids)), "dspark_target_layer_ids",
              "must be sorted ascending without repeats (taps are concatenated in trunk execution order)")
+        need(self.scoring_func == "sqrtsoftplus", "scoring_func",
+             "the drafter's router implements only 'sqrtsoftplus' (sqrt(softplus(logit)) scores)")
+        need(self.topk_method == "noaux_tc", "topk_method",
+             "the drafter's router implements only 'noaux_tc' (bias-corrected top-k over all experts)")
         need(self.swiglu_limit >= 0, "swiglu_limit", "must be >= 0 (0 disables the clamp)")
         need(self.rms_norm_eps > 0, "rms_norm_eps", "must be > 0")
         need(self.max_model_len > 0, "max_model_len", "must be > 0")
