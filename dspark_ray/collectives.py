@@ -19,6 +19,7 @@ start-up decision (`make_collectives`), never an `if` on the hot path.
 from __future__ import annotations
 
 import contextlib
+import atexit
 import datetime
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -259,6 +260,10 @@ class GlooCollectives(Collectives):
                 dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                         timeout=datetime.timedelta(seconds=timeout_s))
                 self._own_pg = True
+                # A process that exits with its gloo group alive aborts in the group's C++ destructor ("terminate
+                # called without an active exception": its threads are still joinable), after its work is done;
+                # seen in 2 of ~27 two-process runs, and in 7 of 15 of a plain all-reduce loop that never closed.
+                atexit.register(self.close)
             group = dist.group.WORLD
         self.group = group
 
@@ -289,5 +294,6 @@ class GlooCollectives(Collectives):
 
     def close(self) -> None:
         if self._own_pg and self.dist.is_initialized():
-            self.dist.destroy_process_group()
             self._own_pg = False
+            self.dist.destroy_process_group()
+        atexit.unregister(self.close)

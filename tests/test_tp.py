@@ -124,6 +124,30 @@ def test_gloo_pair_in_two_processes_equals_emulated_pair_bit_for_bit(tiny_ckpt, 
     parity.assert_identical(emulated[1], got[1], "rank 1: emulated vs gloo")
 
 
+def _gloo_exit_without_close(rank: int, init: str) -> None:
+    from dspark_ray.collectives import GlooCollectives
+    coll = GlooCollectives(rank, init_method=init, timeout_s=60)
+    for _ in range(50):
+        coll.all_reduce([torch.ones(64)])
+    # no close(): a rank leaves on an error path, or forgets, and the interpreter exits with the group alive
+
+
+def test_a_gloo_rank_that_exits_without_close_still_exits_cleanly(tmp_path):
+    """A gloo group still alive at interpreter exit aborted its process in the group's destructor ("terminate called
+    without an active exception", SIGABRT) about half the time; GlooCollectives closes it at exit."""
+    ctx = mp.get_context("spawn")
+    codes = []
+    for k in range(8):
+        init = f"file://{tmp_path}/gloo_init_{k}"
+        procs = [ctx.Process(target=_gloo_exit_without_close, args=(r, init)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        codes.append(tuple(p.exitcode for p in procs))
+    assert all(c == (0, 0) for c in codes), codes
+
+
 # -- agreement with the plain tp1 reference (one library GEMM per layer) -------------------------------------------
 
 @pytest.fixture(scope="module")
