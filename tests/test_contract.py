@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import io
+import re
 import struct
+import typing
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -347,3 +350,129 @@ def test_header_is_24_bytes_little_endian():
     f = wire.encode(C.Acquire(n=1), request_id=0x0102030405060708)
     assert len(f) - wire.HEADER_SIZE == struct.unpack_from("<I", f, 20)[0]
     assert f[:4] == b"DSPK" and f[12:20] == bytes([8, 7, 6, 5, 4, 3, 2, 1])
+
+
+# ---- docs/contract.md against the code: the tables cannot drift (issue 40, item 6) ---------------------------------
+DOC = Path(__file__).resolve().parents[1] / "docs" / "contract.md"
+DOCUMENTED = [*C.Message.__args__, C.Entry, C.EntryResult, C.SlotGrant, C.Limits]
+
+
+def _doc_tables() -> list[tuple[str, list[list[str]]]]:
+    """(the heading above it, its rows of cells without the separator row) for every table of the doc."""
+    tables, heading, rows = [], "", None
+    for line in DOC.read_text().splitlines() + [""]:
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if rows is None:
+                rows = []
+                tables.append((heading, rows))
+            if not all(set(c) <= set("-: ") for c in cells):
+                rows.append(cells)
+            continue
+        rows = None
+        if line.startswith("#"):
+            heading = line.lstrip("#").strip()
+    return tables
+
+
+def _table(first_cell: str) -> list[list[str]]:
+    (rows,) = [rows for _, rows in _doc_tables() if rows[0][0] == first_cell]
+    return rows[1:]
+
+
+def _struct_tables() -> dict[str, list[list[str]]]:
+    out = {}
+    for heading, rows in _doc_tables():
+        m = re.fullmatch(r"`(\w+)`", heading)
+        if m and rows[0] == ["field", "type", "required", "default", "meaning"]:
+            assert m.group(1) not in out, f"{m.group(1)} documented twice"
+            out[m.group(1)] = rows[1:]
+    return out
+
+
+def _doc_type(t) -> str:
+    if t in (int, float, bool, str):
+        return t.__name__
+    if t in (bytes, memoryview):
+        return "bin"
+    if t is C.Code:
+        return "int (Code)"
+    if isinstance(t, type) and issubclass(t, msgspec.Struct):
+        return f"map ({t.__name__})"
+    args = typing.get_args(t)
+    if typing.get_origin(t) is list:
+        return f"array of {_doc_type(args[0])}"
+    if type(None) in args and len(args) == 2:
+        return f"{_doc_type(next(a for a in args if a is not type(None)))} or nil"
+    raise AssertionError(f"no documented name for the type {t!r}")
+
+
+def _doc_default(f) -> str:
+    if f.default is msgspec.NODEFAULT and f.default_factory is msgspec.NODEFAULT:
+        return "—"
+    v = f.default
+    if v is None:
+        return "nil"
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (bytes, str)) and not v:
+        return '""'
+    return str(int(v)) if isinstance(v, int) else repr(v)
+
+
+def _cell(c: str) -> str:
+    """A cell's first word without its code marks: `""` -> "", `0` -> 0."""
+    return c.replace("`", "").split()[0] if c.strip("`") else c
+
+
+def test_the_doc_documents_every_field_of_every_message_with_its_type_requirement_and_default():
+    tables = _struct_tables()
+    assert sorted(tables) == sorted(cls.__name__ for cls in DOCUMENTED)
+    for cls in DOCUMENTED:
+        rows = {r[0].strip("`"): r for r in tables[cls.__name__]}
+        tag = cls.__struct_config__.tag
+        if tag is not None:        # the tag: a required int holding the type id
+            t = rows.pop("type")
+            assert t[1:4] == ["int", "yes", "—"] and _cell(t[4]) == str(tag), (cls.__name__, t)
+        fields = {f.name: f for f in msgspec.structs.fields(cls)}
+        assert sorted(rows) == sorted(fields), f"{cls.__name__}: the doc's fields are not the struct's"
+        for name, f in fields.items():
+            _, typ, required, default, meaning = rows[name]
+            where = f"{cls.__name__}.{name}"
+            assert typ == _doc_type(f.type), where
+            assert required == ("yes" if _doc_default(f) == "—" else "no"), where
+            assert _cell(default) == _doc_default(f), where
+            assert meaning, f"{where} has no meaning"
+
+
+def test_the_doc_code_table_is_the_code_enum():
+    assert {int(r[0]): r[1].strip("`") for r in _table("number")} == {int(c): c.name for c in C.Code}
+
+
+def test_the_doc_message_type_table_is_the_wire_type_ids():
+    rows = _table("type id")
+    assert {int(r[0]): r[1] for r in rows} == {
+        int(t): f"`{cls.__name__}` ({t.name})" for t, cls in C.MESSAGE_TYPES.items()}
+
+
+def test_the_doc_header_table_is_the_wire_header():
+    rows = _table("offset")
+    names = {"4s": ("bytes", 4), "H": ("u16", 2), "Q": ("u64", 8), "I": ("u32", 4)}
+    want = [names[f] for f in re.findall(r"\d*[a-zA-Z]", wire.HEADER.format.lstrip("<"))]
+    assert [(r[2], int(r[1])) for r in rows] == want
+    assert [int(r[0]) for r in rows] == [sum(s for _, s in want[:i]) for i in range(len(want))]
+    assert sum(int(r[1]) for r in rows) == wire.HEADER_SIZE
+
+
+def test_the_doc_quotes_the_codes_reasons():
+    """The refusals the doc shows as examples are the code's, word for word."""
+    from dspark_ray.frontend import Identity, StepService
+    text = DOC.read_text()
+    lim16 = msgspec.structs.replace(LIMITS, slot_capacity=16)
+    assert C.validate_acquire(C.Acquire(n=17), lim16) in text.replace("\n  ", " ")
+    svc = StepService(Identity("m", "c", 2, 1 << 20), lim16, None, window=8)
+    sid = svc.open_session("doc")
+    svc.hello(sid, C.Hello())
+    svc.acquire(sid, C.Acquire(n=11))
+    assert svc.acquire(sid, C.Acquire(n=6)).reason in text
+    assert C.draft_reach(0, 1048571, 5, 1 << 20) in text.replace("\n   ", " ")
