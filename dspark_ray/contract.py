@@ -36,7 +36,7 @@ class Code(enum.IntEnum):
     STALE_GENERATION = 2   # the slot was resynced since the client last saw it: re-insert its context
     CONFIG_MISMATCH = 3    # HELLO: the worker serves another model / config / tp / shorter max_model_len
     INTERNAL = 4           # a collective or rank failed: the batch failed closed, its slots were resynced
-    UNAVAILABLE = 5        # the pair is restarting: retry later (then expect STALE_GENERATION)
+    UNAVAILABLE = 5        # the pair is restarting or known bad: retry later (then expect STALE_GENERATION)
     OVERLOADED = 6         # ACQUIRE: n <= slot_capacity, but fewer than n slots are free now
     DEADLINE = 7           # the answer could not be given before the STEP's deadline: verify without drafts
 
@@ -57,9 +57,10 @@ class MsgType(enum.IntEnum):
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True):
-    """Every contract struct (each also kw_only: msgspec does not inherit that one) decodes strictly: an unknown field, a missing required one or a value of another type
-    is refused (a field without a default is required), and a message's `type` tag is required (wire.py decodes
-    through the union of all messages). The contract refuses what it does not define, it never guesses."""
+    """Every contract struct decodes strictly: an unknown field, a missing required one (a field without a default)
+    or a value of another type is refused, and a message's `type` tag is required (wire.py decodes through the
+    union of all messages). The contract refuses what it does not define, it never guesses. (Each subclass also
+    says kw_only: msgspec does not inherit that option.)"""
 
 
 class Limits(_Strict, kw_only=True, frozen=True):
@@ -103,7 +104,7 @@ class Hello(_Strict, tag=int(MsgType.HELLO), kw_only=True):
 
 class HelloReply(_Strict, tag=int(MsgType.HELLO_REPLY), kw_only=True):
     ok: bool
-    code: Code = Code.OK                 # CONFIG_MISMATCH when refused for identity, UNAVAILABLE while restarting
+    code: Code = Code.OK                 # CONFIG_MISMATCH when refused (version 1 sends no other refusal)
     reason: str = ""
     protocol_version: int = PROTOCOL_VERSION
     model_digest: str | None = None

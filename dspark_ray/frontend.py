@@ -4,12 +4,12 @@
 `Pair` (`actors.frontend.PairManager`: the step ring and the rank actors).
 
 Per STEP, nothing reaches a rank before every field was checked: stateless rules (contract.validate_entries),
-then the slot's owner, generation and cursor (position gap, rollback depth, drafts below max_model_len) here. A STEP that finds the pair idle
-and nobody queued runs as the batch on its own thread (no queue, no thread hand-off: each hand-off costs a wake-up
-of tens of microseconds). Otherwise its valid entries join one queue: while a batch runs, other callers' entries
-wait there, and the next caller to find the pair free takes every queued entry (up to `max_entries_per_replay`)
-into one batch. An entry still queued when its STEP's deadline passes answers DEADLINE and never runs, so its slot
-is unchanged.
+then the slot's owner, generation and cursor (position gap, rollback depth, drafts below max_model_len) here. A
+STEP that finds the pair idle and nobody queued runs as the batch on its own thread (no queue, no thread hand-off:
+each hand-off costs a wake-up of tens of microseconds). Otherwise its valid entries join one queue: while a batch
+runs, other callers' entries wait there, and the next caller to find the pair free takes every queued entry (up to
+`max_entries_per_replay`) into one batch. An entry still queued when its STEP's deadline passes answers DEADLINE
+and never runs, so its slot is unchanged.
 """
 from __future__ import annotations
 

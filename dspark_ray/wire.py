@@ -41,13 +41,12 @@ class PayloadError(FrameError):
     """A whole frame was read, but its payload does not decode as the message its header names (not msgpack, a
     missing required field, an unknown field, a value of another type, no `type` tag or another one). The stream is
     still in step (the header's length was read whole), so the server answers it (ErrorReply BAD_ENTRY, the reason
-    naming the field) instead of closing; `request_id` and `received_ns` are the frame's."""
+    naming the field) instead of closing, with the frame's `request_id`."""
 
-    def __init__(self, mtype: "MsgType", reason: str):
+    def __init__(self, mtype: MsgType, reason: str):
         super().__init__(reason)
         self.mtype = mtype
         self.request_id = 0
-        self.received_ns = 0
 
 
 class VersionMismatch(FrameError):
@@ -115,7 +114,7 @@ def decode_frame(buf: bytes | memoryview, max_frame_bytes: int) -> tuple[int, ob
     try:
         return request_id, decode_payload(mtype, memoryview(buf)[HEADER_SIZE:])
     except PayloadError as e:
-        e.request_id, e.received_ns = request_id, time.monotonic_ns()
+        e.request_id = request_id
         raise
 
 
@@ -195,7 +194,7 @@ class FrameReader:
         try:
             return Frame(request_id, decode_payload(mtype, payload), received_ns)
         except PayloadError as e:        # read whole: the stream is in step, the caller may answer it
-            e.request_id, e.received_ns = request_id, received_ns
+            e.request_id = request_id
             raise
 
     def last_payload(self) -> memoryview:

@@ -247,14 +247,16 @@ HELLO_REPLY = C.HelloReply(ok=True, limits=LIMITS)
 
 
 SCHEMA_BREAKS = [
-    (C.MsgType.STEP, _payload(STEP, entry_drop=("n_out",)), "Object missing required field `n_out` - at `$.entries[0]`"),
+    (C.MsgType.STEP, _payload(STEP, entry_drop=("n_out",)),
+     "Object missing required field `n_out` - at `$.entries[0]`"),
     (C.MsgType.STEP, _payload(STEP, entry_drop=("start_pos",)),
      "Object missing required field `start_pos` - at `$.entries[0]`"),
     (C.MsgType.STEP, _payload(STEP, entry_drop=("slot",)), "Object missing required field `slot` - at `$.entries[0]`"),
     (C.MsgType.STEP, _payload(STEP, drop=("deadline_ms",)), "Object missing required field `deadline_ms`"),
     (C.MsgType.STEP, _payload(STEP, drop=("type",)), "Object missing required field `type`"),
     (C.MsgType.STEP, _payload(STEP, add={"priority": 1}), "Object contains unknown field `priority`"),
-    (C.MsgType.STEP, _payload(STEP, entry_add={"n_outs": 3}), "Object contains unknown field `n_outs` - at `$.entries[0]`"),
+    (C.MsgType.STEP, _payload(STEP, entry_add={"n_outs": 3}),
+     "Object contains unknown field `n_outs` - at `$.entries[0]`"),
     (C.MsgType.STEP, _payload(STEP, entry_add={"n_out": 5.0}), "Expected `int`, got `float` - at `$.entries[0].n_out`"),
     (C.MsgType.STEP, _payload(STEP, entry_add={"want_margins": 1}),
      "Expected `bool`, got `int` - at `$.entries[0].want_margins`"),

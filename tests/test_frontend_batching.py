@@ -117,7 +117,8 @@ def test_a_short_answer_from_the_pair_fails_the_batch_closed_instead_of_hanging(
     entries = [C.make_entry(slot=s, generation=svc.slots[s].cursor.generation, seed_token=1, n_out=2)
                for s in slots[:2]]
     done = []
-    t = threading.Thread(target=lambda: done.append(svc.step(sid, C.Step(entries=entries, deadline_ms=10_000.0), time.monotonic_ns())))
+    step = C.Step(entries=entries, deadline_ms=10_000.0)
+    t = threading.Thread(target=lambda: done.append(svc.step(sid, step, time.monotonic_ns())))
     t.start()
     t.join(10)
     assert done, "the STEP hung"

@@ -422,7 +422,7 @@ def test_an_idle_connection_is_kept_with_its_slots(server, front):
     c.close()
 
 
-# ---- ACQUIRE against the real front-end logic, over TCP (issue 40, item 4) --------------------------------------------
+# ---- ACQUIRE against the real front-end logic, over TCP (issue 40, item 4) -----------------------------------------
 @pytest.mark.parametrize("n", [-1, 0, LIMITS.slot_capacity + 1, 1 << 63, (1 << 64) - 1])
 def test_an_acquire_that_can_never_be_granted_is_a_bad_request(n):
     """n < 1 or n > slot_capacity can never succeed: BAD_ENTRY naming n and the rule, not OVERLOADED (which says:

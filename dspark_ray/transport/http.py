@@ -78,16 +78,16 @@ class JsonHello(_Json, kw_only=True):
     client: str = "http"
 
 
+class BadBody(ValueError):
+    """A request body that breaks the contract's schema (HTTP 422)."""
+
+
 def parse_body(body, kind: type, what: str):
-    """`body` (parsed JSON) as `kind`, or HTTP 422 naming the field and the rule."""
+    """`body` (parsed JSON) as `kind`, or BadBody naming the field and the rule."""
     try:
         return msgspec.convert(body, kind)
     except msgspec.ValidationError as e:
         raise BadBody(f"{what}: {e}") from None
-
-
-class BadBody(ValueError):
-    """A request body that breaks the contract's schema (HTTP 422)."""
 
 
 def entry_from_json(e: dict | JsonEntry):
