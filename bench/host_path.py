@@ -122,7 +122,7 @@ def measure(rows: int, n: int) -> dict:
     def entry(pos):
         return C.make_entry(slot=0, generation=1, seed_token=5, start_pos=pos, token_ids=ids, taps=taps)
 
-    step = C.Step(entries=[entry(0)])
+    step = C.Step(entries=[entry(0)], deadline_ms=100.0)
     writer = FrameWriter()
     frame = writer.encode(step, 1)
     payload = memoryview(frame)[HEADER_SIZE:]
@@ -145,14 +145,14 @@ def measure(rows: int, n: int) -> dict:
 
     def service_step():                 # a fresh, valid entry each time: the slot's cursor moves on
         e = C.Entry(slot=grant.slot, generation=grant.generation, seed_token=5, start_pos=pos[0],
-                    token_ids=msg.entries[0].token_ids, taps=msg.entries[0].taps)
+                    token_ids=msg.entries[0].token_ids, taps=msg.entries[0].taps, n_out=5)
         pos[0] += rows
         if pos[0] > cfg.max_model_len - 2 * rows:
             pos[0] = 0
             service._resync(grant.slot)
             service.slots[grant.slot].owner = session
         e.generation = service.slots[grant.slot].cursor.generation
-        r = service.step(session, C.Step(entries=[e]), time.monotonic_ns())
+        r = service.step(session, C.Step(entries=[e], deadline_ms=100.0), time.monotonic_ns())
         assert r.results[0].code == C.Code.OK, r.results[0].reason
 
     # The rank's graph set around its replays: staging the insert (its chunks, positions, pool rows and taps) and the

@@ -271,10 +271,10 @@ def main() -> None:
                             taps=rng.standard_normal((a.rows, LIMITS.taps_width)).astype(np.float16))
                for i in range(a.entries)]
     req = len(wire.encode(C.Step(entries=entries, deadline_ms=50.0)))
-    rep = len(wire.encode(InstantFrontEnd().step(0, C.Step(entries=entries), 0)))
+    rep = len(wire.encode(InstantFrontEnd().step(0, C.Step(entries=entries, deadline_ms=50.0), 0)))
 
     # What the front-end's stateless checks add per STEP (in-process, not part of the round trip above).
-    step = C.Step(entries=entries)
+    step = C.Step(entries=entries, deadline_ms=50.0)
     validate_us = min(timeit.repeat(lambda: C.validate_entries(step, LIMITS), number=1000, repeat=5)) / 1000 * 1e6
 
     def both(server_cpu, client_cpu) -> dict:

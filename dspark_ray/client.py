@@ -112,7 +112,8 @@ class DrafterClient:
         self._ring = ring
 
     def acquire(self, n: int = 1) -> list[SlotGrant]:
-        """n fresh slots with their generations; ClientError(OVERLOADED) when fewer are free."""
+        """n fresh slots with their generations; ClientError(OVERLOADED) when fewer are free, ClientError(BAD_ENTRY)
+        when n is outside 1..slot_capacity (it can never be granted)."""
         return self._call(Acquire(n=n), AcquireReply).slots
 
     def release(self, slots: Sequence[int]) -> list[int]:

@@ -30,12 +30,14 @@ FLOAT_DTYPE = np.dtype("<f4")
 class Code(enum.IntEnum):
     """Answer codes. Per entry in `EntryResult.code`, per request in `ErrorReply.code` / `HelloReply.code`."""
     OK = 0
-    BAD_ENTRY = 1          # a field breaks a rule (reason names it); the other entries of the STEP still run
+    BAD_ENTRY = 1          # a field breaks a rule (reason names it); the other entries of the STEP still run. In
+                           # an ErrorReply: the whole request broke one (a payload that does not decode, ACQUIRE n
+                           # outside 1..slot_capacity, too many entries, a bad deadline): nothing of it ran
     STALE_GENERATION = 2   # the slot was resynced since the client last saw it: re-insert its context
     CONFIG_MISMATCH = 3    # HELLO: the worker serves another model / config / tp / shorter max_model_len
     INTERNAL = 4           # a collective or rank failed: the batch failed closed, its slots were resynced
-    UNAVAILABLE = 5        # the pair is restarting: retry later (then expect STALE_GENERATION)
-    OVERLOADED = 6         # not enough free slots (ACQUIRE), or no room to take the work now
+    UNAVAILABLE = 5        # the pair is restarting or known bad: retry later (then expect STALE_GENERATION)
+    OVERLOADED = 6         # ACQUIRE: n <= slot_capacity, but fewer than n slots are free now
     DEADLINE = 7           # the answer could not be given before the STEP's deadline: verify without drafts
 
 
@@ -54,17 +56,25 @@ class MsgType(enum.IntEnum):
     SHM_ATTACH_REPLY = 11
 
 
-class Limits(msgspec.Struct, kw_only=True, frozen=True):
+class _Strict(msgspec.Struct, forbid_unknown_fields=True):
+    """Every contract struct decodes strictly: an unknown field, a missing required one (a field without a default)
+    or a value of another type is refused, and a message's `type` tag is required (wire.py decodes through the
+    union of all messages). The contract refuses what it does not define, it never guesses. (Each subclass also
+    says kw_only: msgspec does not inherit that option.)"""
+
+
+class Limits(_Strict, kw_only=True, frozen=True):
     """What a worker accepts; sent in HELLO_REPLY. The client keeps its STEPs inside these."""
     vocab_size: int
     hidden_size: int
     n_taps: int
     slot_capacity: int
+    sliding_window: int                 # history rows the draft reads (a fresh slot's insert needs no more)
     max_entries_per_step: int = 64      # per STEP message; the front-end splits a STEP into replays ...
     max_entries_per_replay: int = 16    # ... of at most this many entries (the ranks' widest graph bucket)
     max_rows_per_entry: int = 128       # one insert is at most one window of the full preset (sliding_window 128)
     max_n_out: int = 5                  # the drafter's block size
-    max_model_len: int = 1 << 20        # positions beyond this are refused (RoPE angles are computed per position)
+    max_model_len: int = 1 << 20        # positions >= this are refused, rows and drafts (RoPE angles are per position)
     max_frame_bytes: int = 64 << 20     # a STEP larger than this is split by the client into several STEPs
 
     @property
@@ -78,11 +88,11 @@ class Limits(msgspec.Struct, kw_only=True, frozen=True):
         kw.setdefault("max_n_out", cfg.block_size)
         kw.setdefault("max_model_len", cfg.max_model_len)
         return cls(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, n_taps=cfg.n_taps,
-                   slot_capacity=slot_capacity, **kw)
+                   slot_capacity=slot_capacity, sliding_window=cfg.sliding_window, **kw)
 
 
 # ---- HELLO ---------------------------------------------------------------------------------------------------------
-class Hello(msgspec.Struct, tag=int(MsgType.HELLO), kw_only=True):
+class Hello(_Strict, tag=int(MsgType.HELLO), kw_only=True):
     """The first message of a session. A None field is not checked (the client takes whatever is served)."""
     protocol_version: int = PROTOCOL_VERSION
     model_digest: str | None = None      # checkpoint identity digest
@@ -92,9 +102,9 @@ class Hello(msgspec.Struct, tag=int(MsgType.HELLO), kw_only=True):
     client: str = ""                     # free text for the server's log
 
 
-class HelloReply(msgspec.Struct, tag=int(MsgType.HELLO_REPLY), kw_only=True):
+class HelloReply(_Strict, tag=int(MsgType.HELLO_REPLY), kw_only=True):
     ok: bool
-    code: Code = Code.OK                 # CONFIG_MISMATCH when refused for identity, UNAVAILABLE while restarting
+    code: Code = Code.OK                 # CONFIG_MISMATCH when refused (version 1 sends no other refusal)
     reason: str = ""
     protocol_version: int = PROTOCOL_VERSION
     model_digest: str | None = None
@@ -121,35 +131,35 @@ def hello_mismatch(msg: Hello, *, model_digest: str | None, config_digest: str |
 
 
 # ---- slots ---------------------------------------------------------------------------------------------------------
-class Acquire(msgspec.Struct, tag=int(MsgType.ACQUIRE), kw_only=True):
-    n: int = 1
+class Acquire(_Strict, tag=int(MsgType.ACQUIRE), kw_only=True):
+    n: int                # 1..slot_capacity; more than are free: OVERLOADED
 
 
-class SlotGrant(msgspec.Struct, kw_only=True, frozen=True):
+class SlotGrant(_Strict, kw_only=True, frozen=True):
     slot: int
     generation: int       # quote it in every Entry for this slot; STALE_GENERATION once it moves on
 
 
-class AcquireReply(msgspec.Struct, tag=int(MsgType.ACQUIRE_REPLY), kw_only=True):
+class AcquireReply(_Strict, tag=int(MsgType.ACQUIRE_REPLY), kw_only=True):
     slots: list[SlotGrant]
 
 
-class Release(msgspec.Struct, tag=int(MsgType.RELEASE), kw_only=True):
+class Release(_Strict, tag=int(MsgType.RELEASE), kw_only=True):
     slots: list[int]
 
 
-class ReleaseReply(msgspec.Struct, tag=int(MsgType.RELEASE_REPLY), kw_only=True):
+class ReleaseReply(_Strict, tag=int(MsgType.RELEASE_REPLY), kw_only=True):
     released: list[int]
 
 
-class ErrorReply(msgspec.Struct, tag=int(MsgType.ERROR_REPLY), kw_only=True):
+class ErrorReply(_Strict, tag=int(MsgType.ERROR_REPLY), kw_only=True):
     """A request-level refusal: nothing of the request ran."""
     code: Code
     reason: str
 
 
 # ---- same-host shared memory ---------------------------------------------------------------------------------------
-class ShmAttach(msgspec.Struct, tag=int(MsgType.SHM_ATTACH), kw_only=True):
+class ShmAttach(_Strict, tag=int(MsgType.SHM_ATTACH), kw_only=True):
     """After an accepted HELLO, on the TCP connection: the client created a request ring (shared memory on this
     host, one reader; `actors/ring.py`) and names it here. Once accepted, every request of the session travels as
     a frame through the ring and its reply as the frame's completion; the TCP connection stays open as the
@@ -164,7 +174,7 @@ class ShmAttach(msgspec.Struct, tag=int(MsgType.SHM_ATTACH), kw_only=True):
     max_message_bytes: int
 
 
-class ShmAttachReply(msgspec.Struct, tag=int(MsgType.SHM_ATTACH_REPLY), kw_only=True):
+class ShmAttachReply(_Strict, tag=int(MsgType.SHM_ATTACH_REPLY), kw_only=True):
     ok: bool
     reason: str = ""
 
@@ -173,7 +183,7 @@ SHM_RING_PREFIX = "dspark-shm"
 
 
 # ---- STEP ----------------------------------------------------------------------------------------------------------
-class Entry(msgspec.Struct, kw_only=True, gc=False):
+class Entry(_Strict, kw_only=True, gc=False):
     """One request's part of a STEP. Applied in order: rollback, insert rows at start_pos, draft from seed_token.
 
     gc=False: an Entry holds only ints and bytes (no cycles), and a STEP carries up to 64 of them per round.
@@ -181,13 +191,13 @@ class Entry(msgspec.Struct, kw_only=True, gc=False):
     slot: int
     generation: int
     seed_token: int
-    start_pos: int = 0
+    start_pos: int                # position of the first inserted row (not used when no rows are inserted)
     # A receiver decodes these two as views of the frame it read (msgspec decodes `bin` into a memoryview of its
     # input: no copy of the taps); a sender may give bytes or any buffer.
     token_ids: memoryview = b""   # int32 LE, one per inserted row
     taps: memoryview = b""        # fp16 LE, rows x taps_width, row-major
     rollback_to: int = -1         # -1: none; else drop the slot's rows at positions >= rollback_to first
-    n_out: int = 5                # 1..max_n_out drafts wanted
+    n_out: int                    # 1..max_n_out drafts wanted (required: the contract does not guess it)
     want_margins: bool = False
 
     @property
@@ -213,11 +223,20 @@ def make_entry(*, slot: int, generation: int, seed_token: int, start_pos: int = 
                taps: Any = None, rollback_to: int = -1, n_out: int = 5, want_margins: bool = False) -> Entry:
     """An Entry from numpy arrays or torch tensors: token_ids (rows,) integers, taps (rows, ...) float16.
 
+    This helper's defaults (start_pos 0, n_out 5) are the caller's choice, written into every field of the Entry it
+    builds; on the wire start_pos and n_out are required (the server never fills them in).
+
     Taps must already be fp16: a silent cast (bf16 / fp32 -> fp16) could round or overflow what the trunk produced.
     """
     ids = _as_numpy(token_ids)
-    if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        raise TypeError(f"token_ids must be integers, got {ids.dtype}")
+    if ids.size:
+        if ids.dtype == object and all(isinstance(t, int) for t in ids.flat):      # Python ints beyond 64 bits
+            raise ValueError(f"token id {max(ids.flat, key=abs)} does not fit int32")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"token_ids must be integers, got {ids.dtype}")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < -(1 << 31) or hi >= 1 << 31:     # a cast would wrap it into some other, valid-looking id
+            raise ValueError(f"token id {lo if lo < -(1 << 31) else hi} does not fit int32")
     tap_bytes = b""
     if taps is not None:
         t = _as_numpy(taps)
@@ -229,12 +248,12 @@ def make_entry(*, slot: int, generation: int, seed_token: int, start_pos: int = 
                  rollback_to=int(rollback_to), n_out=int(n_out), want_margins=bool(want_margins))
 
 
-class Step(msgspec.Struct, tag=int(MsgType.STEP), kw_only=True):
+class Step(_Strict, tag=int(MsgType.STEP), kw_only=True):
     entries: list[Entry]
-    deadline_ms: float = 100.0    # budget counted from the server's receipt of the frame
+    deadline_ms: float            # budget counted from the server's receipt of the frame (required)
 
 
-class EntryResult(msgspec.Struct, kw_only=True, gc=False):
+class EntryResult(_Strict, kw_only=True, gc=False):
     """The answer to one Entry, in the Entry's order. Arrays are empty unless code is OK."""
     code: Code = Code.OK
     reason: str = ""
@@ -268,7 +287,7 @@ def error_result(code: Code, reason: str, generation: int = 0) -> EntryResult:
     return EntryResult(code=code, reason=reason, generation=generation)
 
 
-class StepReply(msgspec.Struct, tag=int(MsgType.STEP_REPLY), kw_only=True):
+class StepReply(_Strict, tag=int(MsgType.STEP_REPLY), kw_only=True):
     results: list[EntryResult]
 
 
@@ -289,11 +308,34 @@ def _max_u32(buf) -> int:
     return int(np.frombuffer(buf, np.dtype("<u4")).max())
 
 
+def draft_reach(slot: int, p0: int, n_out: int, max_model_len: int) -> str | None:
+    """The drafts of a seed at position p0 sit at p0+1 .. p0+n_out; the last must be < max_model_len. One rule for
+    the stateless check (an entry with rows: p0 = start_pos + rows) and the front-end's (an entry without rows drafts
+    from the slot's position). The drafter computes its block's rows at p0 .. p0+max_n_out-1 whatever n_out is; its
+    RoPE angles are computed per position (model/ops.py Rope, an fp32 position: exact below 2**24), with no table
+    sized by max_model_len, so the limit is the contract's alone."""
+    if p0 + n_out >= max_model_len:
+        return (f"slot {slot}: drafts at positions {p0 + 1}..{p0 + n_out} reach past max_model_len {max_model_len} "
+                f"(the last position served is {max_model_len - 1}; the seed sits at {p0})")
+    return None
+
+
+def validate_acquire(msg: Acquire, limits: Limits) -> str | None:
+    """An ACQUIRE that can never be granted is a bad request (ErrorReply BAD_ENTRY), not a busy server: OVERLOADED
+    is for an n within the capacity when fewer slots are free."""
+    if msg.n < 1:
+        return f"acquire: n {msg.n} < 1 (ask for at least one slot)"
+    if msg.n > limits.slot_capacity:
+        return f"acquire: n {msg.n} > slot_capacity {limits.slot_capacity}: can never be granted"
+    return None
+
+
 def validate_entry(entry: Entry, limits: Limits) -> str | None:
     """Every check that needs no slot state; the reason names the slot, the field, the value and the rule.
 
     The front-end adds the stateful ones (docs/contract.md, "Entry checks"): the slot is held by this session, the
-    generation is current, start_pos equals the slot's position (unless the slot is fresh), rollback_to <= position.
+    generation is current, start_pos equals the slot's position (unless the slot is fresh), rollback_to <= position,
+    and for an entry without rows, the drafts from the slot's position stay below max_model_len (`draft_reach`).
     """
     s = entry.slot
     if not 0 <= s < limits.slot_capacity:
@@ -314,7 +356,12 @@ def validate_entry(entry: Entry, limits: Limits) -> str | None:
     if rows > limits.max_rows_per_entry:
         return f"slot {s}: {rows} rows > max_rows_per_entry {limits.max_rows_per_entry}"
     if entry.start_pos + rows > limits.max_model_len:
-        return f"slot {s}: rows reach position {entry.start_pos + rows} > max_model_len {limits.max_model_len}"
+        return (f"slot {s}: rows at positions {entry.start_pos}..{entry.start_pos + rows - 1} reach past "
+                f"max_model_len {limits.max_model_len} (the last position served is {limits.max_model_len - 1})")
+    if rows:      # the seed then sits at p0 = start_pos + rows, whatever the slot held (the insert checks agree)
+        why = draft_reach(s, entry.start_pos + rows, entry.n_out, limits.max_model_len)
+        if why:
+            return why
     want = rows * limits.taps_width * TAP_DTYPE.itemsize
     if len(entry.taps) != want:
         return (f"slot {s}: taps holds {len(entry.taps)} bytes, want {want} "

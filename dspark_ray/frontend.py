@@ -4,12 +4,12 @@
 `Pair` (`actors.frontend.PairManager`: the step ring and the rank actors).
 
 Per STEP, nothing reaches a rank before every field was checked: stateless rules (contract.validate_entries),
-then the slot's owner, generation and cursor (position gap, rollback depth) here. A STEP that finds the pair idle
-and nobody queued runs as the batch on its own thread (no queue, no thread hand-off: each hand-off costs a wake-up
-of tens of microseconds). Otherwise its valid entries join one queue: while a batch runs, other callers' entries
-wait there, and the next caller to find the pair free takes every queued entry (up to `max_entries_per_replay`)
-into one batch. An entry still queued when its STEP's deadline passes answers DEADLINE and never runs, so its slot
-is unchanged.
+then the slot's owner, generation and cursor (position gap, rollback depth, drafts below max_model_len) here. A
+STEP that finds the pair idle and nobody queued runs as the batch on its own thread (no queue, no thread hand-off:
+each hand-off costs a wake-up of tens of microseconds). Otherwise its valid entries join one queue: while a batch
+runs, other callers' entries wait there, and the next caller to find the pair free takes every queued entry (up to
+`max_entries_per_replay`) into one batch. An entry still queued when its STEP's deadline passes answers DEADLINE
+and never runs, so its slot is unchanged.
 """
 from __future__ import annotations
 
@@ -123,9 +123,13 @@ class StepService(C.StepHandler):
         err = self._need_hello(session)
         if err:
             return err
+        why = C.validate_acquire(msg, self.limits)
+        if why:
+            log.info("session %d: ACQUIRE refused: %s", session, why)
+            return C.ErrorReply(code=C.Code.BAD_ENTRY, reason=why)
         with self.lock:
             free = [i for i, s in enumerate(self.slots) if s.owner is None]
-            if msg.n < 1 or msg.n > len(free):
+            if msg.n > len(free):
                 return C.ErrorReply(code=C.Code.OVERLOADED,
                                     reason=f"asked for {msg.n} slots, {len(free)} of {len(self.slots)} free")
             grants = []
@@ -218,7 +222,8 @@ class StepService(C.StepHandler):
         """The stateful checks (caller holds the lock): None to run the entry, else its answer."""
         if why:
             self.stats["bad_entry"] += 1
-            return C.error_result(C.Code.BAD_ENTRY, why)
+            known = 0 <= e.slot < len(self.slots)      # every answer for a real slot carries its generation
+            return C.error_result(C.Code.BAD_ENTRY, why, self.slots[e.slot].cursor.generation if known else 0)
         slot = self.slots[e.slot]
         gen = slot.cursor.generation
         if self.unavailable:
@@ -238,6 +243,12 @@ class StepService(C.StepHandler):
         if w:
             self.stats["bad_entry"] += 1
             return C.error_result(C.Code.BAD_ENTRY, f"slot {e.slot}: {w}", gen)
+        # Where the seed will sit: for an entry with rows the stateless check saw the same p0 (start_pos + rows).
+        p0 = slot.cursor.position_after(e.start_pos, e.rows, e.rollback_to)
+        w = C.draft_reach(e.slot, p0, e.n_out, self.limits.max_model_len)
+        if w:
+            self.stats["bad_entry"] += 1
+            return C.error_result(C.Code.BAD_ENTRY, w, gen)
         return None
 
     # -- batches ---------------------------------------------------------------------------------------------------

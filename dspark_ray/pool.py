@@ -203,9 +203,16 @@ class DrafterPool:
         """n fresh slots spread over the serving workers, each to the one with the most free slots as far as this
         pool knows (ties: the first). A worker that refuses its share (other clients hold its slots) or fails is
         left out of this call and its share planned again on the others. All or nothing: ClientError(OVERLOADED),
-        and nothing held, when the workers cannot grant n together."""
+        and nothing held, when the workers cannot grant n together now; ClientError(BAD_ENTRY), nothing sent, when
+        they never could: n < 1, or more than every worker's slots (each at most the stride) together."""
+        if n < 1:
+            raise ClientError(f"acquire: n {n} < 1 (ask for at least one slot)", Code.BAD_ENTRY)
         with self._lock:
             self._need_hello()
+            most = self.stride * len(self.workers)
+            if n > most:
+                raise ClientError(f"acquire: n {n} > the pool's {len(self.workers)} workers x {self.stride} slots: "
+                                  f"can never be granted", Code.BAD_ENTRY)
             free = {i: w.hello.limits.slot_capacity - len(w.held) for i, w in enumerate(self.workers)
                     if w.down is None}
             grants: list[SlotGrant] = []

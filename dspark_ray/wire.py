@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 
 import msgspec
 
-from .contract import MESSAGE_TYPES, PROTOCOL_VERSION, MsgType
+from .contract import MESSAGE_TYPES, PROTOCOL_VERSION, Message, MsgType
 
 MAGIC = b"DSPK"
 HEADER = struct.Struct("<4sHHHHQI")
@@ -33,8 +33,20 @@ DEFAULT_MAX_FRAME_BYTES = 64 << 20
 
 
 class FrameError(Exception):
-    """A frame that cannot be read: bad magic / version / type / flags, oversized, truncated or undecodable.
-    The stream is out of step after it: the connection must be closed."""
+    """A frame that cannot be read: bad magic / version / type / flags, oversized, truncated or stalled. The stream
+    is out of step after it: the connection must be closed."""
+
+
+class PayloadError(FrameError):
+    """A whole frame was read, but its payload does not decode as the message its header names (not msgpack, a
+    missing required field, an unknown field, a value of another type, no `type` tag or another one). The stream is
+    still in step (the header's length was read whole), so the server answers it (ErrorReply BAD_ENTRY, the reason
+    naming the field) instead of closing, with the frame's `request_id`."""
+
+    def __init__(self, mtype: MsgType, reason: str):
+        super().__init__(reason)
+        self.mtype = mtype
+        self.request_id = 0
 
 
 class VersionMismatch(FrameError):
@@ -51,7 +63,10 @@ class Frame(NamedTuple):
     received_ns: int       # time.monotonic_ns() when the header had arrived
 
 
-_DECODERS = {t: msgspec.msgpack.Decoder(cls) for t, cls in MESSAGE_TYPES.items()}
+# One decoder over the union of all messages: msgspec then requires the `type` tag (a decoder of one Struct type
+# would take a payload without it), and decode_payload checks that the tag names the header's type. Measured: the
+# same 0.8 us for a STEP of 4 entries as a decoder of Step alone.
+_DECODER = msgspec.msgpack.Decoder(Message)
 _TYPE_OF = {cls: t for t, cls in MESSAGE_TYPES.items()}
 _MSG_TYPE = {int(t): t for t in MESSAGE_TYPES}
 
@@ -76,10 +91,16 @@ def parse_header(header: bytes | memoryview, max_frame_bytes: int) -> tuple[MsgT
 
 
 def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> object:
+    """The message in `payload`, which must be the header's type `mtype`; PayloadError naming what is wrong."""
     try:
-        return _DECODERS[mtype].decode(payload)
+        msg = _DECODER.decode(payload)
     except msgspec.DecodeError as e:     # ValidationError is a DecodeError
-        raise FrameError(f"undecodable {mtype.name} payload ({len(payload)} bytes): {e}") from None
+        raise PayloadError(mtype, f"undecodable {mtype.name} payload ({len(payload)} bytes): {e}") from None
+    if type(msg) is not MESSAGE_TYPES[mtype]:
+        got = _TYPE_OF[type(msg)]
+        raise PayloadError(mtype, f"undecodable {mtype.name} payload ({len(payload)} bytes): its `type` is "
+                                  f"{int(got)} ({got.name}), the header's is {int(mtype)}")
+    return msg
 
 
 def decode_frame(buf: bytes | memoryview, max_frame_bytes: int) -> tuple[int, object]:
@@ -90,7 +111,11 @@ def decode_frame(buf: bytes | memoryview, max_frame_bytes: int) -> tuple[int, ob
     mtype, request_id, length = parse_header(buf[:HEADER_SIZE], max_frame_bytes)
     if HEADER_SIZE + length != len(buf):
         raise FrameError(f"message of {len(buf)} bytes holds a frame of {HEADER_SIZE + length}")
-    return request_id, decode_payload(mtype, memoryview(buf)[HEADER_SIZE:])
+    try:
+        return request_id, decode_payload(mtype, memoryview(buf)[HEADER_SIZE:])
+    except PayloadError as e:
+        e.request_id = request_id
+        raise
 
 
 class FrameWriter:
@@ -153,7 +178,8 @@ class FrameReader:
         self.last_length = 0
 
     def read(self) -> Frame:
-        """The next frame. ConnectionClosed at a clean end of stream; FrameError for anything else wrong; a timeout
+        """The next frame. ConnectionClosed at a clean end of stream; PayloadError for a frame read whole whose
+        payload does not decode; FrameError for anything else wrong (the stream out of step); a timeout
         between frames (without `wait_between_frames`) and other socket errors pass through."""
         if self._restart is not None:        # a polling recv spins from here (spinning_recv_into)
             self._restart()
@@ -165,7 +191,11 @@ class FrameReader:
         payload = memoryview(self._payload)[:length]
         self._fill(payload, at_boundary=False)
         self.last_length = length
-        return Frame(request_id, decode_payload(mtype, payload), received_ns)
+        try:
+            return Frame(request_id, decode_payload(mtype, payload), received_ns)
+        except PayloadError as e:        # read whole: the stream is in step, the caller may answer it
+            e.request_id = request_id
+            raise
 
     def last_payload(self) -> memoryview:
         """The last frame's payload, in the reader's buffer (the next `read` overwrites it)."""

@@ -262,3 +262,73 @@ def test_bad_entries_fail_alone_while_sessions_step_at_once(cfg, ckpt):
             _assert_answers(entries, results, want, f"session {k} round {r}", kinds_seen)
     assert _cursors(mixed) == _cursors(clean)
     assert "foreign" in kinds_seen and len(kinds_seen) >= 10, sorted(kinds_seen)
+
+
+def test_drafts_past_max_model_len_are_refused_and_leave_no_trace(cfg, ckpt):
+    """The drafts of an entry sit at p0+1 .. p0+n_out (p0: the slot's position after the entry's rollback and
+    insert); the last must be below max_model_len (issue 40, item 3). An entry with rows is refused by the stateless
+    check (p0 = start_pos + rows), one without rows by the front-end's (p0 = the slot's position): with the reason
+    naming the positions, and no trace in the slot; the entries that stay inside get the answers of a twin that
+    never saw the refused ones, bit for bit."""
+    mixed, [sid_m] = _service(cfg, ckpt, n_slots=2)
+    clean, [sid_c] = _service(cfg, ckpt, n_slots=2)
+    L = mixed.limits.max_model_len
+    rng = np.random.default_rng(5)
+
+    def entry(start, rows, n_out, rollback_to=-1, slot=0):
+        taps = (0.5 * rng.standard_normal((rows, cfg.n_taps * cfg.hidden_size))).astype(np.float16)
+        return C.make_entry(slot=slot, generation=mixed.slots[slot].cursor.generation, seed_token=7,
+                            start_pos=start, token_ids=np.arange(rows) + 3, taps=taps, rollback_to=rollback_to,
+                            n_out=n_out)
+
+    def reach(p0, n_out):
+        return (f"slot 0: drafts at positions {p0 + 1}..{p0 + n_out} reach past max_model_len {L} (the last "
+                f"position served is {L - 1}; the seed sits at {p0})")
+    # (entry, the reason it is refused or None), in order; the slot starts fresh
+    plan = [(entry(L - 1, 1, 5), reach(L, 5)),                 # the issue's case: a fresh slot, 1 row at L-1
+            (entry(L - 1, 1, 1), reach(L, 1)),
+            (entry(L - 8, 2, 5), None),                         # p0 = L-6: drafts L-5 .. L-1
+            (entry(L - 6, 1, 5), reach(L - 5, 5)),              # p0 would be L-5: the 5th draft at L
+            (entry(L - 6, 1, 4), None),                         # p0 = L-5: drafts L-4 .. L-1
+            (entry(0, 0, 5), reach(L - 5, 5)),                  # no rows: the front-end's check, from the cursor
+            (entry(0, 0, 4), None),
+            (entry(0, 0, 5, rollback_to=L - 6), None),          # rolled back to p0 = L-6: drafts L-5 .. L-1
+            (entry(0, 0, 5), None)]
+    for k, (e, why) in enumerate(plan):
+        got = mixed.step(sid_m, _through_the_wire(C.Step(entries=[e], deadline_ms=60_000.0)),
+                         time.monotonic_ns()).results[0]
+        if why is not None:
+            assert (got.code, got.reason, got.drafts) == (C.Code.BAD_ENTRY, why, b""), (k, got)
+            assert got.generation == mixed.slots[0].cursor.generation
+        else:
+            want = clean.step(sid_c, _through_the_wire(C.Step(entries=[e], deadline_ms=60_000.0)),
+                              time.monotonic_ns()).results[0]
+            assert want.code == C.Code.OK and got == want, (k, got.reason, want.reason)
+        assert _cursors(mixed) == _cursors(clean), f"entry {k} moved the slot"
+    assert mixed.slots[0].cursor.position == L - 6
+
+
+def test_the_front_end_and_the_cursor_agree_on_where_the_seed_sits():
+    """SlotCursor.position_after (the front-end's p0 for the max_model_len check) is the position the cursor holds
+    after it applies the entry, for every valid entry on every kind of slot: fresh, partial, rolled back to its
+    base or below its window."""
+    rng = random.Random(3)
+    for _ in range(3000):
+        c = SlotCursor(8, 16)
+        for _ in range(rng.randint(0, 4)):               # a slot with some history (or none)
+            start = c.position if not c.fresh else rng.randrange(0, 50)
+            n = rng.randint(1, 16)
+            c.advance(start, n)
+        rows = rng.randint(0, 5)
+        rollback = -1
+        if rng.random() < 0.5:
+            rollback = 0 if c.fresh else rng.randint(max(c.base, c.position - c.capacity + c.window), c.position)
+        fresh_after = c.fresh or rollback == c.base
+        start = rng.randrange(0, 100) if fresh_after else (rollback if rollback >= 0 else c.position)
+        if c.check_entry(start, rows, rollback):
+            continue
+        p0 = c.position_after(start, rows, rollback)
+        if rollback >= 0:
+            c.rollback(rollback)
+        c.advance(start, rows)
+        assert p0 == c.position

@@ -468,10 +468,15 @@ def test_step_over_http_through_ray_serve_equals_the_reference(pair, cfg, ckpt, 
                 if w.margins is not None:
                     assert np.array_equal(np.asarray(g["margins"], np.float32), w.margins)
                 assert g["confident_len"] == w.confident_len
-        st, got = call("POST", f"{sess}/acquire", {"n": 99})
+        st, got = call("POST", f"{sess}/acquire", {"n": 7})       # 6 of 8 free
         assert st == 409 and got["detail"]["code"] == "OVERLOADED", got
+        st, got = call("POST", f"{sess}/acquire", {"n": 99})      # more than the slots: never
+        assert st == 409 and got["detail"]["code"] == "BAD_ENTRY", got
         st, got = call("POST", f"{sess}/step", {"entries": [{"slot": 0}]})
         assert st == 422, got
+        no_n_out = {k: v for k, v in body["entries"][0].items() if k != "n_out"}     # refused, not guessed at
+        st, got = call("POST", f"{sess}/step", {"deadline_ms": 1000, "entries": [no_n_out]})
+        assert st == 422 and "missing required field `n_out`" in got["detail"]["reason"], got
         st, got = call("POST", f"{base}/nope/step", {"entries": []})
         assert st == 404 and got["detail"]["code"] == "NO_SESSION", got
         st, refused = call("POST", base, {"tp": 1})

@@ -40,7 +40,7 @@ class _Pair:
 @pytest.fixture
 def service():
     pair = _Pair()
-    limits = C.Limits(vocab_size=100, hidden_size=4, n_taps=1, slot_capacity=8)
+    limits = C.Limits(vocab_size=100, hidden_size=4, n_taps=1, slot_capacity=8, sliding_window=WINDOW)
     svc = StepService(Identity("m", "c", 1, 1 << 20), limits, pair, window=WINDOW)
     sid = svc.open_session("test")
     assert svc.hello(sid, C.Hello()).ok
@@ -117,7 +117,8 @@ def test_a_short_answer_from_the_pair_fails_the_batch_closed_instead_of_hanging(
     entries = [C.make_entry(slot=s, generation=svc.slots[s].cursor.generation, seed_token=1, n_out=2)
                for s in slots[:2]]
     done = []
-    t = threading.Thread(target=lambda: done.append(svc.step(sid, C.Step(entries=entries), time.monotonic_ns())))
+    step = C.Step(entries=entries, deadline_ms=10_000.0)
+    t = threading.Thread(target=lambda: done.append(svc.step(sid, step, time.monotonic_ns())))
     t.start()
     t.join(10)
     assert done, "the STEP hung"

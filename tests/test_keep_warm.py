@@ -293,7 +293,7 @@ def test_a_wide_batch_is_rehearsed_by_its_first_entries(cfg):
             seen.append(("server", [e.slot for e in step.entries]))
     server = TcpServer(Handler(), keep_warm=KeepWarm("server", every_us=0, enabled=True))
     step = C.Step(entries=[C.make_entry(slot=s, generation=1, seed_token=5, token_ids=[1, 2], taps=taps)
-                           for s in range(n)])
+                           for s in range(n)], deadline_ms=50.0)
     writer = FrameWriter()
     size = writer._encode(step, 0)
     reply = C.StepReply(results=[C.EntryResult(generation=1) for _ in range(n)])

@@ -153,9 +153,12 @@ def test_an_unknown_slot_fails_alone(workers, cfg):
 def test_acquire_is_all_or_nothing(workers):
     ws = workers(2)
     with pool_of(ws) as pool:
-        with pytest.raises(ClientError, match="asked for 5 slots") as e:
-            pool.acquire(5)
-        assert e.value.code == C.Code.OVERLOADED
+        # More than every worker's slots together, or less than one, can never be granted: a bad request.
+        for n, why in ((5, "acquire: n 5 > the pool's 2 workers x 2 slots: can never be granted"),
+                       (0, "acquire: n 0 < 1")):
+            with pytest.raises(ClientError, match=why) as e:
+                pool.acquire(n)
+            assert e.value.code == C.Code.BAD_ENTRY
         assert [w.held() for w in ws] == [0, 0]
         # Another client holds worker 1's slots: this pool's plan (one each) fails there, and the share goes to
         # worker 0; asking for more than is free anywhere undoes what was granted.

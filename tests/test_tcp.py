@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -16,8 +17,8 @@ from dspark_ray.client import ClientError, DrafterClient
 from dspark_ray.transport.tcp import TcpServer
 from dspark_ray.wire import bound_blocking_io, spinning_recv_into
 
-LIMITS = C.Limits(vocab_size=4096, hidden_size=256, n_taps=3, slot_capacity=8, max_entries_per_step=4,
-                  max_frame_bytes=1 << 20)
+LIMITS = C.Limits(vocab_size=4096, hidden_size=256, n_taps=3, slot_capacity=8, sliding_window=8,
+                  max_entries_per_step=4, max_frame_bytes=1 << 20)
 SERVED = dict(model_digest="model-1", config_digest="config-1", tp=2, max_model_len=1 << 20)
 WAIT_S = 5.0
 
@@ -289,11 +290,9 @@ def _oversized():
 
 
 def _truncated():
-    return wire.encode(C.Step(entries=[entry(0)]), 2)[:500]
+    return wire.encode(C.Step(entries=[entry(0)], deadline_ms=50.0), 2)[:500]
 
 
-def _undecodable():
-    return wire.HEADER.pack(wire.MAGIC, 1, int(C.MsgType.STEP), 0, 0, 2, 4) + b"\xc1\xc1\xc1\xc1"
 
 
 def _reply_type():
@@ -301,7 +300,7 @@ def _reply_type():
 
 
 BAD_STREAMS = {"malformed": _bad_magic, "oversized": _oversized, "truncated": _truncated,
-               "undecodable": _undecodable, "reply-as-request": _reply_type}
+               "reply-as-request": _reply_type}
 
 
 @pytest.mark.parametrize("kind", BAD_STREAMS)
@@ -320,11 +319,134 @@ def test_a_bad_frame_closes_only_its_own_connection(server, front, kind):
     good.close()
 
 
+# ---- a request that does not decode is answered, and nothing else changes (issue 40, item 5) -------------------------
+def _raw_payload(mtype: C.MsgType, fields: dict, request_id: int) -> bytes:
+    payload = msgspec.msgpack.encode(fields)
+    return wire.HEADER.pack(wire.MAGIC, 1, int(mtype), 0, 0, request_id, len(payload)) + payload
+
+
+def _step_fields(slot: int, **entry) -> dict:
+    """A STEP's payload as a map, its one entry changed by `entry` (a None value drops that field)."""
+    d = msgspec.msgpack.decode(msgspec.msgpack.encode(C.Step(entries=[entry_of(slot)], deadline_ms=50.0)))
+    d["entries"][0].update(entry)
+    d["entries"][0] = {k: v for k, v in d["entries"][0].items() if v is not None}
+    return d
+
+
+def entry_of(slot):
+    return entry(slot, seed=41, n_out=3)
+
+
+UNDECODABLE = {
+    "no-n_out": (C.MsgType.STEP, lambda: _step_fields(0, n_out=None), "missing required field `n_out`"),
+    "no-start_pos": (C.MsgType.STEP, lambda: _step_fields(0, start_pos=None), "missing required field `start_pos`"),
+    "unknown-entry-field": (C.MsgType.STEP, lambda: _step_fields(0, temperature=0.5),
+                            "unknown field `temperature` - at `$.entries[0]`"),
+    "no-type": (C.MsgType.STEP, lambda: {k: v for k, v in _step_fields(0).items() if k != "type"},
+                "missing required field `type`"),
+    "no-deadline": (C.MsgType.STEP, lambda: {k: v for k, v in _step_fields(0).items() if k != "deadline_ms"},
+                    "missing required field `deadline_ms`"),
+    "acquire-no-n": (C.MsgType.ACQUIRE, lambda: {"type": int(C.MsgType.ACQUIRE)}, "missing required field `n`"),
+    "acquire-unknown-field": (C.MsgType.ACQUIRE, lambda: {"type": int(C.MsgType.ACQUIRE), "n": 1, "pool": "a"},
+                              "unknown field `pool`"),
+    "not-msgpack": (C.MsgType.STEP, None, "undecodable STEP payload (4 bytes)"),
+}
+
+
+@pytest.mark.parametrize("kind", UNDECODABLE)
+def test_a_request_that_does_not_decode_is_answered_bad_entry_and_changes_nothing(server, front, kind):
+    """The frame was read whole, so the stream is in step: the request is answered ErrorReply BAD_ENTRY naming the
+    field (with its request id), nothing of it runs, and the session, its slots and the other sessions go on."""
+    other = connect(server)
+    [o] = other.acquire(1)
+    s = raw(server)
+    s.sendall(hello_frame() + wire.encode(C.Acquire(n=2), 2))
+    reader = wire.FrameReader(s.recv_into)
+    assert reader.read().msg.ok and [g.slot for g in reader.read().msg.slots] == [1, 2]
+    steps = front.steps
+    mtype, fields, message = UNDECODABLE[kind]
+    frame = (_raw_payload(mtype, fields(), 77) if fields else
+             wire.HEADER.pack(wire.MAGIC, 1, int(mtype), 0, 0, 77, 4) + b"\xc1\xc1\xc1\xc1")
+    s.sendall(frame)
+    got = reader.read()
+    assert got.request_id == 77 and isinstance(got.msg, C.ErrorReply), got
+    assert got.msg.code == C.Code.BAD_ENTRY and message in got.msg.reason, got.msg.reason
+    assert front.steps == steps and sorted(front.owner) == [o.slot, 1, 2]     # nothing ran, no slot moved
+    s.sendall(wire.encode(C.Step(entries=[entry_of(1)], deadline_ms=50.0), 78))   # the session goes on
+    got = reader.read()
+    assert got.request_id == 78 and got.msg.results[0].drafts_array().tolist() == [42, 43, 44]
+    assert_served(other, o.slot)
+    s.close()
+    other.close()
+
+
+def test_a_request_that_does_not_decode_before_hello_closes_the_connection(server, front):
+    """Out of place is judged on the header's type: a STEP before HELLO closes, decodable or not; a HELLO that does
+    not decode is answered, and a good HELLO may follow."""
+    s = raw(server)
+    s.sendall(_raw_payload(C.MsgType.HELLO, {"type": int(C.MsgType.HELLO), "tp_size": 2}, 5))
+    reader = wire.FrameReader(s.recv_into)
+    got = reader.read()
+    assert got.request_id == 5 and got.msg.code == C.Code.BAD_ENTRY and "unknown field `tp_size`" in got.msg.reason
+    s.sendall(hello_frame())
+    assert reader.read().msg.ok
+    s.close()
+    bad = raw(server)
+    bad.sendall(_raw_payload(C.MsgType.STEP, _step_fields(0, n_out=None), 1))
+    assert_closed_by_server(bad)
+
+
+# ---- the connection rules docs/contract.md states -------------------------------------------------------------------
+def test_pipelined_requests_are_answered_one_at_a_time_in_order(server, front):
+    """A client may send requests before reading the replies: each is answered once, in order, with its own id."""
+    s = raw(server)
+    frames = [hello_frame(), wire.encode(C.Acquire(n=2), 2)]
+    frames += [wire.encode(C.Step(entries=[entry(k % 2, seed=k, n_out=1)], deadline_ms=50.0), 10 + k)
+               for k in range(6)]
+    frames.append(wire.encode(C.Release(slots=[0, 1, 5]), 99))
+    s.sendall(b"".join(frames))
+    reader = wire.FrameReader(s.recv_into)
+    got = [reader.read() for _ in frames]
+    assert [g.request_id for g in got] == [1, 2] + [10 + k for k in range(6)] + [99]
+    assert [g.msg.results[0].drafts_array().tolist() for g in got[2:8]] == [[k + 1] for k in range(6)]
+    assert got[-1].msg.released == [0, 1]          # a slot the session does not hold is left out
+    s.close()
+
+
+def test_an_idle_connection_is_kept_with_its_slots(server, front):
+    """No timeout between frames: a session idle for longer than the stall timeout (0.5 s here) keeps its slots."""
+    c = connect(server)
+    [g] = c.acquire(1)
+    time.sleep(1.2)
+    assert_served(c, g.slot)
+    c.close()
+
+
+# ---- ACQUIRE against the real front-end logic, over TCP (issue 40, item 4) -----------------------------------------
+@pytest.mark.parametrize("n", [-1, 0, LIMITS.slot_capacity + 1, 1 << 63, (1 << 64) - 1])
+def test_an_acquire_that_can_never_be_granted_is_a_bad_request(n):
+    """n < 1 or n > slot_capacity can never succeed: BAD_ENTRY naming n and the rule, not OVERLOADED (which says:
+    try again later), and no slot is granted. Also at the ends of what a msgpack int holds (2**63, 2**64-1)."""
+    from dspark_ray.frontend import Identity, StepService
+    svc = StepService(Identity(**SERVED), LIMITS, None, window=LIMITS.sliding_window)
+    with TcpServer(svc, max_frame_bytes=LIMITS.max_frame_bytes).start() as srv:
+        with connect(srv) as c:
+            with pytest.raises(ClientError, match=f"BAD_ENTRY: acquire: n {n} ") as e:
+                c.acquire(n)
+            assert e.value.code == C.Code.BAD_ENTRY
+            assert svc.status()["slots"]["held"] == 0
+            held = c.acquire(3)
+            with pytest.raises(ClientError, match="OVERLOADED: asked for 6 slots, 5 of 8 free") as e:
+                c.acquire(6)             # within the capacity, but not free now: OVERLOADED
+            assert e.value.code == C.Code.OVERLOADED and svc.status()["slots"]["held"] == 3
+            assert len(c.acquire(5)) == 5 and len(held) == 3
+
+
 def _mutated_session(rng, k: int) -> list[bytes]:
     """A session's frames (HELLO, ACQUIRE, STEP, RELEASE) with one of them damaged at random: bytes overwritten,
     cut short, bytes slipped in, or its header naming another message type."""
     frames = [hello_frame(), wire.encode(C.Acquire(n=1 + k % 3), 2),
-              wire.encode(C.Step(entries=[entry(k % LIMITS.slot_capacity, rows=k % 4)]), 3),
+              wire.encode(C.Step(entries=[entry(k % LIMITS.slot_capacity, rows=k % 4)], deadline_ms=50.0), 3),
               wire.encode(C.Release(slots=[k % LIMITS.slot_capacity]), 4)]
     i = rng.randrange(len(frames))
     b = bytearray(frames[i])
@@ -376,7 +498,7 @@ def test_a_step_before_hello_closes_the_connection(server, front):
     good = connect(server)
     good.acquire(1)
     bad = raw(server)
-    bad.sendall(wire.encode(C.Step(entries=[entry(0)]), 1))
+    bad.sendall(wire.encode(C.Step(entries=[entry(0)], deadline_ms=50.0), 1))
     assert_closed_by_server(bad)
     assert front.closed_event.wait(WAIT_S)
     assert_served(good, 0)

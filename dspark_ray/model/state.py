@@ -70,6 +70,14 @@ class SlotCursor:
                 return why
         return self.check_insert(start, n, rollback_to)
 
+    def position_after(self, start: int, n: int, rollback_to: int = -1) -> int:
+        """p0 after an entry's rollback and insert of n rows at `start` (checked before), the state untouched:
+        where its draft's seed sits."""
+        pos = self.position
+        if rollback_to >= 0:
+            pos = 0 if self.fresh or rollback_to == self.base else rollback_to    # as `rollback` does
+        return start + n if n else pos
+
     # -- mutations -----------------------------------------------------------------------------------------------
     def rollback(self, q: int) -> None:
         if self.fresh or q == self.base:

@@ -14,11 +14,14 @@ milliseconds (DESIGN.md measured ~10 ms for an echo): use the TCP or shared-memo
     DELETE /v1/sessions/{s}                                      -> {closed}
 
 An entry is the contract's Entry with its arrays in JSON: `token_ids` a list of ints, `taps` the fp16 rows as
-base64 of their little-endian bytes (`taps_b64`). A result: `code` (the contract's code name), `reason`,
-`generation`, `drafts`, `confidences` (the fp32 values as JSON numbers: exact), `margins` (or null),
-`confident_len`. A refusal is HTTP 409 with {code, reason}; a malformed body 422; an unknown or expired session
-404. A session unused for `session_ttl_s` is closed when the next session opens (its slots are freed), as a TCP
-session is when its connection closes.
+base64 of their little-endian bytes (`taps_b64`). A body is as strict as a frame (docs/contract.md): the fields
+the contract requires are required here (an entry's slot, generation, seed_token, start_pos and n_out; a STEP's
+deadline_ms; ACQUIRE's n), the optional ones take the contract's defaults, an unknown field or a value of another
+type (a float for an int, 1 for a bool) is refused, never guessed at. A result: `code` (the contract's code name),
+`reason`, `generation`, `drafts`, `confidences` (the fp32 values as JSON numbers: exact), `margins` (or null),
+`confident_len`. A refusal is HTTP 409 with {code, reason}; a malformed body 422 with {code: "BAD_REQUEST",
+reason} naming the field; an unknown or expired session 404. A session unused for `session_ttl_s` is closed when
+the next session opens (its slots are freed), as a TCP session is when its connection closes.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import secrets
 import threading
 import time
 
+import msgspec
 import numpy as np
 
 from ..client import ClientError
@@ -37,17 +41,70 @@ ROUTE = "/dspark"
 SESSION_TTL_S = 300.0
 
 
-def entry_from_json(e: dict):
-    """The contract's Entry from its JSON form (ValueError / KeyError / TypeError on a malformed one). The taps'
-    length against the rows is the contract's check (BAD_ENTRY for that entry, as over TCP)."""
-    taps = np.frombuffer(base64.b64decode(e.get("taps_b64", ""), validate=True), dtype="<f2")
-    ids = np.asarray(e.get("token_ids", []), dtype=np.int64)
-    if ids.ndim != 1:
-        raise ValueError("token_ids must be a list of ints")
-    return make_entry(slot=int(e["slot"]), generation=int(e["generation"]), seed_token=int(e["seed_token"]),
-                      start_pos=int(e.get("start_pos", 0)), token_ids=ids, taps=taps,
-                      rollback_to=int(e.get("rollback_to", -1)), n_out=int(e.get("n_out", 5)),
-                      want_margins=bool(e.get("want_margins", False)))
+class _Json(msgspec.Struct, forbid_unknown_fields=True):
+    """A request body, decoded as strictly as the contract's frames (msgspec.convert: no coercion)."""
+
+
+class JsonEntry(_Json, kw_only=True):
+    slot: int
+    generation: int
+    seed_token: int
+    start_pos: int
+    n_out: int
+    token_ids: list[int] = []
+    taps_b64: str = ""
+    rollback_to: int = -1
+    want_margins: bool = False
+
+
+class JsonStep(_Json, kw_only=True):
+    entries: list[JsonEntry]
+    deadline_ms: float
+
+
+class JsonAcquire(_Json, kw_only=True):
+    n: int
+
+
+class JsonRelease(_Json, kw_only=True):
+    slots: list[int]
+
+
+class JsonHello(_Json, kw_only=True):
+    model_digest: str | None = None
+    config_digest: str | None = None
+    tp: int | None = None
+    max_model_len: int | None = None
+    client: str = "http"
+
+
+class BadBody(ValueError):
+    """A request body that breaks the contract's schema (HTTP 422)."""
+
+
+def parse_body(body, kind: type, what: str):
+    """`body` (parsed JSON) as `kind`, or BadBody naming the field and the rule."""
+    try:
+        return msgspec.convert(body, kind)
+    except msgspec.ValidationError as e:
+        raise BadBody(f"{what}: {e}") from None
+
+
+def entry_from_json(e: dict | JsonEntry):
+    """The contract's Entry from its JSON form (BadBody / ValueError on a malformed one). The taps' length against
+    the rows is the contract's check (BAD_ENTRY for that entry, as over TCP)."""
+    if not isinstance(e, JsonEntry):
+        e = parse_body(e, JsonEntry, "entry")
+    try:
+        taps = np.frombuffer(base64.b64decode(e.taps_b64, validate=True), dtype="<f2")
+    except ValueError as x:      # binascii.Error is a ValueError; an odd byte count too
+        raise BadBody(f"entry: taps_b64: {x}") from None
+    try:
+        return make_entry(slot=e.slot, generation=e.generation, seed_token=e.seed_token, start_pos=e.start_pos,
+                          token_ids=e.token_ids, taps=taps, rollback_to=e.rollback_to, n_out=e.n_out,
+                          want_margins=e.want_margins)
+    except ValueError as x:      # a token id beyond int32 (a cast would wrap it)
+        raise BadBody(f"entry: token_ids: {x}") from None
 
 
 def result_to_json(r) -> dict:
@@ -74,13 +131,12 @@ class _Sessions:
         self.lock = threading.Lock()
         self.clients: dict[str, tuple[DrafterPool, list[float]]] = {}
 
-    def open(self, hello: dict) -> tuple[str, object]:
+    def open(self, hello: JsonHello) -> tuple[str, object]:
         self.expire()
         c = DrafterPool(self.endpoints, timeout_s=30.0)
         try:
-            reply = c.hello(model_digest=hello.get("model_digest"), config_digest=hello.get("config_digest"),
-                            tp=hello.get("tp"), max_model_len=hello.get("max_model_len"),
-                            client=str(hello.get("client", "http")))
+            reply = c.hello(model_digest=hello.model_digest, config_digest=hello.config_digest, tp=hello.tp,
+                            max_model_len=hello.max_model_len, client=hello.client)
         except BaseException:
             c.close()
             raise
@@ -124,6 +180,9 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S):
     def refused(e: ClientError) -> HTTPException:
         return HTTPException(409, {"code": e.code.name if e.code is not None else "CONNECTION", "reason": str(e)})
 
+    def bad(e: ValueError) -> HTTPException:
+        return HTTPException(422, {"code": "BAD_REQUEST", "reason": str(e)})
+
     @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
     @serve.ingress(api)
     class DrafterHttp:
@@ -139,7 +198,9 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S):
         @api.post("/v1/sessions")
         def open_session(self, hello: dict = Body(default={})) -> dict:
             try:
-                token, r = self.sessions.open(hello)
+                token, r = self.sessions.open(parse_body(hello, JsonHello, "hello"))
+            except BadBody as e:
+                raise bad(e) from None
             except ClientError as e:
                 raise refused(e) from None
             return {"session": token, "limits": {f: getattr(r.limits, f) for f in r.limits.__struct_fields__},
@@ -147,32 +208,36 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S):
                     "config_digest": r.config_digest, "tp": r.tp, "max_model_len": r.max_model_len}
 
         @api.post("/v1/sessions/{s}/acquire")
-        def acquire(self, s: str, body: dict = Body(default={})) -> dict:
+        def acquire(self, s: str, body: dict = Body(...)) -> dict:
+            c = self._client(s)
             try:
-                grants = self._client(s).acquire(int(body.get("n", 1)))
+                grants = c.acquire(parse_body(body, JsonAcquire, "acquire").n)
+            except BadBody as e:
+                raise bad(e) from None
             except ClientError as e:
                 raise refused(e) from None
             return {"slots": [{"slot": g.slot, "generation": g.generation} for g in grants]}
 
         @api.post("/v1/sessions/{s}/release")
         def release(self, s: str, body: dict = Body(...)) -> dict:
+            c = self._client(s)
             try:
-                return {"released": self._client(s).release([int(x) for x in body["slots"]])}
+                return {"released": c.release(parse_body(body, JsonRelease, "release").slots)}
+            except BadBody as e:
+                raise bad(e) from None
             except ClientError as e:
                 raise refused(e) from None
-            except (KeyError, TypeError, ValueError) as e:
-                raise HTTPException(422, {"code": "BAD_REQUEST", "reason": f"release: {e!r}"}) from None
 
         @api.post("/v1/sessions/{s}/step")
         def step(self, s: str, body: dict = Body(...)) -> dict:
             c = self._client(s)
             try:
-                entries = [entry_from_json(e) for e in body["entries"]]
-                deadline_ms = float(body.get("deadline_ms", 1000.0))
-            except (KeyError, TypeError, ValueError) as e:
-                raise HTTPException(422, {"code": "BAD_REQUEST", "reason": f"step: {e!r}"}) from None
+                msg = parse_body(body, JsonStep, "step")
+                entries = [entry_from_json(e) for e in msg.entries]
+            except BadBody as e:
+                raise bad(e) from None
             try:
-                return {"results": [result_to_json(r) for r in c.step(entries, deadline_ms=deadline_ms)]}
+                return {"results": [result_to_json(r) for r in c.step(entries, deadline_ms=msg.deadline_ms)]}
             except ClientError as e:
                 raise refused(e) from None
 

@@ -8,8 +8,9 @@ How: after an accepted HELLO the client creates a ring (`actors/ring.py`; the cl
 its one reader) and names it in SHM_ATTACH on its TCP connection. Once the server has attached, every request of
 the session is a frame (the TCP framing: header and payload) published into the ring, and its reply frame is the
 message's completion record. The TCP connection carries nothing more; it stays open as the session's lifeline:
-when the client closes it (or its process dies) the server ends the session and frees its slots. A bad frame in
-the ring completes with STATUS_BAD_FRAME and ends that session alone, as on TCP.
+when the client closes it (or its process dies) the server ends the session and frees its slots. A request whose
+payload does not decode is answered ErrorReply BAD_ENTRY, as on TCP; any other bad frame in the ring completes with
+STATUS_BAD_FRAME and ends that session alone, as on TCP.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Callable
 
 from ..actors.ring import RingClosed, RingError, RingHandle, RingReader, RingTimeout, StepRing
 from ..contract import SHM_RING_PREFIX, ShmAttach
-from ..wire import ConnectionClosed, FrameError, FrameWriter, decode_frame
+from ..wire import ConnectionClosed, FrameError, FrameWriter, PayloadError, decode_frame
 
 __all__ = ["attach_ring", "serve_ring", "handle_of", "STATUS_BAD_FRAME"]
 
@@ -63,10 +64,12 @@ def _lifeline_closed(sock: socket.socket) -> bool:
 
 def serve_ring(ring: RingReader, sock: socket.socket, dispatch: Callable[[object, int], object],
                max_frame_bytes: int, spin_us: float, on_reply: Callable[[object, int, object], None] | None = None,
-               gate=None) -> None:
+               gate=None, refuse: Callable[[PayloadError], object] | None = None) -> None:
     """Serve the ring until the client closes it or its TCP connection (ConnectionClosed), or sends a bad frame
     (FrameError, after completing it with STATUS_BAD_FRAME). `dispatch(msg, received_ns)` answers a request;
-    `on_reply(msg, received_ns, reply)` runs after each completion (stamps). `gate` (a semaphore, optional): the
+    `refuse(e)` answers a frame whose payload did not decode (or raises FrameError; without it such a frame is a
+    bad frame); `on_reply(msg, received_ns, reply)` runs after each completion (msg None for a refused payload;
+    stamps). `gate` (a semaphore, optional): the
     wait spins `spin_us` only while it holds the gate, else it sleeps on the ring's doorbell at once; the TCP
     server shares its gate of polling threads (every spin takes the interpreter lock, and many spinning threads
     would slow the one that has a STEP to run)."""
@@ -86,8 +89,14 @@ def serve_ring(ring: RingReader, sock: socket.socket, dispatch: Callable[[object
                 gate.release()
         received_ns = time.monotonic_ns()
         try:
-            request_id, msg = decode_frame(view, max_frame_bytes)
-            reply = dispatch(msg, received_ns)      # refuses what is not a request here (a HELLO, SHM_ATTACH)
+            try:
+                request_id, msg = decode_frame(view, max_frame_bytes)
+            except PayloadError as e:               # read whole: answered, as on TCP (or a FrameError)
+                if refuse is None:
+                    raise
+                request_id, msg, reply = e.request_id, None, refuse(e)
+            else:
+                reply = dispatch(msg, received_ns)  # refuses what is not a request here (a HELLO, SHM_ATTACH)
         except FrameError:
             ring.complete(seq, STATUS_BAD_FRAME)    # the client learns it at once, not at its timeout
             raise

@@ -9,8 +9,13 @@ a STEP round trip p50 32 us against 12 us for a raw ping-pong of the same bytes,
 
 A connection is a session. Before an accepted HELLO only HELLO is valid; afterwards ACQUIRE, RELEASE and STEP, and
 SHM_ATTACH, after which the session's requests come through the client's shared-memory ring (transport/shm.py).
-Anything else (a malformed, truncated, stalled or oversized frame, a reply type, a STEP before HELLO) closes that
-connection alone, with one log line; the session's slots are freed through `close_session`.
+A request read whole whose payload does not decode (a missing or unknown field, a value of another type) is
+answered ErrorReply BAD_ENTRY naming the field, and the session goes on: the stream is still in step. Anything else
+(a malformed, truncated, stalled or oversized frame, a reply type, a STEP before HELLO) closes that connection
+alone, with one log line; the session's slots are freed through `close_session`.
+
+Requests on one connection are read and answered one at a time, in order: a client may send the next before the
+reply to the last (it waits in the socket), but nothing of a connection runs concurrently with itself.
 """
 from __future__ import annotations
 
@@ -19,18 +24,44 @@ import socket
 import threading
 import time
 
-from ..contract import (Acquire, Code, ErrorReply, Hello, HelloReply, MsgType, Release, ShmAttach, ShmAttachReply,
-                        Step, StepHandler, StepReply)
+from ..contract import (MESSAGE_TYPES, Acquire, Code, ErrorReply, Hello, HelloReply, MsgType, Release, ShmAttach,
+                        ShmAttachReply, Step, StepHandler, StepReply)
 from ..keep_warm import REHEARSAL_ENTRIES
 from ..stamps import Stamps, cpu_now, now
 from ..wake_ups import WakeUps
 from ..wire import (DEFAULT_MAX_FRAME_BYTES, HEADER_SIZE, ConnectionClosed, FrameError, FrameReader, FrameWriter,
-                    VersionMismatch, bound_blocking_io, decode_payload, spinning_recv_into)
+                    PayloadError, VersionMismatch, bound_blocking_io, decode_payload, spinning_recv_into)
 from .shm import attach_ring, serve_ring
 
 log = logging.getLogger(__name__)
 
 __all__ = ["TcpServer", "StepHandler"]
+
+REQUESTS = (MsgType.HELLO, MsgType.ACQUIRE, MsgType.RELEASE, MsgType.STEP, MsgType.SHM_ATTACH)
+_TYPE_OF = {cls: t for t, cls in MESSAGE_TYPES.items()}
+
+
+def out_of_place(mtype: MsgType, greeted: bool, ring: bool = False) -> str | None:
+    """Why a request of type `mtype` may not come now (the connection is then closed), or None. Decided on the
+    header's type alone, so a payload that does not decode is judged the same way."""
+    if mtype not in REQUESTS:
+        return f"{mtype.name} is a reply, not a request"
+    if ring and mtype in (MsgType.HELLO, MsgType.SHM_ATTACH):
+        return f"{mtype.name} through a ring"
+    if not greeted and mtype != MsgType.HELLO:
+        return f"{mtype.name} before an accepted HELLO"
+    if greeted and mtype == MsgType.HELLO:
+        return "second HELLO on an accepted session"
+    return None
+
+
+def refuse_payload(e: PayloadError, greeted: bool, ring: bool = False) -> ErrorReply:
+    """The answer to a request whose payload did not decode: ErrorReply BAD_ENTRY with msgspec's reason (it names
+    the field), or FrameError (close) when a request of that type may not come now."""
+    why = out_of_place(e.mtype, greeted, ring)
+    if why:
+        raise FrameError(f"{why} (and its payload does not decode: {e})")
+    return ErrorReply(code=Code.BAD_ENTRY, reason=str(e))
 
 
 class _Conn:
@@ -161,11 +192,15 @@ class TcpServer:
             greeted = False
             while True:
                 blocked = getattr(recv, "blocked", None)      # None: plain blocking reads (spin 0), not counted
-                request_id, msg, received_ns = reader.read()
-                if not greeted and not isinstance(msg, Hello):
-                    raise FrameError(f"{type(msg).__name__} before an accepted HELLO")
+                try:
+                    request_id, msg, received_ns = reader.read()
+                except PayloadError as e:
+                    reply = refuse_payload(e, greeted)
+                    log.info("session %d: %s refused: %s", conn.session, e.mtype.name, e)
+                    writer.send(sock.sendall, reply, e.request_id)
+                    continue
                 t_read, cpu_read = now(), cpu_now()
-                if isinstance(msg, ShmAttach):
+                if isinstance(msg, ShmAttach) and greeted:
                     self._serve_shm(conn, msg, request_id, writer)     # returns only when the ring refused
                     continue
                 reply = self._dispatch(conn, msg, received_ns, greeted)
@@ -229,8 +264,9 @@ class TcpServer:
             if isinstance(m, Step):
                 self.stamps.add({"recv": received_ns, "read": received_ns, "sent": now(), "cpu_read": cpu_now()})
         try:
-            serve_ring(ring, conn.sock, lambda m, t: self._dispatch(conn, m, t, True), self.max_frame_bytes,
-                       self.spin_us, on_reply=stamp, gate=self._pollers)
+            serve_ring(ring, conn.sock, lambda m, t: self._dispatch(conn, m, t, True, ring=True),
+                       self.max_frame_bytes, self.spin_us, on_reply=stamp, gate=self._pollers,
+                       refuse=lambda e: refuse_payload(e, True, ring=True))
         finally:
             ring.close()
 
@@ -255,14 +291,11 @@ class TcpServer:
             self.keep_warm.set("frame_checks", lambda: handler_rehearse(decoded[0]))
         self.keep_warm.set("frame_reply", lambda: scratch._encode(reply, 0))
 
-    def _dispatch(self, conn: _Conn, msg: object, received_ns: int, greeted: bool) -> object:
+    def _dispatch(self, conn: _Conn, msg: object, received_ns: int, greeted: bool, ring: bool = False) -> object:
         session = conn.session
-        if isinstance(msg, Hello) and greeted:
-            raise FrameError("second HELLO on an accepted session")
-        if isinstance(msg, ShmAttach):
-            raise FrameError("SHM_ATTACH through a ring")
-        if not isinstance(msg, (Step, Hello, Acquire, Release)):
-            raise FrameError(f"{type(msg).__name__} is a reply, not a request")
+        why = out_of_place(_TYPE_OF[type(msg)], greeted, ring)
+        if why:
+            raise FrameError(why)
         try:
             if isinstance(msg, Step):
                 return self.handler.step(session, msg, received_ns)
