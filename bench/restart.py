@@ -190,7 +190,7 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
     sess = Session(endpoint, reqs, timeout_s=max(120.0, 4 * deadline_ms / 1e3))
     sess.open(time.monotonic() + 120)
     steps: list[dict] = []          # per STEP: t_send, t_recv, codes (one per entry, or a request's error)
-    checks: list[dict] = []         # per STEP with OK answers: t_send, [(request, entry sent, its answer)]
+    checks: list[dict] = []         # per STEP with OK answers: t_send, [(request, entry, fresh insert, answer)]
     done: list[dict] = []           # the kills, as they happened
     killing: dict | None = None     # the kill in progress
     since = 0                       # rounds since the start or the last recovery
@@ -212,7 +212,7 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
                 sup = ray.get(fe.status.remote(), timeout=30)["supervisor"]
                 rtt = statistics.median(s["t_recv"] - s["t_send"] for s in steps[-rounds:])
                 killing = {"rank": kill_rank, "pid": pids[kill_rank], "pids": pids, "restarts": sup["restarts"],
-                           "restart_seconds": len(sup["restart_seconds"]), "delay_s": rtt / 2}
+                           "delay_s": rtt / 2}
                 timer = threading.Timer(rtt / 2, fire, args=(killing,))
                 log(f"kill {len(done) + 1} of {kills}: SIGKILL to rank {kill_rank} (pid {killing['pid']}) "
                     f"{rtt / 2 * 1e3:.1f} ms into the next STEP")
@@ -245,8 +245,9 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
                 if res is not None and t_send > killing["t"] and any(r.code == Code.OK for r in res):
                     st = ray.get(fe.status.remote(), timeout=30)
                     sup = st["supervisor"]
+                    new = sup["restarts"] - killing["restarts"]          # (restart_seconds keeps the last 10)
                     killing.update(recovered=True, restarts_after=sup["restarts"],
-                                   supervisor_restart_s=sup["restart_seconds"][killing["restart_seconds"]:],
+                                   supervisor_restart_s=sup["restart_seconds"][-new:] if new else [],
                                    new_pids=[r.get("pid") for r in st["ranks"]])
                     log(f"kill {len(done) + 1}: first OK {t_recv - killing['t']:.2f} s after the kill "
                         f"(supervisor: {sup['restart_seconds'][-1:]} s)")
@@ -293,7 +294,10 @@ def kill_report(steps: list[dict], k: dict) -> dict:
     restart_s = k.get("supervisor_restart_s") or []
     return {
         "rank": k["rank"], "pid": k["pid"], "killed_during_a_step": in_flight,
+        "kill_delay_ms": round(k["delay_s"] * 1e3, 2),            # after the STEP it hit was sent
         "to_first_ok_s": round(first_ok["t_recv"] - t, 3) if first_ok else None,
+        # that STEP's round trip: the new pair's first step (its context re-inserted) runs cold
+        "first_ok_step_ms": round((first_ok["t_recv"] - first_ok["t_send"]) * 1e3, 2) if first_ok else None,
         "to_first": first,                                  # per code: the first answer of that code after the kill
         "supervisor_restart_s": restart_s[0] if restart_s else None,
         "supervisor_restarts": k.get("restarts_after", k["restarts"]) - k["restarts"],
@@ -387,6 +391,8 @@ def measure(spec, *, name: str = "restart-bench", requests: int = 2, rounds: int
         "to_first_ok_s": summary([k["to_first_ok_s"] for k in per_kill if k["to_first_ok_s"] is not None]),
         "supervisor_restart_s": summary([k["supervisor_restart_s"] for k in per_kill
                                          if k["supervisor_restart_s"] is not None]),
+        "first_ok_step_ms": summary([k["first_ok_step_ms"] for k in per_kill if k["first_ok_step_ms"] is not None],
+                                    "ms"),
         "to_first_error_s": summary([min(v for c, v in k["to_first"].items() if c != "OK") for k in per_kill
                                      if any(c != "OK" for c in k["to_first"])]),
         "recovered": sum(k["to_first_ok_s"] is not None for k in per_kill),
