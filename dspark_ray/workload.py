@@ -7,6 +7,9 @@ the tests, the parity report, the demo and the benchmarks, so they all speak of 
 """
 from __future__ import annotations
 
+import itertools
+from typing import Iterator
+
 import torch
 
 from .config import DrafterConfig
@@ -21,13 +24,22 @@ def make_taps(cfg: DrafterConfig, rows: int, gen: torch.Generator) -> torch.Tens
 def rounds(cfg: DrafterConfig, *, seed: int = 0, n_requests: int = 2, n_rounds: int = 40,
            first_rows: tuple[int, ...] = (6, 3), far_start: int | None = None, rollback_every: int = 7,
            vary_n_out: bool = True, margins_every: int = 3) -> list[list[StepEntry]]:
-    """`n_rounds` batches of `n_requests` entries (request i uses slot i). Request 0's first insert is short
-    (partial window); with `far_start`, request 1 starts at that position (a long prompt's last rows)."""
+    """`n_rounds` batches of `n_requests` entries (request i uses slot i): the first rounds of `stream`."""
+    return list(itertools.islice(stream(cfg, seed=seed, n_requests=n_requests, first_rows=first_rows,
+                                        far_start=far_start, rollback_every=rollback_every, vary_n_out=vary_n_out,
+                                        margins_every=margins_every), n_rounds))
+
+
+def stream(cfg: DrafterConfig, *, seed: int = 0, n_requests: int = 2, first_rows: tuple[int, ...] = (6, 3),
+           far_start: int | None = None, rollback_every: int = 7, vary_n_out: bool = True,
+           margins_every: int = 3) -> Iterator[list[StepEntry]]:
+    """Batches of `n_requests` entries (request i uses slot i), one per round, without end: a load that runs as
+    long as its driver needs (bench/restart.py). Request 0's first insert is short (partial window); with
+    `far_start`, request 1 starts at that position (a long prompt's last rows)."""
     g = torch.Generator().manual_seed(seed)
     B = cfg.block_size
     pos = [0] * n_requests
-    out: list[list[StepEntry]] = []
-    for r in range(n_rounds):
+    for r in itertools.count():
         batch = []
         for i in range(n_requests):
             rollback = -1
@@ -47,5 +59,4 @@ def rounds(cfg: DrafterConfig, *, seed: int = 0, n_requests: int = 2, n_rounds: 
                 start=start, token_ids=ids, taps=make_taps(cfg, n, g), rollback_to=rollback,
                 want_margins=bool(margins_every) and r % margins_every == 0))
             pos[i] = start + n
-        out.append(batch)
-    return out
+        yield batch

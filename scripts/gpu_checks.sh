@@ -2,8 +2,8 @@
 # The GPU checks and the committed GPU figures in one command, on a GPU host: one card, or a pair when two cards
 # are visible. Synthesizes the full preset if CKPT does not hold one yet, runs the `gpu` tests (bit identity:
 # graph == eager, every batch bucket == the one-request answer, the pair == the emulated pair), then the draft-step,
-# STEP-latency and (pair only) scaling benches. Each step prints one line with its exit code and the elapsed time;
-# its output goes to OUT.
+# STEP-latency, restart (one card) and (pair only) scaling benches. Each step prints one line with its exit code and
+# the elapsed time; its output goes to OUT.
 #
 #     bash scripts/gpu_checks.sh [OUT] [CKPT]          (defaults: gpu-checks/, /tmp/full)
 #
@@ -66,6 +66,10 @@ step draft_step 900 $PY bench/draft_step.py --ckpt "$CKPT" --modes $MODES --repl
     ${PIN_CPUS:+--pin-cpus "$PIN_CPUS"} --out "$OUT/draft_step.json" --md "$OUT/draft_step.md"
 step step_latency 600 $PY bench/step_latency.py --tp $TP --preset full --ckpt "$CKPT" --rounds 2000 \
     --out "$OUT/step_latency.json"
+# kill -9 of the rank of a one-card worker mid-load, three times: time to serving again (target <= 20 s), and every
+# OK answer against a fresh deployment's bits
+step restart 900 $PY bench/restart.py --preset full --checkpoint "$CKPT" --tp 1 --device cuda --rounds 200 \
+    --kills 3 --out "$OUT/restart.json"
 if [ "$CARDS" -ge 2 ]; then
     step scaling 900 $PY bench/scaling.py --preset full --ckpt "$CKPT" --cards 2 --requests 1,2,4,8,12,16 \
         --rounds 300 --warmup-rounds 300 --slots 16 --out "$OUT/scaling.json"

@@ -40,10 +40,11 @@ def steps(out: str) -> list[str]:
 def test_steps_on_one_card_and_on_a_pair(tmp_path):
     one = run(tmp_path, 1)
     assert one.returncode == 0, one.stdout + one.stderr
-    assert steps(one.stdout) == ["synthesize", "tests_one_card", "tests_full_graph_set", "draft_step", "step_latency"]
+    assert steps(one.stdout) == ["synthesize", "tests_one_card", "tests_full_graph_set", "draft_step", "step_latency",
+                                 "restart"]
     pair = run(tmp_path, 2)
     assert steps(pair.stdout) == ["synthesize", "tests_one_card", "tests_full_graph_set", "tests_push_pair",
-                                  "tests_deployed_pair", "draft_step", "step_latency", "scaling"]
+                                  "tests_deployed_pair", "draft_step", "step_latency", "restart", "scaling"]
     assert "all passed" in pair.stdout
 
 
