@@ -527,3 +527,43 @@ def test_random_trellis_weights_have_the_plain_checkpoints_scale(exl3_dir, ckpt)
     for name in ("head.weight", "mtp.0.attn.wq_b.weight", "mtp.1.ffn.experts.2.w2.weight", "mtp.0.main_proj.weight"):
         a, b = c.read(name).float().std().item(), ckpt.read(name).float().std().item()
         assert 0.9 < a / b < 1.15, (name, a, b)
+
+
+# ==== the device check's plumbing, with our decode standing in for exllamav3's kernels ===============================
+def _device_check_module():
+    spec = importlib.util.spec_from_file_location("exl3_device_check",
+                                                  Path(__file__).resolve().parents[1] / "tools/exl3_device_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_device_check_counts_every_linear_and_cut_and_needs_cuda(kinds_dir, monkeypatch, capsys):
+    tool = _device_check_module()
+
+    class Stand:                            # LinearEXL3's surface the check uses, computed by our own decode
+        def __init__(self, rec, dev, key):
+            self.rec, self.in_features, self.out_features = rec, rec.in_features, rec.out_features
+
+        def get_inner_weight_tensor(self):
+            return exl3.inner_weight(self.rec.trellis, self.rec.codebook)
+
+        def get_weight_tensor(self):
+            return self.rec.weight()
+
+    monkeypatch.setattr(tool, "_linear", Stand)
+    monkeypatch.setattr(tool, "_fused", lambda lin: lin.rec.weight())
+    c = Checkpoint(kinds_dir)
+    out = tool.check_decode(c, "cpu", None)
+    assert out["ok"] and out["failures"] == [] and out["torch_differ_weights"] == 0
+    NB, E = c.config.n_blocks, c.config.n_routed_experts
+    assert out["linears"] == 2 + NB * (3 + 3 * (E + 1)) + NB * c.config.o_groups      # wo_a: one per group
+    assert out["cuts"] == out["cuts_equal"] == 2 * (1 + NB * (3 + 3 * (E + 1)))
+    assert set(out["kinds"]) == {"6:3inst", "1:mcg", "3:mcg", "5:mul1", "2.5:mul1", "1.5:mul1", "8:3inst", "7:mcg"}
+    monkeypatch.setattr(tool, "_fused", lambda lin: lin.rec.weight() * 2)          # a kernel that disagrees
+    bad = tool.check_decode(c, "cpu", 1)
+    assert not bad["ok"] and bad["failures"][0]["check"] in ("fused_equal_gpu", "fused_equal_cpu")
+    assert bad["cpu_checked"] == len(bad["kinds"])
+    if not torch.cuda.is_available():
+        assert tool.main(["--skip-forward"]) == 2
+        assert json.loads(capsys.readouterr().out)["error"] == "no CUDA device"
