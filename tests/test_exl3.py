@@ -7,6 +7,7 @@ the GPU machine checks the decode against the kernels themselves (`tools/exl3_de
 """
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import json
 import os
@@ -416,6 +417,24 @@ def test_every_ranks_cut_of_every_exl3_tensor_decodes_to_the_full_tensors_slice(
                 assert torch.equal(torch.cat([x.weight().T for x in recs]), ranks[r][name]), (name, r)
                 cut += 1
     assert cut >= 2 * c.config.n_blocks * (2 + 3 * (c.config.n_routed_experts + 1))
+
+
+def test_every_cut_of_a_quantizable_linear_falls_on_a_hadamard_block_at_both_presets():
+    from dspark_ray.config import full
+    from dspark_ray.weights.inventory import tensor_specs
+    from dspark_ray.weights.mix import GROUPS
+    for cfg in (tiny(), full()):
+        lay, n = Layout(cfg, 2), 0
+        for name, spec in tensor_specs(cfg).items():
+            if not any(fnmatch.fnmatchcase(name, p) for p in GROUPS.values()):
+                continue
+            assert all(d % 128 == 0 for d in spec.shape), name
+            for r in (0, 1):
+                s = lay.slice_of(name, spec.shape, r)
+                if s is not None:
+                    assert s[1] % 128 == 0 and s[2] % 128 == 0, (name, r, s)
+                    n += 1
+        assert n == 2 * (1 + cfg.n_blocks * (3 + 3 * (cfg.n_routed_experts + 1)))
 
 
 def test_unaligned_slices_widen_to_hadamard_blocks_and_equal_the_full_reads_slice(kinds_dir):

@@ -12,7 +12,7 @@ kind: the three codebooks, 1..8 bits and the half rates, EXL3 wo_a slices), for 
           cuts them), reconstruct_had_slice'd == the full decode's slice, bit for bit
   torch   LinearEXL3.get_weight_tensor() (its Hadamards as fp32 cuBLAS GEMMs, another rounding): how many weights
           differ and by how much (informational; its GEMM order is cuBLAS's, not reproducible off the card)
-Then exllamav3's DeepseekV4MTPModel (Config.from_directory, Model.from_config(component="mtp"), a paged Cache, load,
+The tiny checkpoints are also drawn on the CPU: the same identity digest. Then exllamav3's DeepseekV4MTPModel (Config.from_directory, Model.from_config(component="mtp"), a paged Cache, load,
 its own embedding and head) inserts tap rows (update_kv_from_target) and drafts rounds (forward, sample_from_state)
 beside our split reference on the same inputs: drafts equal per round, our margin at each first mismatch (a small
 one is a near-tie: exllamav3's EXL3 GEMMs round differently from a dequantized fp16 GEMM).
@@ -214,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         synthesize(preset(a.preset), d, fmt="exl3", bits=mix, device=dev)
         ck = Checkpoint(d)
         entry = {"mix": mix, "synth_s": round(time.perf_counter() - t0, 2), "identity": ck.identity_digest}
+        if a.preset == "tiny":              # the bytes do not depend on the device that drew them
+            cpu = synthesize(preset(a.preset), base / f"{tag}_cpu", fmt="exl3", bits=mix, device="cpu")
+            entry["cpu_synth_same_identity"] = cpu["identity_digest"] == ck.identity_digest
+            ok &= entry["cpu_synth_same_identity"]
         per_kind = a.cpu_per_kind if a.cpu_per_kind is not None else (None if a.preset == "tiny" else 2)
         entry["decode"] = check_decode(ck, dev, per_kind)
         ok &= entry["decode"]["ok"]
