@@ -366,7 +366,7 @@ def test_stored_names_map_to_the_namespace():
 
 
 @pytest.mark.parametrize("which", ["exl3_dir", "kinds_dir"])
-def test_every_exl3_tensor_reads_as_exllamav3_decodes_its_stored_parts(which, request):
+def test_every_exl3_tensor_reads_as_the_decode_of_its_stored_parts(which, request):
     d = request.getfixturevalue(which)
     c, raw = Checkpoint(d, verify_content=True), load_file(str(d / ST))
     seen = 0
@@ -472,6 +472,28 @@ def test_bad_exl3_storage_is_refused_by_name(kinds_dir, tmp_path, edit, words):
     d = _copy_without_manifest(kinds_dir, tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=words):
         Checkpoint(d)
+
+
+def test_plain_wo_a_slices_and_legacy_sign_bitfields_read_too(kinds_dir, tmp_path):
+    c = Checkpoint(kinds_dir)
+    wo_a = c.read("mtp.1.attn.wo_a.weight")
+    head = c.exl3("head.weight")[0]
+    signs = torch.where(head.suh < 0, -1.0, 1.0).half()             # .su holds signs only: +-1 per input channel
+    bits = (signs < 0).to(torch.int64).view(-1, 16) << torch.arange(16)
+    su = ((bits.sum(1) ^ 0x8000) - 0x8000).to(torch.int16)
+
+    def edit(t):
+        for g in range(c.config.o_groups):
+            for part in ("trellis", "suh", "svh", "mcg"):
+                t.pop(f"mtp.1.attn.wo_a.slice.{g}.{part}")
+            t[f"mtp.1.attn.wo_a.slice.{g}.weight"] = wo_a[g * 128:(g + 1) * 128].clone()
+        t.pop("head.suh")
+        t["head.su"] = su
+    d = Checkpoint(_copy_without_manifest(kinds_dir, tmp_path / "other", edit))
+    assert d.storage("mtp.1.attn.wo_a.weight") == "slices" and torch.equal(d.read("mtp.1.attn.wo_a.weight"), wo_a)
+    assert torch.equal(d.read("mtp.1.attn.wo_a.weight", 0, 100, 300), wo_a[100:300])
+    want = exl3.reconstruct(head.trellis, signs, head.svh, head.codebook).T
+    assert torch.equal(d.read("head.weight"), want) and torch.equal(d.read("head.weight", 1, 128, 256), want[:, 128:])
 
 
 def test_a_wrong_codebook_marker_value_is_refused_on_read(kinds_dir, tmp_path):
