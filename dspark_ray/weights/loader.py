@@ -4,21 +4,29 @@
     ckpt.read("mtp.0.attn.wq_b.weight", dim=0, start=0, stop=16384, device="cuda:0")   # one rank's rows only
 
 Compute form (inventory.COMPUTE_RULES): Linear weights and biases fp16, whatever the storage (bf16/fp32 rounded to
-nearest; DeepSeek's FP8 E4M3 block-scaled and FP4 e2m1 routed experts dequantized); `embed.weight` and
-`markov_w1` as stored; norm weights bf16/fp16 as stored, fp32 -> fp16; hc_*, attn_sink and gate.bias fp32.
-A slice read touches only the requested rows/columns on disk (plus the rest of their scale blocks for FP8/FP4)
-and equals the same slice of a full read, so a rank never loads the half it does not own.
+nearest; DeepSeek's FP8 E4M3 block-scaled and FP4 e2m1 routed experts dequantized; exllamav3's EXL3 trellis decoded,
+exl3.py); `embed.weight` and `markov_w1` as stored; norm weights bf16/fp16 as stored, fp32 -> fp16; hc_*, attn_sink
+and gate.bias fp32. A slice read touches only the requested rows/columns on disk (plus the rest of their scale blocks
+for FP8/FP4, of their 128-channel Hadamard blocks for EXL3) and equals the same slice of a full read, so a rank never
+loads the half it does not own.
+
+EXL3 storage, as exllamav3 writes it: a Linear `<key>.weight` becomes `<key>.trellis` / `.suh` / `.svh` (+ `.mcg` or
+`.mul1`); DeepSeek-V4's `wo_a` is stored per o_group as `<attn>.wo_a.slice.<g>.*` (each (Ro, H*D/G), EXL3 or a plain
+`.weight`), read here as the one (G*Ro, H*D/G) tensor of the namespace. `exl3(name, ...)` hands out the raw
+records (a rank's cut at 128-channel boundaries) for kernels that multiply by the trellis directly.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from ..config import DrafterConfig, load_config
+from . import exl3
 from .inventory import fallback_names, kind_of, optional_specs, tensor_specs
 from .manifest import (MANIFEST_NAME, ManifestError, StoredTensor, check_content, check_layout, compute_manifest,
                        read_manifest, records_from_files, scan_safetensors)
@@ -34,6 +42,21 @@ _FP4_TAGS = {"I8", "U8"}                    # two e2m1 codes per byte
 _SCALE_TAGS = {"F8_E8M0", "U8", "F32", "BF16", "F16"}
 # e2m1 magnitudes for codes 0..7; bit 3 of a code is the sign (spec section 2).
 _FP4_LUT = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# A stored EXL3 component, and exllamav3's per-group wo_a Linears: both name a tensor of the namespace.
+_EXL3_PART = re.compile(r"\.(trellis|suh|svh|su|sv|mcg|mul1)$")
+_WO_A_SLICE = re.compile(r"\.wo_a\.slice\.\d+$")
+
+
+def canonical_name(stored: str) -> str:
+    """The namespace tensor a stored tensor belongs to: `X.scale` and the EXL3 parts `X.trellis` ... -> `X.weight`,
+    exllamav3's `<attn>.wo_a.slice.<g>.*` -> `<attn>.wo_a.weight`; any other name is its own."""
+    if stored.endswith(".scale"):
+        return stored[: -len(".scale")] + ".weight"
+    m = _EXL3_PART.search(stored)
+    base = stored[: m.start()] if m else stored[: -len(".weight")] if stored.endswith(".weight") else None
+    if base is None:
+        return stored
+    return _WO_A_SLICE.sub(".wo_a", base) + ".weight"
 
 
 # ==== dequantization (DeepSeek's original storage) ==================================================================
@@ -104,6 +127,8 @@ class Checkpoint:
         self._optional = optional_specs(cfg)
         self._alias = fallback_names(cfg)                      # canonical -> alternative stored name
         self._handles: dict[Path, object] = {}
+        self._parts = self._find_parts()                       # EXL3 / per-group-slice storage: name -> prefixes
+        self._codebooks: dict[str, str] = {}
         self.manifest = read_manifest(self.path)
         if self.manifest is not None:
             if self.manifest["config_digest"] != cfg.digest():
@@ -145,9 +170,66 @@ class Checkpoint:
 
     def _is_drafter(self, name: str) -> bool:
         """True for the tensors the drafter reads (real checkpoints also hold the trunk's, which we ignore)."""
-        if name.endswith(".scale"):
-            name = name[: -len(".scale")] + ".weight"
+        name = canonical_name(name)
         return name in self._specs or name in self._optional or name in self._alias.values()
+
+    def _find_parts(self) -> dict[str, list[str]]:
+        """Namespace Linears stored as EXL3 or as exllamav3's wo_a group slices: name -> the stored prefixes, in row
+        order (one prefix for a plain EXL3 Linear, G for wo_a)."""
+        out: dict[str, list[str]] = {}
+        for name, spec in self._specs.items():
+            if spec.kind != "linear":
+                continue
+            key = name[: -len(".weight")]
+            if f"{key}.trellis" in self._stored:
+                out[name] = [key]
+            elif name.endswith(".attn.wo_a.weight") and any(f"{key}.slice.0.{p}" in self._stored
+                                                             for p in ("trellis", "weight")):
+                out[name] = [f"{key}.slice.{g}" for g in range(self.config.o_groups)]
+            else:
+                continue
+            if name in self._stored:
+                raise CheckpointError(f"tensor {name}: stored twice, as {name} and as EXL3 / slices "
+                                      f"({out[name][0]}.*); a checkpoint holds one form")
+            for prefix in out[name]:
+                self._check_part(prefix)
+        return out
+
+    def _check_part(self, prefix: str) -> None:
+        st = self._stored
+        if f"{prefix}.trellis" not in st:
+            if f"{prefix}.weight" not in st:
+                raise CheckpointError(f"tensor {prefix}: wo_a group slice missing (neither {prefix}.trellis nor "
+                                      f"{prefix}.weight)")
+            if st[f"{prefix}.weight"].dtype not in _FLOAT_TAGS:
+                raise CheckpointError(f"tensor {prefix}.weight: dtype {st[f'{prefix}.weight'].dtype}, a wo_a slice "
+                                      f"must be a float type or EXL3")
+            return
+        t = st[f"{prefix}.trellis"]
+        if t.dtype != "I16" or len(t.shape) != 3:
+            raise CheckpointError(f"tensor {prefix}.trellis: {t.dtype} {list(t.shape)}, EXL3 needs int16 "
+                                  f"(in/16, out/16, 16*K)")
+        try:
+            K = exl3.bits_of(t.shape[2])
+        except exl3.Exl3Error as e:
+            raise CheckpointError(f"tensor {prefix}.trellis: {e}") from None
+        k, n = t.shape[0] * exl3.TILE, t.shape[1] * exl3.TILE
+        if k % exl3.HAD or n % exl3.HAD:
+            raise CheckpointError(f"tensor {prefix}.trellis: a ({k}, {n}) weight; EXL3 dims are multiples of "
+                                  f"{exl3.HAD}")
+        for side, size in (("u", k), ("v", n)):
+            scaled, signs = st.get(f"{prefix}.s{side}h"), st.get(f"{prefix}.s{side}")
+            if scaled is not None and (scaled.dtype != "F16" or scaled.shape != (size,)):
+                raise CheckpointError(f"tensor {prefix}.s{side}h: {scaled.dtype} {list(scaled.shape)}, needs F16 "
+                                      f"[{size}] for the trellis {list(t.shape)}")
+            if scaled is None and (signs is None or signs.dtype != "I16" or signs.shape != (size // 16,)):
+                raise CheckpointError(f"tensor {prefix}.s{side}h: missing (nor a legacy {prefix}.s{side} I16 "
+                                      f"[{size // 16}] sign bitfield)")
+        marks = [c for c in exl3.MARKERS if f"{prefix}.{c}" in st]
+        if len(marks) > 1:
+            raise CheckpointError(f"tensor {prefix}: carries both codebook markers .mcg and .mul1")
+        if K in exl3.HALF_RATES and marks != ["mul1"]:
+            raise CheckpointError(f"tensor {prefix}.trellis: bitrate {K} needs the mul1 codebook (no .mul1 marker)")
 
     def _stored_name(self, name: str) -> str | None:
         """Which stored tensor serves the canonical `name` (through the gate.bias fallback), or None."""
@@ -170,6 +252,19 @@ class Checkpoint:
             return "fp8" if t.dtype in _FP8_TAGS else "fp4"
         return None
 
+    def _part_shape(self, prefix: str) -> tuple[int, int]:
+        """(out, in) of one EXL3 Linear or plain slice, in checkpoint orientation."""
+        if f"{prefix}.trellis" in self._stored:
+            t = self._stored[f"{prefix}.trellis"].shape
+            return t[1] * exl3.TILE, t[0] * exl3.TILE
+        return tuple(self._stored[f"{prefix}.weight"].shape)
+
+    def _parts_shape(self, name: str) -> tuple[int, ...]:
+        shapes = [self._part_shape(p) for p in self._parts[name]]
+        if any(s[1] != shapes[0][1] for s in shapes):
+            raise CheckpointError(f"tensor {name}: its slices have different widths {[s[1] for s in shapes]}")
+        return sum(s[0] for s in shapes), shapes[0][1]
+
     def _logical_shape(self, stored_name: str) -> tuple[int, ...]:
         t = self._stored[stored_name]
         if self._quant(stored_name) == "fp4":
@@ -177,19 +272,24 @@ class Checkpoint:
         return t.shape
 
     def _check_inventory(self) -> None:
-        missing = [n for n in self._specs if self._stored_name(n) is None and not self._tied_head(n)]
+        missing = [n for n in self._specs
+                   if self._stored_name(n) is None and n not in self._parts and not self._tied_head(n)]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise CheckpointError(f"tensor {missing[0]}: required by the config (n_blocks={self.config.n_blocks}, "
                                   f"n_routed_experts={self.config.n_routed_experts}) but missing{more}")
         for name, spec in {**self._specs, **self._optional}.items():
-            sn = self._stored_name(name)
-            if sn is None:
-                continue
-            dtype = self._stored[sn].dtype
-            if dtype not in _FLOAT_TAGS and self._quant(sn) is None:
-                raise CheckpointError(f"tensor {sn}: dtype {dtype} is neither a float type nor FP8/FP4 with a scale")
-            shape = self._logical_shape(sn)
+            if name in self._parts:
+                sn, shape = f"{self._parts[name][0]}.*", self._parts_shape(name)
+            else:
+                sn = self._stored_name(name)
+                if sn is None:
+                    continue
+                dtype = self._stored[sn].dtype
+                if dtype not in _FLOAT_TAGS and self._quant(sn) is None:
+                    raise CheckpointError(f"tensor {sn}: dtype {dtype} is neither a float type nor FP8/FP4 with a "
+                                          f"scale")
+                shape = self._logical_shape(sn)
             if tuple(shape) != spec.shape:
                 raise CheckpointError(f"tensor {sn}: shape {list(shape)}, expected {list(spec.shape)} from the config")
 
@@ -215,36 +315,64 @@ class Checkpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         if self._tied_head(name):
             return self._logical_shape("embed.weight")
+        if name in self._parts:
+            return self._parts_shape(name)
         sn = self._stored_name(name)
         if sn is None:
             raise KeyError(f"tensor {name}: not in the checkpoint")
         return tuple(self._logical_shape(sn))
 
+    def storage(self, name: str) -> str:
+        """How the tensor is stored: "exl3" (wo_a: EXL3 group slices), "slices" (plain wo_a slices), "fp8", "fp4", or
+        the safetensors dtype tag of a plain tensor."""
+        if name in self._parts:
+            return "exl3" if f"{self._parts[name][0]}.trellis" in self._stored else "slices"
+        sn = "embed.weight" if self._tied_head(name) else self._stored_name(name)
+        if sn is None:
+            raise KeyError(f"tensor {name}: not in the checkpoint")
+        return self._quant(sn) or self._stored[sn].dtype
+
+    def _check_slice(self, name: str, shape, dim, start, stop) -> tuple[int | None, int | None]:
+        if dim is None:
+            if start is not None or stop is not None:
+                raise ValueError(f"tensor {name}: start/stop given without dim")
+            return None, None
+        if not 0 <= dim < len(shape):
+            raise ValueError(f"tensor {name}: dim {dim} out of range for shape {list(shape)}")
+        start = 0 if start is None else start
+        stop = shape[dim] if stop is None else stop
+        if not 0 <= start < stop <= shape[dim]:
+            raise ValueError(f"tensor {name}: slice [{start}, {stop}) of dim {dim} is not inside "
+                             f"0..{shape[dim]} (need 0 <= start < stop <= size)")
+        return start, stop
+
     def read(self, name: str, dim: int | None = None, start: int | None = None, stop: int | None = None,
              device: str | torch.device = "cpu") -> torch.Tensor:
         """The tensor (or its [start, stop) slice along `dim`) in compute form, on `device`."""
         kind = kind_of(name)
+        if name in self._parts:
+            start, stop = self._check_slice(name, self._parts_shape(name), dim, start, stop)
+            return _to_compute(self._read_parts(name, dim, start, stop, device), kind, name, self.storage(name))
         sn = "embed.weight" if self._tied_head(name) else self._stored_name(name)
         if sn is None:
             raise KeyError(f"tensor {name}: not in the checkpoint")
-        shape = self._logical_shape(sn)
-        if dim is None:
-            if start is not None or stop is not None:
-                raise ValueError(f"tensor {name}: start/stop given without dim")
-        else:
-            if not 0 <= dim < len(shape):
-                raise ValueError(f"tensor {name}: dim {dim} out of range for shape {list(shape)}")
-            start = 0 if start is None else start
-            stop = shape[dim] if stop is None else stop
-            if not 0 <= start < stop <= shape[dim]:
-                raise ValueError(f"tensor {name}: slice [{start}, {stop}) of dim {dim} is not inside "
-                                 f"0..{shape[dim]} (need 0 <= start < stop <= size)")
+        start, stop = self._check_slice(name, self._logical_shape(sn), dim, start, stop)
         quant = self._quant(sn)
         if quant is None:
             raw = self._read_raw(sn, dim, start, stop).to(device)
         else:
             raw = self._read_quant(sn, quant, dim, start, stop, device)
         return _to_compute(raw, kind, name, self._stored[sn].dtype)
+
+    def exl3(self, name: str, dim: int | None = None, start: int | None = None, stop: int | None = None,
+             device: str | torch.device = "cpu") -> list[exl3.Exl3Linear]:
+        """The raw EXL3 records of `name` (or of its [start, stop) cut along `dim`, checkpoint orientation, at
+        multiples of 128), one per stored Linear in row order (wo_a: one per o_group the cut covers), for kernels
+        that multiply by the trellis directly. Each record's `weight().T` is the matching block of `read`."""
+        if self.storage(name) != "exl3":
+            raise CheckpointError(f"tensor {name}: stored as {self.storage(name)}, not EXL3")
+        start, stop = self._check_slice(name, self._parts_shape(name), dim, start, stop)
+        return [self._exl3_part(p, dim, lo, hi).to(device) for p, lo, hi in self._cut_parts(name, dim, start, stop)]
 
     def close(self) -> None:
         """Drop the open file handles (their mmaps); reads after this reopen them."""
@@ -267,6 +395,69 @@ class Checkpoint:
         if dim is None:
             return h.get_tensor(sn)
         return h.get_slice(sn)[(slice(None),) * dim + (slice(start, stop),)]
+
+    def _cut_parts(self, name: str, dim, start, stop) -> list[tuple[str, int | None, int | None]]:
+        """(prefix, start, stop) within each stored part that the cut touches: a row cut (dim 0) picks the parts it
+        overlaps, a column cut (dim 1) applies to every part."""
+        if dim != 0:
+            return [(p, start, stop) for p in self._parts[name]]
+        out, off = [], 0
+        for p in self._parts[name]:
+            rows = self._part_shape(p)[0]
+            lo, hi = max(start, off), min(stop, off + rows)
+            if lo < hi:
+                out.append((p, lo - off, hi - off))
+            off += rows
+        return out
+
+    def _read_parts(self, name: str, dim, start, stop, device) -> torch.Tensor:
+        """fp16 (out, in) of an EXL3 / sliced tensor (or its cut): each part decoded over the 128-channel blocks the
+        cut touches, then trimmed to it."""
+        pieces = []
+        for prefix, lo, hi in self._cut_parts(name, dim, start, stop):
+            if f"{prefix}.trellis" not in self._stored:
+                pieces.append(self._read_raw(f"{prefix}.weight", dim, lo, hi).to(device).to(torch.float16))
+                continue
+            wlo = None if dim is None else lo // exl3.HAD * exl3.HAD
+            whi = None if dim is None else -(-hi // exl3.HAD) * exl3.HAD
+            w = self._exl3_part(prefix, dim, wlo, whi).to(device).weight().T
+            pieces.append(w.contiguous() if dim is None else w.narrow(dim, lo - wlo, hi - lo).contiguous())
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+    def _exl3_part(self, prefix: str, dim, start, stop) -> exl3.Exl3Linear:
+        """One stored EXL3 Linear, or its cut along `dim` (checkpoint orientation: 0 = out = EXL3's columns, 1 = in =
+        its rows), reading only the cut's trellis tiles and sign/scale entries."""
+        if dim is not None and (start % exl3.HAD or stop % exl3.HAD):
+            raise CheckpointError(f"tensor {prefix}: EXL3 cut [{start}, {stop}) of dim {dim} is not on "
+                                  f"{exl3.HAD}-channel boundaries (the Hadamard block)")
+        side = {None: None, 0: "v", 1: "u"}[dim]             # out features carry svh, in features suh
+        t_dim = {None: None, 0: 1, 1: 0}[dim]
+        trellis = self._read_raw(f"{prefix}.trellis", t_dim, None if dim is None else start // exl3.TILE,
+                                 None if dim is None else stop // exl3.TILE)
+        scales = {}
+        for s in ("u", "v"):
+            if f"{prefix}.s{s}h" in self._stored:
+                cut = side == s
+                scales[s] = self._read_raw(f"{prefix}.s{s}h", 0 if cut else None, start if cut else None,
+                                           stop if cut else None)
+            else:
+                v = exl3.unpack_signs(self._read_raw(f"{prefix}.s{s}", None, None, None))
+                scales[s] = v[start:stop] if side == s else v
+        return exl3.Exl3Linear(trellis, scales["u"], scales["v"], self._codebook(prefix))
+
+    def _codebook(self, prefix: str) -> str:
+        """The codebook a marker names, its stored value checked (exllamav3 refuses any other value too)."""
+        if prefix not in self._codebooks:
+            cb = "3inst"
+            for name, value in exl3.MARKERS.items():
+                if f"{prefix}.{name}" in self._stored:
+                    got = int(self._read_raw(f"{prefix}.{name}", None, None, None).reshape(-1)[0]) & 0xFFFFFFFF
+                    if got != value:
+                        raise CheckpointError(f"tensor {prefix}.{name}: holds {got:#x}, the {name} codebook marker "
+                                              f"is {value:#x}")
+                    cb = name
+            self._codebooks[prefix] = cb
+        return self._codebooks[prefix]
 
     def _read_quant(self, sn: str, quant: str, dim, start, stop, device) -> torch.Tensor:
         """Dequantize only the scale blocks that cover the slice, then trim to it."""

@@ -1,6 +1,7 @@
 """A deterministic synthetic checkpoint in the DeepSeek-V4 drafter namespace (no real checkpoint is reachable).
 
-    synthesize(cfg, out_dir, seed=0, device="cpu")   ->   out_dir/config.json
+    synthesize(cfg, out_dir, seed=0, device="cpu", fmt="bf16" | "exl3", bits=mix)
+                                                     ->   out_dir/config.json
                                                            out_dir/model.safetensors            (one shard), or
                                                            out_dir/model-0000i-of-0000N.safetensors + index.json
                                                            out_dir/dspark-manifest.json         (written last)
@@ -10,11 +11,20 @@ counter-based integer hash of (seed, crc32(name), element index) computed with e
 uniform by exact fp32 ops (24 hash bits -> k / 2**23 - 1), then ONE correctly rounded fp32 multiply by the scale,
 an exact-or-correctly-rounded add of the centre, and the round-to-nearest-even cast to the storage dtype. IEEE
 gives those the same result on a CPU and a GPU; each is a separate torch op (no fused multiply-add can form).
+
+`fmt="exl3"` stores the Linears as exllamav3 1.6.5 writes a converted DeepSeek-V4 drafter (`mix.py` says which
+tensor gets which bitrate, FP8 or plain storage): an EXL3 Linear gets random trellis words (every bitstream is a
+valid tail-biting trellis, so its decoded inner weights are the codebook's values at uniformly random states) and
+random-sign suh / svh whose magnitudes give the decoded weight the std the plain checkpoint's SCALES entry gives it;
+an FP8 one the plain checkpoint's values over a 128 x 128 E8M0 block scale that bounds them. Every stored element is
+still a function of (seed, stored name, index) alone, so the file streams in chunks like the plain one.
 """
 from __future__ import annotations
 
 import argparse
 import fnmatch
+from functools import partial
+from typing import Callable
 import hashlib
 import json
 import math
@@ -30,8 +40,10 @@ from pathlib import Path
 import torch
 
 from ..config import DrafterConfig, preset
+from . import exl3
 from .inventory import TensorSpec, tensor_specs
 from .manifest import DTYPE_TAGS, compute_manifest, write_manifest
+from .mix import DEFAULT_MIX, MixError, Storage, parse_mix, quantization_config, storage_of
 
 
 # ==== value distributions: the ONE table to tune ==================================================================
@@ -115,8 +127,8 @@ def _tensor_keys(seed: int, name: str) -> tuple[int, int]:
     return k1, lowbias32(k1 ^ 0x9E3779B9)
 
 
-def uniform(seed: int, name: str, start: int, count: int, device="cpu") -> torch.Tensor:
-    """Elements [start, start+count) of the tensor's stream: fp32 k / 2**23 - 1 in [-1, 1), k a 24-bit hash.
+def hash32(seed: int, name: str, start: int, count: int, device="cpu") -> torch.Tensor:
+    """Elements [start, start+count) of the tensor's stream of 32-bit hashes (int64 holding 0 .. 2**32 - 1).
 
     Two hash rounds, the key mixed into each: with one round, two tensors would draw the same values at indices
     that differ by the xor of their keys.
@@ -125,9 +137,17 @@ def uniform(seed: int, name: str, start: int, count: int, device="cpu") -> torch
         raise ValueError(f"tensor {name}: {start + count} elements exceeds the 2**32 counter range")
     k1, k2 = _tensor_keys(seed, name)
     x = torch.arange(start, start + count, dtype=torch.int64, device=device)
-    x = lowbias32(lowbias32(x ^ k1) ^ k2)
+    return lowbias32(lowbias32(x ^ k1) ^ k2)
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
     u = (x >> 8).to(torch.float32)                  # < 2**24: exact in fp32
     return u.mul_(2.0 ** -23).sub_(1.0)             # power-of-two scale and the -1 are exact
+
+
+def uniform(seed: int, name: str, start: int, count: int, device="cpu") -> torch.Tensor:
+    """Elements [start, start+count) of the tensor's stream: fp32 k / 2**23 - 1 in [-1, 1), k a 24-bit hash."""
+    return _unit(hash32(seed, name, start, count, device))
 
 
 def draw_values(spec: TensorSpec, seed: int, start: int, count: int, device="cpu") -> torch.Tensor:
@@ -145,6 +165,121 @@ def synth_tensor(spec: TensorSpec, seed: int = 0, device="cpu") -> torch.Tensor:
     return draw_values(spec, seed, 0, spec.numel, device).reshape(spec.shape)
 
 
+# ==== what is stored: plain tensors, or the EXL3 / FP8 forms of the Linears =========================================
+@dataclass(frozen=True)
+class StoredSpec:
+    """One stored tensor: `make(seed, start, count, device)` gives its flat elements [start, start+count)."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[..., torch.Tensor]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def _plain(spec: TensorSpec) -> StoredSpec:
+    return StoredSpec(spec.name, spec.shape, spec.dtype, partial(draw_values, spec))
+
+
+def _trellis_words(name: str, seed: int, start: int, count: int, device="cpu") -> torch.Tensor:
+    x = hash32(seed, name, start, count, device) >> 16
+    return ((x ^ 0x8000) - 0x8000).to(torch.int16)
+
+
+def _signed_scales(name: str, magnitude: float, seed: int, start: int, count: int, device="cpu") -> torch.Tensor:
+    """suh / svh: magnitude * (1 + U / 4) with a random sign (hash bit 0; U takes bits 8..31)."""
+    x = hash32(seed, name, start, count, device)
+    m = torch.tensor(magnitude, dtype=torch.float32, device=device)
+    v = _unit(x).mul_(m * 0.25).add_(m)
+    return torch.where((x & 1) == 1, -v, v).to(torch.float16)
+
+
+def _constant(value: int, dtype: torch.dtype, seed: int, start: int, count: int, device="cpu") -> torch.Tensor:
+    return torch.full((count,), value, dtype=torch.int64, device=device).to(torch.int32 if dtype == torch.int32
+                                                                             else torch.uint8).view(dtype)
+
+
+def _exl3_parts(spec: TensorSpec, cfg: DrafterConfig, st: Storage) -> list[StoredSpec]:
+    """An EXL3 Linear as exllamav3 stores it (wo_a: one Linear per o_group, `wo_a.slice.g`). The decoded weight's
+    std is the plain checkpoint's: |suh| |svh| * codebook RMS (the Hadamards keep the RMS)."""
+    key = spec.name[: -len(".weight")]
+    out_f, in_f = spec.shape
+    prefixes = [key]
+    if key.endswith(".attn.wo_a"):
+        prefixes, out_f = [f"{key}.slice.{g}" for g in range(cfg.o_groups)], cfg.o_lora_rank
+    std = draw_for(spec.name).half_width(spec.shape) / math.sqrt(3.0)
+    mag = math.sqrt(std / exl3.codebook_rms(st.codebook))
+    words = exl3.tile_words(st.bits)
+    parts: list[StoredSpec] = []
+    for p in prefixes:
+        parts += [StoredSpec(f"{p}.trellis", (in_f // exl3.TILE, out_f // exl3.TILE, words), torch.int16,
+                             partial(_trellis_words, f"{p}.trellis")),
+                  StoredSpec(f"{p}.suh", (in_f,), torch.float16, partial(_signed_scales, f"{p}.suh", mag)),
+                  StoredSpec(f"{p}.svh", (out_f,), torch.float16, partial(_signed_scales, f"{p}.svh", mag))]
+        if st.codebook in exl3.MARKERS:
+            v = exl3.MARKERS[st.codebook]
+            parts.append(StoredSpec(f"{p}.{st.codebook}", (), torch.int32,
+                                    partial(_constant, v - (1 << 32) if v >= 1 << 31 else v, torch.int32)))
+    return parts
+
+
+FP8_BLOCK = 128
+_E4M3_MAX = 448.0
+
+
+def _fp8_exponent(spec: TensorSpec) -> int:
+    """The smallest e with every drawn value (|v| <= the fp32 half width) inside e4m3's +-448 * 2**e."""
+    d = draw_for(spec.name)
+    if d.center:
+        raise ValueError(f"tensor {spec.name}: FP8 storage needs values centred on 0")
+    half = torch.tensor(d.half_width(spec.shape), dtype=torch.float32).item()
+    e = math.ceil(math.log2(half / _E4M3_MAX))
+    while _E4M3_MAX * 2.0 ** e < half:
+        e += 1
+    while _E4M3_MAX * 2.0 ** (e - 1) >= half:
+        e -= 1
+    return e
+
+
+def _fp8_values(spec: TensorSpec, e: int, seed: int, start: int, count: int, device="cpu") -> torch.Tensor:
+    v = draw_values(TensorSpec(spec.name, spec.shape, torch.float32, spec.kind), seed, start, count, device)
+    return v.mul_(2.0 ** -e).to(torch.float8_e4m3fn)          # a power of two: exact, then one e4m3 rounding
+
+
+def _fp8_parts(spec: TensorSpec) -> list[StoredSpec]:
+    """DeepSeek's FP8 storage: the plain checkpoint's values in E4M3 over one E8M0 scale per 128 x 128 block (all
+    blocks share the exponent that bounds the draw: the values are uniform, so every block's amax is about it)."""
+    e = _fp8_exponent(spec)
+    grid = tuple(-(-n // FP8_BLOCK) for n in spec.shape)
+    key = spec.name[: -len(".weight")]
+    return [StoredSpec(spec.name, spec.shape, torch.float8_e4m3fn, partial(_fp8_values, spec, e)),
+            StoredSpec(f"{key}.scale", grid, torch.float8_e8m0fnu, partial(_constant, e + 127, torch.float8_e8m0fnu))]
+
+
+def stored_specs(cfg: DrafterConfig, fmt: str = "bf16", mix: dict[str, Storage] | None = None) -> list[StoredSpec]:
+    """Every stored tensor, in inventory order: the plain checkpoint (fmt "bf16"), or its Linears in the `mix`'s
+    storage forms (fmt "exl3")."""
+    if fmt not in ("bf16", "exl3"):
+        raise ValueError(f"format {fmt!r}: must be bf16 or exl3")
+    mix = parse_mix(DEFAULT_MIX) if mix is None else mix
+    out: list[StoredSpec] = []
+    for spec in tensor_specs(cfg).values():
+        st = storage_of(spec.name, mix) if fmt == "exl3" else None
+        if st is None or st.form == "plain":
+            out.append(_plain(spec))
+        elif st.form == "fp8":
+            out += _fp8_parts(spec)
+        else:
+            out += _exl3_parts(spec, cfg, st)
+    return out
+
+
 # ==== streaming safetensors writer ==================================================================================
 def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
     """Header for tensors laid out in the given order. Widest dtypes first (as safetensors' own writer does), so each
@@ -159,7 +294,7 @@ def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _file_order(specs: list[TensorSpec]) -> list[TensorSpec]:
+def _file_order(specs: list[StoredSpec]) -> list[StoredSpec]:
     return sorted(specs, key=lambda s: -s.dtype.itemsize)      # stable: inventory order within a width
 
 
@@ -175,7 +310,7 @@ def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
     tmp.replace(path)       # the tensors may be mmapped views of the file being replaced (safetensors load_file)
 
 
-def _plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
+def _plan_shards(specs: list[StoredSpec], shard_bytes: int) -> list[list[StoredSpec]]:
     """Greedy in inventory order (a block's tensors stay together); a tensor bigger than a shard gets its own."""
     shards, cur, size = [], [], 0
     for s in specs:
@@ -194,16 +329,22 @@ _OWNED = ("model*.safetensors", "model.safetensors.index.json", "dspark-manifest
 
 
 def synthesize(cfg: DrafterConfig, out_dir: str | Path, seed: int = 0, device: str | torch.device = "cpu",
-               shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool | None = None) -> dict:
-    """Write the checkpoint and its manifest; returns the manifest. `progress=None`: a bar above 1 GB."""
+               shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool | None = None, fmt: str = "bf16",
+               bits: str = DEFAULT_MIX) -> dict:
+    """Write the checkpoint and its manifest; returns the manifest. `progress=None`: a bar above 1 GB. `fmt="exl3"`
+    stores the Linears as the `bits` mix says (mix.py); the config then carries exllamav3's quantization_config."""
+    mix = parse_mix(bits) if fmt == "exl3" else None
+    specs = stored_specs(cfg, fmt, mix)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for pattern in _OWNED:                          # stale shards of an earlier layout would be found by a glob
         for p in out.glob(pattern):
             p.unlink()
-    (out / "config.json").write_text(json.dumps(cfg.to_json_dict(), indent=2, sort_keys=True) + "\n")
+    config = cfg.to_json_dict()
+    if mix is not None:
+        config["quantization_config"] = quantization_config(mix)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    specs = list(tensor_specs(cfg).values())
     shards = _plan_shards(specs, shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
@@ -234,7 +375,7 @@ def synthesize(cfg: DrafterConfig, out_dir: str | Path, seed: int = 0, device: s
             for s in order:
                 h = hashlib.sha256()
                 for start in range(0, s.numel, chunk):
-                    vals = draw_values(s, seed, start, min(chunk, s.numel - start), dev)
+                    vals = s.make(seed, start, min(chunk, s.numel - start), dev)
                     buf = vals.cpu().view(torch.uint8).numpy()
                     pending.append(writer.submit(write, f, buf))
                     pending.append(hasher.submit(h.update, buf))
@@ -269,14 +410,27 @@ def synth_main(argv: list[str] | None = None) -> int:
                                                    "the bytes are the same either way")
     ap.add_argument("--shard-gb", type=float, default=DEFAULT_SHARD_BYTES / (1 << 30),
                     help="largest shard in GiB (default %(default)s)")
+    ap.add_argument("--format", choices=["bf16", "exl3"], default="bf16",
+                    help="bf16: plain tensors; exl3: the Linears as exllamav3 1.6.5 stores them (default %(default)s)")
+    ap.add_argument("--bits", default=None, help=f"with --format exl3: the storage mix, group=value,... "
+                                                 f"(default {DEFAULT_MIX!r}; weights/mix.py lists the groups)")
     a = ap.parse_args(argv)
     if a.shard_gb <= 0:
         ap.error(f"--shard-gb {a.shard_gb}: must be > 0")
+    if a.bits is not None and a.format != "exl3":
+        ap.error(f"--bits {a.bits}: only with --format exl3")
+    bits = a.bits or DEFAULT_MIX
+    try:
+        parse_mix(bits)
+    except MixError as e:
+        ap.error(str(e))
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     t0 = time.perf_counter()
-    m = synthesize(preset(a.preset), a.out, seed=a.seed, device=device, shard_bytes=int(a.shard_gb * (1 << 30)))
-    print(f"wrote {a.out}: {len(m['tensors'])} tensors, preset {a.preset}, seed {a.seed}, device {device}, "
-          f"{time.perf_counter() - t0:.1f} s\nidentity_digest {m['identity_digest']}\n"
+    m = synthesize(preset(a.preset), a.out, seed=a.seed, device=device, shard_bytes=int(a.shard_gb * (1 << 30)),
+                   fmt=a.format, bits=bits)
+    fmt = a.format + (f" ({bits})" if a.format == "exl3" else "")
+    print(f"wrote {a.out}: {len(m['tensors'])} tensors, preset {a.preset}, format {fmt}, seed {a.seed}, device "
+          f"{device}, {time.perf_counter() - t0:.1f} s\nidentity_digest {m['identity_digest']}\n"
           f"config_digest {m['config_digest']}")
     return 0
 
