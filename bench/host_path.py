@@ -92,7 +92,7 @@ class InstantPair:
     def __init__(self):
         self.last_seq = 0
 
-    def run(self, batch):
+    def run(self, batch, deadline_ns=None):
         self.last_seq += 1
         r = M.RankResult(0, "", np.arange(5, dtype="<i4").tobytes(), np.full(5, 0.75, "<f4").tobytes(), b"", 5)
         return [r for _ in batch.entries]

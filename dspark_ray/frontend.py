@@ -8,8 +8,13 @@ then the slot's owner, generation and cursor (position gap, rollback depth, draf
 STEP that finds the pair idle and nobody queued runs as the batch on its own thread (no queue, no thread hand-off:
 each hand-off costs a wake-up of tens of microseconds). Otherwise its valid entries join one queue: while a batch
 runs, other callers' entries wait there, and the next caller to find the pair free takes every queued entry (up to
-`max_entries_per_replay`) into one batch. An entry still queued when its STEP's deadline passes answers DEADLINE
-and never runs, so its slot is unchanged.
+`max_entries_per_replay`) into one batch.
+
+Every STEP is answered by its deadline, whatever the ranks do. An entry still queued when its STEP's deadline
+passes answers DEADLINE and never runs, so its slot is unchanged. A batch still on the pair at the earliest deadline
+of its entries is handed to a reaper thread, which waits on for the ranks (up to the watchdog) while the pair stays
+busy; each entry of it answers DEADLINE at its own deadline with its slot resynced (the ranks may or may not apply
+it: the reset rides the next batch, after this one), or its result if the ranks finish first.
 """
 from __future__ import annotations
 
@@ -37,10 +42,19 @@ class PairFailure(RuntimeError):
         self.kind, self.reason = kind, reason
 
 
-class Pair(Protocol):
-    """What the front-end drives: one batch in, rank 0's results out, or a PairFailure."""
+class PairLate(Exception):
+    """The batch is still on the pair at `deadline_ns`: `resume()` waits on for it (its results, or a PairFailure)."""
 
-    def run(self, batch: RankBatch) -> list[RankResult]: ...
+    def __init__(self, resume: Callable[[], list[RankResult]]):
+        super().__init__("the batch outlived its deadline")
+        self.resume = resume
+
+
+class Pair(Protocol):
+    """What the front-end drives: one batch in, rank 0's results out, or a PairFailure; PairLate when the batch
+    is still running at `deadline_ns` (time.monotonic_ns; None: no deadline)."""
+
+    def run(self, batch: RankBatch, deadline_ns: int | None = None) -> list[RankResult]: ...
 
 
 @dataclass
@@ -68,6 +82,7 @@ class _Pending:
     done: bool = False
     result: C.EntryResult | None = None
     seq: int | None = None          # the pair's step (ring seq) it ran in
+    taken: bool = False             # in a batch (no longer in the queue)
 
 
 class StepService(C.StepHandler):
@@ -201,6 +216,8 @@ class StepService(C.StepHandler):
             alone = 0 < len(pend) <= self.limits.max_entries_per_replay and not self._running and not self.queue
             if alone:
                 self._running = True
+                for p in pend:
+                    p.taken = True
             else:
                 self.queue.extend(pend)
         if alone:
@@ -253,40 +270,74 @@ class StepService(C.StepHandler):
 
     # -- batches ---------------------------------------------------------------------------------------------------
     def _drive(self, p: _Pending) -> None:
-        """Return once `p` is answered: run a batch on this thread whenever the pair is free, else wait for the
-        running batch to end (its caller may have taken `p` along)."""
+        """Return once `p` is answered, by its deadline: run a batch on this thread whenever the pair is free, else
+        wait for the running batch to end (its caller may have taken `p` along)."""
         while not p.done:
             with self._turn:
                 while self._running and not p.done:
-                    self._turn.wait(1.0)
+                    left_ns = p.deadline_ns - now()
+                    if left_ns <= 0:
+                        self._expire(p)
+                        return
+                    self._turn.wait(min(left_ns / 1e9, 1.0))
                 if p.done:
                     return
                 self._running = True
                 batch = self._take_batch()
             self._take_turn(batch)
 
+    def _expire(self, p: _Pending) -> None:
+        """`p`'s deadline passed before its answer (caller holds `_turn`). Still queued: DEADLINE, nothing ran. In a
+        batch: DEADLINE and its slot resynced, since the ranks may still apply it."""
+        with self.lock:
+            if p.done:
+                return
+            self.stats["deadline"] += 1
+            slot = self.slots[p.entry.slot]
+            if not p.taken:
+                self.queue.remove(p)
+                reason = "deadline passed before the entry could run"
+            else:
+                self._resync(p.entry.slot)
+                reason = "deadline passed while the entry ran on the pair: its slot was resynced"
+            slot.busy = False
+            p.result = C.error_result(C.Code.DEADLINE, reason, slot.cursor.generation)
+            p.done = True
+
     def _take_turn(self, batch: list[_Pending]) -> None:
-        """Run `batch` on the pair (the caller has set `_running`); then free the pair and wake the waiters."""
+        """Run `batch` on the pair (the caller has set `_running`); then free the pair and wake the waiters, unless
+        the batch outlived its deadline and a reaper now holds the pair."""
+        handed_off = False
         try:
-            self._dispatch(batch)
+            handed_off = self._dispatch(batch)
         except Exception as e:          # a bug, not a pair failure (those answer INTERNAL in _run): still answer
             log.exception("batch of %d entries failed in the front-end", len(batch))
             self._answer_internal([q for q in batch if not q.done], f"front-end error: {type(e).__name__}: {e}")
         finally:
-            with self._turn:
-                self._running = False
-                self._turn.notify_all()
+            if not handed_off:
+                self._end_turn()
+
+    def _end_turn(self) -> None:
+        with self._turn:
+            self._running = False
+            self._turn.notify_all()
 
     def _take_batch(self) -> list[_Pending]:
         """Up to `max_entries_per_replay` queued entries, oldest first (caller holds `_turn`). A slot has at most
         one entry in flight (checked at admission), so a batch never holds a slot twice."""
         n = min(len(self.queue), self.limits.max_entries_per_replay)
-        return [self.queue.popleft() for _ in range(n)]
+        batch = [self.queue.popleft() for _ in range(n)]
+        for p in batch:
+            p.taken = True
+        return batch
 
-    def _dispatch(self, batch: list[_Pending]) -> None:
+    def _dispatch(self, batch: list[_Pending]) -> bool:
+        """True when the batch was handed to a reaper (it then ends the turn)."""
         t = now()
         live = []
         for p in batch:
+            if p.done:                  # expired by its waiter meanwhile
+                continue
             if t > p.deadline_ns:
                 self.stats["deadline"] += 1
                 self._finish(p, C.error_result(C.Code.DEADLINE, "deadline passed before the entry could run",
@@ -297,11 +348,15 @@ class StepService(C.StepHandler):
                                                self.slots[p.entry.slot].cursor.generation))
             else:
                 live.append(p)
-        if live:
-            self._run(live)
+        return self._run(live) if live else False
 
-    def _run(self, live: list[_Pending]) -> None:
+    def _run(self, live: list[_Pending]) -> bool:
         with self.lock:
+            # An entry its waiter expired is left out, under the lock its resync takes: a slot reset gathered here
+            # then never precedes an entry of the same slot in this batch that its waiter gave up on.
+            live = [p for p in live if not p.done]
+            if not live:
+                return False
             resets = sorted(self.pending_resets)
             self.pending_resets.clear()
         rb = RankBatch(resets, [RankEntry(p.entry.slot, p.entry.seed_token, p.entry.n_out, p.entry.start_pos,
@@ -311,29 +366,50 @@ class StepService(C.StepHandler):
         self.stats["entries"] += len(live)
         self.stats["batch_sizes"][len(live)] += 1
         try:
-            results = self.pair.run(rb)
-            if len(results) != len(live):       # answers are matched by position: never pair up a short list
-                raise PairFailure("broken", f"rank 0 answered {len(results)} entries of a batch of {len(live)}")
+            self._finish_batch(live, resets, self.pair.run(rb, deadline_ns=min(p.deadline_ns for p in live)))
+        except PairLate as late:
+            self._hand_off(live, resets, late.resume)
+            return True
         except PairFailure as f:
-            self.stats["internal"] += len(live)
-            msg = f"batch failed closed ({f.kind}): {f.reason}"
-            self.last_errors = (self.last_errors + [msg])[-10:]
-            log.warning("%s; %d entries answer INTERNAL, their slots are resynced", msg, len(live))
-            with self.lock:                      # before any answer wakes a client
-                if f.kind != "step":             # a rank's state may differ from its peer's: resync everything
-                    for i in range(len(self.slots)):
-                        self._resync(i)
-                else:
-                    self.pending_resets.update(resets)   # the failed batch may not have applied its resets
-            self._answer_internal(live, msg)
-            if self.on_failure:
-                self.on_failure(f, [p.entry.slot for p in live])
-            return
+            self._fail_batch(live, resets, f)
+        return False
+
+    def _hand_off(self, live: list[_Pending], resets: list[int], resume: Callable[[], list[RankResult]]) -> None:
+        """The batch outlived its earliest deadline: a reaper thread waits on for it and ends the turn; the entries
+        past their deadline answer now (the others at theirs, in _drive, or with the batch's results)."""
+        log.warning("a batch of %d entries is still on the pair at its deadline: answering DEADLINE, waiting on "
+                    "for the ranks (watchdog)", len(live))
+        with self._turn:
+            t = now()
+            for p in live:
+                if p.deadline_ns <= t:
+                    self._expire(p)
+            self._turn.notify_all()
+
+        def reap() -> None:
+            try:
+                try:
+                    self._finish_batch(live, resets, resume())
+                except PairFailure as f:
+                    self._fail_batch(live, resets, f)
+            except Exception as e:
+                log.exception("the reaper of a late batch failed")
+                self._answer_internal([q for q in live if not q.done], f"front-end error: {type(e).__name__}: {e}")
+            finally:
+                self._end_turn()
+        threading.Thread(target=reap, name="dspark-late-batch", daemon=True).start()
+
+    def _finish_batch(self, live: list[_Pending], resets: list[int], results: list[RankResult]) -> None:
+        """Answer the batch's entries from rank 0's results (those not expired meanwhile) and move their cursors."""
+        if len(results) != len(live):       # answers are matched by position: never pair up a short list
+            raise PairFailure("broken", f"rank 0 answered {len(results)} entries of a batch of {len(live)}")
         if self.on_failure:
             self.on_failure(None, [])      # a success: the supervisor resets its failure count
         seq = getattr(self.pair, "last_seq", None)
         with self.lock:
             for p, r in zip(live, results):
+                if p.done:                 # its waiter answered DEADLINE and resynced the slot
+                    continue
                 slot = self.slots[p.entry.slot]
                 gen = slot.cursor.generation
                 if r.code == 0:
@@ -351,10 +427,31 @@ class StepService(C.StepHandler):
                 p.seq = seq
                 p.done = True
 
+    def _fail_batch(self, live: list[_Pending], resets: list[int], f: PairFailure) -> None:
+        """The batch failed closed: INTERNAL for its entries still waiting, their slots (every slot, unless both
+        ranks failed the step alike) resynced, and the supervisor told."""
+        waiting = [p for p in live if not p.done]
+        self.stats["internal"] += len(waiting)
+        msg = f"batch failed closed ({f.kind}): {f.reason}"
+        self.last_errors = (self.last_errors + [msg])[-10:]
+        log.warning("%s; %d entries answer INTERNAL, their slots are resynced", msg, len(waiting))
+        with self.lock:                      # before any answer wakes a client
+            if f.kind != "step":             # a rank's state may differ from its peer's: resync everything
+                for i in range(len(self.slots)):
+                    self._resync(i)
+            else:
+                self.pending_resets.update(resets)   # the failed batch may not have applied its resets
+        self._answer_internal(waiting, msg)
+        if self.on_failure:
+            self.on_failure(f, [p.entry.slot for p in live])
+
     def _answer_internal(self, entries: list[_Pending], msg: str) -> None:
-        """Fail these entries closed: INTERNAL, and their slots resynced (the ranks may or may not have run them)."""
+        """Fail these entries closed: INTERNAL, and their slots resynced (the ranks may or may not have run them).
+        An entry its waiter answered meanwhile (DEADLINE) keeps that answer."""
         with self.lock:
             for p in entries:
+                if p.done:
+                    continue
                 self._resync(p.entry.slot)
                 self.slots[p.entry.slot].busy = False
                 p.result = C.error_result(C.Code.INTERNAL, msg, self.slots[p.entry.slot].cursor.generation)
@@ -362,9 +459,11 @@ class StepService(C.StepHandler):
 
     def _finish(self, p: _Pending, r: C.EntryResult) -> None:
         with self.lock:
+            if p.done:                 # its waiter answered it meanwhile
+                return
             self.slots[p.entry.slot].busy = False
-        p.result = r
-        p.done = True
+            p.result = r
+            p.done = True
 
     def close(self) -> None:
         """Nothing to stop: batches run on the callers' threads."""

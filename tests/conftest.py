@@ -103,7 +103,7 @@ class EnginePair:
     def __init__(self, engine, width: int, delay_s: float = 0.0):
         self.engine, self.width, self.delay_s = engine, width, delay_s
 
-    def run(self, batch):
+    def run(self, batch, deadline_ns=None):
         time.sleep(self.delay_s)
         b = M.decode_batch(M.encode(batch))
         self.engine.reset_slots(b.resets)

@@ -10,7 +10,7 @@ import pytest
 
 from dspark_ray import contract as C
 from dspark_ray.actors.messages import RankBatch, RankResult
-from dspark_ray.frontend import Identity, StepService
+from dspark_ray.frontend import Identity, PairLate, StepService
 
 WINDOW = 8
 
@@ -25,12 +25,22 @@ class _Pair:
         self.entered = threading.Event()
         self.fail = False
         self.short = False          # answer one entry fewer than the batch holds
+        self.resets: list[list[int]] = []
+        self.honour_deadline = False    # as PairManager: PairLate at the deadline, resume() waits for the gate
 
-    def run(self, batch: RankBatch) -> list[RankResult]:
+    def run(self, batch: RankBatch, deadline_ns=None) -> list[RankResult]:
         self.batches.append((threading.get_ident(), [e.slot for e in batch.entries]))
+        self.resets.append(list(batch.resets))
         self.entered.set()
         if self.gate is not None:
+            if self.honour_deadline and deadline_ns is not None:
+                if not self.gate.wait(max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9)):
+                    raise PairLate(lambda: self._finish(batch))
             assert self.gate.wait(10)
+        return self._finish(batch)
+
+    def _finish(self, batch: RankBatch) -> list[RankResult]:
+        assert self.gate is None or self.gate.wait(10)
         if self.fail:
             raise ValueError("boom")
         res = [RankResult(0, "", b"\0" * 4 * e.n_out, b"\0" * 4 * e.n_out, b"", 0) for e in batch.entries]
@@ -95,6 +105,43 @@ def test_an_entry_queued_past_its_deadline_answers_deadline_and_never_runs(servi
     assert late[0].code == C.Code.DEADLINE
     assert all(slots[1] not in b[1] for b in pair.batches)
     assert svc.slots[slots[1]].cursor.position == 0 and not svc.slots[slots[1]].busy
+
+
+def test_a_batch_stuck_on_the_pair_answers_deadline_on_time_and_resyncs_its_slot(service):
+    """A pair that does not finish: the STEP running on it answers DEADLINE at its deadline (its slot resynced: the
+    ranks may still apply it), a STEP queued behind it answers DEADLINE at its own (slot unchanged, never run),
+    and once the pair finishes, the next batch resets the resynced slot before anything else runs on it."""
+    svc, pair, sid, slots = service
+    pair.gate, pair.honour_deadline = threading.Event(), True
+    a, b = slots[0], slots[1]
+    gen_a, gen_b = (svc.slots[s].cursor.generation for s in (a, b))
+    out: dict[str, tuple[C.EntryResult, float]] = {}
+
+    def timed(key, slot):
+        t0 = time.monotonic()
+        r = _step(svc, sid, slot, deadline_ms=100.0)
+        out[key] = (r, (time.monotonic() - t0) * 1e3)
+
+    ta = threading.Thread(target=timed, args=("a", a))
+    ta.start()
+    assert pair.entered.wait(10)
+    tb = threading.Thread(target=timed, args=("b", b))
+    tb.start()
+    ta.join(5)
+    tb.join(5)
+    (ra, ms_a), (rb, ms_b) = out["a"], out["b"]
+    assert ra.code == C.Code.DEADLINE and "resynced" in ra.reason and ra.generation == gen_a + 1, ra
+    assert rb.code == C.Code.DEADLINE and "before the entry could run" in rb.reason and rb.generation == gen_b, rb
+    assert ms_a < 150 and ms_b < 150, (ms_a, ms_b)
+    assert svc._running and all(b not in slots_ for _, slots_ in pair.batches)     # the pair is still held
+    assert _step(svc, sid, b, deadline_ms=50.0).code == C.Code.DEADLINE            # ... and refuses nothing else
+    pair.gate.set()
+    t0 = time.monotonic()
+    while svc._running and time.monotonic() - t0 < 5:
+        time.sleep(0.001)
+    assert _step(svc, sid, a).code == C.Code.OK               # the new generation, a fresh first insert
+    assert a in pair.resets[-1] and pair.batches[-1][1] == [a]     # its reset rides the batch after the late one
+    assert svc.slots[b].cursor.position == 0 and not svc.slots[b].busy
 
 
 def test_a_front_end_bug_in_a_batch_answers_internal_and_the_next_step_runs(service):

@@ -54,8 +54,9 @@ class Request:
             assert np.array_equal(r.confidences_array(), w.confidences)
             self.pos += e.token_ids.shape[0]
             self.fresh = False
-        elif r.code in (Code.INTERNAL, Code.STALE_GENERATION):
-            self.gen, self.fresh = r.generation, True       # resynced: re-insert the context
+        elif r.code in (Code.INTERNAL, Code.STALE_GENERATION) or r.generation != self.gen:
+            # resynced (also a DEADLINE whose batch was on the pair: a new generation): re-insert the context
+            self.gen, self.fresh = r.generation, True
         return r
 
 
@@ -160,6 +161,66 @@ def test_dead_hung_or_timed_out_rank_fails_closed_and_restarts_the_pair(sup, ray
                     time.sleep(0.1)
         assert q.step().code == Code.STALE_GENERATION
         assert q.step().code == Code.OK
+
+
+def test_a_frozen_rank_never_holds_a_step_past_its_deadline(sup, ray_cluster, cfg):
+    """SIGSTOP of a rank mid-load: every STEP is answered by its deadline (+ 50 ms), DEADLINE while the pair is
+    stuck and UNAVAILABLE once it is known bad, then the pair restarts and drafts equal the reference again."""
+    import signal
+    import threading
+    fe, _, _, ref = sup
+    before = _wait_serving(ray_cluster, fe)
+    deadline_ms, slack_ms = 300.0, 50.0
+    stop = threading.Event()
+    rows: list[tuple[float, float, Code]] = []           # (sent, took ms, code) of every STEP
+    errors: list[str] = []
+
+    def load(k: int) -> None:
+        try:
+            with _client(sup) as c:
+                q = Request(c, ref, 4 + k, cfg, 10 + k)
+                while not stop.is_set():
+                    t0 = time.monotonic()
+                    code = q.step(deadline_ms=deadline_ms).code     # (checks every OK draft against the reference)
+                    rows.append((t0, (time.monotonic() - t0) * 1e3, code))
+                    time.sleep(0.005)
+        except Exception as e:              # noqa: BLE001 (reported below)
+            errors.append(f"client {k}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=load, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    pid = before["ranks"][1]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    try:
+        while True:                          # the stopped rank is found out (DEADLINE meanwhile) and replaced
+            st = _wait_serving(ray_cluster, fe, timeout=90)
+            if st["supervisor"]["restarts"] > before["supervisor"]["restarts"] or time.monotonic() > frozen + 90:
+                break
+            time.sleep(0.1)
+        back = time.monotonic()
+        t_end = back + 60
+        while time.monotonic() < t_end and not errors and \
+                sum(1 for t0, _, c in list(rows) if t0 > back and c == Code.OK) < 6:
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        try:
+            os.kill(pid, signal.SIGCONT)     # (killed by the restart; a leftover must not stay stopped)
+        except ProcessLookupError:
+            pass
+    assert not errors, errors
+    assert st["supervisor"]["restarts"] == before["supervisor"]["restarts"] + 1
+    late = [(round(t0 - frozen, 2), round(ms, 1), c.name) for t0, ms, c in rows if ms > deadline_ms + slack_ms]
+    assert not late, f"answered after deadline + {slack_ms:g} ms: {late}"
+    after = [c for t0, _, c in rows if t0 >= frozen]
+    assert Code.DEADLINE in after and Code.UNAVAILABLE in after, sorted(set(after))
+    assert set(after) <= {Code.OK, Code.DEADLINE, Code.UNAVAILABLE, Code.INTERNAL, Code.STALE_GENERATION}, after
+    assert sum(1 for t0, _, c in rows if t0 > back and c == Code.OK) >= 6      # serving again, as the reference
 
 
 def test_a_dead_front_end_is_restarted_and_recreates_its_pair(sup, ray_cluster):

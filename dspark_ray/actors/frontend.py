@@ -12,7 +12,7 @@ import socket
 import time
 from dataclasses import asdict
 
-from ..frontend import PairFailure, StepService
+from ..frontend import PairFailure, PairLate, StepService
 from ..keep_warm import REHEARSAL_ENTRIES, KeepWarm
 from ..stamps import Stamps, cpu_now, now
 from . import messages as M
@@ -128,30 +128,56 @@ class PairManager:
         self.kill()
         self.start()
 
-    def run(self, batch: M.RankBatch) -> list[M.RankResult]:
+    def run(self, batch: M.RankBatch, deadline_ns: int | None = None) -> list[M.RankResult]:
         """One step through the ring. A missing completion within the bound is a hang (or a death): the ranks
-        are killed so nothing stale can answer later, and the supervisor restarts the pair."""
+        are killed so nothing stale can answer later, and the supervisor restarts the pair. Still running at
+        `deadline_ns`: PairLate, whose resume() waits on (the same bound, counted from the publish)."""
         # Stamps before each hand-off (a stamp taken after one can trail the reader's).
         row = {"publish": now()}
         try:
             payload = M.encode(batch)
             row["posting"] = now()
             seq = self.ring.publish(payload, timeout_s=self.step_bound_s)
-            row["seq"] = seq
-            deadline = time.monotonic() + self.step_bound_s
+        except RingTimeout as e:
+            self.kill()             # the stuck ranks must never answer later
+            raise PairFailure("hung", f"no ring slot within the {self.step_bound_s:g} s watchdog: {e}") from None
+        except RingError as e:
+            self.kill()
+            raise PairFailure("broken", str(e)) from None
+        row["seq"] = seq
+        bound = time.monotonic() + self.step_bound_s
+        return self._collect(batch, payload, row, bound, deadline_ns)
+
+    def _collect(self, batch: M.RankBatch, payload: bytes, row: dict, bound: float,
+                 deadline_ns: int | None) -> list[M.RankResult]:
+        seq = row["seq"]
+        try:
             while True:
-                # Slices of the bound, so a dead rank is noticed within ~0.1 s instead of at the bound.
+                # Slices of the bound, so a dead or failed rank is noticed within ~0.1 s instead of at the bound,
+                # and the caller gets its turn back at its deadline.
+                left = bound - time.monotonic()
+                if deadline_ns is not None:
+                    left = min(left, (deadline_ns - now()) / 1e9)
                 try:
-                    comps = self.ring.wait_completions(seq, timeout_s=min(0.1, max(0.0, deadline - time.monotonic())),
-                                                       idle=self.keep_warm)
+                    comps = self.ring.wait_completions(seq, timeout_s=min(0.1, max(0.0, left)), idle=self.keep_warm)
                     break
                 except RingTimeout:
                     dead = self.ring.dead_readers()
                     if dead:
                         self.kill()
                         raise PairFailure("dead", f"rank(s) {dead} died during step {seq}") from None
-                    if time.monotonic() >= deadline:
+                    broken = [r for r, st in self.ring.completed_so_far(seq).items() if st == M.STATUS_BROKEN]
+                    if broken:
+                        # A rank's latch closed (its collective timed out: the peer is gone, frozen or slow) while
+                        # the other is still on the step: the pair is known bad now, not at the watchdog. (A rank
+                        # that failed the step with its latch open is waited for: its peer fails alike.)
+                        self.kill()
+                        raise PairFailure("broken", f"rank(s) {broken} broke on step {seq} while the others "
+                                                    f"still ran it") from None
+                    if time.monotonic() >= bound:
                         raise
+                    if deadline_ns is not None and now() >= deadline_ns:
+                        raise PairLate(lambda: self._collect(batch, payload, row, bound, None)) from None
         except RingTimeout as e:
             self.kill()             # the stuck ranks must never answer later
             raise PairFailure("hung", f"no completion within the {self.step_bound_s:g} s watchdog: {e}") from None

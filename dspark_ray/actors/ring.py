@@ -447,6 +447,12 @@ class RingWriter(_End):
             self._free_spills(self._min_ack())
         return out
 
+    def completed_so_far(self, seq: int) -> dict[int, int]:
+        """Reader index -> completion status, for the readers that completed `seq` so far (a peek: a reader that
+        failed its step can be seen while another is still on it)."""
+        w = self._w
+        return {i: w[k + _K_STATUS] for i, k in enumerate(self._comp_words) if w[k] == seq}
+
     def _completed(self, seq: int) -> bool:
         w = self._w
         done = True
