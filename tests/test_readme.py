@@ -6,11 +6,13 @@ set-up line (`source scripts/env.sh`, the first thing test.sh does) runs in its 
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -48,34 +50,56 @@ def _port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-@pytest.mark.skipif(not _port_free(6379), reason="a Ray head already listens on 6379 (README: `ray start --head`)")
-def test_every_readme_command_runs_as_written():
-    tmp = tempfile.mkdtemp(prefix="dr-", dir="/tmp")      # short: Ray's socket paths live under TMPDIR
-    env = dict(os.environ, TMPDIR=tmp, DSPARK_CACHE=os.path.join(tmp, "cache"), RAY_ADDRESS="")
-    env.pop("RAY_ADDRESS")
+def run_readme(tmp: str) -> dict:
+    """Every README line in order, each in its own shell after the set-up line, as a reader's terminal would hold
+    them; the first failing line ends the run. Returns what ran and the failure, if any."""
+    env = dict(os.environ, TMPDIR=tmp, DSPARK_CACHE=os.path.join(tmp, "cache"))
+    env.pop("RAY_ADDRESS", None)
     fill = {"DIR": os.path.join(tmp, "ckpt")}
-    ran = []
-    try:
-        for line in readme_commands():
-            cmd = "source scripts/env.sh" if line == "bash test.sh" else line
-            for k, v in fill.items():
-                cmd = re.sub(rf"\b{k}\b", v, cmd)
-            # one shell per line, each after the README's set-up line, as a reader's terminal would hold it
-            p = subprocess.run(["bash", "-c", f"source scripts/env.sh >/dev/null && {cmd}"], cwd=ROOT, env=env,
-                               capture_output=True, text=True, timeout=600)
-            out = p.stdout + p.stderr
-            assert p.returncode == 0, f"README line `{line}` exited {p.returncode}:\n{out[-3000:]}"
-            ran.append(line)
-            if line.startswith("dspark-ray serve"):
-                m = re.search(r"STEP endpoint [\d.]+:(\d+)", out)
-                assert m, out[-2000:]
+    ran: list[str] = []
+    for line in readme_commands():
+        cmd = "source scripts/env.sh" if line == "bash test.sh" else line
+        for k, v in fill.items():
+            cmd = re.sub(rf"\b{k}\b", v, cmd)
+        p = subprocess.run(["bash", "-c", f"source scripts/env.sh >/dev/null && {cmd}"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+        out = p.stdout + p.stderr
+        why = None
+        if p.returncode != 0:
+            why = f"exited {p.returncode}"
+        elif line.startswith("dspark-ray serve"):
+            m = re.search(r"STEP endpoint [\d.]+:(\d+)", out)
+            if m:
                 fill["PORT"] = m.group(1)
-            if line.startswith("dspark-ray status"):
-                assert "generation" in out, out[-2000:]
-            if line.startswith("dspark-ray step") or line == "bash run.sh":
-                assert re.search(r"drafts?", out), out[-2000:]
-        assert len(ran) == len(readme_commands())
+            else:
+                why = "printed no STEP endpoint"
+        elif line.startswith("dspark-ray status") and "generation" not in out:
+            why = "showed no worker generation"
+        elif (line.startswith("dspark-ray step") or line == "bash run.sh") and not re.search(r"drafts?", out):
+            why = "showed no drafts"
+        if why:
+            return {"ran": ran, "failed": line, "why": why, "output": out[-3000:]}
+        ran.append(line)
+    return {"ran": ran, "failed": None}
+
+
+@pytest.mark.skipif(not _port_free(6379), reason="a Ray head already listens on 6379 (README: `ray start --head`)")
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs unshare as root: the README's `ray stop` must see only this run's Ray")
+def test_every_readme_command_runs_as_written():
+    """In a PID namespace of its own: the README's `ray stop` stops every Ray process it can see, which would
+    otherwise include this test session's own cluster (and anyone else's on the host)."""
+    tmp = tempfile.mkdtemp(prefix="dr-", dir="/tmp")      # short: Ray's socket paths live under TMPDIR
+    try:
+        p = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, __file__, tmp], cwd=ROOT,
+                           capture_output=True, text=True, timeout=1500)
+        assert p.returncode == 0, p.stderr[-3000:]
+        res = json.loads(p.stdout.strip().splitlines()[-1])
+        assert res["failed"] is None, f"README line `{res['failed']}` {res['why']}:\n{res['output']}"
+        assert res["ran"] == readme_commands()
     finally:
-        subprocess.run(["bash", "-c", "source scripts/env.sh >/dev/null && ray stop --force"], cwd=ROOT, env=env,
-                       capture_output=True, timeout=120)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":          # inside the namespace: the run, then whatever it left behind goes with it
+    print(json.dumps(run_readme(sys.argv[1])))
