@@ -1,7 +1,9 @@
 """What a serving engine embeds in front of several workers (`dspark-ray serve --pairs N`): one DrafterPool, its
 requests' slots spread over the workers, one STEP per decode round. A request whose worker went away answers
 UNAVAILABLE; the engine verifies that round without drafts, takes a new slot (on a worker that serves) and inserts
-the request's context there. Run against running workers:  python examples/pool_client.py HOST:PORT,HOST:PORT
+the request's context there. Run against running workers:
+    python examples/pool_client.py HOST:PORT,HOST:PORT [DEADLINE_MS]
+(DEADLINE_MS as in examples/client.py: default 50, a second or two for the tiny drafter on a CPU.)
 """
 import sys
 
@@ -10,6 +12,7 @@ import numpy as np
 from dspark_ray.contract import Code, make_entry
 from dspark_ray.pool import DrafterPool
 
+deadline_ms = float(sys.argv[2]) if len(sys.argv) > 2 else 50.0
 with DrafterPool(sys.argv[1]) as pool:
     hello = pool.hello(client="example engine")          # pass model_digest= / config_digest= / tp= to pin them
     width, vocab = hello.limits.taps_width, hello.limits.vocab_size
@@ -23,17 +26,19 @@ with DrafterPool(sys.argv[1]) as pool:
             entries.append(make_entry(slot=r["slot"].slot, generation=r["slot"].generation, seed_token=r["seed"],
                                       start_pos=r["pos"], token_ids=rng.integers(0, vocab, rows), taps=taps,
                                       n_out=5))
-            r["pos"] += rows
-        for i, (r, res) in enumerate(zip(requests, pool.step(entries, deadline_ms=50))):
+            r["rows"] = rows
+        for i, (r, res) in enumerate(zip(requests, pool.step(entries, deadline_ms=deadline_ms))):
             if res.code == Code.OK:
-                r["seed"] = int(res.drafts_array()[0])
+                r["seed"], r["pos"] = int(res.drafts_array()[0]), r["pos"] + r["rows"]
                 print(f"round {rnd} request {i} on {pool.worker_of(r['slot'].slot)}: drafts "
                       f"{res.drafts_array().tolist()}")
                 continue
             print(f"round {rnd} request {i}: {Code(res.code).name} ({res.reason}): verify without drafts")
             if res.code == Code.UNAVAILABLE:                 # its worker is gone: a new slot, the context again
                 (r["slot"],) = pool.acquire(1)
-            elif res.code in (Code.STALE_GENERATION, Code.INTERNAL):    # resynced: the new generation
+                r["pos"] = 0
+            elif res.generation != r["slot"].generation:     # resynced: the new generation, the context again
                 r["slot"] = type(r["slot"])(slot=r["slot"].slot, generation=res.generation)
-            r["pos"] = 0                                     # re-insert (a fresh slot may start anywhere)
+                r["pos"] = 0                                 # (a fresh slot may start anywhere)
+            # else nothing was applied (a DEADLINE before it ran): the same rows go again next round
     pool.release([r["slot"].slot for r in requests])

@@ -57,8 +57,9 @@ def test_the_examples_run_against_the_workers(two):
     root = Path(__file__).resolve().parents[1]
     endpoints = ",".join(ep for _, ep in two)
     for script, arg in (("pool_client.py", endpoints), ("client.py", two[0][1])):
-        p = subprocess.run([sys.executable, str(root / "examples" / script), arg], capture_output=True, text=True,
-                           timeout=300, cwd=root)
+        # a CPU's tiny pair takes tens of ms a STEP: the examples' 50 ms default is a GPU pair's budget
+        p = subprocess.run([sys.executable, str(root / "examples" / script), arg, "10000"], capture_output=True,
+                           text=True, timeout=300, cwd=root)
         assert p.returncode == 0, p.stderr[-2000:]
         assert "round 4" in p.stdout and "verify without drafts" not in p.stdout, p.stdout
     assert p.stdout.count("drafts") == 5, p.stdout                 # client.py: one request, five rounds

@@ -75,8 +75,9 @@ def run_readme(tmp: str) -> dict:
                 why = "printed no STEP endpoint"
         elif line.startswith("dspark-ray status") and "generation" not in out:
             why = "showed no worker generation"
-        elif (line.startswith("dspark-ray step") or line == "bash run.sh") and not re.search(r"drafts?", out):
-            why = "showed no drafts"
+        elif (line.startswith("dspark-ray step") or line == "bash run.sh") and \
+                (not re.search(r": drafts \[", out) or re.search(r": [A-Z_]+: ", out)):
+            why = "showed no drafts, or a request answered otherwise than OK"
         if why:
             return {"ran": ran, "failed": line, "why": why, "output": out[-3000:]}
         ran.append(line)

@@ -133,7 +133,7 @@ def test_restart_happens_at_the_threshold_and_not_before(sup, ray_cluster, cfg):
         assert q.step().code == Code.OK and q.step().code == Code.OK     # ... and drafts equal the reference
 
 
-@pytest.mark.parametrize("kind", ["kill", "stall", "collective_timeout", "flag_never_raised"])
+@pytest.mark.parametrize("kind", ["kill", "stall", "stall_both", "collective_timeout", "flag_never_raised"])
 def test_dead_hung_or_timed_out_rank_fails_closed_and_restarts_the_pair(sup, ray_cluster, cfg, kind):
     if kind == "flag_never_raised" and PAIR_BACKEND != "push":
         pytest.skip("a never-raised peer flag needs the push collectives (DSPARK_TEST_PAIR=push on two cards)")
@@ -143,13 +143,17 @@ def test_dead_hung_or_timed_out_rank_fails_closed_and_restarts_the_pair(sup, ray
     with _client(sup) as c:
         q = Request(c, ref, 3, cfg, 4)
         assert q.step().code == Code.OK
-        ray_cluster.get(fe.set_fault.remote(1, kind, seconds=60.0))
+        # "stall": rank 1 stops answering; rank 0's collective gives up on it first (broken). "stall_both": no
+        # rank reports at all, and the watchdog calls the step hung.
+        for rank in ((0, 1) if kind == "stall_both" else (1,)):
+            ray_cluster.get(fe.set_fault.remote(rank, kind.removesuffix("_both"), seconds=60.0))
         t0 = time.monotonic()
         r = q.step()
         took = time.monotonic() - t0
         assert r.code == Code.INTERNAL, r.reason
         assert took < STEP_TIMEOUT + 2.0, took
-        want = {"kill": "dead", "stall": "hung", "collective_timeout": "broken", "flag_never_raised": "broken"}[kind]
+        want = {"kill": "dead", "stall": "broken", "stall_both": "hung", "collective_timeout": "broken",
+                "flag_never_raised": "broken"}[kind]
         assert f"({want})" in r.reason, r.reason
         st = _wait_serving(ray_cluster, fe)
         assert st["supervisor"]["restarts"] == before["supervisor"]["restarts"] + 1
