@@ -25,6 +25,7 @@ server process joins one local Ray (as the front-end actor's process is a Ray wo
 with the exporter exporting every second through Ray's metrics agent and one without, alternating which goes first:
 
     .venv/bin/python bench/tcp_roundtrip.py --service --metrics --rows 3 --iters 20000 --repeats 8
+    .venv/bin/python bench/tcp_roundtrip.py --service --metrics --rows 3 --iters 5000 --repeats 8 --gap-us 1000
 """
 from __future__ import annotations
 
@@ -205,7 +206,7 @@ def _serve_service(conn, spin_us: float, ray_address: str | None = None, metrics
 
 
 def bench_service(rows: int, iters: int, warmup: int, spin_us: float, shm: bool = False,
-                  ray_address: str | None = None, metrics: bool = False) -> dict:
+                  ray_address: str | None = None, metrics: bool = False, gap_us: float = 0.0) -> dict:
     from dspark_ray.config import full
     limits = C.Limits.for_config(full(), slot_capacity=16)
     taps = np.random.default_rng(0).standard_normal((rows, limits.taps_width)).astype(np.float16)
@@ -224,16 +225,19 @@ def bench_service(rows: int, iters: int, warmup: int, spin_us: float, shm: bool 
                              token_ids=np.arange(rows), taps=taps)
             t0 = time.perf_counter_ns()
             (r,) = c.step([e], deadline_ms=1000.0)     # (a 2-core VM stalls now and then)
+            t1 = time.perf_counter_ns()
             if i >= warmup:
-                times.append(time.perf_counter_ns() - t0)
+                times.append(t1 - t0)
             assert r.code == C.Code.OK, r.reason
+            while time.perf_counter_ns() - t1 < gap_us * 1e3:     # polled: both sides stay awake (--spin-us)
+                pass
     parent.send("stop")
     hops, exports = parent.recv()
     p.join(10)
     return {"round_trip": _stats(times), "server_hops": hops,
             "config": {"preset": "full", "rows": rows, "taps_bytes": taps.nbytes, "spin_us": spin_us,
                        "iters": iters, "pair": "instant (bench/host_path.py InstantPair)",
-                       "transport": "shm" if shm else "tcp",
+                       "transport": "shm" if shm else "tcp", "gap_us": gap_us,
                        "server": "no Ray" if ray_address is None else
                        f"in a Ray driver, metrics exporter {'on' if metrics else 'off'}", "exports": exports}}
 
@@ -249,7 +253,7 @@ def bench_metrics(a) -> dict:
         for k in range(a.repeats):
             for on in ((False, True) if k % 2 == 0 else (True, False)):
                 r = bench_service(a.rows, a.iters, a.warmup, a.spin_us, ray_address=ctx.address_info["address"],
-                                  metrics=on)
+                                  metrics=on, gap_us=a.gap_us)
                 runs.append({"metrics": "on" if on else "off", **r["round_trip"], "exports": r["config"]["exports"],
                              "server_hops_p50_us": {h: x["p50_us"] for h, x in r["server_hops"].items()}})
                 print(json.dumps(runs[-1]), file=sys.stderr)
@@ -306,13 +310,16 @@ def main() -> None:
     ap.add_argument("--metrics", action="store_true",
                     help="--service: the metrics exporter off and on, alternating, --repeats times each (see above)")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--gap-us", type=float, default=0.0,
+                    help="--service: the client polls this long between a reply and its next STEP (a serving engine's "
+                         "rounds come a trunk forward apart; keep it under --spin-us to keep both sides awake)")
     ap.add_argument("--out", help="also write the JSON here")
     a = ap.parse_args()
     if a.service and a.metrics:
         emit(bench_metrics(a), a.out, indent=2)
         return
     if a.service:
-        runs = [bench_service(a.rows, a.iters, a.warmup, a.spin_us, shm)
+        runs = [bench_service(a.rows, a.iters, a.warmup, a.spin_us, shm, gap_us=a.gap_us)
                 for _ in range(a.repeats) for shm in ((False, True) if a.shm else (False,))]
         result = {"bench": "tcp_roundtrip --service", "command": "python bench/tcp_roundtrip.py " +
                   " ".join(sys.argv[1:]), **runs[0], "device": _device(), "commit": _commit()}
