@@ -193,7 +193,8 @@ def _serve_service(conn, spin_us: float, ray_address: str | None = None, metrics
     exports = None
     if exporter is not None:
         exporter.stop()
-        exports = exporter.exports
+        exports = {"exports": exporter.exports, "steps": svc.stats["steps"],
+                   "cpu_us_per_step": round(exporter.cpu_ns / 1e3 / max(1, svc.stats["steps"]), 2)}
     by_recv = {r["recv"]: r for r in svc.stamps.recent()}
     hops = {"frame_read": [], "checks": [], "batch_and_answers": [], "reply_send": []}
     for t in srv.stamps.recent():
@@ -239,7 +240,7 @@ def bench_service(rows: int, iters: int, warmup: int, spin_us: float, shm: bool 
                        "iters": iters, "pair": "instant (bench/host_path.py InstantPair)",
                        "transport": "shm" if shm else "tcp", "gap_us": gap_us,
                        "server": "no Ray" if ray_address is None else
-                       f"in a Ray driver, metrics exporter {'on' if metrics else 'off'}", "exports": exports}}
+                       f"in a Ray driver, metrics exporter {'on' if metrics else 'off'}", "exporter": exports}}
 
 
 def bench_metrics(a) -> dict:
@@ -254,7 +255,7 @@ def bench_metrics(a) -> dict:
             for on in ((False, True) if k % 2 == 0 else (True, False)):
                 r = bench_service(a.rows, a.iters, a.warmup, a.spin_us, ray_address=ctx.address_info["address"],
                                   metrics=on, gap_us=a.gap_us)
-                runs.append({"metrics": "on" if on else "off", **r["round_trip"], "exports": r["config"]["exports"],
+                runs.append({"metrics": "on" if on else "off", **r["round_trip"], "exporter": r["config"]["exporter"],
                              "server_hops_p50_us": {h: x["p50_us"] for h, x in r["server_hops"].items()}})
                 print(json.dumps(runs[-1]), file=sys.stderr)
     finally:
@@ -262,9 +263,12 @@ def bench_metrics(a) -> dict:
     out = {"bench": "tcp_roundtrip --service --metrics", "command": "python bench/tcp_roundtrip.py " +
            " ".join(sys.argv[1:]),
            "config": {**r["config"], "server": "in a Ray driver (one local Ray), exporter on / off alternating",
-                      "exports": "per run (on: one a second, and one at the end)"}, "runs": runs}
+                      "exporter": "per run: its exports (one a second, one at the end), the STEPs, its CPU per STEP"},
+           "runs": runs}
     for q in ("p50_us", "p90_us", "p99_us", "min_us"):
         out[f"{q}_median"] = {m: statistics.median(r[q] for r in runs if r["metrics"] == m) for m in ("off", "on")}
+    out["exporter_cpu_us_per_step_median"] = statistics.median(r["exporter"]["cpu_us_per_step"] for r in runs
+                                                               if r["metrics"] == "on")
     return {**out, "device": _device(), "commit": _commit()}
 
 

@@ -74,6 +74,7 @@ class Exporter:
         self._thread: threading.Thread | None = None
         self._error_logged = -ERROR_LOG_EVERY_S
         self.exports = 0
+        self.cpu_ns = 0                          # the exports' CPU time (their cost, on a core beside the step path's)
 
     def start(self) -> "Exporter":
         self._thread = threading.Thread(target=self._loop, name=f"dspark-metrics:{self.pair}", daemon=True)
@@ -94,6 +95,7 @@ class Exporter:
         self._export_logged()
 
     def _export_logged(self) -> None:
+        t0 = time.thread_time_ns()
         try:
             self.export()
         except Exception:         # a metrics failure must not stop the exports, nor flood the log
@@ -102,6 +104,7 @@ class Exporter:
                 self._error_logged = t
                 log.exception("pair %s: metrics export failed (logged at most every %g s)", self.pair,
                               ERROR_LOG_EVERY_S)
+        self.cpu_ns += time.thread_time_ns() - t0
 
     def export(self) -> None:
         """One export: counters by what they grew since the last, one observation per STEP answered since, the
