@@ -19,6 +19,13 @@ server-side hops of bench/step_latency.py's timeline. Beside a deployed run it s
 alternating the two, each in a fresh server process:
 
     .venv/bin/python bench/tcp_roundtrip.py --service --shm --rows 3 --iters 2000 --repeats 3
+
+`--service --metrics` asks what the front-end's metrics exporter (dspark_ray/metrics.py) costs the step path: every
+server process joins one local Ray (as the front-end actor's process is a Ray worker), and each repeat runs one server
+with the exporter exporting every second through Ray's metrics agent and one without, alternating which goes first:
+
+    .venv/bin/python bench/tcp_roundtrip.py --service --metrics --rows 3 --iters 20000 --repeats 8
+    .venv/bin/python bench/tcp_roundtrip.py --service --metrics --rows 3 --iters 5000 --repeats 8 --gap-us 1000
 """
 from __future__ import annotations
 
@@ -159,18 +166,35 @@ def bench_raw(req_bytes: int, rep_bytes: int, iters: int, warmup: int, cpu) -> d
     return _stats(times)
 
 
-def _serve_service(conn, spin_us: float) -> None:
+def _serve_service(conn, spin_us: float, ray_address: str | None = None, metrics: bool = False) -> None:
+    """`ray_address`: join that Ray cluster first (a driver: a core worker in this process, as in an actor's);
+    `metrics`: and run the front-end's metrics exporter (dspark_ray/metrics.py) beside the service."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # (a spawned process starts bare)
     from dspark_ray.config import full
     from dspark_ray.frontend import Identity, StepService
     from dspark_ray.transport.tcp import TcpServer
     from host_path import InstantPair
+    if ray_address is not None:
+        import logging
+
+        import ray
+        ray.init(address=ray_address, log_to_driver=False, logging_level=logging.WARNING)
     cfg = full()
     limits = C.Limits.for_config(cfg, slot_capacity=16)
     svc = StepService(Identity("bench", "bench", 2, cfg.max_model_len), limits, InstantPair(),
                       window=cfg.sliding_window)
     srv = TcpServer(svc, "127.0.0.1", 0, max_frame_bytes=limits.max_frame_bytes, spin_us=spin_us).start()
+    exporter = None
+    if metrics:
+        from dspark_ray.metrics import Exporter
+        exporter = Exporter("bench", svc, None, srv).start()
     conn.send(srv.port)
     conn.recv()
+    exports = None
+    if exporter is not None:
+        exporter.stop()
+        exports = {"exports": exporter.exports, "steps": svc.stats["steps"],
+                   "cpu_us_per_step": round(exporter.cpu_ns / 1e3 / max(1, svc.stats["steps"]), 2)}
     by_recv = {r["recv"]: r for r in svc.stamps.recent()}
     hops = {"frame_read": [], "checks": [], "batch_and_answers": [], "reply_send": []}
     for t in srv.stamps.recent():
@@ -178,16 +202,19 @@ def _serve_service(conn, spin_us: float) -> None:
         for k, a, b in (("frame_read", t["recv"], t["read"]), ("checks", t["read"], v["admitted"]),
                         ("batch_and_answers", v["admitted"], v["reply"]), ("reply_send", v["reply"], t["sent"])):
             hops[k].append(b - a)
-    conn.send({k: _stats(x) for k, x in hops.items()})
+    conn.send(({k: _stats(x) for k, x in hops.items()}, exports))
     srv.stop()
 
 
-def bench_service(rows: int, iters: int, warmup: int, spin_us: float, shm: bool = False) -> dict:
+def bench_service(rows: int, iters: int, warmup: int, spin_us: float, shm: bool = False,
+                  ray_address: str | None = None, metrics: bool = False, gap_us: float = 0.0) -> dict:
     from dspark_ray.config import full
     limits = C.Limits.for_config(full(), slot_capacity=16)
     taps = np.random.default_rng(0).standard_normal((rows, limits.taps_width)).astype(np.float16)
-    parent, child = mp.Pipe()
-    p = mp.Process(target=_serve_service, args=(child, spin_us), daemon=True)
+    # A process that joins Ray starts bare (spawn): a fork of this one would inherit its Ray driver.
+    ctx = mp.get_context("spawn" if ray_address else "fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_serve_service, args=(child, spin_us, ray_address, metrics), daemon=True)
     p.start()
     port = parent.recv()
     times = []
@@ -199,16 +226,50 @@ def bench_service(rows: int, iters: int, warmup: int, spin_us: float, shm: bool 
                              token_ids=np.arange(rows), taps=taps)
             t0 = time.perf_counter_ns()
             (r,) = c.step([e], deadline_ms=1000.0)     # (a 2-core VM stalls now and then)
+            t1 = time.perf_counter_ns()
             if i >= warmup:
-                times.append(time.perf_counter_ns() - t0)
+                times.append(t1 - t0)
             assert r.code == C.Code.OK, r.reason
+            while time.perf_counter_ns() - t1 < gap_us * 1e3:     # polled: both sides stay awake (--spin-us)
+                pass
     parent.send("stop")
-    hops = parent.recv()
+    hops, exports = parent.recv()
     p.join(10)
     return {"round_trip": _stats(times), "server_hops": hops,
             "config": {"preset": "full", "rows": rows, "taps_bytes": taps.nbytes, "spin_us": spin_us,
                        "iters": iters, "pair": "instant (bench/host_path.py InstantPair)",
-                       "transport": "shm" if shm else "tcp"}}
+                       "transport": "shm" if shm else "tcp", "gap_us": gap_us,
+                       "server": "no Ray" if ray_address is None else
+                       f"in a Ray driver, metrics exporter {'on' if metrics else 'off'}", "exporter": exports}}
+
+
+def bench_metrics(a) -> dict:
+    """Exporter off / on, alternating which runs first, each in a fresh server process joined to one local Ray."""
+    import logging
+
+    import ray
+    ctx = ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        runs = []
+        for k in range(a.repeats):
+            for on in ((False, True) if k % 2 == 0 else (True, False)):
+                r = bench_service(a.rows, a.iters, a.warmup, a.spin_us, ray_address=ctx.address_info["address"],
+                                  metrics=on, gap_us=a.gap_us)
+                runs.append({"metrics": "on" if on else "off", **r["round_trip"], "exporter": r["config"]["exporter"],
+                             "server_hops_p50_us": {h: x["p50_us"] for h, x in r["server_hops"].items()}})
+                print(json.dumps(runs[-1]), file=sys.stderr)
+    finally:
+        ray.shutdown()
+    out = {"bench": "tcp_roundtrip --service --metrics", "command": "python bench/tcp_roundtrip.py " +
+           " ".join(sys.argv[1:]),
+           "config": {**r["config"], "server": "in a Ray driver (one local Ray), exporter on / off alternating",
+                      "exporter": "per run: its exports (one a second, one at the end), the STEPs, its CPU per STEP"},
+           "runs": runs}
+    for q in ("p50_us", "p90_us", "p99_us", "min_us"):
+        out[f"{q}_median"] = {m: statistics.median(r[q] for r in runs if r["metrics"] == m) for m in ("off", "on")}
+    out["exporter_cpu_us_per_step_median"] = statistics.median(r["exporter"]["cpu_us_per_step"] for r in runs
+                                                               if r["metrics"] == "on")
+    return {**out, "device": _device(), "commit": _commit()}
 
 
 def emit(result: dict, out: str | None, indent: int) -> None:
@@ -250,11 +311,19 @@ def main() -> None:
     ap.add_argument("--shm", action="store_true",
                     help="--service: also through a shared-memory ring (transport/shm.py), alternating with TCP, "
                          "each --repeats times, each in a fresh server")
+    ap.add_argument("--metrics", action="store_true",
+                    help="--service: the metrics exporter off and on, alternating, --repeats times each (see above)")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--gap-us", type=float, default=0.0,
+                    help="--service: the client polls this long between a reply and its next STEP (a serving engine's "
+                         "rounds come a trunk forward apart; keep it under --spin-us to keep both sides awake)")
     ap.add_argument("--out", help="also write the JSON here")
     a = ap.parse_args()
+    if a.service and a.metrics:
+        emit(bench_metrics(a), a.out, indent=2)
+        return
     if a.service:
-        runs = [bench_service(a.rows, a.iters, a.warmup, a.spin_us, shm)
+        runs = [bench_service(a.rows, a.iters, a.warmup, a.spin_us, shm, gap_us=a.gap_us)
                 for _ in range(a.repeats) for shm in ((False, True) if a.shm else (False,))]
         result = {"bench": "tcp_roundtrip --service", "command": "python bench/tcp_roundtrip.py " +
                   " ".join(sys.argv[1:]), **runs[0], "device": _device(), "commit": _commit()}

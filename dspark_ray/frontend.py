@@ -100,8 +100,17 @@ class StepService(C.StepHandler):
         self.worker_generation = 0
         self.unavailable: str | None = None if pair is not None else "starting"
         self.on_failure = on_failure
-        self.stats = {"steps": 0, "entries": 0, "batches": 0, "deadline": 0, "internal": 0, "bad_entry": 0,
-                      "stale": 0, "unavailable": 0, "batch_sizes": [0] * (limits.max_entries_per_replay + 1)}
+        # Counts that only grow, bumped as plain ints (metrics.py exports them off the step path): STEPs past the
+        # STEP-level checks, entries and batches run on the pair, and one answer per entry by its code (plus one per
+        # request refused whole: a STEP breaking a STEP-level rule counts as bad_entry, an ACQUIRE without enough
+        # free slots as overloaded).
+        self.stats = {"steps": 0, "entries": 0, "batches": 0, "ok": 0, "bad_entry": 0, "stale": 0, "internal": 0,
+                      "unavailable": 0, "deadline": 0, "overloaded": 0,
+                      "batch_sizes": [0] * (limits.max_entries_per_replay + 1)}
+        # Per STEP past the STEP-level checks: ns from its frame's arrival to its reply built, drained by the
+        # metrics exporter into its histogram (popleft, so none is counted twice). The bound only bites when
+        # nothing drains it: the exporter empties it every second, and a STEP takes ~80 us of one thread.
+        self.step_ns: collections.deque[int] = collections.deque(maxlen=1 << 16)
         # Per STEP: frame received, handler entered, entries admitted, reply built, and the ring seq its first
         # entry ran in (the join key with the ring's and the ranks' stamps).
         self.stamps = Stamps()
@@ -145,6 +154,7 @@ class StepService(C.StepHandler):
         with self.lock:
             free = [i for i, s in enumerate(self.slots) if s.owner is None]
             if msg.n > len(free):
+                self.stats["overloaded"] += 1
                 return C.ErrorReply(code=C.Code.OVERLOADED,
                                     reason=f"asked for {msg.n} slots, {len(free)} of {len(self.slots)} free")
             grants = []
@@ -194,9 +204,11 @@ class StepService(C.StepHandler):
         t_in = now()
         err = self._need_hello(session)
         if err:
+            self.stats["bad_entry"] += 1
             return err
         why = C.validate_step(msg, self.limits)
         if why:
+            self.stats["bad_entry"] += 1
             return C.ErrorReply(code=C.Code.BAD_ENTRY, reason=why)
         self.stats["steps"] += 1
         deadline = received_ns + int(msg.deadline_ms * 1e6)
@@ -226,8 +238,10 @@ class StepService(C.StepHandler):
             self._drive(p)
             results[p.index] = p.result
         reply = C.StepReply(results=results)  # type: ignore[arg-type]
-        self.stamps.add({"recv": received_ns, "in": t_in, "admitted": t_admitted, "reply": now(),
+        t_reply = now()
+        self.stamps.add({"recv": received_ns, "in": t_in, "admitted": t_admitted, "reply": t_reply,
                          "cpu_admitted": cpu_admitted, "cpu_reply": cpu_now(), "seq": pend[0].seq if pend else None})
+        self.step_ns.append(t_reply - received_ns)
         return reply
 
     def rehearse(self, msg: C.Step) -> None:
@@ -255,6 +269,7 @@ class StepService(C.StepHandler):
                                   f"slot {e.slot}: generation {e.generation} is stale, the slot is at {gen}: "
                                   f"re-insert its context", gen)
         if slot.busy:
+            self.stats["bad_entry"] += 1
             return C.error_result(C.Code.BAD_ENTRY, f"slot {e.slot}: an earlier entry is still running", gen)
         w = slot.cursor.check_entry(e.start_pos, e.rows, e.rollback_to)
         if w:
@@ -413,6 +428,7 @@ class StepService(C.StepHandler):
                 slot = self.slots[p.entry.slot]
                 gen = slot.cursor.generation
                 if r.code == 0:
+                    self.stats["ok"] += 1
                     e = p.entry
                     if e.rollback_to >= 0:
                         slot.cursor.rollback(e.rollback_to)
@@ -431,7 +447,6 @@ class StepService(C.StepHandler):
         """The batch failed closed: INTERNAL for its entries still waiting, their slots (every slot, unless both
         ranks failed the step alike) resynced, and the supervisor told."""
         waiting = [p for p in live if not p.done]
-        self.stats["internal"] += len(waiting)
         msg = f"batch failed closed ({f.kind}): {f.reason}"
         self.last_errors = (self.last_errors + [msg])[-10:]
         log.warning("%s; %d entries answer INTERNAL, their slots are resynced", msg, len(waiting))
@@ -452,6 +467,7 @@ class StepService(C.StepHandler):
             for p in entries:
                 if p.done:
                     continue
+                self.stats["internal"] += 1
                 self._resync(p.entry.slot)
                 self.slots[p.entry.slot].busy = False
                 p.result = C.error_result(C.Code.INTERNAL, msg, self.slots[p.entry.slot].cursor.generation)

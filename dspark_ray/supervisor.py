@@ -20,13 +20,11 @@ log = logging.getLogger("dspark_ray.supervisor")
 
 
 class Supervisor:
-    def __init__(self, service: StepService, restart: Callable[[str], None], threshold: int = 3,
-                 on_restart_done: Callable[[float], None] | None = None):
+    def __init__(self, service: StepService, restart: Callable[[str], None], threshold: int = 3):
         self.service, self.restart_fn, self.threshold = service, restart, threshold
         self.consecutive = 0
         self.restarts = 0
-        self.restart_seconds: list[float] = []
-        self.on_restart_done = on_restart_done
+        self.restart_seconds: list[float] = []     # appended once per restart (metrics.py reads it from a cursor)
         self.attempts = 3
         self._lock = threading.Lock()
         self._restarting = False
@@ -76,8 +74,6 @@ class Supervisor:
                             self.service.worker_generation)
             else:
                 self.service.unavailable = f"restart failed: {why}"
-        if ok and self.on_restart_done:
-            self.on_restart_done(dt)
 
     @property
     def restarting(self) -> bool:

@@ -1,12 +1,14 @@
 """The deployment end to end on a real local Ray cluster: tiny preset, tp2 over gloo, STEP over TCP."""
 from __future__ import annotations
 
+import collections
 import errno
 import os
 import socket
 import struct
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -390,6 +392,54 @@ def test_every_party_counts_the_steps_that_found_it_asleep(pair, cfg, ray_cluste
     assert asleep(after[1]) == f"{after[1]['after_sleep']} of {after[1]['steps']} STEPs found it asleep (spin " \
                                f"{after[1]['spin_ms']:g} ms)"
     assert asleep(None) == "no STEPs counted yet"
+
+
+def dspark_samples(ray_cluster, pair_name: str) -> dict[tuple[str, str | None], float]:
+    """The pair's samples on its node's Prometheus endpoint (Ray's metrics agent; one node here): (name, its `code`
+    or `le` label) -> value, summed over the series (Ray labels each process's series apart)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    (node,) = [n for n in ray_cluster.nodes() if n["Alive"]]
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[tuple[str, str | None], float] = collections.defaultdict(float)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("ray_dspark_") and s.labels.get("pair") == pair_name:
+                out[s.name, s.labels.get("code") or s.labels.get("le")] += s.value
+    return out
+
+
+def test_prometheus_counters_move_during_a_run_without_a_status_call(pair, cfg, ray_cluster):
+    """The front-end's metrics are live (metrics.py): STEPs move its counters on the node's Prometheus endpoint and
+    fill the step-latency histogram, and the slots gauge counts a slot held, without any FrontEnd.status call (the
+    only refresh there was before). The agent shows a worker's metrics some seconds late: polled, bounded."""
+    n = 6
+    before = dspark_samples(ray_cluster, "e2e")
+    taps = workload.make_taps(cfg, 2, torch.Generator().manual_seed(8)).numpy()
+    with client(pair) as c:
+        (g,) = acquire_when_free(c, 1)
+        for k in range(n):
+            (r,) = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=5, start_pos=2 * k,
+                                      token_ids=[1, 2], taps=taps)], deadline_ms=60_000)
+            assert r.code == Code.OK, r.reason
+        (r,) = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=cfg.vocab_size, start_pos=2 * n,
+                                  token_ids=[1, 2], taps=taps)])
+        assert r.code == Code.BAD_ENTRY
+        want = {("ray_dspark_steps_total", None): n + 1, ("ray_dspark_answers_total", "ok"): n,
+                ("ray_dspark_answers_total", "bad_entry"): 1, ("ray_dspark_entries_total", None): n,
+                ("ray_dspark_batches_total", None): n, ("ray_dspark_step_seconds_count", None): n + 1,
+                ("ray_dspark_step_seconds_bucket", "+Inf"): n + 1}
+        deadline = time.monotonic() + 60
+        while True:
+            now = dspark_samples(ray_cluster, "e2e")
+            moved = {k: now.get(k, 0) - before.get(k, 0) for k in want}
+            if all(moved[k] >= v for k, v in want.items()) and now.get(("ray_dspark_slots_held", None), 0) >= 1:
+                break
+            assert time.monotonic() < deadline, f"after 60 s: moved {moved}, want {want}, now {dict(now)}"
+            time.sleep(1.0)
+    assert now["ray_dspark_step_seconds_sum", None] > before.get(("ray_dspark_step_seconds_sum", None), 0)
+    assert now["ray_dspark_unavailable", None] == 0 and ("ray_dspark_worker_generation", None) in now
 
 
 def test_every_party_stamps_a_step_and_the_hops_join_in_path_order(pair, cfg, ray_cluster):

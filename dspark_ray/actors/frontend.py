@@ -14,6 +14,7 @@ from dataclasses import asdict
 
 from ..frontend import PairFailure, PairLate, StepService
 from ..keep_warm import REHEARSAL_ENTRIES, KeepWarm
+from ..metrics import Exporter
 from ..stamps import Stamps, cpu_now, now
 from . import messages as M
 from .rank import SAFE_ENV, PairSpec, rank_actor_class
@@ -219,35 +220,6 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class _Metrics:
-    """The front-end's Prometheus metrics through Ray's metrics agent (scraped from every node's exporter)."""
-
-    def __init__(self, name: str):
-        from ray.util.metrics import Counter, Gauge, Histogram
-        tags = {"pair": name}
-        self.restarts = Counter("dspark_restarts_total", "pair restarts", tag_keys=("pair",))
-        self.restart_s = Histogram("dspark_restart_seconds", "time to serve again after a restart",
-                                   boundaries=[1, 2, 5, 10, 20, 60], tag_keys=("pair",))
-        self.gauges = {k: Gauge(f"dspark_{k}", k.replace("_", " "), tag_keys=("pair",))
-                       for k in ("steps", "batches", "entries", "internal", "deadline", "unavailable",
-                                 "slots_held", "worker_generation", "steps_after_sleep")}
-        for m in (self.restarts, self.restart_s, *self.gauges.values()):
-            m.set_default_tags(tags)
-
-    def restart_done(self, seconds: float) -> None:
-        self.restarts.inc()
-        self.restart_s.observe(seconds)
-
-    def observe(self, service, supervisor, wake_ups=None) -> None:
-        st = service.status()
-        if wake_ups is not None:      # STEPs that found the endpoint's thread asleep (wake_ups.py)
-            self.gauges["steps_after_sleep"].set(wake_ups.after_sleep)
-        for k in ("steps", "batches", "entries", "internal", "deadline", "unavailable"):
-            self.gauges[k].set(st["stats"][k])
-        self.gauges["slots_held"].set(st["slots"]["held"])
-        self.gauges["worker_generation"].set(st["worker_generation"])
-
-
 def frontend_actor_class():
     import ray
 
@@ -286,8 +258,8 @@ def frontend_actor_class():
             self.host, self.port, self.name = host, port, name
             self.started = False
             self.load_progress = []
-            self.metrics = _Metrics(name)
-            self.supervisor.on_restart_done = self.metrics.restart_done
+            # Prometheus metrics, exported by a thread of their own every second (metrics.py).
+            self.metrics = Exporter(name, self.service, self.supervisor, self.server).start()
             if ray.get_runtime_context().was_current_actor_reconstructed:
                 # Ray restarted this front-end after it died: whatever is left of the old pair is killed (by
                 # name, in start) and a new pair is brought up on the same endpoint.
@@ -324,7 +296,6 @@ def frontend_actor_class():
             return self.load_progress
 
         def status(self) -> dict:
-            self.metrics.observe(self.service, self.supervisor, self.server.wake_ups)
             return {"rss_bytes": _rss_bytes(), "process": process_facts(), "name": self.name,
                     "endpoint": self.server.endpoint if self.started else None, "node_ip": self.node_ip,
                     "tp": self.spec.tp, "backend": self.spec.backend, "model_digest": self.identity.model_digest,
@@ -353,6 +324,7 @@ def frontend_actor_class():
 
         def shutdown(self) -> None:
             self.server.stop()
+            self.metrics.stop()
             self.service.close()
             self.manager.close()
             log.info("front-end %s stopped", self.name)

@@ -109,6 +109,8 @@ class TcpServer:
         self._accept_thread: threading.Thread | None = None
         self.stamps = Stamps()      # per STEP: header received, frame read and decoded, reply sent
         self.wake_ups = WakeUps(f"tcp server {host}:{self._port}", spin_us)   # STEPs whose read blocked
+        # Counts that only grow (exported by metrics.py): connections accepted, and those closed for a bad frame.
+        self.counts = {"connections": 0, "bad_frames": 0}
 
     @property
     def port(self) -> int:
@@ -177,6 +179,7 @@ class TcpServer:
                     sock.close()
                     return
                 self._conns.add(conn)
+            self.counts["connections"] += 1
             conn.thread.start()
 
     def _serve(self, conn: _Conn) -> None:
@@ -245,6 +248,8 @@ class TcpServer:
                 except Exception:
                     log.exception("close_session(%d) failed", conn.session)
             # A bad frame is worth a warning: it is a client bug or a stranger on the port.
+            if why.startswith("bad frame"):
+                self.counts["bad_frames"] += 1
             log.log(logging.WARNING if why.startswith("bad frame") else logging.INFO,
                     "disconnect %s session %s: %s", conn.peer, conn.session, why)
 
