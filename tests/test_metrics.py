@@ -64,7 +64,7 @@ class _Pair:
     def __init__(self, delay_s=0.0):
         self.delay_s, self.fail = delay_s, False
 
-    def run(self, batch: RankBatch) -> list[RankResult]:
+    def run(self, batch: RankBatch, deadline_ns=None) -> list[RankResult]:
         time.sleep(self.delay_s)
         if self.fail:
             raise PairFailure("step", "planted")
@@ -85,7 +85,7 @@ class _Server:
 @pytest.fixture
 def deployed():
     pair = _Pair(delay_s=0.0005)
-    limits = C.Limits(vocab_size=100, hidden_size=4, n_taps=1, slot_capacity=8)
+    limits = C.Limits(vocab_size=100, hidden_size=4, n_taps=1, slot_capacity=8, sliding_window=8)
     svc = StepService(Identity("m", "c", 1, 1 << 20), limits, pair, window=8)
     sup, server = _Sup(), _Server()
     exp = Exporter("p0", svc, sup, server, interval_s=0.005, metrics=FAKE)
