@@ -130,9 +130,12 @@ class DrafterConfig:
         return d
 
     def digest(self) -> str:
-        """Hash of every field that changes the drafter's output (max_model_len excluded: it only sizes tables)."""
+        """Hash of every field that changes the drafter's output (max_model_len excluded: it only sizes tables; the
+        router's scoring_func / topk_method too: validate() admits one value each, and checkpoints written before
+        they were read keep their digest)."""
         d = self.to_json_dict()
-        d.pop("max_model_len")
+        for k in ("max_model_len", "scoring_func", "topk_method"):
+            d.pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     def replace(self, **kw) -> "DrafterConfig":

@@ -34,3 +34,11 @@ def test_a_checkpoint_declaring_another_scoring_function_is_not_served(tiny_ckpt
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="scoring_func = 'sigmoid'"):
         load_config(tmp_path)
+
+
+def test_the_router_fields_leave_the_config_digest_as_it_was():
+    """A checkpoint synthesized before these fields were read (its config.json without them, its manifest's digest
+    made without them) still loads: the digest does not see them."""
+    raw = tiny().to_json_dict()
+    del raw["scoring_func"], raw["topk_method"]
+    assert from_dict(raw).digest() == tiny().digest() == "fc67861bc151ad65"     # the tiny preset's digest before
