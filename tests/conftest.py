@@ -95,6 +95,18 @@ def deploy_pair(ray_cluster, ckpt_dir, name, **kw):
     return fe, host, int(port)
 
 
+def flip_stored_byte(file, name: str, offset: int) -> None:
+    """Flip the low bit of byte `offset` of tensor `name`'s stored bytes in the safetensors `file` (a damaged
+    checkpoint for the identity checks)."""
+    from dspark_ray.weights.manifest import scan_safetensors
+    t = next(t for t in scan_safetensors(file) if t.name == name)
+    with open(file, "r+b") as f:
+        f.seek(t.begin + offset)
+        b = f.read(1)
+        f.seek(t.begin + offset)
+        f.write(bytes([b[0] ^ 1]))
+
+
 # ---- STEPs against the in-process reference (the deployment and pool tests) -------------------------------------
 class EnginePair:
     """A worker's pair in this process (frontend.Pair): the rank loop's decode, step and encode (actors/rank.py)

@@ -33,7 +33,7 @@ from dspark_ray.weights.manifest import MANIFEST_NAME, ManifestError, read_manif
 from dspark_ray.weights.mix import MixError, parse_mix
 from dspark_ray.weights.synth import save_tensors, synth_main, synthesize
 
-from conftest import deploy_pair, step_as_reference
+from conftest import deploy_pair, step_as_reference, flip_stored_byte
 
 ST = "model.safetensors"
 # Every stored kind at once: the three codebooks, integer and half rates, 1 to 8 bits, EXL3 wo_a slices, plain.
@@ -507,12 +507,7 @@ def test_a_wrong_codebook_marker_value_is_refused_on_read(kinds_dir, tmp_path):
 def test_the_manifest_covers_every_stored_exl3_part(exl3_dir, tmp_path):
     d = tmp_path / "c"
     shutil.copytree(exl3_dir, d)
-    t = next(t for t in scan_safetensors(d / ST) if t.name == "mtp.2.ffn.experts.4.w3.trellis")
-    with open(d / ST, "r+b") as f:
-        f.seek(t.begin + 10)
-        b = f.read(1)
-        f.seek(t.begin + 10)
-        f.write(bytes([b[0] ^ 1]))
+    flip_stored_byte(d / ST, "mtp.2.ffn.experts.4.w3.trellis", 10)
     with pytest.raises(ManifestError, match=r"experts\.4\.w3\.trellis"):
         Checkpoint(d, verify_content=True)
     (d / MANIFEST_NAME).unlink()

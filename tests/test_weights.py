@@ -15,6 +15,8 @@ from dspark_ray.weights.loader import Checkpoint, CheckpointError, dequant_fp4, 
 from dspark_ray.weights.manifest import MANIFEST_NAME, ManifestError, read_manifest, scan_safetensors
 from dspark_ray.weights.synth import lowbias32, save_tensors, synth_main, synthesize, uniform
 
+from conftest import flip_stored_byte
+
 ST = "model.safetensors"
 
 
@@ -97,12 +99,7 @@ def test_manifest_refuses_tampered_layout(ckpt_dir, tmp_path, tamper, words):
 
 def test_verify_content_refuses_a_flipped_byte(ckpt_dir, tmp_path):
     d = _copy(ckpt_dir, tmp_path)
-    t = next(t for t in scan_safetensors(d / ST) if t.name == "mtp.1.attn.wkv.weight")
-    with open(d / ST, "r+b") as f:
-        f.seek(t.begin + 100)
-        b = f.read(1)
-        f.seek(t.begin + 100)
-        f.write(bytes([b[0] ^ 1]))
+    flip_stored_byte(d / ST, "mtp.1.attn.wkv.weight", 100)
     Checkpoint(d)                                   # layout still matches: only the content check sees it
     with pytest.raises(ManifestError, match="mtp.1.attn.wkv.weight"):
         Checkpoint(d, verify_content=True)

@@ -6,6 +6,7 @@ in their placement-group bundles, load, connect, serve; on restart kill them and
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -135,24 +136,30 @@ class PairManager:
         `deadline_ns`: PairLate, whose resume() waits on (the same bound, counted from the publish)."""
         # Stamps before each hand-off (a stamp taken after one can trail the reader's).
         row = {"publish": now()}
-        try:
+        with self._failing_closed("ring slot"):
             payload = M.encode(batch)
             row["posting"] = now()
             seq = self.ring.publish(payload, timeout_s=self.step_bound_s)
-        except RingTimeout as e:
-            self.kill()             # the stuck ranks must never answer later
-            raise PairFailure("hung", f"no ring slot within the {self.step_bound_s:g} s watchdog: {e}") from None
-        except RingError as e:
-            self.kill()
-            raise PairFailure("broken", str(e)) from None
         row["seq"] = seq
         bound = time.monotonic() + self.step_bound_s
         return self._collect(batch, payload, row, bound, deadline_ns)
 
+    @contextlib.contextmanager
+    def _failing_closed(self, waited_for: str):
+        """The ring's errors as pair failures, the ranks killed first: a stuck rank must never answer later."""
+        try:
+            yield
+        except RingTimeout as e:
+            self.kill()
+            raise PairFailure("hung", f"no {waited_for} within the {self.step_bound_s:g} s watchdog: {e}") from None
+        except RingError as e:
+            self.kill()
+            raise PairFailure("broken", str(e)) from None
+
     def _collect(self, batch: M.RankBatch, payload: bytes, row: dict, bound: float,
                  deadline_ns: int | None) -> list[M.RankResult]:
         seq = row["seq"]
-        try:
+        with self._failing_closed("completion"):
             while True:
                 # Slices of the bound, so a dead or failed rank is noticed within ~0.1 s instead of at the bound,
                 # and the caller gets its turn back at its deadline.
@@ -179,12 +186,6 @@ class PairManager:
                         raise
                     if deadline_ns is not None and now() >= deadline_ns:
                         raise PairLate(lambda: self._collect(batch, payload, row, bound, None)) from None
-        except RingTimeout as e:
-            self.kill()             # the stuck ranks must never answer later
-            raise PairFailure("hung", f"no completion within the {self.step_bound_s:g} s watchdog: {e}") from None
-        except RingError as e:
-            self.kill()
-            raise PairFailure("broken", str(e)) from None
         statuses = [s for s, _ in comps]
         if any(s == M.STATUS_BROKEN for s in statuses) or any(s == M.STATUS_STEP_FAILED for s in statuses):
             kind = "broken" if M.STATUS_BROKEN in statuses else "step"
