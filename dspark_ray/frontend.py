@@ -327,7 +327,7 @@ class StepService(C.StepHandler):
             handed_off = self._dispatch(batch)
         except Exception as e:          # a bug, not a pair failure (those answer INTERNAL in _run): still answer
             log.exception("batch of %d entries failed in the front-end", len(batch))
-            self._answer_internal([q for q in batch if not q.done], f"front-end error: {type(e).__name__}: {e}")
+            self._answer_internal(batch, f"front-end error: {type(e).__name__}: {e}")
         finally:
             if not handed_off:
                 self._end_turn()
@@ -351,16 +351,10 @@ class StepService(C.StepHandler):
         t = now()
         live = []
         for p in batch:
-            if p.done:                  # expired by its waiter meanwhile
-                continue
             if t > p.deadline_ns:
-                self.stats["deadline"] += 1
-                self._finish(p, C.error_result(C.Code.DEADLINE, "deadline passed before the entry could run",
-                                               self.slots[p.entry.slot].cursor.generation))
+                self._finish(p, "deadline", C.Code.DEADLINE, "deadline passed before the entry could run")
             elif self.unavailable:
-                self.stats["unavailable"] += 1
-                self._finish(p, C.error_result(C.Code.UNAVAILABLE, f"pair unavailable: {self.unavailable}",
-                                               self.slots[p.entry.slot].cursor.generation))
+                self._finish(p, "unavailable", C.Code.UNAVAILABLE, f"pair unavailable: {self.unavailable}")
             else:
                 live.append(p)
         return self._run(live) if live else False
@@ -409,7 +403,7 @@ class StepService(C.StepHandler):
                     self._fail_batch(live, resets, f)
             except Exception as e:
                 log.exception("the reaper of a late batch failed")
-                self._answer_internal([q for q in live if not q.done], f"front-end error: {type(e).__name__}: {e}")
+                self._answer_internal(live, f"front-end error: {type(e).__name__}: {e}")
             finally:
                 self._end_turn()
         threading.Thread(target=reap, name="dspark-late-batch", daemon=True).start()
@@ -446,17 +440,16 @@ class StepService(C.StepHandler):
     def _fail_batch(self, live: list[_Pending], resets: list[int], f: PairFailure) -> None:
         """The batch failed closed: INTERNAL for its entries still waiting, their slots (every slot, unless both
         ranks failed the step alike) resynced, and the supervisor told."""
-        waiting = [p for p in live if not p.done]
         msg = f"batch failed closed ({f.kind}): {f.reason}"
         self.last_errors = (self.last_errors + [msg])[-10:]
-        log.warning("%s; %d entries answer INTERNAL, their slots are resynced", msg, len(waiting))
+        log.warning("%s; its entries still waiting answer INTERNAL, their slots are resynced", msg)
         with self.lock:                      # before any answer wakes a client
             if f.kind != "step":             # a rank's state may differ from its peer's: resync everything
                 for i in range(len(self.slots)):
                     self._resync(i)
             else:
                 self.pending_resets.update(resets)   # the failed batch may not have applied its resets
-        self._answer_internal(waiting, msg)
+        self._answer_internal(live, msg)
         if self.on_failure:
             self.on_failure(f, [p.entry.slot for p in live])
 
@@ -473,12 +466,15 @@ class StepService(C.StepHandler):
                 p.result = C.error_result(C.Code.INTERNAL, msg, self.slots[p.entry.slot].cursor.generation)
                 p.done = True
 
-    def _finish(self, p: _Pending, r: C.EntryResult) -> None:
+    def _finish(self, p: _Pending, stat: str, code: C.Code, reason: str) -> None:
+        """Answer `p` without running it (its slot unchanged), unless its waiter answered it meanwhile."""
         with self.lock:
-            if p.done:                 # its waiter answered it meanwhile
+            if p.done:
                 return
-            self.slots[p.entry.slot].busy = False
-            p.result = r
+            self.stats[stat] += 1
+            slot = self.slots[p.entry.slot]
+            slot.busy = False
+            p.result = C.error_result(code, reason, slot.cursor.generation)
             p.done = True
 
     def close(self) -> None:
