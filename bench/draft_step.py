@@ -89,7 +89,7 @@ def weight_bytes(weights: dict) -> tuple[int, int, int]:
     experts count per (block, expert) read."""
     dense = expert = total = 0
     for name, t in weights.items():
-        b = t.numel() * t.element_size()
+        b = t.nbytes
         total += b
         if name.startswith("mtp.0.ffn.experts.0."):
             expert += b

@@ -34,19 +34,34 @@ def shard_weights(full: Weights, layout: Layout, rank: int) -> Weights:
 
 
 def read_rank(ckpt, layout: Layout, rank: int, device="cpu", shared: Weights | None = None,
-              progress: Callable[[int], None] | None = None) -> Weights:
+              progress: Callable[[int], None] | None = None, exl3_kernels: bool | None = None) -> Weights:
     """Rank `rank`'s tensors straight from a checkpoint: only its slice of each split tensor is read. Replicated
-    tensors already read for another rank can be passed in `shared` and are reused, not read again."""
+    tensors already read for another rank can be passed in `shared` and are reused, not read again.
+
+    EXL3 Linears stay as stored and multiply on exllamav3's kernels (`kernels/exl3_gemm.py`) when `exl3_kernels`
+    (default: on a CUDA device where exllamav3 imports); otherwise, and for wo_a's group slices, they are decoded
+    to fp16 (`weights/exl3.py`)."""
+    if exl3_kernels is None:
+        exl3_kernels = str(device).startswith("cuda") and _exl3_available()
     out = {}
     for name in ckpt.names():
         s = layout.slice_of(name, tuple(ckpt.shape(name)), rank)
-        if s is None:
-            out[name] = shared[name] if shared is not None else ckpt.read(name, device=device)
+        if s is None and shared is not None:
+            out[name] = shared[name]
+        elif exl3_kernels and ckpt.storage(name) == "exl3" and not name.endswith(".wo_a.weight"):
+            from .kernels import exl3_gemm
+            (rec,) = ckpt.exl3(name, *(s or ()), device=device)
+            out[name] = exl3_gemm.load(rec)
         else:
-            out[name] = ckpt.read(name, dim=s[0], start=s[1], stop=s[2], device=device)
+            out[name] = ckpt.read(name, *(s or ()), device=device)
         if progress:
             progress(1)
     return out
+
+
+def _exl3_available() -> bool:
+    from .kernels import exl3_gemm
+    return exl3_gemm.available()
 
 
 def _rank_weights(layout, ranks, full, ckpt, device) -> list[Weights]:

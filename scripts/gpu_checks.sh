@@ -70,6 +70,22 @@ step step_latency 600 $PY bench/step_latency.py --tp $TP --preset full --ckpt "$
 # OK answer against a fresh deployment's bits
 step restart 900 $PY bench/restart.py --preset full --checkpoint "$CKPT" --tp 1 --device cuda --rounds 200 \
     --kills 3 --out "$OUT/restart.json"
+# EXL3 (needs exllamav3: make-bundle.sh --exl3): the kernel table for this card kind (written into the tree: commit
+# it), the EXL3 gpu tests, parity with exllamav3's own drafter (tiny, then full with its step timed), and the draft
+# step on seed 000's EXL3 mix beside the bf16 one. Checkpoints go to EXL3_ROOT (bench/parity_exl3.py --root).
+EXL3_ROOT=${EXL3_ROOT:-/tmp/parity_exl3}
+step exl3_table 600 bash -c "$PY -c \"import sys; sys.path.insert(0, 'bench'); from pathlib import Path; \
+from parity_exl3 import ensure; [ensure(p, 'exl3', Path('$EXL3_ROOT')) for p in ('tiny', 'full')]\" && \
+$PY tools/exl3_kernel_table.py --ckpt $EXL3_ROOT/full_exl3 --ckpt $EXL3_ROOT/tiny_exl3 && cp dspark_ray/kernels/exl3_shapes.json $OUT/"
+step tests_exl3 600 $PY -m pytest -q -rA -s tests/test_exl3_gpu.py
+step parity_exl3_tiny 600 $PY bench/parity_exl3.py --preset tiny --root "$EXL3_ROOT" --out "$OUT/parity_exl3_tiny.json"
+step parity_exl3_full 900 $PY bench/parity_exl3.py --preset full --time 1,4 --root "$EXL3_ROOT" \
+    --out "$OUT/parity_exl3_full.json"
+for f in exl3 bf16; do
+    step draft_step_$f 900 $PY bench/draft_step.py --ckpt "$EXL3_ROOT/full_$f" --modes tp1,solo --shapes "1,5 4,5" \
+        --replays 300 --start 900000 --markov-cache off ${PIN_CPUS:+--pin-cpus "$PIN_CPUS"} \
+        --out "$OUT/draft_step_$f.json" --md "$OUT/draft_step_$f.md"
+done
 if [ "$CARDS" -ge 2 ]; then
     step scaling 900 $PY bench/scaling.py --preset full --ckpt "$CKPT" --cards 2 --requests 1,2,4,8,12,16 \
         --rounds 300 --warmup-rounds 300 --slots 16 --out "$OUT/scaling.json"

@@ -143,7 +143,7 @@ class RankWorker:
 
         self.weights = read_rank(ck, layout, self.rank, self.spec.device, progress=tick)
         self.layout = layout
-        nbytes = sum(t.numel() * t.element_size() for t in self.weights.values())
+        nbytes = sum(t.nbytes for t in self.weights.values())
         log.info("rank %d: loaded %d tensors (%.1f MiB) in %.2f s", self.rank, self.total, nbytes / 2**20,
                  time.time() - t0)
         return {"rank": self.rank, "tensors": self.total, "bytes": nbytes, "seconds": time.time() - t0}

@@ -70,7 +70,7 @@ class Experts:
         a branch (`ops.branch`), joined only where the sum needs it: on the fast path it runs beside the router and,
         when it lasts longer, beside the routed experts' first kernel."""
         act_k, out_k = ops.fused("expert_act"), ops.fused("expert_out")
-        if act_k is not None and out_k is not None:
+        if act_k is not None and out_k is not None and isinstance(self.w1, torch.Tensor):
             act = act_k(f, self.w1, self.w3, experts, self.limit)
             return out_k(act, self.w2, experts, weights, shared.join())
         n, k = experts.shape

@@ -148,6 +148,12 @@ def fused(name: str) -> Callable | None:
     return _fused.get(name)
 
 
+def drop_fused(*names: str) -> None:
+    """Uninstall fused kernels by name: their reference chains run from now on."""
+    for n in names:
+        _fused.pop(n, None)
+
+
 class Ready:
     """A branch run at once (the serial form): `join` gives its value."""
 
@@ -190,13 +196,25 @@ def graph_launches():
 
 
 def linear_indexed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """fp32 (P, N): row p times its own weight w[idx[p]] (E, N, K stacked), through the installed kernel."""
+    """fp32 (P, N): row p times its own weight w[idx[p]] (E, N, K stacked), through the installed kernel, or the
+    bank's own product when the stacked weights carry one (EXL3 experts: `kernels/exl3_gemm.py`)."""
+    own = getattr(w, "matmul_indexed", None)
+    if own is not None:
+        return own(x, idx, F32)
     return _matmul_indexed(x, w, idx)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = F16,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Linear(W, x) = x @ W.T of fp16-valued operands, fp32 accumulation, one rounding to `out_dtype`."""
+    """Linear(W, x) = x @ W.T of fp16-valued operands, fp32 accumulation, one rounding to `out_dtype`. A weight
+    that carries its own product (an EXL3 Linear on its GPU kernels: `kernels/exl3_gemm.py`) runs it."""
+    own = getattr(w, "matmul", None)
+    if own is not None and not isinstance(w, torch.Tensor):
+        y = own(x, F16 if bias is None and out_dtype == F16 else F32)
+        if bias is None:
+            return y
+        y = y + bias.float()
+        return f16(y) if out_dtype == F16 else y
     if bias is None and out_dtype == F16 and "linear_f16" in _fused:
         return _fused["linear_f16"](x, w)
     y = _matmul(x, w)
