@@ -67,13 +67,30 @@ def ensure(preset: str, fmt: str, root: Path) -> Path:
     return d
 
 
+def _as_exllamav3_sees_it(d: Path) -> Path:
+    """exllamav3 registers the drafter as DeepseekV4ForCausalLM; the full preset's config names the V4.1 trunk
+    (DeepseekV41ForCausalLM, the same drafter). A sibling directory with the one name changed and every other
+    file linked."""
+    cfg = json.loads((d / "config.json").read_text())
+    if cfg.get("architectures") == ["DeepseekV4ForCausalLM"]:
+        return d
+    alias = d.with_name(d.name + "_exllamav3")
+    alias.mkdir(exist_ok=True)
+    for f in d.iterdir():
+        if f.name != "config.json" and not (alias / f.name).exists():
+            (alias / f.name).symlink_to(f.resolve())
+    cfg["architectures"] = ["DeepseekV4ForCausalLM"]
+    (alias / "config.json").write_text(json.dumps(cfg, indent=1))
+    return alias
+
+
 class Theirs:
     """exllamav3's drafter on one checkpoint, `pages` cache pages per sequence, up to `bsz` sequences."""
 
     def __init__(self, d: Path, pages: int, bsz: int = 1):
         from exllamav3 import Cache, Config, Model
         t0 = time.time()
-        self.config = Config.from_directory(str(d))
+        self.config = Config.from_directory(str(_as_exllamav3_sees_it(d)))
         self.model = Model.from_config(self.config, component="mtp")
         self.cache = Cache(self.model, max_num_tokens=pages * PAGE * bsz)
         self.model.load("cuda:0")

@@ -94,9 +94,14 @@ def test_expert_bank_agrees_with_each_expert_and_repeats_its_bits(exl3_ckpt):
     idx = torch.randint(0, cfg.n_routed_experts, (p,), generator=g, device="cuda")
     got = bank.matmul_indexed(x, idx, torch.float32)
     assert torch.equal(got, bank.matmul_indexed(x, idx, torch.float32))
+    dec = {}
     for j in range(p):
-        want = w[names[int(idx[j])]].matmul(x[j:j + 1], torch.float32)[0]
-        assert (got[j] - want).abs().max().item() <= 1e-3 * want.abs().max().item() + 1e-4, j
+        e = int(idx[j])
+        if e not in dec:
+            (rec,) = ck.exl3(names[e], device="cuda")
+            dec[e] = rec.weight().float()                  # (in, out)
+        want = x[j].float() @ dec[e]
+        assert (got[j] - want).abs().max().item() <= 2e-3 * want.abs().max().item() + 1e-3, j
     # How much a slot's bits depend on the call's slot count (mgemm sizes its grid by it): reported, not asserted.
     alone = torch.cat([bank.matmul_indexed(x[j:j + 1], idx[j:j + 1], torch.float32) for j in range(p)])
     print(f"\nmgemm: {int((alone != got).any(dim=1).sum())} / {p} slots differ between a call of 1 slot and of {p}")

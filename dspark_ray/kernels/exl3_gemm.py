@@ -16,8 +16,9 @@ the same kernels on both ranks and in every process, and capturable in our CUDA 
 sync). A shape the table lacks takes a fixed rule (the widest compatible tile of shapes 1..4, all 16-row tiles)
 and says so once in the log.
 
-Batch invariance: shapes 1..4 tile rows by 16, and a forced `exl3_gemm`'s grid depends on (k, n) alone, so a row's
-bits never depend on the other rows of the call. `exl3_mgemm` sizes its grid by the number of slots (rows x
+Batch invariance: a forced `exl3_gemm`'s grid depends on (k, n) alone, and its rows run in 16-row slabs; a slab of
+fewer than 16 rows takes another reduction path, so calls are padded to whole slabs (`SLAB`): a row's bits never
+depend on the other rows of the call. `exl3_mgemm` sizes its grid by the number of slots (rows x
 top-k), so a routed expert's bits depend on how many (row, expert) pairs the call holds: exact per batch size, not
 across batch sizes (measured and reported by `tests/test_exl3_gpu.py`).
 
@@ -42,6 +43,10 @@ log = logging.getLogger(__name__)
 TABLE_PATH = Path(__file__).with_name("exl3_shapes.json")
 SHAPES = (1, 2, 3, 4)           # exllamav3's 16-row tile shapes (tile n 128, 128, 256, 512); 5..7 are 32..64-row
 _TILE_N = {1: 128, 2: 128, 3: 256, 4: 512}
+# exl3_gemm runs its rows in slabs of 16, and a slab of fewer rows takes another reduction path (measured on the
+# H200: a row's bits equal at 1 and 2 rows, differ at 8 and 16; tools/exl3_invariance_probe.py). Every call is
+# padded to whole slabs, so every row runs the full-slab path whatever the batch.
+SLAB = 16
 
 
 def ext():
@@ -153,11 +158,19 @@ class Exl3Weight:
     def matmul(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """x (..., k) fp16 -> x @ W.T (..., n) in out_dtype (fp16 or fp32), fp32 accumulation."""
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.k).to(torch.float16).contiguous()
-        c = torch.empty((x2.shape[0], self.n), dtype=out_dtype, device=x.device)
+        x2 = x.reshape(-1, self.k).to(torch.float16)
+        m = x2.shape[0]
+        mp = -(-m // SLAB) * SLAB
+        if mp != m:                 # whole slabs: a row's bits then never depend on the call's row count
+            xp = torch.zeros((mp, self.k), dtype=torch.float16, device=x.device)
+            xp[:m] = x2
+            x2 = xp
+        else:
+            x2 = x2.contiguous()
+        c = torch.empty((mp, self.n), dtype=out_dtype, device=x.device)
         a_had = torch.empty_like(x2)        # the input Hadamard's scratch (the kernel writes it first)
         ext().exl3_gemm(x2, self.trellis, c, self.suh, a_had, self.svh, self.shape_idx, self.mcg, self.mul1, 0)
-        return c.reshape(*lead, self.n)
+        return c[:m].reshape(*lead, self.n)
 
     def __repr__(self) -> str:
         return f"Exl3Weight({self.n}x{self.k}, {self.K} bpw {self.codebook}, shape {self.shape_idx})"
