@@ -603,3 +603,24 @@ def test_the_device_check_counts_every_linear_and_cut_and_needs_cuda(kinds_dir, 
     if not torch.cuda.is_available():
         assert tool.main(["--skip-forward"]) == 2
         assert json.loads(capsys.readouterr().out)["error"] == "no CUDA device"
+
+
+def test_row_blocks_multiply_like_the_concatenated_weight_and_slice_on_block_bounds():
+    """kernels/exl3_gemm.RowBlocks (what torch.cat of EXL3 weights gives: one product per block) on plain blocks:
+    the exact path's bits of the concatenated matrix, row slices on block boundaries only, and a clear error for
+    any other tensor op on an EXL3 weight."""
+    from dspark_ray.kernels.exl3_gemm import RowBlocks, _torch_function
+    from dspark_ray.model import ops
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(256, 64, generator=g).half()
+    b = torch.randn(128, 64, generator=g).half()
+    x = torch.randn(5, 64, generator=g).half()
+    rb = RowBlocks([a, b])
+    assert tuple(rb.shape) == (384, 64)
+    for dt in (torch.float16, torch.float32):
+        assert torch.equal(ops.linear(x, rb, out_dtype=dt), ops.linear(x, torch.cat((a, b)), out_dtype=dt))
+    assert rb[:256] is a and rb[256:] is b and rb[:] .shape == rb.shape
+    with pytest.raises(ValueError, match="block boundary"):
+        rb[:128]
+    with pytest.raises(TypeError, match="not defined for EXL3 weights"):
+        _torch_function(torch.add, (rb, rb), {})
