@@ -40,11 +40,12 @@ def steps(out: str) -> list[str]:
 def test_steps_on_one_card_and_on_a_pair(tmp_path):
     one = run(tmp_path, 1)
     assert one.returncode == 0, one.stdout + one.stderr
+    exl3 = ["exl3_table", "tests_exl3", "parity_exl3_tiny", "parity_exl3_full", "draft_step_exl3", "draft_step_bf16"]
     assert steps(one.stdout) == ["synthesize", "tests_one_card", "tests_full_graph_set", "draft_step", "step_latency",
-                                 "restart"]
+                                 "restart"] + exl3
     pair = run(tmp_path, 2)
     assert steps(pair.stdout) == ["synthesize", "tests_one_card", "tests_full_graph_set", "tests_push_pair",
-                                  "tests_deployed_pair", "draft_step", "step_latency", "restart", "scaling"]
+                                  "tests_deployed_pair", "draft_step", "step_latency", "restart"] + exl3 + ["scaling"]
     assert "all passed" in pair.stdout
 
 
