@@ -15,7 +15,8 @@ length equal. Each first mismatch is classified from both models' logits at that
 drafter on the same weights, whose drafts equal the engine's; theirs by repeating `sample_from_state`'s head + Markov
 loop on its own tokens): a near-tie when both models' gap between the two tokens is at most max(2 fp16 steps,
 3 sqrt(2) sigma), sigma = 1.4826 x the median |logit difference| at the positions before it (identical inputs),
-otherwise unexplained. `--time R,...`: exllamav3's step (forward + sample_from_state, host included, as its
+else a routing near-tie when that row's gap between the k-th and (k+1)-th expert keys is at most ROUTING_LINE in
+some block (a rounding there swaps an expert, and the logits differ widely), otherwise unexplained. `--time R,...`: exllamav3's step (forward + sample_from_state, host included, as its
 generator calls it) at R requests, median of `--replays`. Prints JSON.
 """
 from __future__ import annotations
@@ -37,6 +38,9 @@ from bench.tcp_roundtrip import _commit  # noqa: E402
 from dspark_ray.parity import fp16_step  # noqa: E402
 
 PAGE = 256
+# A routing gap at most this wide counts as a routing near-tie: 4 fp16 steps of a selection key near 2 (the keys are
+# sqrt(softplus) of fp16 router logits plus an fp16 bias, ~1-3 here), the same multiple the logit rule allows.
+ROUTING_LINE = 4 * 2.0 ** -9
 
 
 def log(msg: str) -> None:
@@ -150,6 +154,33 @@ def classify(ours_lg: torch.Tensor, their_lg: torch.Tensor, first: int, a: int, 
             "class": "near-tie" if max(go, gt) <= line else "unexplained"}
 
 
+class RouterMargins:
+    """While active, every Router.select records per row the gap between the k-th and (k+1)-th selection keys
+    (sqrt(softplus(logit)) + bias): a small gap is a routing near-tie, where a GEMM's rounding can swap an expert."""
+
+    def __init__(self):
+        self.gaps: list[torch.Tensor] = []          # one (rows,) tensor per block, in block order
+
+    def __enter__(self):
+        from dspark_ray.model import moe
+        from dspark_ray.model.ops import softplus
+        self._orig = moe.Router.select
+        rec = self
+
+        def select(router, lg):
+            key = (torch.sqrt(softplus(lg.float())) + router.bsel).nan_to_num(nan=-float("inf"))
+            top = key.topk(router.top_k + 1, dim=-1).values
+            rec.gaps.append((top[:, -2] - top[:, -1]).cpu())
+            return rec._orig(router, lg)
+
+        moe.Router.select = select
+        return self
+
+    def __exit__(self, *exc):
+        from dspark_ray.model import moe
+        moe.Router.select = self._orig
+
+
 def run_format(preset: str, fmt: str, args, root: Path) -> dict:
     from dspark_ray.engine import RankEngine, StepEntry
     from dspark_ray.kernels.gemm import describe_matmul, use_matmul
@@ -192,7 +223,8 @@ def run_format(preset: str, fmt: str, args, root: Path) -> dict:
                                          want_margins=True)])
             o_drafts = torch.from_numpy(out.drafts).to(torch.int64)
             ours.insert(eager, start, torch.zeros(n, dtype=torch.int64), taps.cuda())
-            e = ours.draft([eager], [tok], cfg.block_size, want_margins=True, debug=True)
+            with RouterMargins() as rm:
+                e = ours.draft([eager], [tok], cfg.block_size, want_margins=True, debug=True)
             if not torch.equal(e.drafts[0].cpu(), o_drafts):
                 res["engine_equals_eager"] = False
             eq = o_drafts == t_drafts
@@ -209,13 +241,18 @@ def run_format(preset: str, fmt: str, args, root: Path) -> dict:
                 their_lg = theirs.logits(state, params, tokens)[0].cpu()
                 m = classify(e.logits[0].float().cpu(), their_lg, first, int(o_drafts[first]),
                              int(t_drafts[first]))
-                m.update(seed=seed, round=r)
+                # the block row whose logits the first mismatch reads: its smallest routing gap over the blocks
+                gap = min(float(g[first]) for g in rm.gaps)
+                m.update(seed=seed, round=r, routing_gap=round(gap, 5))
+                if m["class"] == "unexplained" and gap <= ROUTING_LINE:
+                    m["class"] = "routing near-tie"
                 rec["first_mismatch"] = m
                 res["mismatches"].append(m)
             per.append(rec)
         res["seeds"][str(seed)] = per
     res["blocks_exact_share"] = round(res["blocks_exact"] / max(1, res["blocks"]), 4)
     res["unexplained"] = sum(m["class"] == "unexplained" for m in res["mismatches"])
+    res["near_ties"] = sum(m["class"] != "unexplained" for m in res["mismatches"])
     if args.time:
         res["exllamav3_step_ms"] = time_theirs(theirs, cfg, args)
     del eng, ours
