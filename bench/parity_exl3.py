@@ -49,7 +49,7 @@ def log(msg: str) -> None:
 
 def rounds_for(cfg, n_rounds: int, seed: int):
     """(start, rows, taps, seed token) per round: 6 rows first, then 1..B rows."""
-    g = torch.Generator().manual_seed(1000 + seed)
+    g = torch.Generator().manual_seed(seed)
     pos, out = 0, []
     for r in range(n_rounds):
         n = 6 if r == 0 else int(torch.randint(1, cfg.block_size + 1, (1,), generator=g))
@@ -189,7 +189,7 @@ def run_format(preset: str, fmt: str, args, root: Path) -> dict:
     d = ensure(preset, fmt, root)
     ck = Checkpoint(d)
     cfg = ck.config
-    all_rounds = {s: rounds_for(cfg, args.rounds, s) for s in args.seeds}
+    all_rounds = {s: rounds_for(cfg, args.rounds, 1000 + s) for s in args.seeds}
     rows = max(sum(n for _, n, _, _ in r) for r in all_rounds.values())
     pages = -(-(max(rows, cfg.sliding_window + 64) + cfg.block_size + 1) // PAGE)
     theirs = Theirs(d, pages, max([1] + args.time))

@@ -142,3 +142,14 @@ def step_as_reference(c, ref, grants, batch) -> None:
         if w.margins is not None:
             assert np.array_equal(g.margins_array(), w.margins)
         assert g.confident_len == w.confident_len
+
+
+def assert_set_drafts_like_eager(gs, d, eager, block_size: int, seed0: int, seed_step: int) -> None:
+    """At 1..4 requests (the graph set's first slots, filled like `eager`'s slots), the set's draft with margins
+    equals the eager drafter's bit for bit, every field."""
+    for bsz in range(1, 5):
+        seeds = [seed0 + seed_step * r for r in range(bsz)]
+        got = gs.run([], gs.slots[:bsz], seeds, block_size, True)
+        want = d.draft(eager[:bsz], seeds, block_size, True)
+        for k in ("drafts", "confidences", "confident_len", "margins"):
+            assert torch.equal(getattr(got, k), getattr(want, k).cpu()), (bsz, k)

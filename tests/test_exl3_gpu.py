@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_set_drafts_like_eager
 
 from dspark_ray import workload
 from dspark_ray.model.layout import Layout
@@ -130,12 +131,7 @@ def test_drafter_on_the_kernels_matches_the_decoded_one_and_its_graphs(exl3_ckpt
             d.insert(st, 0, torch.arange(n), taps)
             assert torch.equal(gs.slots[r].kv, st.kv), r
             eager.append(st)
-        for bsz in range(1, 5):
-            seeds = [5 + 37 * r for r in range(bsz)]
-            got = gs.run([], gs.slots[:bsz], seeds, cfg.block_size, True)
-            want = d.draft(eager[:bsz], seeds, cfg.block_size, True)
-            for k in ("drafts", "confidences", "confident_len", "margins"):
-                assert torch.equal(getattr(got, k), getattr(want, k).cpu()), (bsz, k)
+        assert_set_drafts_like_eager(gs, d, eager, cfg.block_size, 5, 37)
     finally:
         ops.set_matmul(*saved)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_set_drafts_like_eager
 
 from dspark_ray import parity, workload
 from dspark_ray.model.heads import markov_cache_rows
@@ -95,12 +96,7 @@ def test_cached_rows_give_the_live_bits_on_the_card(cfg, ckpt):
             st = d.new_slot()
             d.insert(st, 0, torch.zeros(taps.shape[0], dtype=torch.int64), taps)
             eager.append(st)
-        for bsz in range(1, 5):
-            seeds = [3 + 1009 * r for r in range(bsz)]
-            got = gs.run([], gs.slots[:bsz], seeds, cfg.block_size, True)
-            want = d.draft(eager[:bsz], seeds, cfg.block_size, True)
-            for k in ("drafts", "confidences", "confident_len", "margins"):
-                assert torch.equal(getattr(got, k), getattr(want, k).cpu()), (bsz, k)
+        assert_set_drafts_like_eager(gs, d, eager, cfg.block_size, 3, 1009)
         d.head.markov_map = cmap
     finally:
         ops.set_matmul(*saved)

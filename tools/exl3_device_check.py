@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.parity_exl3 import rounds_for  # noqa: E402
 from dspark_ray.config import preset  # noqa: E402
 from dspark_ray.model.layout import Layout  # noqa: E402
 from dspark_ray.weights import exl3  # noqa: E402
@@ -119,18 +120,6 @@ def check_decode(ck: Checkpoint, dev, cpu_per_kind: int | None) -> dict:
     return out
 
 
-def _rounds(cfg, n_rounds: int, seed: int = 0):
-    """(start, rows, taps, seed token) per round: 6 rows first, then 1..B rows, as spec section 10 ran them."""
-    g = torch.Generator().manual_seed(seed)
-    pos, out = 0, []
-    for r in range(n_rounds):
-        n = 6 if r == 0 else int(torch.randint(1, cfg.block_size + 1, (1,), generator=g))
-        taps = torch.randn(n, cfg.n_taps * cfg.hidden_size, generator=g).to(torch.float16)
-        out.append((pos, n, taps, int(torch.randint(0, cfg.vocab_size, (1,), generator=g))))
-        pos += n
-    return out
-
-
 def check_forward(d: Path, ck: Checkpoint, dev, n_rounds: int, ref_device) -> dict:
     """exllamav3 loads the checkpoint as its drafter and drafts; our split reference (on `ref_device`) drafts the same
     rounds."""
@@ -138,7 +127,7 @@ def check_forward(d: Path, ck: Checkpoint, dev, n_rounds: int, ref_device) -> di
 
     from dspark_ray.modes import make_drafter
     cfg = ck.config
-    rounds = _rounds(cfg, n_rounds)
+    rounds = rounds_for(cfg, n_rounds, 0)
     pages = -(-(sum(n for _, n, _, _ in rounds) + cfg.block_size + 1) // PAGE)
     t0 = time.perf_counter()
     config = Config.from_directory(str(d))
