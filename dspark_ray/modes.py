@@ -41,15 +41,15 @@ def read_rank(ckpt, layout: Layout, rank: int, device="cpu", shared: Weights | N
     EXL3 Linears stay as stored and multiply on exllamav3's kernels (`kernels/exl3_gemm.py`) when `exl3_kernels`
     (default: on a CUDA device where exllamav3 imports); otherwise, and for wo_a's group slices, they are decoded
     to fp16 (`weights/exl3.py`)."""
+    from .kernels import exl3_gemm             # (imports exllamav3 only when it multiplies)
     if exl3_kernels is None:
-        exl3_kernels = str(device).startswith("cuda") and _exl3_available()
+        exl3_kernels = str(device).startswith("cuda") and exl3_gemm.available()
     out = {}
     for name in ckpt.names():
         s = layout.slice_of(name, tuple(ckpt.shape(name)), rank)
         if s is None and shared is not None:
             out[name] = shared[name]
-        elif exl3_kernels and ckpt.storage(name) == "exl3" and not name.endswith(".wo_a.weight"):
-            from .kernels import exl3_gemm
+        elif exl3_kernels and exl3_gemm.on_kernels(ckpt, name):
             (rec,) = ckpt.exl3(name, *(s or ()), device=device)
             out[name] = exl3_gemm.load(rec)
         else:
@@ -57,11 +57,6 @@ def read_rank(ckpt, layout: Layout, rank: int, device="cpu", shared: Weights | N
         if progress:
             progress(1)
     return out
-
-
-def _exl3_available() -> bool:
-    from .kernels import exl3_gemm
-    return exl3_gemm.available()
 
 
 def _rank_weights(layout, ranks, full, ckpt, device) -> list[Weights]:

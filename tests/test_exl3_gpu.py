@@ -12,6 +12,7 @@ import torch
 from conftest import assert_set_drafts_like_eager
 
 from dspark_ray import workload
+from dspark_ray.kernels import exl3_gemm
 from dspark_ray.model.layout import Layout
 from dspark_ray.modes import make_drafter, read_rank
 
@@ -45,7 +46,7 @@ def _records(ck):
         lay = Layout(ck.config, tp)
         for rank in range(tp):
             for name in ck.names():
-                if ck.storage(name) == "exl3" and not name.endswith(".wo_a.weight"):
+                if exl3_gemm.on_kernels(ck, name):
                     s = lay.slice_of(name, tuple(ck.shape(name)), rank)
                     yield name, (tp, rank), ck.exl3(name, *(s or ()), device="cuda")[0]
 

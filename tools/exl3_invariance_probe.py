@@ -10,7 +10,7 @@ from dspark_ray.kernels import exl3_gemm as X
 ck = Checkpoint(sys.argv[1])
 ext = X.ext()
 out = {}
-names = [n for n in ck.names() if ck.storage(n) == "exl3" and not n.endswith("wo_a.weight")]
+names = [n for n in ck.names() if X.on_kernels(ck, n)]
 pick = [n for n in names if "wq_b" in n][:1] + [n for n in names if "experts.0.w1" in n][:1] + ["head.weight"]
 g = torch.Generator(device="cuda").manual_seed(0)
 for name in pick:

@@ -34,8 +34,8 @@ def shapes_of(ck: Checkpoint) -> dict[tuple, tuple]:
     of tp1 and tp2. Routed experts: expert 0 of each block stands for its bank (one mix group, one bitrate)."""
     out: dict[tuple, tuple] = {}
     cfg = ck.config
-    names = [n for n in ck.names() if ck.storage(n) == "exl3" and not n.endswith(".wo_a.weight")
-             and (".ffn.experts." not in n or ".ffn.experts.0." in n)]
+    names = [n for n in ck.names()
+             if exl3_gemm.on_kernels(ck, n) and (".ffn.experts." not in n or ".ffn.experts.0." in n)]
     for tp in (1, 2):
         lay = Layout(cfg, tp)
         for rank in range(tp):

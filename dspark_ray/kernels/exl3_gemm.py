@@ -66,6 +66,12 @@ def available() -> bool:
     return True
 
 
+def on_kernels(ckpt, name: str) -> bool:
+    """Whether a GPU rank multiplies tensor `name` of `ckpt` on these kernels: every EXL3 Linear but wo_a (its
+    group slices are decoded to fp16 for the grouped output GEMM)."""
+    return ckpt.storage(name) == "exl3" and not name.endswith(".wo_a.weight")
+
+
 # ==== the committed kernel table =====================================================================================
 def shape_key(op: str, cc: str, K, codebook: str, k: int, n: int) -> str:
     return f"{op} sm{cc} K{K} {codebook} k{k} n{n}"

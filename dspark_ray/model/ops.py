@@ -198,9 +198,8 @@ def graph_launches():
 def linear_indexed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """fp32 (P, N): row p times its own weight w[idx[p]] (E, N, K stacked), through the installed kernel, or the
     bank's own product when the stacked weights carry one (EXL3 experts: `kernels/exl3_gemm.py`)."""
-    own = getattr(w, "matmul_indexed", None)
-    if own is not None:
-        return own(x, idx, F32)
+    if not isinstance(w, torch.Tensor):
+        return w.matmul_indexed(x, idx, F32)
     return _matmul_indexed(x, w, idx)
 
 
@@ -208,9 +207,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = F16,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """Linear(W, x) = x @ W.T of fp16-valued operands, fp32 accumulation, one rounding to `out_dtype`. A weight
     that carries its own product (an EXL3 Linear on its GPU kernels: `kernels/exl3_gemm.py`) runs it."""
-    own = getattr(w, "matmul", None)
-    if own is not None and not isinstance(w, torch.Tensor):
-        y = own(x, F16 if bias is None and out_dtype == F16 else F32)
+    if not isinstance(w, torch.Tensor):
+        y = w.matmul(x, F16 if bias is None and out_dtype == F16 else F32)
         if bias is None:
             return y
         y = y + bias.float()
