@@ -2,9 +2,10 @@
 
 What is checked: every EXL3 Linear of a tiny checkpoint (seed 000's mix and every stored kind, every rank's cut)
 multiplies like its decoded fp16 weight (to the kernel's rounding); a forced `exl3_gemm` is deterministic and batch
-invariant bit for bit; the expert bank's `exl3_mgemm` is deterministic and agrees with each expert's own product; a
-whole drafter on the kernels, eager and in the rank's CUDA graph set (fast path), gives the same bits, and the same
-drafts as the decoded checkpoint except at near-ties."""
+invariant bit for bit; the expert bank's `exl3_mgemm` is deterministic and agrees with each expert's own product; the
+fused MoE kernel agrees with the decoded experts, is deterministic and replays its eager bits in a CUDA graph; a
+whole drafter on the kernels, eager and in the rank's CUDA graph set (fast path), gives the same bits, each request the
+same bits in every batch bucket, and the same drafts as the decoded checkpoint except at near-ties."""
 from __future__ import annotations
 
 import pytest
@@ -70,14 +71,23 @@ def test_every_exl3_linear_multiplies_like_its_decoded_weight(exl3_ckpt):
 def test_forced_gemm_is_deterministic_and_batch_invariant(exl3_ckpt):
     exl3_gemm = _need_exl3()
     g = torch.Generator(device="cuda").manual_seed(1)
+    n_rows = 0
     for name, cut, rec in _records(exl3_ckpt):
         w = exl3_gemm.Exl3Weight(rec)
-        x = torch.randn(24, w.k, generator=g, device="cuda").half()
-        full = w.matmul(x, torch.float16)
-        assert torch.equal(full, w.matmul(x, torch.float16)), name
-        for rows in ((3,), (0, 1), (5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21)):
-            sub = w.matmul(x[list(rows)], torch.float16)
-            assert torch.equal(sub, full[list(rows)]), (name, cut, rows)
+        variants = [w]
+        if w.shape_idx != exl3_gemm.ROWS and exl3_gemm.rows_compatible(w.K, w.k, w.n, w.device):
+            v = exl3_gemm.Exl3Weight(rec)       # the row-tile family too, whatever the table picked
+            v.shape_idx = exl3_gemm.ROWS
+            variants.append(v)
+        for v in variants:
+            n_rows += v.shape_idx == exl3_gemm.ROWS
+            x = torch.randn(80, v.k, generator=g, device="cuda").half()
+            full = v.matmul(x, torch.float16)           # 80 rows: two 64-row tiles
+            assert torch.equal(full, v.matmul(x, torch.float16)), name
+            for rows in ((3,), (0, 1), tuple(range(5, 22)), tuple(range(40)), tuple(range(2, 72)), tuple(range(24))):
+                sub = v.matmul(x[list(rows)], torch.float16)     # 16, 16, 32, 48, 128, 32 rows
+                assert torch.equal(sub, full[list(rows)]), (name, cut, v.shape_idx, len(rows))
+    assert n_rows > 0
 
 
 def test_expert_bank_agrees_with_each_expert_and_repeats_its_bits(exl3_ckpt):
@@ -109,6 +119,66 @@ def test_expert_bank_agrees_with_each_expert_and_repeats_its_bits(exl3_ckpt):
     print(f"\nmgemm: {int((alone != got).any(dim=1).sum())} / {p} slots differ between a call of 1 slot and of {p}")
 
 
+
+def _experts(w, cfg):
+    from dspark_ray.model.moe import Experts
+    e = "mtp.0.ffn.experts."
+    return Experts([w[f"{e}{i}.w1.weight"] for i in range(cfg.n_routed_experts)],
+                   [w[f"{e}{i}.w3.weight"] for i in range(cfg.n_routed_experts)],
+                   [w[f"{e}{i}.w2.weight"] for i in range(cfg.n_routed_experts)],
+                   tuple(w[f"mtp.0.ffn.shared_experts.{m}.weight"] for m in ("w1", "w3", "w2")),
+                   limit=cfg.swiglu_limit)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_experts_agree_with_the_decoded_experts_and_repeat_their_bits(exl3_ckpt, tp):
+    """The fused MoE kernel (one decode of each routed expert for all its rows) against the reference form on the
+    decoded experts, every rank's cut; deterministic bit for bit, graph replay == eager."""
+    exl3_gemm = _need_exl3()
+    from dspark_ray.model.ops import Ready
+    ck, cfg = exl3_ckpt, exl3_ckpt.config
+    lay = Layout(cfg, tp)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for rank in range(tp):
+        fast = _experts(read_rank(ck, lay, rank, "cuda", exl3_kernels=True), cfg)
+        ref = _experts(read_rank(ck, lay, rank, "cuda", exl3_kernels=False), cfg)
+        if fast.fused_experts is None:
+            assert not isinstance(fast.w1, exl3_gemm.Exl3Bank) or not exl3_gemm.fused_moe_takes(
+                fast.w1, fast.w3, fast.w2)
+            pytest.skip("this mix's routed experts do not take the fused kernel")
+        for n in (1, 5, 24, 40):
+            f = torch.randn(n, cfg.hidden_size, generator=g, device="cuda").half()
+            # distinct experts per row, a few experts shared by many rows (as routing does)
+            key = torch.rand(n, cfg.n_routed_experts, generator=g, device="cuda")
+            key[:, :2] += 0.5
+            ex = key.topk(cfg.num_experts_per_tok, dim=1).indices
+            wt = (torch.rand(n, cfg.num_experts_per_tok, generator=g, device="cuda") + 0.2).half()
+            shared = torch.randn(n, cfg.hidden_size, generator=g, device="cuda")
+            got = fast.routed(f, ex, wt, Ready(shared))
+            assert torch.equal(got, fast.routed(f, ex, wt, Ready(shared))), (rank, n)
+            want = ref.routed(f, ex, wt, Ready(shared))
+            err = (got - want).abs().max().item()
+            assert err <= 4e-3 * want.abs().max().item() + 1e-3, (tp, rank, n, err)
+        # graph replay == eager at one shape
+        fs, es, ws, ss = f.clone(), ex.clone(), wt.clone(), shared.clone()
+        eager = fast.routed(fs, es, ws, Ready(ss))
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fast.routed(fs, es, ws, Ready(ss))
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fast.routed(fs, es, ws, Ready(ss))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        # How much a row's bits depend on the other rows of the call: reported, not asserted.
+        alone = torch.cat([fast.routed(f[j:j + 1], ex[j:j + 1], wt[j:j + 1], Ready(shared[j:j + 1]))
+                           for j in range(n)])
+        print(f"\nexl3_moe tp{tp} rank {rank}: {int((alone != got).any(dim=1).sum())} / {n} rows differ "
+              f"between a call of 1 row and of {n}")
+
 def test_drafter_on_the_kernels_matches_the_decoded_one_and_its_graphs(exl3_ckpt):
     exl3_gemm = _need_exl3()
     from dspark_ray.graphs import GraphSet
@@ -133,6 +203,14 @@ def test_drafter_on_the_kernels_matches_the_decoded_one_and_its_graphs(exl3_ckpt
             assert torch.equal(gs.slots[r].kv, st.kv), r
             eager.append(st)
         assert_set_drafts_like_eager(gs, d, eager, cfg.block_size, 5, 37)
+        # Batch invariance (the fused MoE kernel and 16-row slabs): every bucket gives each request its one-request
+        # answer, bit for bit.
+        alone = [gs.run([], [gs.slots[r]], [5 + 37 * r], cfg.block_size, True) for r in range(4)]
+        for bsz in range(2, 5):
+            got = gs.run([], gs.slots[:bsz], [5 + 37 * r for r in range(bsz)], cfg.block_size, True)
+            for r in range(bsz):
+                for k in ("drafts", "confidences", "margins"):
+                    assert torch.equal(getattr(got, k)[r], getattr(alone[r], k)[0]), (bsz, r, k)
     finally:
         ops.set_matmul(*saved)
 

@@ -3,11 +3,13 @@
     source .devbundle/setup.sh && python tools/exl3_kernel_table.py --ckpt DIR [--ckpt DIR2 ...] [--out FILE]
 
 For every EXL3 Linear shape a rank of the checkpoint(s) multiplies by (tp1 and both ranks of tp2; routed experts as
-`mgemm`, every other Linear as `gemm`), each 16-row tile shape exllamav3 accepts is timed at the decode's row counts
-(1 and 4 requests of one block: rows = block_size x requests, times top-k slots for the experts): CUDA-graph
-replays of 50 launches, the median of 7. The shape with the least summed time is written. This is the only place
-kernels are timed: a rank reads the table and never times anything (`kernels/exl3_gemm.py`). Existing entries of
-other card kinds are kept. Prints the table's entries with their timings as JSON.
+`mgemm`, their fallback where the fused MoE kernel does not take them, every other Linear as `gemm`), each 16-row
+tile shape exllamav3 accepts, and for a gemm the row-tile family (`exl3_gemm.ROWS`), is timed at the decode's row
+counts (1 and 4 requests of one block: rows = block_size x requests, padded to whole tiles as the rank pads them;
+times top-k slots for the experts): CUDA-graph replays of 50 launches, the median of 7. The shape of least regret
+is written (`regret`: its worst ratio to the best shape at any one row count). This is the only place kernels are
+timed: a rank reads the table and never times anything (`kernels/exl3_gemm.py`). Existing entries of other card
+kinds are kept. Prints the table's entries with their timings as JSON.
 """
 from __future__ import annotations
 
@@ -66,15 +68,16 @@ def _time(fn, reps: int = 50, rounds: int = 7) -> float:
     return statistics.median(times)
 
 
-def time_shape(op: str, rec, shape_idx: int, rows: int, slots: int, experts: int) -> float:
+def time_shape(op: str, rec, shape_idx, rows: int, slots: int, experts: int) -> float:
     ext = exl3_gemm.ext()
     dev = rec.trellis.device
     k, n = rec.in_features, rec.out_features
-    if op == "gemm":
+    if op == "gemm":                        # padded as Exl3Weight.matmul pads: whole tiles
+        rows, s = exl3_gemm.tile_for(shape_idx, rows)
         x = torch.randn(rows, k, device=dev).half()
         c = torch.empty(rows, n, dtype=torch.half, device=dev)
         ah = torch.empty_like(x)
-        return _time(lambda: ext.exl3_gemm(x, rec.trellis, c, rec.suh, ah, rec.svh, shape_idx,
+        return _time(lambda: ext.exl3_gemm(x, rec.trellis, c, rec.suh, ah, rec.svh, s,
                                            rec.codebook == "mcg", rec.codebook == "mul1", 0))
     p = rows * slots
     ptr = [torch.tensor([t.data_ptr()] * experts, dtype=torch.int64, device=dev) for t in (rec.trellis, rec.suh,
@@ -86,6 +89,14 @@ def time_shape(op: str, rec, shape_idx: int, rows: int, slots: int, experts: int
     return _time(lambda: ext.exl3_mgemm(a, ptr[0], c, ptr[1], ah, ptr[2], idx, None, float(rec.K), shape_idx,
                                         rec.codebook == "mcg", rec.codebook == "mul1", -1, -1, 0, 1, None, None,
                                         None, None, 0))
+
+
+def regret(times: dict, s) -> float:
+    """How far shape s is from the best shape at its worst row count: max over row counts of t(s) / min_s' t(s').
+    The table takes the shape of least regret: one shape must serve every batch (batch invariance), and the sum of
+    the times would let the wide batch's time decide for the one-request step."""
+    cols = range(len(times[s]))
+    return max(times[s][j] / min(t[j] for t in times.values()) for j in cols)
 
 
 def main(argv=None) -> int:
@@ -108,9 +119,11 @@ def main(argv=None) -> int:
         cfg = ck.config
         for (op, K, cb, k, n), (rec, name) in sorted(shapes_of(ck).items(), key=lambda kv: str(kv[0])):
             ok = exl3_gemm.compatible(K, k, n, dev)
+            if op == "gemm" and exl3_gemm.rows_compatible(K, k, n, dev):
+                ok.append(exl3_gemm.ROWS)
             times = {s: [time_shape(op, rec, s, r * cfg.block_size, cfg.num_experts_per_tok if op == "mgemm" else 1,
                                     cfg.n_routed_experts) for r in reqs] for s in ok}
-            best = min(times, key=lambda s: (sum(times[s]), s))
+            best = min(times, key=lambda s: (regret(times, s), str(s)))
             key = exl3_gemm.shape_key(op, cc, K, cb, k, n)
             table["shapes"][key] = best
             table["timings_us"][key] = {str(s): [round(t, 2) for t in v] for s, v in times.items()}

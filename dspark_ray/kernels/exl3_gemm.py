@@ -1,5 +1,5 @@
-"""EXL3 Linears and expert banks multiplied on exllamav3 1.6.5's own kernels (`exl3_gemm`, `exl3_mgemm`), with the
-kernel fixed per shape from a committed table (seed 000, "forced kernels").
+"""EXL3 Linears and expert banks multiplied on exllamav3 1.6.5's own kernels (`exl3_gemm`, `exl3_mgemm`, the fused
+MoE kernel `exl3_moe`), with the kernel fixed per shape from a committed table (seed 000, "forced kernels").
 
 A GPU rank that loads an EXL3 checkpoint keeps each EXL3 Linear as stored (trellis, suh, svh, codebook: about a
 third of the bf16 bytes at seed 000's mix) instead of decoding it to fp16, and the model's `ops.linear` /
@@ -11,16 +11,20 @@ Why the table and not exllamav3's defaults: with `force_shape_idx <= 0` exllamav
 times candidate kernels in the process (`CoopKernelAutotuner`) and keeps the fastest. Timings differ between
 processes and cards, so two ranks (or two restarts of one) could run different kernels for one shape and round
 differently. `exl3_shapes.json` (made once per card kind by `tools/exl3_kernel_table.py`, committed) names one
-tile shape per (op, compute capability, bitrate, codebook, k, n); the launch then depends on the shape alone:
-the same kernels on both ranks and in every process, and capturable in our CUDA graphs (no timing, no host
-sync). A shape the table lacks takes a fixed rule (the widest compatible tile of shapes 1..4, all 16-row tiles)
-and says so once in the log.
+tile shape per (op, compute capability, bitrate, codebook, k, n), or the row-tile family `ROWS` for a gemm; the
+launch then depends on the shape and the row count alone: the same kernels on both ranks and in every process, and
+capturable in our CUDA graphs (no timing, no host sync). A shape the table lacks takes a fixed rule (the row-tile
+family where it fits, else the widest compatible 16-row tile) and says so once in the log.
 
-Batch invariance: a forced `exl3_gemm`'s grid depends on (k, n) alone, and its rows run in 16-row slabs; a slab of
-fewer than 16 rows takes another reduction path, so calls are padded to whole slabs (`SLAB`): a row's bits never
-depend on the other rows of the call. `exl3_mgemm` sizes its grid by the number of slots (rows x
-top-k), so a routed expert's bits depend on how many (row, expert) pairs the call holds: exact per batch size, not
-across batch sizes (measured and reported by `tests/test_exl3_gpu.py`).
+Batch invariance: a forced `exl3_gemm`'s grid depends on (k, n) alone, and its rows run in tiles of 16 rows (shapes
+1..4) or 16 / 32 / 48 / 64 rows (`ROW_TILES`: shapes 2, 5, 6, 7, one tile of TILESIZE_K 32 and TILESIZE_N 128 over
+more rows, so each decoded weight fragment serves all the rows of a tile). A tile of fewer rows than its height takes
+another reduction path, so calls are padded to whole tiles; and the four shapes of the family give a row the same
+bits (tools/exl3_tile_probe.py on the H200), so a row's bits never depend on the other rows of the call. With 16-row
+tiles alone every 16 rows decode the whole weight again (20 rows: twice the time of 5); the family decodes it once
+up to 64 rows. `exl3_mgemm` sizes its grid by the number of slots (rows x top-k), so an expert's bits through it
+depend on the call's slot count; the routed experts therefore run the fused MoE kernel (`Exl3Experts`, below),
+whose rows are batch invariant, wherever it takes the banks.
 
 exllamav3's kernels share one lock array per card for their split-K reduction: two of them in flight at once on
 two streams could corrupt each other's partial sums. `serialize_branches` (called by the loader once it hands out
@@ -43,10 +47,13 @@ log = logging.getLogger(__name__)
 TABLE_PATH = Path(__file__).with_name("exl3_shapes.json")
 SHAPES = (1, 2, 3, 4)           # exllamav3's 16-row tile shapes (tile n 128, 128, 256, 512); 5..7 are 32..64-row
 _TILE_N = {1: 128, 2: 128, 3: 256, 4: 512}
-# exl3_gemm runs its rows in slabs of 16, and a slab of fewer rows takes another reduction path (measured on the
-# H200: a row's bits equal at 1 and 2 rows, differ at 8 and 16; tools/exl3_invariance_probe.py). Every call is
-# padded to whole slabs, so every row runs the full-slab path whatever the batch.
+# exl3_gemm runs its rows in tiles, and a tile of fewer rows takes another reduction path (measured on the H200: a
+# row's bits equal at 1 and 2 rows, differ at 8 and 16; tools/exl3_invariance_probe.py). Every call is padded to
+# whole tiles, so every row runs the full-tile path whatever the batch.
 SLAB = 16
+# The row-tile family: rows per tile -> exllamav3 shape (TILESIZE_K 32, TILESIZE_N 128 each; equal bits a row).
+ROW_TILES = {16: 2, 32: 5, 48: 6, 64: 7}
+ROWS = "rows"                   # the table's name for "pick the family's tile by the row count"
 
 
 def ext():
@@ -78,10 +85,10 @@ def shape_key(op: str, cc: str, K, codebook: str, k: int, n: int) -> str:
 
 
 @lru_cache
-def _table() -> dict[str, int]:
+def _table() -> dict[str, int | str]:
     if not TABLE_PATH.is_file():
         return {}
-    return {k: int(v) for k, v in json.loads(TABLE_PATH.read_text())["shapes"].items()}
+    return {k: v if v == ROWS else int(v) for k, v in json.loads(TABLE_PATH.read_text())["shapes"].items()}
 
 
 def _cc(device: torch.device) -> str:
@@ -96,23 +103,43 @@ def compatible(K, k: int, n: int, device: torch.device) -> list[int]:
         return [s for s in SHAPES if ext().exl3_gemm_shape_compat(s, 16, k, n, bits, half)]
 
 
+def rows_compatible(K, k: int, n: int, device: torch.device) -> bool:
+    """Whether every shape of the row-tile family fits (K, k, n) on this card."""
+    bits, half = int(K), not float(K).is_integer()
+    with torch.cuda.device(device):
+        return all(ext().exl3_gemm_shape_compat(s, m, k, n, bits, half) for m, s in ROW_TILES.items())
+
+
+def tile_for(shape, m: int) -> tuple[int, int]:
+    """(rows the call is padded to, exllamav3 shape) for m rows through a weight of table entry `shape`."""
+    if shape != ROWS:
+        return -(-m // SLAB) * SLAB, shape
+    if m > 64:
+        return -(-m // 64) * 64, ROW_TILES[64]
+    mp = -(-m // SLAB) * SLAB
+    return mp, ROW_TILES[mp]
+
+
 _warned: set[str] = set()
 
 
-def forced_shape(op: str, K, codebook: str, k: int, n: int, device: torch.device) -> int:
-    """The tile shape `op` ("gemm" | "mgemm") runs for this weight shape: the committed table's, else the widest
-    compatible one (logged once per shape)."""
+def forced_shape(op: str, K, codebook: str, k: int, n: int, device: torch.device) -> int | str:
+    """The tile shape `op` ("gemm" | "mgemm") runs for this weight shape: the committed table's, else (logged once
+    per shape) for a gemm the row-tile family where it fits, and otherwise the widest compatible 16-row tile."""
     key = shape_key(op, _cc(device), K, codebook, k, n)
     shape = _table().get(key)
     if shape is not None:
         return shape
     ok = compatible(K, k, n, device)
-    if not ok:
+    if op == "gemm" and rows_compatible(K, k, n, device):
+        shape = ROWS
+    elif not ok:
         raise ValueError(f"EXL3 {op} k={k} n={n} at {K} bpw: no exllamav3 kernel shape fits on this card")
-    shape = max(ok, key=lambda s: (_TILE_N[s], -s))
+    else:
+        shape = max(ok, key=lambda s: (_TILE_N[s], -s))
     if key not in _warned:
         _warned.add(key)
-        log.warning("exl3: no committed kernel for %r; using shape %d (tools/exl3_kernel_table.py adds it)", key,
+        log.warning("exl3: no committed kernel for %r; using shape %s (tools/exl3_kernel_table.py adds it)", key,
                     shape)
     return shape
 
@@ -166,8 +193,8 @@ class Exl3Weight:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.k).to(torch.float16)
         m = x2.shape[0]
-        mp = -(-m // SLAB) * SLAB
-        if mp != m:                 # whole slabs: a row's bits then never depend on the call's row count
+        mp, shape = tile_for(self.shape_idx, m)
+        if mp != m:                 # whole tiles: a row's bits then never depend on the call's row count
             xp = torch.zeros((mp, self.k), dtype=torch.float16, device=x.device)
             xp[:m] = x2
             x2 = xp
@@ -175,7 +202,7 @@ class Exl3Weight:
             x2 = x2.contiguous()
         c = torch.empty((mp, self.n), dtype=out_dtype, device=x.device)
         a_had = torch.empty_like(x2)        # the input Hadamard's scratch (the kernel writes it first)
-        ext().exl3_gemm(x2, self.trellis, c, self.suh, a_had, self.svh, self.shape_idx, self.mcg, self.mul1, 0)
+        ext().exl3_gemm(x2, self.trellis, c, self.suh, a_had, self.svh, shape, self.mcg, self.mul1, 0)
         return c[:m].reshape(*lead, self.n)
 
     def __repr__(self) -> str:
@@ -235,7 +262,8 @@ class RowBlocks:
 # ==== a bank of routed experts =======================================================================================
 class Exl3Bank:
     """torch.stack of one block's E experts (each an Exl3Weight of one shape and bitrate): (E, n, k). The indexed
-    product runs one `exl3_mgemm` over pointer tables, every (row, expert) pair its own slot."""
+    product runs one `exl3_mgemm` over pointer tables, every (row, expert) pair its own slot; a block's three banks
+    together run the fused MoE kernel instead (`swiglu_experts`)."""
 
     def __init__(self, experts: list[Exl3Weight]):
         e0 = experts[0]
@@ -258,6 +286,11 @@ class Exl3Bank:
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.experts) + 3 * self.ptr_svh.nbytes
 
+    def swiglu_experts(self, up: "Exl3Bank", down: "Exl3Bank", limit: float) -> "Exl3Experts | None":
+        """This bank as the gate of a block's clamped SwiGLU experts on the fused MoE kernel (`Exl3Experts`), or None
+        where that kernel does not take the three banks (then each product runs `matmul_indexed`)."""
+        return Exl3Experts(self, up, down, limit) if fused_moe_takes(self, up, down) else None
+
     def matmul_indexed(self, x: torch.Tensor, idx: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """x (P, k) fp16, idx (P,) int64: out[p] = x[p] @ W[idx[p]].T (P, n) in out_dtype."""
         p = x.shape[0]
@@ -268,6 +301,84 @@ class Exl3Bank:
                          idx.to(torch.int64).reshape(1, p).contiguous(), None, float(self.K), self.shape_idx,
                          self.mcg, self.mul1, -1, -1, 0, 1, None, None, None, None, 0)
         return c.reshape(p, self.n)
+
+
+# ==== a block's routed experts on the fused MoE kernel ===============================================================
+MOE_ACT_SILU = 0                # exllamav3_ext/quant/exl3_moe_common.cuh
+M_TILE = 16
+
+
+def fused_moe_takes(w1: Exl3Bank, w3: Exl3Bank, w2: Exl3Bank) -> bool:
+    """Whether `exl3_moe` takes these banks: one codebook for the three (mcg or mul1), dims multiples of 128."""
+    books = {w1.codebook, w3.codebook, w2.codebook}
+    return (len(books) == 1 and books <= {"mcg", "mul1"} and w1.n == w3.n == w2.k and w1.k == w3.k == w2.n
+            and w1.k % 128 == 0 and w1.n % 128 == 0)
+
+
+class _Temps:
+    """The kernel's per-group staging buffers (groups, rows, hidden / intermediate) fp16, shared by every block of a
+    card (one stream runs them in turn). They grow to the largest row count seen; the old ones stay alive, since a
+    captured graph keeps their addresses."""
+
+    def __init__(self):
+        self.sets: dict[tuple, list] = {}
+
+    def get(self, device: torch.device, rows: int, h: int, i: int) -> tuple[torch.Tensor, ...]:
+        key = (device, h, i)
+        have = self.sets.setdefault(key, [])
+        if not have or have[-1][0].shape[1] < rows:
+            groups = ext().exl3_moe_max_concurrency(device.index if device.index is not None else 0)
+            cap = max(64, 1 << (rows - 1).bit_length())
+            have.append(tuple(torch.empty((groups, cap, d), dtype=torch.float16, device=device)
+                              for d in (h, h, i, i)))
+        return have[-1]
+
+
+_temps = _Temps()
+
+
+class Exl3Experts:
+    """The routed experts of one block, (gate, up, down) banks of E experts: `__call__` is `Experts.routed`'s sum."""
+
+    def __init__(self, w1: Exl3Bank, w3: Exl3Bank, w2: Exl3Bank, limit: float):
+        if not fused_moe_takes(w1, w3, w2):
+            raise ValueError("exl3_moe needs one mcg / mul1 codebook and 128-aligned dims for gate, up and down")
+        self.banks = (w1, w3, w2)
+        self.E, self.h, self.i = len(w1.experts), w1.k, w1.n
+        self.limit = float(limit)
+
+    def __call__(self, f: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                 init: torch.Tensor) -> torch.Tensor:
+        """f (n, h) fp16, experts (n, k) int64 and weights (n, k) fp16 in selection order, init (n, h) fp32 (the
+        shared expert's output) -> init + sum_k w_k d_{e_k}, fp32 (n, h). Device work only (no host sync)."""
+        n, k = experts.shape
+        dev = f.device
+        order = torch.argsort(experts, dim=1, stable=True)                     # ascending expert id per row
+        flat_e = torch.gather(experts, 1, order).flatten()                     # assignment a = row * k + j
+        flat_w = torch.gather(weights, 1, order).to(torch.float16).flatten()
+        rows = torch.arange(n, device=dev).repeat_interleave(k)
+        by_expert = torch.argsort(flat_e, stable=True)
+        token_sorted, weight_sorted = rows[by_expert], flat_w[by_expert]
+        # bincount would read its max back to the host (not capturable): a scatter-add instead. E + 1 bins: the
+        # kernel reads the last as "assignments outside this bank" (none here).
+        count = torch.zeros(self.E + 1, dtype=torch.int64, device=dev).scatter_add_(0, flat_e, torch.ones_like(flat_e))
+        start = torch.cumsum(count, 0) - count
+        inv_order = torch.empty_like(by_expert).scatter_(0, by_expert, torch.arange(n * k, device=dev))
+        kind = (count > 0).to(torch.int64)                                      # 1: slots hold weighted outputs
+        scratch = torch.empty((n * k, self.h), dtype=torch.float32, device=dev)
+        out = init.to(torch.float32).contiguous().clone()
+        tg, tu, ig, iu = _temps.get(dev, n, self.h, self.i)
+        g, u, d = self.banks
+        x = f.to(torch.float16).contiguous()
+        ext().exl3_moe(x, out, count, token_sorted, weight_sorted, tg, tu, ig, iu, MOE_ACT_SILU,
+                       float(g.K), float(u.K), float(d.K),
+                       g.ptr_trellis, g.ptr_suh, g.ptr_svh, u.ptr_trellis, u.ptr_suh, u.ptr_svh,
+                       d.ptr_trellis, d.ptr_suh, d.ptr_svh,
+                       g.mcg, g.mul1, u.mcg, u.mul1, d.mcg, d.mul1,
+                       self.limit, -1, scratch, start, 1, tg.shape[1], M_TILE)
+        ext().exl3_moe_gather(out, scratch, flat_e, inv_order, start[:self.E], start[:self.E], kind[:self.E],
+                              weight_sorted)
+        return out
 
 
 def _torch_function(func, args, kwargs):

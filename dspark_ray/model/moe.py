@@ -59,6 +59,10 @@ class Experts:
         s1, s3, self.shared_w2 = shared
         self.shared_w13, self.shared_i = torch.cat((s1, s3)), s1.shape[0]
         self.limit = limit
+        # Stacked weights that are not tensors carry their own products (EXL3 banks on exllamav3's kernels,
+        # `kernels/exl3_gemm.py`); such a bank may run the whole expert as one fused kernel.
+        self.fused_experts = (None if isinstance(self.w1, torch.Tensor)
+                              else self.w1.swiglu_experts(self.w3, self.w2, limit))
 
     def shared(self, f: torch.Tensor) -> torch.Tensor:
         """The shared expert's fp32 output (n, h). It needs no routing, so a caller may run it beside the router."""
@@ -69,6 +73,8 @@ class Experts:
         """sum_k w_k d_{e_k} (ascending expert id) + shared, fp32 (n, h). `shared` is the shared expert's output as
         a branch (`ops.branch`), joined only where the sum needs it: on the fast path it runs beside the router and,
         when it lasts longer, beside the routed experts' first kernel."""
+        if self.fused_experts is not None:
+            return self.fused_experts(f, experts, weights, shared.join())
         act_k, out_k = ops.fused("expert_act"), ops.fused("expert_out")
         if act_k is not None and out_k is not None and isinstance(self.w1, torch.Tensor):
             act = act_k(f, self.w1, self.w3, experts, self.limit)
