@@ -10,8 +10,11 @@ Per format (bf16: `synthesize`; exl3: seed 000's mix) the same synthetic checkpo
 * our rank as deployed at tp1: the fast path, EXL3 Linears on exllamav3's kernels, the rank's CUDA graph set,
   entries through `RankEngine.step`.
 Workloads: `--seeds` x `--rounds` rounds of one request from position 0 (6 rows first, then 1..B rows a round: the
-first rounds' windows are partial). Per block: drafts equal, positions equal up to the first mismatch, confident
-length equal. Each first mismatch is classified from both models' logits at that position (ours from the eager
+first rounds' windows are partial). `--batch B` drafts B requests a round in lockstep (the first seed of each group
+of B sets the rows a round; the others draw their own taps and seed tokens): exllamav3 takes its fused decode kernel
+(`run_bszN`) for its routed experts up to 8 rows (one request) and `exl3_moe` + `exl3_moe_gather` above, the path
+our rank runs at every batch size. Per block: drafts equal, positions equal up to the first mismatch; per round:
+confident length equal (the batch's longest: exllamav3 keeps only that). Each first mismatch is classified from both models' logits at that position (ours from the eager
 drafter on the same weights, whose drafts equal the engine's; theirs by repeating `sample_from_state`'s head + Markov
 loop on its own tokens): a near-tie when both models' gap between the two tokens is at most max(2 fp16 steps,
 3 sqrt(2) sigma), sigma = 1.4826 x the median |logit difference| at the positions before it (identical inputs),
@@ -56,6 +59,19 @@ def rounds_for(cfg, n_rounds: int, seed: int):
         taps = torch.randn(n, cfg.n_taps * cfg.hidden_size, generator=g).to(torch.float16)
         out.append((pos, n, taps, int(torch.randint(0, cfg.vocab_size, (1,), generator=g))))
         pos += n
+    return out
+
+
+def lockstep_rounds(cfg, n_rounds: int, seeds: list[int]):
+    """rounds_for of the first seed; each other seed draws its own taps and seed token for the same rows a round.
+    One list of (start, rows, [taps per seed], [seed token per seed]) a round."""
+    lead = rounds_for(cfg, n_rounds, seeds[0])
+    gens = [torch.Generator().manual_seed(s) for s in seeds[1:]]
+    out = []
+    for start, n, taps, tok in lead:
+        more = [(torch.randn(n, cfg.n_taps * cfg.hidden_size, generator=g).to(torch.float16),
+                 int(torch.randint(0, cfg.vocab_size, (1,), generator=g))) for g in gens]
+        out.append((start, n, [taps] + [t for t, _ in more], [tok] + [k for _, k in more]))
     return out
 
 
@@ -189,10 +205,12 @@ def run_format(preset: str, fmt: str, args, root: Path) -> dict:
     d = ensure(preset, fmt, root)
     ck = Checkpoint(d)
     cfg = ck.config
-    all_rounds = {s: rounds_for(cfg, args.rounds, 1000 + s) for s in args.seeds}
+    B = args.batch
+    groups = [args.seeds[i:i + B] for i in range(0, len(args.seeds), B)]
+    all_rounds = {tuple(g): lockstep_rounds(cfg, args.rounds, [1000 + s for s in g]) for g in groups}
     rows = max(sum(n for _, n, _, _ in r) for r in all_rounds.values())
     pages = -(-(max(rows, cfg.sliding_window + 64) + cfg.block_size + 1) // PAGE)
-    theirs = Theirs(d, pages, max([1] + args.time))
+    theirs = Theirs(d, pages, max([B] + args.time))
     log(f"{preset} {fmt}: exllamav3 loaded in {theirs.load_s:.1f} s ({torch.cuda.memory_allocated() / 2**30:.2f} "
         f"GiB on the card)")
     use_matmul("fast")
@@ -200,56 +218,63 @@ def run_format(preset: str, fmt: str, args, root: Path) -> dict:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     ours = make_drafter(cfg, "tp1", ckpt=ck, device="cuda")
-    eng = RankEngine(ours, n_slots=2, graphs=True, max_batch=1)
+    eng = RankEngine(ours, n_slots=B + 1, graphs=True, max_batch=B)
     ours_mib = (torch.cuda.memory_allocated() - base) / 2**20
     log(f"{preset} {fmt}: our rank loaded and captured in {time.time() - t0:.1f} s, {ours_mib:.0f} MiB "
         f"({describe_matmul()})")
     res = {"format": fmt, "checkpoint_identity": ck.identity_digest, "exllamav3_load_s": round(theirs.load_s, 1),
            "our_rank_mib": round(ours_mib), "seeds": {}, "blocks": 0, "blocks_exact": 0, "positions": 0,
-           "positions_exact": 0, "confident_len_equal": 0, "engine_equals_eager": True, "mismatches": []}
+           "positions_exact": 0, "confident_len_rounds": 0, "confident_len_equal": 0, "engine_equals_eager": True, "mismatches": []}
     h = cfg.hidden_size
-    for seed, rounds in all_rounds.items():
-        eng.reset_slots([0])
-        eager = ours.new_slot()
-        per = []
-        for r, (start, n, taps, tok) in enumerate(rounds):
-            theirs.insert([taps], start, h, cfg.n_taps)
+    for group, rounds in all_rounds.items():
+        seeds = list(group)
+        slots = list(range(len(seeds)))
+        eng.reset_slots(slots)
+        eager = [ours.new_slot() for _ in seeds]
+        per = {s: [] for s in seeds}
+        for r, (start, n, taps, toks) in enumerate(rounds):
+            theirs.insert(taps, start, h, cfg.n_taps)
             p0 = start + n
-            state, params, tokens = theirs.draft([tok], p0)
-            t_drafts = tokens[0, 1:].cpu()
-            t_len = int(params["draft_confidence_len"])
-            (out,) = eng.step([StepEntry(slot=0, seed=tok, n_out=cfg.block_size, start=start,
-                                         token_ids=torch.zeros(n, dtype=torch.int64), taps=taps,
-                                         want_margins=True)])
-            o_drafts = torch.from_numpy(out.drafts).to(torch.int64)
-            ours.insert(eager, start, torch.zeros(n, dtype=torch.int64), taps.cuda())
+            state, params, tokens = theirs.draft(toks, p0)
+            t_len = int(params["draft_confidence_len"])        # exllamav3 keeps the batch's longest only
+            outs = eng.step([StepEntry(slot=j, seed=toks[j], n_out=cfg.block_size, start=start,
+                                       token_ids=torch.zeros(n, dtype=torch.int64), taps=taps[j], want_margins=True)
+                             for j in slots])
+            for j in slots:
+                ours.insert(eager[j], start, torch.zeros(n, dtype=torch.int64), taps[j].cuda())
             with RouterMargins() as rm:
-                e = ours.draft([eager], [tok], cfg.block_size, want_margins=True, debug=True)
-            if not torch.equal(e.drafts[0].cpu(), o_drafts):
-                res["engine_equals_eager"] = False
-            eq = o_drafts == t_drafts
-            first = None if bool(eq.all()) else int((~eq).nonzero()[0])
-            rec = {"p0": p0, "ours": o_drafts.tolist(), "exllamav3": t_drafts.tolist(),
-                   "confident_len": [out.confident_len, t_len]}
-            res["blocks"] += 1
-            res["positions"] += len(eq)
-            res["positions_exact"] += int(eq.int().cumprod(0).sum())
-            res["confident_len_equal"] += int(out.confident_len == t_len)
-            if first is None:
-                res["blocks_exact"] += 1
-            else:
-                their_lg = theirs.logits(state, params, tokens)[0].cpu()
-                m = classify(e.logits[0].float().cpu(), their_lg, first, int(o_drafts[first]),
-                             int(t_drafts[first]))
-                # the block row whose logits the first mismatch reads: its smallest routing gap over the blocks
-                gap = min(float(g[first]) for g in rm.gaps)
-                m.update(seed=seed, round=r, routing_gap=round(gap, 5))
-                if m["class"] == "unexplained" and gap <= ROUTING_LINE:
-                    m["class"] = "routing near-tie"
-                rec["first_mismatch"] = m
-                res["mismatches"].append(m)
-            per.append(rec)
-        res["seeds"][str(seed)] = per
+                e = ours.draft(eager, toks, cfg.block_size, want_margins=True, debug=True)
+            res["confident_len_rounds"] += 1
+            res["confident_len_equal"] += int(max(o.confident_len for o in outs) == t_len)
+            their_lg = None
+            for j, out in zip(slots, outs):
+                t_drafts = tokens[j, 1:].cpu()
+                o_drafts = torch.from_numpy(out.drafts).to(torch.int64)
+                if not torch.equal(e.drafts[j].cpu(), o_drafts):
+                    res["engine_equals_eager"] = False
+                eq = o_drafts == t_drafts
+                first = None if bool(eq.all()) else int((~eq).nonzero()[0])
+                rec = {"p0": p0, "ours": o_drafts.tolist(), "exllamav3": t_drafts.tolist(),
+                       "confident_len": [out.confident_len, t_len]}
+                res["blocks"] += 1
+                res["positions"] += len(eq)
+                res["positions_exact"] += int(eq.int().cumprod(0).sum())
+                if first is None:
+                    res["blocks_exact"] += 1
+                else:
+                    if their_lg is None:
+                        their_lg = theirs.logits(state, params, tokens).cpu()
+                    m = classify(e.logits[j].float().cpu(), their_lg[j], first, int(o_drafts[first]),
+                                 int(t_drafts[first]))
+                    # the block row whose logits the first mismatch reads: its smallest routing gap over the blocks
+                    gap = min(float(g.view(len(slots), -1)[j, first]) for g in rm.gaps)
+                    m.update(seed=seeds[j], round=r, routing_gap=round(gap, 5))
+                    if m["class"] == "unexplained" and gap <= ROUTING_LINE:
+                        m["class"] = "routing near-tie"
+                    rec["first_mismatch"] = m
+                    res["mismatches"].append(m)
+                per[seeds[j]].append(rec)
+        res["seeds"].update({str(s): v for s, v in per.items()})
     res["blocks_exact_share"] = round(res["blocks_exact"] / max(1, res["blocks"]), 4)
     res["unexplained"] = sum(m["class"] == "unexplained" for m in res["mismatches"])
     res["near_ties"] = sum(m["class"] != "unexplained" for m in res["mismatches"])
@@ -293,6 +318,7 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="bf16,exl3")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=1, help="requests a round, in lockstep (seeds taken B at a time)")
     ap.add_argument("--time", default="", help="comma list of request counts to time exllamav3's step at")
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--root", default="/tmp/parity_exl3", help="where the synthetic checkpoints go")
@@ -306,7 +332,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(8)
     out = {"bench": "parity_exl3", "preset": a.preset, "device": torch.cuda.get_device_name(0), "commit": _commit(),
            "command": "python bench/parity_exl3.py " + " ".join(sys.argv[1:] if argv is None else argv),
-           "seeds": a.seeds, "rounds": a.rounds, "formats": {}}
+           "seeds": a.seeds, "rounds": a.rounds, "batch": a.batch, "formats": {}}
     for fmt in a.formats.split(","):
         out["formats"][fmt] = run_format(a.preset, fmt, a, Path(a.root))
         if a.out:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import torch
@@ -157,7 +157,12 @@ class Exl3Weight:
         self.mcg, self.mul1 = rec.codebook == "mcg", rec.codebook == "mul1"
         self.k, self.n = t.shape[0] * TILE, t.shape[1] * TILE
         self.device = t.device
-        self.shape_idx = forced_shape("gemm", self.K, self.codebook, self.k, self.n, self.device)
+
+    @cached_property
+    def shape_idx(self) -> int | str:
+        """The committed tile shape, looked up on first use: an expert's weight is stacked into a bank (mgemm /
+        the fused MoE kernel) and never runs this gemm, so it must not ask the table for one."""
+        return forced_shape("gemm", self.K, self.codebook, self.k, self.n, self.device)
 
     # -- what the model asks of a weight ---------------------------------------------------------------------------
     @property
