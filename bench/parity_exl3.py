@@ -36,9 +36,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))          # support.parity
 
 from bench.tcp_roundtrip import _commit  # noqa: E402
-from dspark_ray.parity import fp16_step  # noqa: E402
+from support.parity import fp16_step  # noqa: E402
 
 PAGE = 256
 # A routing gap at most this wide counts as a routing near-tie: 4 fp16 steps of a selection key near 2 (the keys are

@@ -43,6 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))          # support.workload
 
 import msgspec                                                   # noqa: E402
 import numpy as np                                               # noqa: E402
@@ -184,7 +185,7 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
     returns the STEPs' record (times are time.monotonic()), the OK answers with what was sent, and the kills."""
     import ray
 
-    from dspark_ray import workload
+    from support import workload
     work = workload.stream(cfg, seed=seed, n_requests=requests)
     reqs = [Request(cfg.sliding_window, limits_rows) for _ in range(requests)]
     sess = Session(endpoint, reqs, timeout_s=max(120.0, 4 * deadline_ms / 1e3))

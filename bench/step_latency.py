@@ -29,6 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      # support.workload
 
 from tcp_roundtrip import _commit                             # noqa: E402
 
@@ -95,7 +96,7 @@ def main() -> None:
     import ray
     import torch
 
-    from dspark_ray import workload
+    from support import workload
     from dspark_ray.actors.placement import deploy, teardown
     from dspark_ray.actors.rank import PairSpec
     from dspark_ray.cli import resolve_checkpoint

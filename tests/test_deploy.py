@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_ray import workload
+from support import workload
 from dspark_ray.actors.placement import teardown
 from dspark_ray.actors.scheduling import pin_thread, thread_deltas, thread_niceness, threads_named
 from dspark_ray.client import ClientError, DrafterClient

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_ray import workload
+from support import workload
 from dspark_ray.actors.placement import deploy_workers, find_workers, teardown
 from dspark_ray.actors.rank import PairSpec
 from dspark_ray.contract import Code

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_ray import workload
+from support import workload
 from dspark_ray.engine import BAD_ENTRY, OK, RankEngine, StepEntry
 from dspark_ray.model import attention, heads, mhc, moe, ops
 from dspark_ray.model.drafter import DraftInputError, Drafter

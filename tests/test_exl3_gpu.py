@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import assert_set_drafts_like_eager
 
-from dspark_ray import workload
+from support import workload
 from dspark_ray.kernels import exl3_gemm
 from dspark_ray.model.layout import Layout
 from dspark_ray.modes import make_drafter, read_rank

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from dspark_ray import parity, workload
+from support import parity, workload
 from dspark_ray.modes import make_drafter, make_emulated, run_pair
 
 pytestmark = pytest.mark.gpu

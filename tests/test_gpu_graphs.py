@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from dspark_ray import workload
+from support import workload
 from dspark_ray.modes import make_drafter
 
 pytestmark = pytest.mark.gpu

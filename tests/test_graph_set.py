@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_ray import workload
+from support import workload
 from dspark_ray.engine import BAD_ENTRY, OK, RankEngine, StepEntry
 from dspark_ray.graphs import GraphSet, HostDraft
 from dspark_ray.model.heads import confident_prefix

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_ray import workload
+from support import workload
 from dspark_ray.actors.ring import RingTimeout, StepRing
 from dspark_ray.engine import RankEngine, StepEntry
 from dspark_ray.keep_warm import KeepWarm, launch_rehearsal_period_us

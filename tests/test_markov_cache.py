@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import assert_set_drafts_like_eager
 
-from dspark_ray import parity, workload
+from support import parity, workload
 from dspark_ray.model.heads import markov_cache_rows
 from dspark_ray.modes import make_drafter
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from dspark_ray import contract as C
-from dspark_ray import workload
+from support import workload
 from dspark_ray.client import ClientError
 from dspark_ray.engine import RankEngine
 from dspark_ray.frontend import Identity, StepService

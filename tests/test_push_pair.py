@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch
 
-from dspark_ray import parity, workload
+from support import parity, workload
 from dspark_ray.modes import make_emulated, run_pair
 
 pytestmark = [pytest.mark.gpu,

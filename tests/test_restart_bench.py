@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from bench.restart import Request, differs, measure
-from dspark_ray import workload
+from support import workload
 from dspark_ray.contract import Code, EntryResult
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_ray import workload
+from support import workload
 from dspark_ray.actors.placement import teardown
 from dspark_ray.client import DrafterClient
 from dspark_ray.contract import Code, make_entry

@@ -1,15 +1,19 @@
 """Diagnostic (GPU): every edge word of the NaN-pair all-reduce case, as the push kernels (flag, Lamport), torch's
 add (whole tensor, one element, CPU) and bare FADD / FFMA kernels compute it, so a mismatch names its culprit."""
+import sys
 import threading
+from pathlib import Path
 
 import cupy as cp
 from cupy.cuda import compiler
 import numpy as np
 import torch
 
-from dspark_ray.kernels.push import make_single_card_pair
-from dspark_ray.kernels.selftest import nan_pair_partial
-from dspark_ray.kernels.source import COMPILE_OPTIONS
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))     # support.push_selftest
+
+from dspark_ray.kernels.push import make_single_card_pair  # noqa: E402
+from dspark_ray.kernels.source import COMPILE_OPTIONS  # noqa: E402
+from support.push_selftest import nan_pair_partial  # noqa: E402
 
 _BARE_SRC = r"""
 extern "C" __global__ void bare(const float* a, const float* b, float one, unsigned* fadd, unsigned* ffma,

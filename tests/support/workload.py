@@ -12,8 +12,8 @@ from typing import Iterator
 
 import torch
 
-from .config import DrafterConfig
-from .engine import StepEntry
+from dspark_ray.config import DrafterConfig
+from dspark_ray.engine import StepEntry
 
 
 def make_taps(cfg: DrafterConfig, rows: int, gen: torch.Generator) -> torch.Tensor:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .engine import StepEntry
-from .model import ops
-from .model.drafter import Drafter
+from dspark_ray.engine import StepEntry
+from dspark_ray.model import ops
+from dspark_ray.model.drafter import Drafter
 
 
 @dataclass
