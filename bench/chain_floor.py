@@ -1,5 +1,5 @@
 """What one dependent step of a latency-bound chain costs: a kernel boundary (PDL or plain) against a software grid
-barrier inside one persistent kernel. GPU only; a probe for item 4 of issue 7 (notes/engine.md).
+barrier inside one persistent kernel. GPU only; a probe for item 4 of issue 7 (docs/engine.md).
 
 The draft step's replicated work is ~30 latency-bound kernels a block (mHC, norms, router, attention), 3-7 us each
 even alone (`bench/kernel_alone.py`). If a kernel boundary is what costs, a persistent kernel per site or per block

@@ -134,7 +134,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     log(f"{mode} rank {rank}: loaded {resident / 2**30:.2f} GiB in {time.time() - t0:.1f} s ({describe_matmul()}); "
         f"Markov bias rows cached: {d.markov_cache_bytes / 2**30:.2f} GiB in {t_cache:.2f} s")
     # Slots for the widest shape timed (4 at least: the step and insert rows use them) and one for the inserts.
-    if args.graph_set == "minimal":     # A/B of the time outside the kernels against the set's size (notes/engine.md)
+    if args.graph_set == "minimal":     # A/B of the time outside the kernels against the set's size (docs/engine.md)
         gs = GraphSet(d, n_slots=5, max_requests=1, n_outs=(5,), insert_buckets=(8, 128))
     else:
         gs = GraphSet(d, n_slots=n_req + 1, max_requests=n_req)

@@ -1,5 +1,5 @@
 """A pair rank's GEMM with its weights read before the kernel ahead of it ends: how much of the GEMM would that hide?
-(GPU only; a probe for item 4 of issue 7, notes/engine.md.)
+(GPU only; a probe for item 4 of issue 7, docs/engine.md.)
 
 Each dense GEMM of the draft step waits for the latency-bound kernel before it. Under programmatic dependent launch a kernel's programs may start
 while that kernel runs, and a weight is never written inside a graph, so a GEMM could load its whole weight slice

@@ -19,7 +19,7 @@ on failure: pc.reset(barrier=pair_barrier) on both ranks (drains, clears, new ge
 
 Fail-closed rules: a non-zero error word (sticky on the device until reset) means every output since the last
 good check is refused; a poisoned rank (timed-out idle wait, CUDA error) refuses launches, replays and resets
-until the process restarts. The protocol itself is described in `push.cu`; measurements in notes/push.md.
+until the process restarts. The protocol itself is described in `push.cu`; measurements in docs/collectives.md.
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def torch_nan_rule(device) -> int:
 def ar_launch_config(n_words: int, maxb: int = MAXB, variant: str = "flag") -> tuple[int, int]:
     """(blocks, threads) of an all-reduce of n_words fp32. Small payloads take one block (one flag round trip);
     larger ones spread the NVLink stores over up to 32 blocks, about one float4 per thread. From the H200 pair
-    sweeps (bench/results/collectives_h200x2.json, notes/push.md): the flag protocol runs 5 rows of 5120 best at
+    sweeps (bench/results/collectives_h200x2.json, docs/collectives.md): the flag protocol runs 5 rows of 5120 best at
     16-25 blocks and 10-64 rows at 25-64 x 256-512 (within ~0.3 us of each other, run to run); the Lamport variant
     prefers 32 x 256 up to 10 rows. More blocks add flag / ack traffic without adding bandwidth."""
     n4 = (n_words + 3) // 4
