@@ -179,7 +179,7 @@ def worker(rank, port, q, cfg):
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", 0))
     import cupy as cp
-    from dspark_ray.kernels.push import PushCollectives, ar_launch_config
+    from dspark_ray.comm.push import PushCollectives, ar_launch_config
     PER, REPLAYS = cfg["per"], cfg["replays"]
 
     def graph_time(fn, pc=None, n_per=PER):

@@ -104,7 +104,8 @@ def weight_bytes(weights: dict) -> tuple[int, int, int]:
 
 def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None) -> dict:
     """Capture and time one mode in this process (pair: one rank; its peer runs the same code)."""
-    from dspark_ray.collectives import LocalCollectives, SoloCollectives
+    from dspark_ray.comm.local import LocalCollectives
+    from dspark_ray.comm.solo import SoloCollectives
     from dspark_ray.graphs import GraphSet
     from dspark_ray.kernels.gemm import dense_for, describe_matmul, use_matmul
     from dspark_ray.model.drafter import Drafter
@@ -310,8 +311,8 @@ def connect_pair_rank(rank: int, port: int, ckpt: str, push: bool = True):
     """In a pair rank's process (CUDA_VISIBLE_DEVICES names its card alone): gloo over `port`, then the push
     collectives with the peer over it. Returns (gloo, push collectives), or (gloo, None) without `push` (the
     processes then never map each other's memory)."""
-    from dspark_ray.collectives import GlooCollectives
-    from dspark_ray.kernels.push import connect_over
+    from dspark_ray.comm.gloo import GlooCollectives
+    from dspark_ray.comm.push import connect_over
     from dspark_ray.model.layout import Layout
     from dspark_ray.weights.loader import Checkpoint
     torch.cuda.set_device(0)

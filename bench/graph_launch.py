@@ -97,7 +97,7 @@ def time_launches(sets: dict, colls: dict, replays: int, barrier=None, stagger_u
 
 def _pair_rank(rank: int, port: int, shm_name: str, args) -> dict:
     import torch.distributed as dist
-    from dspark_ray.collectives import SoloCollectives
+    from dspark_ray.comm.solo import SoloCollectives
     # --no-push: the pair's processes without the peer's memory mapped (gloo only), solo graphs alone
     gloo, push = connect_pair_rank(rank, port, args.ckpt, push=not args.no_push)
     colls = {"solo": SoloCollectives(rank)} if push is None else {"push": push, "solo": SoloCollectives(rank)}
@@ -121,7 +121,8 @@ def _pair_rank(rank: int, port: int, shm_name: str, args) -> dict:
 
 
 def _alone(args) -> dict:
-    from dspark_ray.collectives import LocalCollectives, SoloCollectives
+    from dspark_ray.comm.local import LocalCollectives
+    from dspark_ray.comm.solo import SoloCollectives
     solo, tp1 = SoloCollectives(0), LocalCollectives(1)
     sets = {"solo": graph_set(solo, 0, 2, args.ckpt), "tp1": graph_set(tp1, 0, 1, args.ckpt)}
     log("alone: both graph sets captured")

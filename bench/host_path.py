@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from dspark_ray import contract as C                                        # noqa: E402
 from dspark_ray.actors import messages as M                                 # noqa: E402
-from dspark_ray.collectives import LocalCollectives                         # noqa: E402
+from dspark_ray.comm.local import LocalCollectives                         # noqa: E402
 from dspark_ray.config import full                                          # noqa: E402
 from dspark_ray.engine import EntryOut                                      # noqa: E402
 from dspark_ray.frontend import Identity, StepService                       # noqa: E402

@@ -56,7 +56,7 @@ def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None, barrier=Non
     help). `dense`: the dense linears' kernel (`gemm.use_matmul`); `markov_cache`: the cached Markov bias rows, as
     `serve --markov-cache` sizes them (`Drafter.cache_markov_for`)."""
     from bench.draft_step import _slots
-    from dspark_ray.collectives import LocalCollectives
+    from dspark_ray.comm.local import LocalCollectives
     from dspark_ray.graphs import GraphSet
     from dspark_ray.kernels.gemm import use_matmul
     from dspark_ray.model.drafter import Drafter
@@ -122,7 +122,7 @@ def launch_grids(prof) -> dict:
 
 def solo_timeline(ckpt: str, start: int, nvtx: bool = False, dense: str = "cublas", requests: int = 1,
                   markov_cache: str = "auto") -> dict:
-    from dspark_ray.collectives import SoloCollectives
+    from dspark_ray.comm.solo import SoloCollectives
     return timeline("solo", 0, ckpt, start, SoloCollectives(0), nvtx=nvtx, dense=dense, requests=requests,
                     markov_cache=markov_cache)
 

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from .comm.factory import BACKENDS
+
 log = logging.getLogger("dspark_ray")
 
 
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                              "pair rank of the full preset), all, off, or a row count (the lower ids)")
         sp.add_argument("--name", default="dspark")
         sp.add_argument("--device", choices=["cpu", "cuda"])
-        sp.add_argument("--backend", choices=["gloo", "push"])
+        sp.add_argument("--backend", choices=list(BACKENDS))
         sp.add_argument("--collective-timeout", type=float, default=10.0)
         sp.add_argument("--rank-cpus", type=cpu_list, help="vCPUs for the ranks' step loops, one per rank: 9,12")
         sp.add_argument("--frontend-cpus", type=cpu_list, help="vCPUs for the front-end's endpoint threads")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from .collectives import CollectiveError, Collectives
+from .comm.base import CollectiveError, Collectives
 from .graphs import MAX_REQUESTS, GraphSet, HostDraft
 from .model.drafter import Drafter
 from .model.state import SlotState
@@ -134,8 +134,7 @@ class RankEngine:
         self.drafter, self.rank = drafter, rank
         self.values_checked = values_checked
         self.coll = _CountingCollectives(drafter.coll)
-        drafter.coll = self.coll
-        drafter.head.coll = self.coll
+        drafter.use_collectives(self.coll)
         self.graphs = None
         if graphs:
             self.graphs = GraphSet(drafter, n_slots, max_batch)

@@ -6,7 +6,7 @@
 | `split`    | one caller holding both ranks' shards, adding the partials   | tensor ops in rank order            |
 | `emulated` | both ranks in this process, each on its own thread           | shared tensors (the pair's oracle)  |
 | `solo`     | one rank alone                                               | local stand-ins (one rank's time)   |
-| `pair`     | one rank, its peer in another process                        | gloo (CPU), push (NVLink), nccl     |
+| `pair`     | one rank, its peer in another process                        | gloo (CPU), push (NVLink)           |
 
 `split` is the "tp1 that computes the same two partials and adds them in rank order"; `emulated` runs the pair's
 per-rank code (each rank its own replicated work) without a second process.
@@ -16,7 +16,10 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from .collectives import Collectives, LocalCollectives, SoloCollectives, ThreadCollectives
+from .comm.base import Collectives
+from .comm.local import LocalCollectives
+from .comm.solo import SoloCollectives
+from .comm.emulated import ThreadCollectives
 from .config import DrafterConfig
 from .model.drafter import Drafter, Weights
 from .model.layout import Layout

@@ -172,7 +172,7 @@ def test_no_batch_is_wider_than_the_slots_or_one_collective(cfg, ckpt, monkeypat
     push pair's layout: 128 rows, 25 requests of the full preset); the deployment's batch limit says the same."""
     from dspark_ray.actors.rank import PairSpec
     from dspark_ray.config import full
-    from dspark_ray.kernels.push import max_rows
+    from dspark_ray.comm.push import max_rows
     d = make_drafter(cfg, "tp1", ckpt=ckpt)
     assert GraphSet(d, 5).max_requests == 5 and GraphSet(d, 5).wide_buckets == (5,)
     monkeypatch.setattr(d.coll, "max_rows", lambda width: 3 * cfg.block_size + 1, raising=False)

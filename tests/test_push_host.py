@@ -10,16 +10,16 @@ import subprocess
 import pytest
 import torch
 
-from dspark_ray.collectives import CollectiveError
-from dspark_ray.kernels import peer_state
-from dspark_ray.kernels.ipc import HANDLE_VERSION, PeerHandle, check_peer_handle
-from dspark_ray.kernels.peer_state import (EPOCH_LAST, ERR_BAD_ID, ERR_CANCELLED, ERR_EXHAUSTED, ERR_LAYOUT,
+from dspark_ray.comm.base import CollectiveError
+from dspark_ray.comm import peer_state
+from dspark_ray.comm.ipc import HANDLE_VERSION, PeerHandle, check_peer_handle
+from dspark_ray.comm.peer_state import (EPOCH_LAST, ERR_BAD_ID, ERR_CANCELLED, ERR_EXHAUSTED, ERR_LAYOUT,
                                            ERR_LOCAL_TIMEOUT, ERR_PEER_TIMEOUT, HostGuard, Layout,
                                            decode_error_word, describe_error_word)
-from dspark_ray.kernels.push import (DEFAULT_MAX_WORDS, PushCollectives, ar_launch_config, exchange_threads,
+from dspark_ray.comm.push import (DEFAULT_MAX_WORDS, PushCollectives, ar_launch_config, exchange_threads,
                                      push_unavailable_reason)
-from dspark_ray.kernels.reference import ReferenceCollectives, same_bits
-from dspark_ray.kernels.source import KERNELS, kernel_source
+from dspark_ray.comm.reference import ReferenceCollectives, same_bits
+from dspark_ray.comm.source import KERNELS, kernel_source
 
 
 @pytest.fixture(autouse=True)
@@ -248,7 +248,7 @@ def test_bad_constructor_arguments_are_refused_before_touching_cuda():
 
 
 def test_a_poisoned_process_refuses_a_new_backend(monkeypatch):
-    import dspark_ray.kernels.push as push
+    import dspark_ray.comm.push as push
     monkeypatch.setattr(push, "push_unavailable_reason", lambda device=None: None)
     peer_state.HostGuard("push rank 0").poison("cuda error 700")
     with pytest.raises(CollectiveError, match="this process is poisoned"):
@@ -306,7 +306,7 @@ def test_reference_top2_exchange_takes_the_runner_up_from_both_slices():
 # --- NaN + NaN rule (calibrated against torch's own add) -------------------------------------------------------
 
 def test_nan_rule_decodes_which_nan_torch_returned_per_case():
-    from dspark_ray.kernels.push import NAN_CALIBRATION_P0 as P0, NAN_CALIBRATION_P1 as P1, nan_rule_from_results
+    from dspark_ray.comm.push import NAN_CALIBRATION_P0 as P0, NAN_CALIBRATION_P1 as P1, nan_rule_from_results
     q = 0x00400000
     assert nan_rule_from_results([P0[t] | q for t in range(4)]) == 0b01010101          # always quiet(P0)
     assert nan_rule_from_results([P1[t] | q for t in range(4)]) == 0b10101010          # always quiet(P1)
@@ -318,6 +318,6 @@ def test_nan_rule_decodes_which_nan_torch_returned_per_case():
 
 
 def test_torch_nan_rule_names_an_input_or_the_canonical_nan_on_cpu():
-    from dspark_ray.kernels.push import torch_nan_rule
+    from dspark_ray.comm.push import torch_nan_rule
     rule = torch_nan_rule("cpu")
     assert all((rule >> (2 * t)) & 3 in (1, 2, 3) for t in range(4)), hex(rule)

@@ -27,8 +27,8 @@ def _rank(rank: int, ckpt_dir: str, port: int, out: str, n_rounds: int, engine: 
     os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)            # each rank sees only its own card, as under Ray
     import torch.distributed as dist
 
-    from dspark_ray.collectives import GlooCollectives
-    from dspark_ray.kernels.push import connect_over
+    from dspark_ray.comm.gloo import GlooCollectives
+    from dspark_ray.comm.push import connect_over
     from dspark_ray.model.layout import Layout
     from dspark_ray.modes import make_drafter
     from dspark_ray.weights.loader import Checkpoint

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from support import parity, workload
-from dspark_ray.collectives import combine_max, combine_top2
+from dspark_ray.comm.base import combine_max, combine_top2
 from dspark_ray.config import ConfigError, full, tiny
 from dspark_ray.model.layout import Layout, vocab_split
 from dspark_ray.modes import make_drafter, make_emulated, read_rank, run_pair
@@ -99,7 +99,7 @@ def test_margins_are_top1_minus_top2_of_the_combined_logits(emulated):
 
 def _gloo_rank(rank: int, ckpt_dir: str, init: str, out: str) -> None:
     torch.set_num_threads(1)
-    from dspark_ray.collectives import GlooCollectives
+    from dspark_ray.comm.gloo import GlooCollectives
     from dspark_ray.weights.loader import Checkpoint
     ck = Checkpoint(ckpt_dir)
     coll = GlooCollectives(rank, init_method=init, timeout_s=60)
@@ -125,7 +125,7 @@ def test_gloo_pair_in_two_processes_equals_emulated_pair_bit_for_bit(tiny_ckpt, 
 
 
 def _gloo_exit_without_close(rank: int, init: str) -> None:
-    from dspark_ray.collectives import GlooCollectives
+    from dspark_ray.comm.gloo import GlooCollectives
     coll = GlooCollectives(rank, init_method=init, timeout_s=60)
     for _ in range(50):
         coll.all_reduce([torch.ones(64)])

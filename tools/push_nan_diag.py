@@ -11,8 +11,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))     # support.push_selftest
 
-from dspark_ray.kernels.push import make_single_card_pair  # noqa: E402
-from dspark_ray.kernels.source import COMPILE_OPTIONS  # noqa: E402
+from dspark_ray.comm.push import make_single_card_pair  # noqa: E402
+from dspark_ray.comm.source import COMPILE_OPTIONS  # noqa: E402
 from support.push_selftest import nan_pair_partial  # noqa: E402
 
 _BARE_SRC = r"""

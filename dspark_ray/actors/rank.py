@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..comm.factory import check_backend
 from ..engine import EngineBroken, RankEngine, StepFailed
 from ..keep_warm import REHEARSAL_ENTRIES, KeepWarm, launch_rehearsal_period_us
 from ..kernels.gemm import DENSE_KERNELS
@@ -37,7 +38,7 @@ class PairSpec:
     checkpoint: str
     tp: int = 2
     n_slots: int = 16
-    backend: str = "gloo"              # collectives of a pair: gloo (CPU), push (NVLink), nccl
+    backend: str = "gloo"              # collectives of a pair (comm.factory.BACKENDS): gloo (CPU), push (NVLink)
     device: str = "cpu"
     collective_timeout_s: float = 10.0
     step_timeout_s: float | None = None    # the watchdog's bound on one step; None: 2 x collective timeout + 5 s
@@ -74,6 +75,7 @@ class PairSpec:
     markov_cache: str = "auto"
 
     def __post_init__(self):
+        check_backend(self.backend, self.tp, self.device)
         # A bad pinning is refused here, before any actor starts, not found later as a thread left unpinned.
         if self.rank_cpus is not None and len(self.rank_cpus) != self.tp:
             raise ValueError(f"rank_cpus {list(self.rank_cpus)}: one vCPU per rank, {self.tp} for tp {self.tp}")
@@ -91,10 +93,10 @@ class PairSpec:
 
     def batch_limit(self, cfg) -> int:
         """Entries a replay takes for a drafter of `cfg`: max_batch, at most one per slot, and on the push pair at
-        most what one collective carries (`kernels.push.max_rows`: 128 rows, 25 requests of the full preset)."""
+        most what one collective carries (`comm.push.max_rows`: 128 rows, 25 requests of the full preset)."""
         n = min(self.max_batch, self.n_slots)
         if self.backend == "push" and self.tp == 2:
-            from ..kernels.push import max_rows
+            from ..comm.push import max_rows
             n = min(n, max_rows(cfg.hidden_size) // cfg.block_size)
         return max(1, n)
 
@@ -152,24 +154,13 @@ class RankWorker:
         return self.loaded, self.total
 
     def connect(self, init_method: str | None) -> str:
-        """Meet the peer (both ranks call this at once) and build the engine. The two ranks of a pair always form
-        one gloo group: the CPU pair's data path, and the start-up handshake channel of the push collectives
-        (their CUDA IPC handles travel through it, never per-step data)."""
-        from ..collectives import GlooCollectives, LocalCollectives
+        """Meet the peer (both ranks call this at once: `comm.factory.connect`) and build the engine."""
+        from ..comm.factory import connect
         from ..model.drafter import Drafter
         cfg = self.ckpt.config
-        if self.spec.tp == 1:
-            coll = LocalCollectives(1)
-        else:
-            gloo = GlooCollectives(self.rank, 2, init_method=init_method, timeout_s=self.spec.collective_timeout_s)
-            if self.spec.backend == "gloo":
-                coll = gloo
-            elif self.spec.backend == "push":
-                from ..kernels.push import connect_over
-                coll = connect_over(gloo.group, self.rank, self.layout.vocab_range(1 - self.rank),
-                                    self.spec.collective_timeout_s)
-            else:
-                raise ValueError(f"backend {self.spec.backend!r}: choose gloo or push")
+        coll = connect(self.spec.backend, self.rank, self.spec.tp, init_method=init_method,
+                       peer_ids=self.layout.vocab_range(1 - self.rank) if self.spec.tp == 2 else (0, 0),
+                       timeout_s=self.spec.collective_timeout_s)
         drafter = Drafter(cfg, [self.weights], [self.layout.vocab_range(self.rank)[0]], coll)
         self.weights = None          # the drafter holds what it uses (routed experts stacked: the originals go)
         self._cache_markov(drafter)

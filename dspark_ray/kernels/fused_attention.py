@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .fused_ops import F16, apply_head_weight, exp64, launch_opts, norm_scale, pdl_enter
-from .gemm import grouped_rows_empty
+from .rows import grouped_rows_empty
 
 
 @triton.jit

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .fused_ops import F16, F32, exp64, launch_opts, norm_scale, pdl_enter, rsqrt64, sigmoid64
-from .gemm import rows_empty
+from .rows import rows_empty
 
 
 MIX_CHUNK = 512          # columns of X_row per mix program

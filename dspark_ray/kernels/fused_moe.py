@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .fused_ops import F16, F32, launch_opts, pdl_enter, rows_2d, swiglu_math
-from .gemm import BLOCK_K, BLOCK_N, NUM_WARPS, rows_empty
+from .rows import BLOCK_K, BLOCK_N, NUM_WARPS, rows_empty
 
 log = logging.getLogger(__name__)
 

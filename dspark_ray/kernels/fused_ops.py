@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm import rows_empty
+from .rows import rows_empty
 
 F16, F32 = torch.float16, torch.float32
 # Every launch: no FMA contraction (a * b + c rounds twice, as the reference's separate torch ops do).

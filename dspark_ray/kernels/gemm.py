@@ -34,19 +34,14 @@ import os
 import torch
 
 from ..model import ops
+from .rows import BLOCK_K, BLOCK_N, NUM_WARPS, PAD_ROWS, grouped_rows_empty, rows_empty  # noqa: F401
 
-PAD_ROWS = 32
 # Weights up to this size go through `fused.rows_linear` on a GPU (one launch, the input read in place) instead of
 # cuBLAS on padded chunks. A property of the weight, never of the batch. Off (0): measured on the H200 pair with
 # 32 MiB (every linear of a block but wq_b / wo_a / wo_b), the kernel's fixed 16-wide output tiles ran 12.5 us a call
 # and the step was no faster (pair 1.43 ms, one card 1.93 ms against 1.81; bench/results/gpu/README.md). Kept, and
 # tested on both paths, for tuning.
 SMALL_WEIGHT_BYTES = 0
-# Fixed Triton config. No autotune: autotuning picks the fastest config by timing in each process, so the
-# reduction blocking, and with it the bits, would depend on the process and the load of the card.
-BLOCK_N = 64
-BLOCK_K = 128
-NUM_WARPS = 4
 # The dense linears on a GPU (`use_matmul(..., dense=)`): "triton" (`chunked_linear`, one weight read for every
 # chunk) or "cublas" (a padded cuBLAS GEMM per chunk). A start-up choice: the two give different bits, so every
 # process of a deployment runs the same one (`dense_for`).
@@ -98,22 +93,6 @@ def _mm_f32(xc: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         w32 = w.float()
         w._dspark_w32 = w32
     return torch.mm(xc.float(), w32.t())
-
-
-def rows_empty(rows: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """An uninitialised (rows, width) tensor at the start of storage holding whole PAD_ROWS-row chunks: a padded
-    linear reading it takes its chunks in place instead of copying (`_padded_rows`). The fused kernels whose
-    outputs feed linears allocate with this."""
-    full = -(-max(rows, 1) // PAD_ROWS) * PAD_ROWS
-    return torch.empty((full, width), dtype=dtype, device=device)[:rows]
-
-
-def grouped_rows_empty(rows: int, groups: int, width: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """An uninitialised (rows, groups, width) view of a (groups, padded rows, width) buffer: the grouped linear's
-    input layout (`padded_grouped_linear` reads it in place instead of copying each group's rows into it)."""
-    full = -(-max(rows, 1) // PAD_ROWS) * PAD_ROWS
-    buf = torch.empty((groups, full, width), dtype=dtype, device=device)
-    return buf.as_strided((rows, groups, width), (width, full * width, 1))
 
 
 def _in_place(x2: torch.Tensor, rows: int) -> bool:

@@ -13,7 +13,8 @@ from typing import Iterator
 import torch
 from torch.profiler import record_function as stage     # names the step's stages for bench/draft_step.py's profile
 
-from ..collectives import Collectives, LocalCollectives
+from ..comm.base import Collectives
+from ..comm.local import LocalCollectives
 from ..config import DrafterConfig
 from ..finite import first_nonfinite_row
 from . import ops
@@ -119,6 +120,13 @@ class Drafter:
         if markov_cache > 0:
             self.cache_markov(markov_cache)
         self.last_experts: list[torch.Tensor] = []      # routing of the last draft, per block (for diagnostics)
+
+    def use_collectives(self, coll: Collectives) -> None:
+        """Meet the peer through `coll` from now on (same local ranks): the engine's wrapper that counts the
+        collectives a step issued, for its health latch."""
+        if tuple(coll.local_ranks) != tuple(self.coll.local_ranks):
+            raise ValueError(f"collectives of local ranks {coll.local_ranks}; the drafter's: {self.coll.local_ranks}")
+        self.coll = self.head.coll = coll
 
     def cache_markov(self, rows: int) -> int:
         """Cache the Markov bias rows of the ids [0, rows) (a BPE vocabulary's lower ids are its earlier, more

@@ -12,7 +12,7 @@ from functools import partial
 
 import torch
 
-from ..collectives import Collectives
+from ..comm.base import Collectives
 from . import ops
 from .ops import f16, linear, sigmoid
 

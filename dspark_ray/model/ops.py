@@ -120,8 +120,21 @@ _matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = linear_tree
 _matmul_indexed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = linear_indexed_tree
 MATMUL_MODE = "exact"
 # Fused kernels by name (`kernels/fused.py`), each a one-launch twin of a chain of the reference ops here and in
-# the model modules, which use it when installed. Empty: the reference chains (the exact path).
+# the model modules, which use it when installed. Empty: the reference chains (the exact path). Every name the
+# model may ask for is listed here: an unknown name (a misspelling) raises instead of quietly taking the slow path.
+FUSED_NAMES = frozenset({
+    "attend", "branch", "branch_parts", "confidence", "confidence_prenorm", "embed_streams", "expert_act",
+    "expert_out", "graph_launches", "head_norm_rope", "hyper_head_norm", "linear_f16", "linear_grouped",
+    "markov_rows", "markov_step", "mhc_collapse_norm", "mhc_expand", "pack_outputs", "rms_norm", "route",
+    "router_logits", "swiglu",
+})
 _fused: dict[str, Callable] = {}
+
+
+def _known(names) -> None:
+    unknown = sorted(set(names) - FUSED_NAMES)
+    if unknown:
+        raise KeyError(f"no fused kernel named {', '.join(map(repr, unknown))} (ops.FUSED_NAMES lists them)")
 
 
 def set_matmul(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -131,6 +144,7 @@ def set_matmul(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     kernels (a start-up decision of the process: `kernels.gemm.use_matmul` picks between the exact reference
     and the GPU kernels)."""
     global _matmul, _matmul_indexed, MATMUL_MODE
+    _known(fused_table or {})
     _matmul = fn
     _matmul_indexed = indexed or linear_indexed_tree
     MATMUL_MODE = mode
@@ -144,12 +158,15 @@ def current_matmul() -> tuple:
 
 
 def fused(name: str) -> Callable | None:
-    """The installed fused kernel `name`, or None (use the reference chain)."""
+    """The installed fused kernel `name`, or None (use the reference chain); KeyError for a name no kernel has."""
+    if name not in FUSED_NAMES:
+        _known([name])
     return _fused.get(name)
 
 
 def drop_fused(*names: str) -> None:
     """Uninstall fused kernels by name: their reference chains run from now on."""
+    _known(names)
     for n in names:
         _fused.pop(n, None)
 

@@ -38,7 +38,7 @@ class RankView:
 
     def make_pc(self, **kw):
         """A second connected pair (other variants): built and connected by both ranks."""
-        from dspark_ray.kernels.push import PushCollectives
+        from dspark_ray.comm.push import PushCollectives
         pc = PushCollectives(self.rank, **kw)
         if self.mode == "single":
             objs = self.share(pc)
@@ -74,7 +74,7 @@ def nan_pair_partial(rank, n, device):
     """Rows where both ranks hold NaN (all four quiet / signaling combinations, and the 0xFFFFFFFF / 0x7FFFFFFF
     pair that the first run caught), -0 + denormal both ways, and numbers elsewhere."""
     import torch
-    from dspark_ray.kernels.push import NAN_CALIBRATION_P0, NAN_CALIBRATION_P1
+    from dspark_ray.comm.push import NAN_CALIBRATION_P0, NAN_CALIBRATION_P1
     mine = list(NAN_CALIBRATION_P0 if rank == 0 else NAN_CALIBRATION_P1)
     mine += [0xFFFFFFFF, 0x80000000, 0x00000001] if rank == 0 else [0x7FFFFFFF, 0x00000001, 0x80000000]
     mine += [0x7FC12345 if rank == 0 else 0x7FC54321]
@@ -105,7 +105,7 @@ def rand_exchange(seed, rank, n, device, top2):
 def _check(name, got, want, errors):
     """Appends one line per output part whose bits differ: how many words (compared as bits, so equal NaNs are
     equal) and the first few (index, got, want) in hex."""
-    from dspark_ray.kernels.reference import same_bits
+    from dspark_ray.comm.reference import same_bits
     got = got if isinstance(got, tuple) else (got,)
     want = want if isinstance(want, tuple) else (want,)
     for k, (a, b) in enumerate(zip(got, want)):
@@ -314,7 +314,7 @@ def sc_strict(v):
 
 
 def _expect_failure(pc, timeout_s=None):
-    from dspark_ray.collectives import CollectiveError
+    from dspark_ray.comm.base import CollectiveError
     t = time.monotonic()
     try:
         pc.check_error(timeout_s)
@@ -422,7 +422,7 @@ def sc_cancel(v):
 def sc_exhaustion(v):
     """Forced near-exhaustion: epochs 0xFFFFFFFE and 0xFFFFFFFF are exact; the next launch fails closed with
     bit 16 on both ranks without touching the peer's receive buffer; the host refuses a replay past the end."""
-    from dspark_ray.collectives import CollectiveError
+    from dspark_ray.comm.base import CollectiveError
     v.reset_pair()
     v.pc._debug_force_epoch(0xFFFFFFFD)
     v.barrier()
@@ -484,8 +484,8 @@ def sc_poison(v):
     """A timed-out idle wait poisons: launches, graph replays, resets and new instances are refused; cancel still
     unblocks the parked collective. Poisons the process: run last."""
     import torch
-    from dspark_ray.collectives import CollectiveError
-    from dspark_ray.kernels.push import PushCollectives
+    from dspark_ray.comm.base import CollectiveError
+    from dspark_ray.comm.push import PushCollectives
     x = rand_partial(10, v.rank, 5 * H, v.pc.device)
     g = torch.cuda.CUDAGraph()
     v.barrier()
@@ -584,8 +584,8 @@ def _warm_torch_ops(device):
 def _single_worker(conn, allreduce):
     _env_guard()
     import torch
-    from dspark_ray.kernels.push import make_single_card_pair
-    from dspark_ray.kernels.reference import ReferenceCollectives
+    from dspark_ray.comm.push import make_single_card_pair
+    from dspark_ray.comm.reference import ReferenceCollectives
     torch.cuda.set_device(0)
     _warm_torch_ops(torch.device("cuda", 0))
     pcs = make_single_card_pair(0, allreduce=allreduce)
@@ -645,8 +645,8 @@ def _pair_worker(conn, rank, port, allreduce):
     import datetime
     import torch
     import torch.distributed as dist
-    from dspark_ray.kernels.push import PushCollectives
-    from dspark_ray.kernels.reference import ReferenceCollectives, gloo_gather
+    from dspark_ray.comm.push import PushCollectives
+    from dspark_ray.comm.reference import ReferenceCollectives, gloo_gather
     torch.cuda.set_device(0)                        # CUDA_VISIBLE_DEVICES shows this rank its own card only
     _warm_torch_ops(torch.device("cuda", 0))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

@@ -2,7 +2,7 @@
 
 `ReferenceCollectives` meets the peer through a `gather(tensor) -> [rank 0's, rank 1's]` callable (in the GPU tests
 a torch.distributed gloo all_gather of host copies; in single-card mode, the two threads' shared slots) and then
-combines exactly as `collectives.py` defines the result: P0 + P1 in rank order (torch's fp32 add on the device),
+combines exactly as `comm/base.py` defines the result: P0 + P1 in rank order (torch's fp32 add on the device),
 `combine_max`, `combine_top2`. It is eager only (a gather cannot be captured) and is what the push kernels must
 equal bit for bit.
 """
@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..collectives import CollectiveError, Collectives, combine_max, combine_top2, reduce_in_rank_order
+from .base import CollectiveError, Collectives, combine_max, combine_top2, reduce_in_rank_order
 
 Gather = Callable[[torch.Tensor], list]
 

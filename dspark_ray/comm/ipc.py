@@ -11,7 +11,7 @@ import os
 import socket
 from dataclasses import asdict, dataclass
 
-from ..collectives import CollectiveError
+from .base import CollectiveError
 
 HANDLE_VERSION = 1
 
@@ -87,7 +87,7 @@ def open_ipc_handle(handle: bytes) -> int:
         return int(rt.ipcOpenMemHandle(handle, getattr(rt, "cudaIpcMemLazyEnablePeerAccess", 1)))
     except Exception as e:                                       # cupy raises CUDARuntimeError
         raise CollectiveError(f"push: cannot open the peer's CUDA IPC handle ({e}): the cards are not P2P "
-                              "reachable from here (use the nccl backend)") from e
+                              "reachable from here (the push pair needs two cards joined by NVLink)") from e
 
 
 def close_ipc_handle(ptr: int) -> None:

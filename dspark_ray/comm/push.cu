@@ -20,7 +20,7 @@
 //  * Errors are OR-ed into the own error word and mirrored into the peer's (a local timeout shows there as a peer
 //    timeout). A failed block writes NaN (ids -1) into its part of the output; the host refuses the output anyway.
 //
-// The layout constants (offsets, MAXB, MAXX, RECV4) are prepended by dspark_ray/kernels/source.py from
+// The layout constants (offsets, MAXB, MAXX, RECV4) are prepended by dspark_ray/comm/source.py from
 // peer_state.Layout; the defaults below only serve a standalone `nvcc -c` syntax check.
 
 #ifndef PUSH_MAXB

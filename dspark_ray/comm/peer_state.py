@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from ..collectives import CollectiveError
+from .base import CollectiveError
 
 # --- error word ------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,62 @@
+"""A rank's collectives, chosen once at start-up: the backend checked against what this process can run, logged.
+
+The two ranks of a pair always form one gloo group first: the CPU pair's data path, and the push backend's
+start-up channel (its CUDA IPC handles travel through it, never per-step data).
+"""
+from __future__ import annotations
+
+import logging
+
+from .base import CollectiveError, Collectives
+
+log = logging.getLogger("dspark_ray.comm")
+
+BACKENDS = {
+    "gloo": "two processes over torch.distributed gloo (CPU)",
+    "push": "NVLink push kernels on CUDA IPC peer memory (two cards)",
+}
+
+
+def check_backend(backend: str, tp: int, device: str) -> None:
+    """Raise ValueError where `backend` cannot drive a tp-`tp` deployment on `device` (a spec's own check, before
+    any actor starts)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if tp == 2 and backend == "push" and not device.startswith("cuda"):
+        raise ValueError(f"backend push runs on CUDA devices, not {device!r} (gloo is the CPU pair)")
+
+
+def missing_capability(backend: str) -> str | None:
+    """What this process lacks to run `backend`, or None. Peer access itself is proven by the push handshake."""
+    if backend == "push":
+        import torch
+        if not torch.cuda.is_available():
+            return "no CUDA device is visible to this process"
+        try:
+            import cupy  # noqa: F401
+        except ImportError as e:
+            return f"cupy is not importable ({e}; pip install -e .[gpu])"
+    return None
+
+
+def connect(backend: str, rank: int, tp: int, *, init_method: str | None, peer_ids: tuple[int, int],
+            timeout_s: float) -> Collectives:
+    """Rank `rank`'s collectives (both ranks of a pair call this at once). tp 1: the local backend, whatever
+    `backend` says (there is no peer). `peer_ids`: the vocabulary range the peer holds (the push exchanges')."""
+    from .local import LocalCollectives
+    if tp == 1:
+        coll: Collectives = LocalCollectives(1)
+    else:
+        why = missing_capability(backend)
+        if why is not None:
+            raise CollectiveError(f"rank {rank}: backend {backend} cannot run here: {why}")
+        from .gloo import GlooCollectives
+        gloo = GlooCollectives(rank, 2, init_method=init_method, timeout_s=timeout_s)
+        if backend == "gloo":
+            coll = gloo
+        else:
+            from .push import connect_over
+            coll = connect_over(gloo.group, rank, peer_ids, timeout_s)
+    log.info("rank %d: collectives %s (%s)", rank, coll.describe(), BACKENDS.get(backend, "one rank") if tp == 2
+             else "one rank, no peer")
+    return coll
