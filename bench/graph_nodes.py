@@ -3,7 +3,7 @@ timeline of a replay, for one card (tp1). GPU only.
 
 The kernel timeline of every draft graph showed ~8.6 us between the upload copy kernel and the first model kernel
 (`bench/kernel_timeline.py`), where small graphs of the same first kernels show none (`bench/graph_start_gap.py`);
-the graph set's fence after the upload removes it (`DSPARK_UPLOAD_FENCE=0` leaves the fence out, for the A/B).
+the graph set's fence after the upload removes it (`bench/results/gpu/upload_fence_ab_h200.json`: the A/B).
 This dumps the (1 request, n_out 5) draft graph with `cudaGraphDebugDotPrint` (every node: kernels, memsets,
 memcpys, event and empty nodes, and their edges) and sums it up: the node kinds, the roots, the first nodes.
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -79,8 +78,9 @@ def main() -> int:
         orig(self, *a, **k)
         captured["set"] = self
     graphs.GraphSet.capture = capture
-    env = {k: os.environ.get(k) for k in ("DSPARK_PDL", "DSPARK_COPY_KERNEL", "DSPARK_UPLOAD_FENCE")}
-    res = {"bench": "graph_nodes", "device": torch.cuda.get_device_name(), "ckpt": ckpt, "env": env,
+    from dspark_ray.settings import current
+    res = {"bench": "graph_nodes", "device": torch.cuda.get_device_name(), "ckpt": ckpt,
+           "settings": current().to_dict(),
            "timeline": timeline("tp1", 0, ckpt, 1000)}
     gs = captured["set"]
     for name, g in (("draft_1x5", gs.draft_graphs[(1, 5, False)]),):

@@ -144,8 +144,11 @@ def main() -> None:
             run_pair(lambda: e0.step(batch), lambda: e1.step(batch))
             inproc.append((time.perf_counter() - t0) * 1e3)
 
-    # Every party also stamps its thread's CPU time (stamps.cpu_now); Ray's workers inherit this environment.
+    # Every party also stamps its thread's CPU time (stamps.cpu_now): the front-end hands its settings to every
+    # actor it starts (settings.as_env).
     os.environ["DSPARK_STAMP_CPU"] = "1"
+    from dspark_ray.settings import reread
+    reread()
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
     all_cpus = os.sched_getaffinity(0)

@@ -27,7 +27,8 @@ log = logging.getLogger("dspark_ray")
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark-ray"))
+    from .settings import current
+    return current().cache_dir
 
 
 def resolve_checkpoint(preset: str | None, checkpoint: str | None, seed: int = 0, device: str = "cpu") -> str:
@@ -205,6 +206,8 @@ def _print_status(st: dict) -> None:
           f"steps {st['stats']['steps']}, batches {st['stats']['batches']} (up to {st.get('max_batch')} entries "
           f"each), entries {st['stats']['entries']}")
     print(f"  supervisor: {st['supervisor']}")
+    if st.get("settings"):
+        print("  settings: " + ", ".join(f"{k}={v}" for k, v in st["settings"].items()))
     print(f"  endpoint threads: {step_threads(st.get('process'), 'tcp-')}; {asleep(st.get('wake_ups'))}")
     for r in st["ranks"]:
         loop = step_threads(r.get("process"), f"dspark-rank{r.get('rank')}")

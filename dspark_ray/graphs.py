@@ -19,7 +19,7 @@ drafts, confidences, margins and confident lengths into one fp64 tensor that com
 GPU runs the inserts (the draft graph uploads them itself).
 
 A decode round's STEP brings both: each request's seed and accepted drafts to insert, then its draft. Each draft key
-also has a step graph that runs both in one replay (`DSPARK_STEP_GRAPHS=0` leaves them out). The insert of up to 8 rows
+also has a step graph that runs both in one replay (`DSPARK_STEP_GRAPHS=0`, `settings.py`, leaves them out). The insert of up to 8 rows
 per request (STEP_INSERT_ROWS) runs beside the draft on a stream of its own, block by block, each block's rows
 followed by the gather of its windows (which reads them); each drafter block's attention joins its own part
 (`ops.branch_parts`, `ops.joined`). The insert's GEMMs (main_proj: 157 MB on the full preset) then read their
@@ -51,7 +51,6 @@ collective sequence.
 from __future__ import annotations
 
 import gc
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -62,6 +61,7 @@ import torch
 from .model import ops
 from .model.drafter import DraftOut, Drafter
 from .model.state import SlotState
+from .settings import current as settings
 from .stamps import now
 
 INSERT_BUCKETS = (8, 16, 32, 64, 128)
@@ -81,7 +81,7 @@ STEP_INSERT_ROWS = 8
 def step_graphs_enabled() -> bool:
     """Whether graph sets capture step graphs: on unless `DSPARK_STEP_GRAPHS=0` (the separate insert and draft graphs
     only: 40 fewer graphs, ~60 MiB less graph memory on the full preset, ~70 us more per decode round)."""
-    return os.environ.get("DSPARK_STEP_GRAPHS", "1") != "0"
+    return settings().step_graphs
 
 
 def _raw_memcpy() -> Callable[[int, int, int], None] | None:
@@ -100,15 +100,13 @@ def _raw_memcpy() -> Callable[[int, int, int], None] | None:
 def _copier(like: torch.Tensor) -> Callable[..., None] | None:
     """copy(*(dst, src, nbytes)): capturable copies on torch's current stream between pinned host memory and the
     device. Every segment in one kernel where Triton runs (`kernels/host_copy.py`: a memcpy node waits for a copy
-    engine, several us per copy), else a memcpy node per segment through CuPy; None without either.
-    `DSPARK_COPY_KERNEL=0` takes the memcpy nodes (an A/B)."""
-    if os.environ.get("DSPARK_COPY_KERNEL", "1") != "0":
-        try:
-            from .kernels.host_copy import copy_bytes
-        except ImportError:         # no Triton
-            copy_bytes = None
-        if copy_bytes is not None:
-            return lambda *segments: copy_bytes(like, *segments)
+    engine, several us per copy), else a memcpy node per segment through CuPy; None without either."""
+    try:
+        from .kernels.host_copy import copy_bytes
+    except ImportError:             # no Triton
+        copy_bytes = None
+    if copy_bytes is not None:
+        return lambda *segments: copy_bytes(like, *segments)
     memcpy = _raw_memcpy()
     if memcpy is None:
         return None
@@ -278,9 +276,8 @@ class GraphSet:
         self._out_np = self.out_host.numpy()             # the unpacking reads the download through it
         # The copies inside the graphs (module docstring); the collectives' control words land in status_host.
         self.memcpy = _copier(self.inp.dev) if self.cuda else None
-        # A one-kernel fence after each graph's upload (`_with_copies`); DSPARK_UPLOAD_FENCE=0 leaves it out (an A/B).
-        self._fence = (torch.zeros(1, dtype=torch.int32, device=self.inp.dev.device)
-                       if self.memcpy and os.environ.get("DSPARK_UPLOAD_FENCE", "1") != "0" else None)
+        # A one-kernel fence after each graph's upload (`_with_copies`).
+        self._fence = torch.zeros(1, dtype=torch.int32, device=self.inp.dev.device) if self.memcpy else None
         self.status = self.coll.status_region() if self.memcpy else None
         self.status_host = torch.zeros(max(self.status[1], 1) if self.status else 1, dtype=torch.uint8,
                                        pin_memory=self.cuda)

@@ -19,15 +19,16 @@ rehearsal that would have started at 100 us (a rank's ring hop read 37-45 us aga
 A rehearsal takes at most the first REHEARSAL_ENTRIES entries of a batch: every entry runs the same code, so a few
 keep it warm, and a piece of a 16-entry batch (its checks, its staging: 0.2-0.4 ms on the GPU host) would hold a STEP
 that comes meanwhile for that long.
-`DSPARK_KEEP_WARM=0` turns it off, `DSPARK_KEEP_WARM_US` sets the period.
+`DSPARK_KEEP_WARM=0` turns it off, `DSPARK_KEEP_WARM_US` sets the period (`settings.py`).
 """
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Callable
+
+from .settings import current as settings
 
 log = logging.getLogger("dspark_ray.keep_warm")
 
@@ -35,25 +36,24 @@ REHEARSAL_ENTRIES = 4       # entries of a batch a rehearsal runs (module docstr
 
 
 def keep_warm_enabled() -> bool:
-    return os.environ.get("DSPARK_KEEP_WARM", "1") != "0"
+    return settings().keep_warm
 
 
 def keep_warm_period_us() -> float:
-    return float(os.environ.get("DSPARK_KEEP_WARM_US", "100"))
+    return settings().keep_warm_us
 
 
 def keep_warm_hold_us() -> float:
-    return float(os.environ.get("DSPARK_KEEP_WARM_HOLD_US", "250"))
+    return settings().keep_warm_hold_us
 
 
 def launch_rehearsal_period_us() -> float | None:
     """How often a GPU rank rehearses a graph launch between steps (`DSPARK_KEEP_WARM_LAUNCH_US`, default 1000;
-    `DSPARK_KEEP_WARM_LAUNCH=0`: never, None). At every rehearsal (100 us) the launches slowed every host hop of the
+    0: never, None). At every rehearsal (100 us) the launches slowed every host hop of the
     pair by 1.3-2x; every 1 ms they cut a cold step-graph launch from 136-176 to 33-53 us and the round trip of
     STEPs 20 ms apart by ~0.1 ms (bench/results/gpu/keep_warm_launch_period_h200x2.json)."""
-    if os.environ.get("DSPARK_KEEP_WARM_LAUNCH", "1") == "0":
-        return None
-    return float(os.environ.get("DSPARK_KEEP_WARM_LAUNCH_US", "1000"))
+    us = settings().keep_warm_launch_us
+    return us if us > 0 else None
 
 
 class KeepWarm:

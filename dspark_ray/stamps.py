@@ -9,14 +9,15 @@ frame's arrival time between the connection thread and the service). A stamp cos
 from __future__ import annotations
 
 import collections
-import os
 import time
 
+from .settings import current as settings
+
 now = time.monotonic_ns
-# Optional (DSPARK_STAMP_CPU=1 in the parties' environment; the latency bench sets it): a party also stamps its
+# Optional (DSPARK_STAMP_CPU=1, `settings.py`, in the parties' environment; the latency bench sets it): a party also stamps its
 # thread's CPU time at some of its stamps ("cpu_" + the stamp's name), so that a slow hop shows whether its thread
 # was working (CPU time ~ the hop) or off the CPU (preempted, or waiting for the interpreter lock). Off, it is 0.
-cpu_now = time.thread_time_ns if os.environ.get("DSPARK_STAMP_CPU") == "1" else int
+cpu_now = time.thread_time_ns if settings().stamp_cpu else int
 
 
 class Stamps:

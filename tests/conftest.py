@@ -153,3 +153,12 @@ def assert_set_drafts_like_eager(gs, d, eager, block_size: int, seed0: int, seed
         want = d.draft(eager[:bsz], seeds, block_size, True)
         for k in ("drafts", "confidences", "confident_len", "margins"):
             assert torch.equal(getattr(got, k), getattr(want, k).cpu()), (bsz, k)
+
+
+@pytest.fixture(autouse=True)
+def _settings_from_the_environment():
+    """A test that changes a DSPARK_* knob re-reads the settings itself (settings.reread()); whatever it changed is
+    read back from the restored environment after it."""
+    yield
+    from dspark_ray import settings
+    settings.reread()

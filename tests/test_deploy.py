@@ -22,6 +22,7 @@ from dspark_ray.contract import Code, make_entry
 from dspark_ray.engine import RankEngine, StepEntry
 from dspark_ray.model.layout import Layout
 from dspark_ray.modes import make_drafter
+from dspark_ray import settings
 
 from conftest import PAIR_BACKEND, deploy_pair, step_as_reference, to_entry
 
@@ -367,11 +368,14 @@ def test_every_party_keeps_its_step_path_warm_between_steps(pair, cfg, ray_clust
     fe, ranks = st["keep_warm"], [r["keep_warm"] for r in st["ranks"]]
     assert fe["pieces"] == ["batch", "frame_checks", "frame_decode", "frame_reply", "reply"]
     assert fe["enabled"] and fe["runs"] > 0 and not fe["dropped"]
-    # a GPU rank also rehearses a graph launch (every 1 ms unless DSPARK_KEEP_WARM_LAUNCH=0)
-    launch = ["launch"] if PAIR_BACKEND == "push" and os.environ.get("DSPARK_KEEP_WARM_LAUNCH") != "0" else []
+    # a GPU rank also rehearses a graph launch (every 1 ms unless DSPARK_KEEP_WARM_LAUNCH_US=0)
+    launch = ["launch"] if PAIR_BACKEND == "push" and settings.current().keep_warm_launch_us > 0 else []
     assert ranks[0]["pieces"] == ["decode", "engine", *launch, "reply"]
     assert ranks[1]["pieces"] == ["decode", "engine", *launch]
     assert all(r["runs"] > 0 and not r["dropped"] for r in ranks), ranks
+    # every party runs the driver's settings (conftest's 0 us periods), handed on by the front-end
+    assert st["settings"] == settings.current().to_dict() and st["settings"]["keep_warm_us"] == 0.0
+    assert all(r["settings"] == st["settings"] for r in st["ranks"])
 
 
 def test_every_party_counts_the_steps_that_found_it_asleep(pair, cfg, ray_cluster):

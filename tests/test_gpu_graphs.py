@@ -9,6 +9,7 @@ import torch
 
 from support import workload
 from dspark_ray.modes import make_drafter
+from dspark_ray import settings
 
 pytestmark = pytest.mark.gpu
 
@@ -127,6 +128,7 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, matmul, 
     writes the eager insert's rows and drafts the eager bits, over rounds that wrap the slots' rings."""
     from dspark_ray.graphs import GraphSet
     monkeypatch.delenv("DSPARK_STEP_GRAPHS", raising=False)
+    settings.reread()
     d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda")
     gs = GraphSet(d, n_slots=8)
     gs.capture()
@@ -221,9 +223,9 @@ def test_programmatic_dependent_launch_keeps_the_bits(cfg, ckpt, matmul):
             assert torch.equal(getattr(out, k), getattr(want, k)), (scoped, k)
     hopper = torch.cuda.get_device_capability()[0] >= 9
     assert outs[False] is False
-    assert outs[True] is (matmul == "fast" and hopper and os.environ.get("DSPARK_PDL") != "0"), outs
+    assert outs[True] is (matmul == "fast" and hopper and settings.current().pdl), outs
     if hopper:
-        assert fused_ops.pdl_capable() or os.environ.get("DSPARK_PDL") == "0", "this Triton cannot launch with PDL"
+        assert fused_ops.pdl_capable() or not settings.current().pdl, "this Triton cannot launch with PDL"
     from dspark_ray.kernels.gemm import describe_matmul
     assert describe_matmul().endswith("pdl=graphs" if outs[True] else "pdl=off"), describe_matmul()
 

@@ -13,6 +13,7 @@ from dspark_ray.engine import BAD_ENTRY, OK, RankEngine, StepEntry
 from dspark_ray.graphs import GraphSet, HostDraft
 from dspark_ray.model.heads import confident_prefix
 from dspark_ray.modes import make_drafter
+from dspark_ray import settings
 
 N_SLOTS = 6
 
@@ -90,9 +91,11 @@ def test_a_decode_round_is_one_step_graph_with_the_separate_graphs_bits(cfg, ckp
     rows go through the insert graphs first, their last chunk beside the draft when it fits; a draft without rows
     runs the draft graph. Every answer and ring is the separate graphs' (`DSPARK_STEP_GRAPHS=0`) bit for bit."""
     monkeypatch.setenv("DSPARK_STEP_GRAPHS", "0")
+    settings.reread()
     apart = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
     assert not apart.graphs.step_graphs
     monkeypatch.delenv("DSPARK_STEP_GRAPHS")
+    settings.reread()
     graph = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
     assert graph.graphs.n_graphs == 2 * (4 * cfg.block_size * 2 + 2) + 5   # draft, step; insert
     log = _replays(graph)

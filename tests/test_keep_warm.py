@@ -16,6 +16,7 @@ from dspark_ray.engine import RankEngine, StepEntry
 from dspark_ray.keep_warm import KeepWarm, launch_rehearsal_period_us
 from dspark_ray.modes import make_drafter
 from dspark_ray.wire import spinning_recv_into
+from dspark_ray import settings
 
 from test_graph_set import N_SLOTS, _same_rings, _same_step
 
@@ -107,6 +108,7 @@ def test_a_party_samples_its_inputs_once_per_size_and_at_most_every_so_often():
 
 def test_keep_warm_off_takes_no_pieces(monkeypatch):
     monkeypatch.setenv("DSPARK_KEEP_WARM", "0")
+    settings.reread()
     kw = KeepWarm("off")
     kw.set("a", lambda: pytest.fail("rehearsed while off"))
     kw()
@@ -114,12 +116,14 @@ def test_keep_warm_off_takes_no_pieces(monkeypatch):
 
 
 def test_a_gpu_ranks_launch_rehearsal_runs_every_millisecond_unless_turned_off(monkeypatch):
-    monkeypatch.delenv("DSPARK_KEEP_WARM_LAUNCH", raising=False)
     monkeypatch.delenv("DSPARK_KEEP_WARM_LAUNCH_US", raising=False)
+    settings.reread()
     assert launch_rehearsal_period_us() == 1000.0
     monkeypatch.setenv("DSPARK_KEEP_WARM_LAUNCH_US", "2500")
+    settings.reread()
     assert launch_rehearsal_period_us() == 2500.0
-    monkeypatch.setenv("DSPARK_KEEP_WARM_LAUNCH", "0")
+    monkeypatch.setenv("DSPARK_KEEP_WARM_LAUNCH_US", "0")
+    settings.reread()
     assert launch_rehearsal_period_us() is None
 
 

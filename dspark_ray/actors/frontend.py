@@ -16,6 +16,7 @@ from dataclasses import asdict
 from ..frontend import PairFailure, PairLate, StepService
 from ..keep_warm import REHEARSAL_ENTRIES, KeepWarm
 from ..metrics import Exporter
+from ..settings import current as settings
 from ..stamps import Stamps, cpu_now, now
 from . import messages as M
 from .rank import SAFE_ENV, PairSpec, rank_actor_class
@@ -62,7 +63,9 @@ class PairManager:
     def _actor_options(self, r: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         opts = dict(self.rank_resources)
-        env = {**SAFE_ENV, "OMP_NUM_THREADS": str(self.spec.torch_threads), "PYTHONUNBUFFERED": "1"}
+        # The ranks read the front-end's settings (settings.py), whatever the node's environment says.
+        env = {**SAFE_ENV, **settings().as_env(), "OMP_NUM_THREADS": str(self.spec.torch_threads),
+               "PYTHONUNBUFFERED": "1"}
         if self.spec.device.startswith("cuda"):
             # Load every kernel at start-up: a lazy module load can synchronize the context and deadlock against
             # a collective spinning on the same card (CUDA programming guide, lazy loading).
@@ -239,6 +242,7 @@ def frontend_actor_class():
             from ..transport.tcp import TcpServer
             from ..weights.loader import Checkpoint
             self.spec = PairSpec(**spec)
+            log.info("front-end %s: %s", name, settings().describe())
             ck = Checkpoint(self.spec.checkpoint)
             cfg = load_config(self.spec.checkpoint)
             self.identity = Identity(ck.identity_digest, cfg.digest(), self.spec.tp, cfg.max_model_len)
@@ -302,6 +306,7 @@ def frontend_actor_class():
                     "tp": self.spec.tp, "backend": self.spec.backend, "model_digest": self.identity.model_digest,
                     "max_batch": self.limits.max_entries_per_replay,
                     "pid": os.getpid(), "env": {k: os.environ.get(k) for k in SAFE_ENV},
+                    "settings": settings().to_dict(),
                     **self.service.status(), "supervisor": self.supervisor.status(),
                     "keep_warm": self.keep_warm.status(),
                     "wake_ups": self.server.wake_ups.status(),

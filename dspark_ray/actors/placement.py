@@ -9,6 +9,7 @@ import re
 import time
 from dataclasses import asdict
 
+from ..settings import current as settings
 from .rank import SAFE_ENV, PairSpec
 
 log = logging.getLogger("dspark_ray.placement")
@@ -101,7 +102,8 @@ def _place(spec: PairSpec, name: str, host: str, port: int, detach: bool, restar
         port = _free_port(host)     # a concrete port, so a front-end restarted by Ray serves the same endpoint
     opts = dict(fe_res, name=f"{name}-frontend", namespace=NAMESPACE, max_restarts=3,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=spec.tp),
-                runtime_env={"env_vars": {**SAFE_ENV, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}})
+                runtime_env={"env_vars": {**SAFE_ENV, **settings().as_env(), "OMP_NUM_THREADS": "1",
+                                          "PYTHONUNBUFFERED": "1"}})
     if detach:
         opts["lifetime"] = "detached"
     return FrontEnd.options(**opts).remote(asdict(spec), host, port, name, pg, list(range(spec.tp)), rank_res,

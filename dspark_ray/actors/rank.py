@@ -21,6 +21,7 @@ from ..engine import EngineBroken, RankEngine, StepFailed
 from ..keep_warm import REHEARSAL_ENTRIES, KeepWarm, launch_rehearsal_period_us
 from ..kernels.gemm import DENSE_KERNELS
 from ..model.heads import markov_cache_rows
+from ..settings import current as settings
 from ..stamps import Stamps, cpu_now, now
 from ..wake_ups import WakeUps
 from . import messages as M
@@ -275,6 +276,7 @@ class RankWorker:
         st["wake_ups"] = self.wake_ups.status()
         st["process"] = process_facts()
         st["env"] = {k: os.environ.get(k) for k in SAFE_ENV}
+        st["settings"] = settings().to_dict()
         return st
 
     def stop(self) -> None:

@@ -24,7 +24,6 @@ until the process restarts. The protocol itself is described in `push.cu`; measu
 from __future__ import annotations
 
 import contextlib
-import os
 import secrets
 import time
 from typing import Callable, Sequence
@@ -38,7 +37,7 @@ from .peer_state import MAXB, HostGuard, Layout, PeerState, describe_error_word,
 
 # 2 s (seed 000): a live pair meets in microseconds and a step takes ~2 ms, so a collective still waiting after
 # 2 s has a dead, hung or diverged peer; the bound must stay short enough that a failed STEP answers INTERNAL
-# long before a client gives up. DSPARK_PUSH_TIMEOUT_MS overrides it.
+# long before a client gives up. DSPARK_PUSH_TIMEOUT_MS (`settings.py`) overrides it.
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_MAX_WORDS = 128 * 5120       # 128 rows of the hidden size 5120, fp32 (16 requests x 5 rows: 80)
 U32_MAX = 0xFFFFFFFF
@@ -155,8 +154,11 @@ class PushCollectives(Collectives):
         self.allreduce_variant = allreduce
         self.exchange_variant = exchange
         self._k_ar = "push_all_reduce" if allreduce == "flag" else "push_all_reduce_lamport"
-        self.set_timeout(timeout_s if timeout_s is not None
-                         else float(os.environ.get("DSPARK_PUSH_TIMEOUT_MS", DEFAULT_TIMEOUT_S * 1000)) / 1000)
+        if timeout_s is None:
+            from ..settings import current
+            ms = current().push_timeout_ms
+            timeout_s = DEFAULT_TIMEOUT_S if ms is None else ms / 1000
+        self.set_timeout(timeout_s)
         self.set_peer_id_range(peer_id_range)
         self.check_each = check_each
         self.strict_acks = bool(strict_acks)

@@ -30,7 +30,8 @@ def kernel_source(layout: Layout, extra_defines: dict[str, int] | None = None) -
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("DSPARK_KERNEL_CACHE", Path.home() / ".cache" / "dspark_ray" / "kernels"))
+    from ..settings import current
+    return current().kernel_cache
 
 
 def compile_module(layout: Layout, extra_defines: dict[str, int] | None = None):

@@ -4,13 +4,13 @@ the graph set's capture); and the two kernels of `model/ops.py`: the RMS norm an
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 
 import torch
 import triton
 import triton.language as tl
 
+from ..settings import current as settings
 from .rows import rows_empty
 
 F16, F32 = torch.float16, torch.float32
@@ -26,7 +26,7 @@ def pdl_capable() -> bool:
     changes: a kernel's programs may be scheduled while the kernel before it in the stream drains; each waits
     (`pdl_enter`) until that kernel has finished and its writes are visible before it reads anything but weights
     or writes anything, so the arithmetic and the bits are the same either way."""
-    if os.environ.get("DSPARK_PDL", "1") == "0":
+    if not settings().pdl:
         return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions

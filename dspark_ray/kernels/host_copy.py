@@ -5,9 +5,9 @@ the download of the packed outputs began 7-9 us after the last kernel had ended,
 control words 2 us after that: ~15 us from the last result to the last byte for ~1 KB. Under unified addressing
 a pinned host buffer's address is valid on the device, so a kernel reads or writes it directly; in the graphs it
 launches behind the kernel before it with programmatic dependent launch and moves a step's bytes at once (every
-segment of a copy in the same launch). Byte for byte, no arithmetic: the bits cannot change.
-
-`DSPARK_COPY_KERNEL=0` makes the graph set use memcpy nodes instead (`graphs.py`), for an A/B.
+segment of a copy in the same launch). Byte for byte, no arithmetic: the bits cannot change. Where Triton is
+missing the graph set takes memcpy nodes instead (`graphs.py`); the same GPU time in two A/B runs, and a graph
+launch call of 5-8 us with the kernel against 13-26 us with memcpy nodes on one card.
 """
 from __future__ import annotations
 
