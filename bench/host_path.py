@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from dspark_ray import contract as C                                        # noqa: E402
-from dspark_ray.actors import messages as M                                 # noqa: E402
+from dspark_ray import records as M                                 # noqa: E402
 from dspark_ray.comm.local import LocalCollectives                         # noqa: E402
 from dspark_ray.config import full                                          # noqa: E402
 from dspark_ray.engine import EntryOut                                      # noqa: E402

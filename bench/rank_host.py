@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from dspark_ray.actors import messages as M                 # noqa: E402
+from dspark_ray import records as M                 # noqa: E402
 from dspark_ray.config import tiny                          # noqa: E402
 from dspark_ray.engine import RankEngine                    # noqa: E402
 from dspark_ray.modes import make_drafter                   # noqa: E402

@@ -469,7 +469,7 @@ def main() -> None:
     import ray
     import torch
 
-    from dspark_ray.actors.rank import PairSpec
+    from dspark_ray.spec import PairSpec
     from dspark_ray.cli import resolve_checkpoint
     gpu_cards = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = a.device or ("cuda" if gpu_cards >= a.tp else "cpu")

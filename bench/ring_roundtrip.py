@@ -1,4 +1,4 @@
-"""Round trip of the shared-memory step ring (dspark_ray/actors/ring.py) between unrelated processes.
+"""Round trip of the shared-memory step ring (dspark_ray/transport/ring.py) between unrelated processes.
 
 One round trip = writer.publish(payload) -> every reader next() + copies the payload out + complete() (reader 0
 posts a 256-byte output record, as rank 0 posts drafts/confidences) -> writer.wait_completions() returns.
@@ -28,7 +28,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from dspark_ray.actors.ring import RingClosed, StepRing
+from dspark_ray.transport.ring import RingClosed, StepRing
 
 CTX = mp.get_context("spawn")
 OUT_BYTES = 256                                 # rank 0's outputs per step (drafts, confidences, margins)

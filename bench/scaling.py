@@ -58,7 +58,7 @@ def main() -> None:
 
     from support import workload
     from dspark_ray.actors.placement import deploy_workers, teardown
-    from dspark_ray.actors.rank import PairSpec
+    from dspark_ray.spec import PairSpec
     from dspark_ray.cli import resolve_checkpoint
     from dspark_ray.contract import Code, make_entry
     from dspark_ray.pool import DrafterPool

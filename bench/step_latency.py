@@ -98,13 +98,13 @@ def main() -> None:
 
     from support import workload
     from dspark_ray.actors.placement import deploy, teardown
-    from dspark_ray.actors.rank import PairSpec
+    from dspark_ray.spec import PairSpec
     from dspark_ray.cli import resolve_checkpoint
     from dspark_ray.client import DrafterClient
     from dspark_ray.contract import Code, make_entry
     from dspark_ray.engine import RankEngine, StepEntry
     from dspark_ray.modes import make_emulated, run_pair
-    from dspark_ray.actors.scheduling import thread_deltas
+    from dspark_ray.scheduling import thread_deltas
     from dspark_ray.stamps import CPU_HOPS, HOPS, RANK_PHASES, join_round_trips, now
     from dspark_ray.weights.loader import Checkpoint
 
@@ -205,7 +205,7 @@ def main() -> None:
         rank_ms = [(s["r0_engine_out"] - s["r0_engine_in"]) / 1e6 for s in steps]
         res = {
             # The per-step processes: cores, load, each thread's last core and niceness (Ray starts workers at 15)
-            # (actors/scheduling.py).
+            # (scheduling.py).
             "processes": {"frontend": status.get("process"), "ranks": [r.get("process") for r in status["ranks"]]},
             "markov_cache": [r.get("markov_cache") for r in status["ranks"]],
             "rank0_engine_step": summary(rank_ms),

@@ -96,7 +96,7 @@ def _progress_bar(tp: int):
 
 def cmd_serve(a, *, then=None) -> int:
     from .actors.placement import deploy_workers, teardown
-    from .actors.rank import PairSpec
+    from .spec import PairSpec
     if a.pairs < 1:
         print(f"dspark-ray serve: --pairs {a.pairs}: at least 1", file=sys.stderr)
         return 2
@@ -157,9 +157,9 @@ def cmd_serve(a, *, then=None) -> int:
 
 
 def step_threads(facts: dict | None, prefix: str) -> str:
-    """Where a process's step-path threads run (actors/scheduling.process_facts): "vCPUs 2 (last on 2), niceness 0"
+    """Where a process's step-path threads run (scheduling.process_facts): "vCPUs 2 (last on 2), niceness 0"
     per thread whose name starts with `prefix`; "-" when there is none."""
-    from .actors.scheduling import threads_named
+    from .scheduling import threads_named
     return "; ".join(f"vCPUs {t['allowed']} (last on {t['cpu']}), niceness {t['nice']}"
                      for t in threads_named(facts, prefix)) or "-"
 

@@ -93,7 +93,7 @@ class DrafterClient:
 
     def _attach_shm(self) -> None:
         """Create the request ring and have the server attach it (SHM_ATTACH over TCP)."""
-        from .actors.ring import StepRing
+        from .transport.ring import StepRing
         # Slots for a decode round's STEP (larger ones spill to a segment of their own); completions for the
         # largest STEP_REPLY (per entry a few dozen bytes and its drafts, confidences and margins).
         ring = StepRing.create(SHM_RING_PREFIX, 1, slot_bytes=1 << 20, n_slots=2, completion_bytes=256 << 10,
@@ -231,7 +231,7 @@ class DrafterClient:
 
     def _send_ring(self, msg: object, request_id: int, name: str) -> None:
         """Publish the request frame into the ring (its sequence number kept for `_receive_ring`)."""
-        from .actors.ring import RingError
+        from .transport.ring import RingError
         try:
             seqs: list[int] = []        # the frame is a view of the writer's buffer: published (copied) at once
             self._writer.send(lambda frame: seqs.append(self._ring.publish(frame, self.timeout_s)), msg, request_id)
@@ -245,7 +245,7 @@ class DrafterClient:
 
     def _receive_ring(self, name: str) -> tuple[int, object]:
         """Wait for the published request's completion (the reply frame): (its request id, the reply)."""
-        from .actors.ring import RingError
+        from .transport.ring import RingError
         from .transport.shm import STATUS_BAD_FRAME
         try:
             ((status, payload),) = self._ring.wait_completions(self._ring_seq, self.timeout_s, self.spin_us or None)

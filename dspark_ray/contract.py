@@ -161,7 +161,7 @@ class ErrorReply(_Strict, tag=int(MsgType.ERROR_REPLY), kw_only=True):
 # ---- same-host shared memory ---------------------------------------------------------------------------------------
 class ShmAttach(_Strict, tag=int(MsgType.SHM_ATTACH), kw_only=True):
     """After an accepted HELLO, on the TCP connection: the client created a request ring (shared memory on this
-    host, one reader; `actors/ring.py`) and names it here. Once accepted, every request of the session travels as
+    host, one reader; `transport/ring.py`) and names it here. Once accepted, every request of the session travels as
     a frame through the ring and its reply as the frame's completion; the TCP connection stays open as the
     session's lifeline (closing it ends the session)."""
     name: str                   # the ring's shared-memory segment; starts with SHM_RING_PREFIX

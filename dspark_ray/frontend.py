@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from . import contract as C
-from .actors.messages import RankBatch, RankEntry, RankResult
+from .records import RankBatch, RankEntry, RankResult
 from .model.state import SlotCursor
 from .stamps import Stamps, cpu_now, now
 

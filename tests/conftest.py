@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_ray.actors import messages as M
+from dspark_ray import records as M
 from dspark_ray.contract import Code, make_entry
 
 # The model's results do not depend on the thread count (pinned reduction order), but its many small ops run
@@ -83,7 +83,7 @@ PAIR_BACKEND = os.environ.get("DSPARK_TEST_PAIR", "gloo")
 def deploy_pair(ray_cluster, ckpt_dir, name, **kw):
     """Deploy a tiny pair on the shared cluster; returns (front-end handle, host, port)."""
     from dspark_ray.actors.placement import deploy
-    from dspark_ray.actors.rank import PairSpec
+    from dspark_ray.spec import PairSpec
     gpu = dict(backend="push", device="cuda", matmul="exact") if PAIR_BACKEND == "push" else {}
     spec = PairSpec(checkpoint=str(ckpt_dir), tp=kw.pop("tp", 2), n_slots=kw.pop("n_slots", 8),
                     collective_timeout_s=kw.pop("collective_timeout_s", 3.0),

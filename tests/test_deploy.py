@@ -16,7 +16,7 @@ import torch
 
 from support import workload
 from dspark_ray.actors.placement import teardown
-from dspark_ray.actors.scheduling import pin_thread, thread_deltas, thread_niceness, threads_named
+from dspark_ray.scheduling import pin_thread, thread_deltas, thread_niceness, threads_named
 from dspark_ray.client import ClientError, DrafterClient
 from dspark_ray.contract import Code, make_entry
 from dspark_ray.engine import RankEngine, StepEntry
@@ -110,7 +110,7 @@ def test_pin_thread_pins_the_calling_thread_only_and_refuses_a_bad_set():
 
 
 def test_a_bad_pinning_is_refused_before_anything_starts():
-    from dspark_ray.actors.rank import PairSpec
+    from dspark_ray.spec import PairSpec
     with pytest.raises(ValueError, match="one vCPU per rank, 2 for tp 2"):
         PairSpec(checkpoint="x", tp=2, rank_cpus=[3])
     with pytest.raises(ValueError, match="frontend_cpus"):

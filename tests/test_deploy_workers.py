@@ -8,7 +8,7 @@ import torch
 
 from support import workload
 from dspark_ray.actors.placement import deploy_workers, find_workers, teardown
-from dspark_ray.actors.rank import PairSpec
+from dspark_ray.spec import PairSpec
 from dspark_ray.contract import Code
 from dspark_ray.engine import RankEngine
 from dspark_ray.modes import make_drafter

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from dspark_ray import contract as C
-from dspark_ray.actors.messages import RankBatch, RankResult
+from dspark_ray.records import RankBatch, RankResult
 from dspark_ray.frontend import Identity, PairLate, StepService
 
 WINDOW = 8

@@ -173,7 +173,7 @@ def test_wide_batches_run_padded_in_their_bucket_with_the_eager_bits(cfg, ckpt):
 def test_no_batch_is_wider_than_the_slots_or_one_collective(cfg, ckpt, monkeypatch):
     """A graph set drafts at most one request a slot, and no more rows than one collective of its pair carries (the
     push pair's layout: 128 rows, 25 requests of the full preset); the deployment's batch limit says the same."""
-    from dspark_ray.actors.rank import PairSpec
+    from dspark_ray.spec import PairSpec
     from dspark_ray.config import full
     from dspark_ray.comm.push import max_rows
     d = make_drafter(cfg, "tp1", ckpt=ckpt)
@@ -227,7 +227,7 @@ def test_the_engines_answers_come_from_the_download_in_the_contracts_dtypes(cfg,
 def test_a_rank_reads_the_ring_slot_in_place():
     """The rank's entries view the ring's bytes (no copy of the taps); the token ids stay int32; an entry without
     rows has empty tensors of the right width."""
-    from dspark_ray.actors import messages as M
+    from dspark_ray import records as M
     width = 12
     taps = np.arange(3 * width, dtype=np.float16)
     slot = memoryview(M.encode(M.RankBatch([2], [

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from support import workload
-from dspark_ray.actors.ring import RingTimeout, StepRing
+from dspark_ray.transport.ring import RingTimeout, StepRing
 from dspark_ray.engine import RankEngine, StepEntry
 from dspark_ray.keep_warm import KeepWarm, launch_rehearsal_period_us
 from dspark_ray.modes import make_drafter
@@ -267,8 +267,9 @@ def test_a_wide_batch_is_rehearsed_by_its_first_entries(cfg):
     """Every entry runs the same code, so the rank and the STEP server rehearse a wide batch's first
     REHEARSAL_ENTRIES entries: a piece's cost stays bounded (a STEP arriving during it waits for it)."""
     from dspark_ray import contract as C
-    from dspark_ray.actors import messages as M
-    from dspark_ray.actors.rank import PairSpec, RankWorker
+    from dspark_ray import records as M
+    from dspark_ray.spec import PairSpec
+    from dspark_ray.rank_worker import RankWorker
     from dspark_ray.engine import EntryOut
     from dspark_ray.keep_warm import REHEARSAL_ENTRIES
     from dspark_ray.transport.tcp import TcpServer

@@ -11,7 +11,7 @@ import types
 import pytest
 
 from dspark_ray import contract as C
-from dspark_ray.actors.messages import RankBatch, RankResult
+from dspark_ray.records import RankBatch, RankResult
 from dspark_ray.frontend import Identity, PairFailure, StepService
 from dspark_ray.metrics import ANSWER_CODES, Exporter
 from dspark_ray.wake_ups import WakeUps

@@ -66,7 +66,7 @@ def test_the_check_tells_one_changed_bit():
 
 
 def test_a_killed_rank_serves_again_with_the_bits_of_a_fresh_deployment(ray_cluster, tiny_ckpt):
-    from dspark_ray.actors.rank import PairSpec
+    from dspark_ray.spec import PairSpec
     spec = PairSpec(checkpoint=str(tiny_ckpt), tp=2, n_slots=4, max_batch=4)
     out = measure(spec, name="restart-test", requests=2, rounds=4, kills=1, kill_rank=1, gap_ms=5)
     (k,) = out["kills_detail"]

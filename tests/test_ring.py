@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dspark_ray.actors.ring import RingClosed, RingError, RingTimeout, StepRing
+from dspark_ray.transport.ring import RingClosed, RingError, RingTimeout, StepRing
 
 CTX = mp.get_context("spawn")
 T = 5.0                                       # bound for waits that should succeed; failures take far less

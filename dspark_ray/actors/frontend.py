@@ -13,15 +13,16 @@ import socket
 import time
 from dataclasses import asdict
 
+from .. import records as M
 from ..frontend import PairFailure, PairLate, StepService
 from ..keep_warm import REHEARSAL_ENTRIES, KeepWarm
 from ..metrics import Exporter
+from ..scheduling import pin_thread, process_facts, raise_priority
 from ..settings import current as settings
+from ..spec import SAFE_ENV, PairSpec
 from ..stamps import Stamps, cpu_now, now
-from . import messages as M
-from .rank import SAFE_ENV, PairSpec, rank_actor_class
-from .ring import RingError, RingTimeout, StepRing
-from .scheduling import pin_thread, process_facts, raise_priority
+from ..transport.ring import RingError, RingTimeout, StepRing
+from .rank import rank_actor_class
 
 log = logging.getLogger("dspark_ray.frontend")
 

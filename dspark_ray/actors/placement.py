@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict
 
 from ..settings import current as settings
-from .rank import SAFE_ENV, PairSpec
+from ..spec import SAFE_ENV, PairSpec
 
 log = logging.getLogger("dspark_ray.placement")
 

@@ -4,7 +4,7 @@ Why: a serving engine on the drafter's host pays two TCP hops per STEP (the requ
 reply through the loopback, each with a thread's wake-up and a socket read). Through shared memory the request is
 one copy into a ring slot and the reply one copy back, with the same spinning waits as the ranks' ring.
 
-How: after an accepted HELLO the client creates a ring (`actors/ring.py`; the client is its one writer, this server
+How: after an accepted HELLO the client creates a ring (`transport/ring.py`; the client is its one writer, this server
 its one reader) and names it in SHM_ATTACH on its TCP connection. Once the server has attached, every request of
 the session is a frame (the TCP framing: header and payload) published into the ring, and its reply frame is the
 message's completion record. The TCP connection carries nothing more; it stays open as the session's lifeline:
@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Callable
 
-from ..actors.ring import RingClosed, RingError, RingHandle, RingReader, RingTimeout, StepRing
+from .ring import RingClosed, RingError, RingHandle, RingReader, RingTimeout, StepRing
 from ..contract import SHM_RING_PREFIX, ShmAttach
 from ..wire import ConnectionClosed, FrameError, FrameWriter, PayloadError, decode_frame
 

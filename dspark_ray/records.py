@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 import torch
 
-from ..engine import EntryOut, StepEntry
+from .engine import EntryOut, StepEntry
 
 # Completion status words (the ring's per-rank status).
 STATUS_OK = 0

@@ -1,0 +1,214 @@
+"""One rank of a pair, as a plain object: `RankWorker` loads its cut of the checkpoint, meets its peer, caches its
+Markov rows, captures its graphs and serves the step ring (`actors/rank.py` is the Ray actor around it).
+
+Start-up, in the front-end's order: `load()` on both ranks at once (each reads only its slices), `connect()` on
+both at once (the collectives' handshake: gloo's rendezvous, later the push collectives' IPC handles), `serve()`
+(starts the dispatch thread on the ring). No Ray call happens per step: the dispatch thread waits on the ring
+(bounded spin, then a blocking wait), runs the step and posts its completion record.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from . import records as M
+from .scheduling import pin_thread, process_facts, raise_priority
+from .engine import EngineBroken, RankEngine, StepFailed
+from .keep_warm import REHEARSAL_ENTRIES, KeepWarm, launch_rehearsal_period_us
+from .settings import current as settings
+from .spec import SAFE_ENV, PairSpec
+from .stamps import Stamps, cpu_now, now
+from .wake_ups import WakeUps
+
+log = logging.getLogger("dspark_ray.rank")
+
+
+class RankWorker:
+    def __init__(self, spec: PairSpec | dict, rank: int):
+        self.spec = spec if isinstance(spec, PairSpec) else PairSpec(**spec)
+        self.rank = rank
+        torch.set_num_threads(self.spec.torch_threads)
+        self.loaded = 0
+        self.total = 0
+        self.weights = None
+        self.engine: RankEngine | None = None
+        self.markov_cache: dict | None = None      # {"rows", "bytes"} once connected
+        self.reader = None
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self.stamps = Stamps()           # per step: the ring's seq, got / the engine's phases / encoded
+        self.keep_warm = KeepWarm(f"rank {rank}")
+        self.wake_ups = WakeUps(f"rank {rank}", self.spec.spin_us)    # STEPs that found the step loop asleep
+
+    # -- start-up --------------------------------------------------------------------------------------------------
+    def load(self) -> dict:
+        from .model.layout import Layout
+        from .modes import read_rank
+        from .weights.loader import Checkpoint
+        t0 = time.time()
+        ck = Checkpoint(self.spec.checkpoint)
+        if self.spec.device.startswith("cuda") or self.spec.matmul != "auto":
+            from .kernels.gemm import dense_for, describe_matmul, use_matmul
+            cfg = ck.config
+            use_matmul(self.spec.matmul, dense_for(self.spec.batch_limit(cfg) * cfg.block_size, self.spec.dense))
+            log.info("rank %d: matmul %s", self.rank, describe_matmul())
+        self.ckpt = ck
+        self.total = len(ck.names())
+        layout = Layout(ck.config, self.spec.tp)
+
+        def tick(n):
+            self.loaded += n
+
+        self.weights = read_rank(ck, layout, self.rank, self.spec.device, progress=tick)
+        self.layout = layout
+        nbytes = sum(t.nbytes for t in self.weights.values())
+        log.info("rank %d: loaded %d tensors (%.1f MiB) in %.2f s", self.rank, self.total, nbytes / 2**20,
+                 time.time() - t0)
+        return {"rank": self.rank, "tensors": self.total, "bytes": nbytes, "seconds": time.time() - t0}
+
+    def progress(self) -> tuple[int, int]:
+        return self.loaded, self.total
+
+    def connect(self, init_method: str | None) -> str:
+        """Meet the peer (both ranks call this at once: `comm.factory.connect`) and build the engine."""
+        from .comm.factory import connect
+        from .model.drafter import Drafter
+        cfg = self.ckpt.config
+        coll = connect(self.spec.backend, self.rank, self.spec.tp, init_method=init_method,
+                       peer_ids=self.layout.vocab_range(1 - self.rank) if self.spec.tp == 2 else (0, 0),
+                       timeout_s=self.spec.collective_timeout_s)
+        drafter = Drafter(cfg, [self.weights], [self.layout.vocab_range(self.rank)[0]], coll)
+        self.weights = None          # the drafter holds what it uses (routed experts stacked: the originals go)
+        self._cache_markov(drafter)
+        cuda = self.spec.device.startswith("cuda")
+        graphs = self.spec.graphs is not False
+
+        def progress(done, total):
+            if done == total or done % 10 == 0:
+                log.info("rank %d: %s %d / %d graphs", self.rank, "captured" if cuda else "recorded", done, total)
+        # The front-end scans every entry's values before it publishes them (contract.validate_entries): the ranks
+        # check only what guards their slots.
+        self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress,
+                                 values_checked=True, max_batch=self.spec.batch_limit(cfg))
+        log.info("rank %d: connected through %s%s", self.rank, coll.describe(),
+                 f"; {self.engine.status()['graphs']}" if graphs else "")
+        return coll.describe()
+
+    def _cache_markov(self, drafter) -> None:
+        """The Markov bias rows the spec asks for, sized against what the card has left now the weights are in."""
+        t0 = time.time()
+        rows = drafter.cache_markov_for(self.spec.markov_cache)
+        if rows:
+            log.info("rank %d: Markov bias rows of %d / %d ids cached (%.2f GiB) in %.2f s", self.rank, rows,
+                     drafter.cfg.vocab_size, drafter.markov_cache_bytes / 2**30, time.time() - t0)
+        self.markov_cache = {"rows": rows, "bytes": drafter.markov_cache_bytes}
+
+    def serve(self, ring_handle) -> None:
+        from .transport.ring import StepRing
+        self.reader = StepRing.attach(ring_handle, self.rank)
+        self._thread = threading.Thread(target=self._loop, name=f"dspark-rank{self.rank}", daemon=True)
+        self._thread.start()
+
+    # -- the step loop ---------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        from .transport.ring import RingClosed, RingTimeout
+        raise_priority(f"rank {self.rank} step loop")     # this thread only: loading and capture stay at Ray's 15
+        if self.spec.rank_cpus:
+            pin_thread([self.spec.rank_cpus[self.rank]], f"rank {self.rank} step loop")
+        width = self.engine.drafter.cfg.n_taps * self.engine.drafter.cfg.hidden_size
+        # Between steps (the ring's wait, the GPU's) this thread rehearses the last step's host path (keep_warm.py).
+        warm = self.keep_warm
+        if self.engine.graphs is not None and warm.enabled:
+            self.engine.graphs.while_waiting = warm
+        spin_us, last_step, sleeps = self.spec.spin_us, time.monotonic(), self.reader.sleeps
+        while not self._stop:
+            try:
+                # The spin counts from the last step: an idle rank that wakes from a timeout sleeps again at once.
+                left_us = max(0.0, spin_us - (time.monotonic() - last_step) * 1e6)
+                seq, view = self.reader.next(timeout_s=1.0, spin_us=left_us, idle=warm)
+            except RingTimeout:
+                continue
+            except RingClosed:
+                break
+            woke = self.reader.sleeps != sleeps       # any wait since the last step slept
+            row = {"seq": seq, "got": now(), "cpu_got": cpu_now()}
+            status, payload = M.STATUS_OK, b""
+            try:
+                # The entries view the ring's slot (no copy): it stays ours until complete() below.
+                batch = M.decode_batch(view)
+                self.engine.reset_slots(batch.resets)
+                entries = M.to_step_entries(batch, width)
+                # this thread's CPU time at the engine's first and last stamps (stamps.CPU_HOPS)
+                row["cpu_engine_in"] = cpu_now()
+                outs = self.engine.step(entries)
+                row["cpu_engine_out"] = cpu_now()
+                row.update(self.engine.last_stamps)
+                if self.rank == 0:
+                    payload = M.encode(M.RankReply(M.to_rank_results(outs)))
+            except StepFailed as e:
+                status, payload = M.STATUS_STEP_FAILED, M.encode(M.RankReply([], str(e)))
+            except EngineBroken as e:
+                status, payload = M.STATUS_BROKEN, M.encode(M.RankReply([], str(e)))
+            except Exception as e:               # decoding or anything unforeseen: latch, the pair may be split
+                self.engine.broken = f"{type(e).__name__}: {e}"
+                status, payload = M.STATUS_BROKEN, M.encode(M.RankReply([], self.engine.broken))
+            # stamped before the hand-off: the front-end may see the completion at once
+            row["encoded"], row["cpu_encoded"] = now(), cpu_now()
+            if status == M.STATUS_OK and warm.wants_sample("batch", len(view)):
+                self._rehearse_from(view, width, outs)
+            self.reader.complete(seq, status, payload)
+            warm.ran()
+            last_step, sleeps = time.monotonic(), self.reader.sleeps
+            self.stamps.add(row)
+            self.wake_ups.add(woke)
+
+    def _rehearse_from(self, view, width: int, outs) -> None:
+        """Rehearse this batch's decode, checks and staging (and rank 0 its answer's encoding) between steps: its
+        first REHEARSAL_ENTRIES entries (keep_warm.py), encoded into bytes of their own (the view is the ring's
+        until complete())."""
+        engine, entries = self.engine, []
+        sample = M.decode_batch(view)
+        batch = M.encode(M.RankBatch(sample.resets, sample.entries[:REHEARSAL_ENTRIES]))
+        outs = outs[:REHEARSAL_ENTRIES]
+
+        def decode():
+            entries[:] = M.to_step_entries(M.decode_batch(batch), width)
+        self.keep_warm.set("decode", decode)
+        self.keep_warm.set("engine", lambda: engine.rehearse(entries))
+        launch_every = launch_rehearsal_period_us()
+        if engine.graphs is not None and engine.graphs.cuda and launch_every is not None:
+            self.keep_warm.set("launch", engine.graphs.rehearse_launch, launch_every)
+        if self.rank == 0:
+            self.keep_warm.set("reply", lambda: M.encode(M.RankReply(M.to_rank_results(outs))))
+
+    def status(self) -> dict:
+        st = self.engine.status() if self.engine else {"rank": self.rank, "loading": self.progress()}
+        st["pid"] = os.getpid()
+        st["matmul"] = matmul_status()
+        if self.markov_cache is not None:
+            st["markov_cache"] = self.markov_cache
+        st["keep_warm"] = self.keep_warm.status()
+        st["wake_ups"] = self.wake_ups.status()
+        st["process"] = process_facts()
+        st["env"] = {k: os.environ.get(k) for k in SAFE_ENV}
+        st["settings"] = settings().to_dict()
+        return st
+
+    def stop(self) -> None:
+        self._stop = True
+        if self._thread:
+            self._thread.join(3)
+        if self.reader:
+            self.reader.close()
+
+
+def matmul_status() -> dict:
+    """The kernels this process installed: the matmul mode, and on the fast path the dense kernel."""
+    from .kernels import gemm
+    from .model import ops
+    mode = ops.current_matmul()[2]
+    return {"mode": mode, "dense": gemm.DENSE if mode == "fast" else None}
