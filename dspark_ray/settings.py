@@ -73,11 +73,12 @@ class Settings:
         return Settings(**got)
 
     def as_env(self) -> dict[str, str]:
-        """These settings as the environment that makes another process read the same (every knob spelt out)."""
+        """These settings as the environment that makes another process read the same: every knob spelt out, but
+        the cache folder only where it was set (left alone, each node keeps its own home's)."""
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            if v is None:
+            if v is None or (f.name == "cache_dir" and v == f.default):
                 continue
             out[_VARS[f.name][0]] = ("1" if v else "0") if isinstance(v, bool) else str(v)
         return out

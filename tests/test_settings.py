@@ -20,6 +20,7 @@ def test_defaults_and_every_knob_read_from_the_environment():
     assert s.kernel_cache == Path("/tmp/dsc/kernels")          # one cache folder
     assert Settings.from_env(s.as_env()) == s                    # what another process reads is the same
     assert Settings.from_env(Settings().as_env()) == Settings()
+    assert "DSPARK_CACHE" not in Settings().as_env() and Settings().as_env()["DSPARK_KEEP_WARM"] == "1"
     assert "keep_warm=False" in s.describe() and Settings().describe().startswith("settings: defaults")
 
 
