@@ -8,17 +8,18 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_ray import records as M
-from dspark_ray.contract import Code, make_entry
-
 # The model's results do not depend on the thread count (pinned reduction order), but its many small ops run
 # several times slower with two threads fighting over this 2-core machine's cores.
 torch.set_num_threads(1)
 os.environ.setdefault("RAY_ACCEPT_CALLBACKS", "0")
 # The deployed parties rehearse their step path at every poll of their waits (keep_warm.py; in service at most every
 # 100 us, which a CPU host's 50 us spins never reach): every answer the Ray tests check then follows rehearsals.
+# Set before dspark_ray is imported: its settings are read once, and the front-end hands them to every actor.
 os.environ.setdefault("DSPARK_KEEP_WARM_US", "0")
 os.environ.setdefault("DSPARK_KEEP_WARM_HOLD_US", "0")      # from the step's end on, not 250 us after it
+
+from dspark_ray import records as M  # noqa: E402
+from dspark_ray.contract import Code, make_entry  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
