@@ -1,0 +1,50 @@
+"""The README's client loop, run as written against a real front-end over TCP (`StepService` before an in-process
+engine, as a rank runs it): a README whose client breaks fails CI. Only the deadline is widened (the README's 50 ms
+is for a GPU pair; the tiny drafter on this CPU takes tens of ms a STEP)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from dspark_ray import contract as C
+from dspark_ray.engine import RankEngine
+from dspark_ray.frontend import Identity, StepService
+from dspark_ray.modes import make_drafter
+from dspark_ray.transport.tcp import TcpServer
+
+from conftest import EnginePair
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_the_readme_client_loop_drafts_every_round_and_releases_its_slot(cfg, ckpt):
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    loop = next(b for b in blocks if "DrafterClient(" in b and "verify(" in b)
+    assert "deadline_ms=50" in loop
+    loop = loop.replace("deadline_ms=50", "deadline_ms=10_000")
+    width = cfg.n_taps * cfg.hidden_size
+    rng = np.random.default_rng(0)
+    svc = StepService(Identity("model", cfg.digest(), 2, cfg.max_model_len), C.Limits.for_config(cfg, slot_capacity=4),
+                      EnginePair(RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 4), width),
+                      window=cfg.sliding_window)
+    srv = TcpServer(svc).start()
+    rounds = []
+
+    def prompt():
+        n = 9
+        return (np.arange(n, dtype=np.int64) + 3, (0.5 * rng.standard_normal((n, width))).astype(np.float16), 11)
+
+    def verify(seed, drafts):
+        rounds.append(len(drafts))
+        accepted = [seed, *drafts[:1]]                  # the trunk keeps the seed and one draft
+        taps = (0.5 * rng.standard_normal((len(accepted), width))).astype(np.float16)
+        return np.asarray(accepted, dtype=np.int64), taps, (None if len(rounds) == 6 else 20 + len(rounds))
+
+    try:
+        exec(compile(loop, str(README), "exec"), {"PORT": srv.port, "prompt": prompt, "verify": verify})
+        assert rounds == [5] * 6                        # every round answered OK with its 5 drafts
+        assert svc.status()["slots"]["held"] == 0       # and the slot given back
+    finally:
+        srv.stop()
