@@ -78,9 +78,13 @@ step exl3_table 600 bash -c "$PY -c \"import sys; sys.path.insert(0, 'bench'); f
 from parity_exl3 import ensure; [ensure(p, 'exl3', Path('$EXL3_ROOT')) for p in ('tiny', 'full')]\" && \
 $PY tools/exl3_kernel_table.py --ckpt $EXL3_ROOT/full_exl3 --ckpt $EXL3_ROOT/tiny_exl3 && cp dspark_ray/kernels/exl3_shapes.json $OUT/"
 step tests_exl3 600 $PY -m pytest -q -rA -s tests/test_exl3_gpu.py
-step parity_exl3_tiny 600 $PY bench/parity_exl3.py --preset tiny --root "$EXL3_ROOT" --out "$OUT/parity_exl3_tiny.json"
-step parity_exl3_full 900 $PY bench/parity_exl3.py --preset full --time 1,4 --root "$EXL3_ROOT" \
-    --out "$OUT/parity_exl3_full.json"
+step parity_exl3_tiny 600 $PY bench/parity_exl3.py --preset tiny --seeds 0,1,2,3,4,5,6,7 --root "$EXL3_ROOT" \
+    --out "$OUT/parity_exl3_tiny.json"
+step parity_exl3_full 900 $PY bench/parity_exl3.py --preset full --seeds 0,1,2,3,4,5,6,7 --time 1,4 \
+    --root "$EXL3_ROOT" --out "$OUT/parity_exl3_full.json"
+# four requests a round in lockstep: exllamav3's multi-request path, the expert kernel our rank runs
+step parity_exl3_batch4 900 $PY bench/parity_exl3.py --preset full --seeds $(seq -s, 0 15) --batch 4 \
+    --root "$EXL3_ROOT" --out "$OUT/parity_exl3_full_batch4.json"
 for f in exl3 bf16; do
     step draft_step_$f 900 $PY bench/draft_step.py --ckpt "$EXL3_ROOT/full_$f" --modes tp1,solo --shapes "1,5 4,5" \
         --replays 300 --start 900000 --markov-cache off ${PIN_CPUS:+--pin-cpus "$PIN_CPUS"} \

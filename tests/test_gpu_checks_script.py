@@ -40,7 +40,8 @@ def steps(out: str) -> list[str]:
 def test_steps_on_one_card_and_on_a_pair(tmp_path):
     one = run(tmp_path, 1)
     assert one.returncode == 0, one.stdout + one.stderr
-    exl3 = ["exl3_table", "tests_exl3", "parity_exl3_tiny", "parity_exl3_full", "draft_step_exl3", "draft_step_bf16"]
+    exl3 = ["exl3_table", "tests_exl3", "parity_exl3_tiny", "parity_exl3_full", "parity_exl3_batch4", "draft_step_exl3",
+            "draft_step_bf16"]
     assert steps(one.stdout) == ["synthesize", "tests_one_card", "tests_full_graph_set", "draft_step", "step_latency",
                                  "restart"] + exl3
     pair = run(tmp_path, 2)
