@@ -51,14 +51,19 @@ def log(msg: str) -> None:
     print(f"[parity_exl3 {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _taps_and_seed(cfg, n: int, g: torch.Generator):
+    """One request's round: n rows of fp16 taps, then its seed token, drawn from g in that order."""
+    taps = torch.randn(n, cfg.n_taps * cfg.hidden_size, generator=g).to(torch.float16)
+    return taps, int(torch.randint(0, cfg.vocab_size, (1,), generator=g))
+
+
 def rounds_for(cfg, n_rounds: int, seed: int):
     """(start, rows, taps, seed token) per round: 6 rows first, then 1..B rows."""
     g = torch.Generator().manual_seed(seed)
     pos, out = 0, []
     for r in range(n_rounds):
         n = 6 if r == 0 else int(torch.randint(1, cfg.block_size + 1, (1,), generator=g))
-        taps = torch.randn(n, cfg.n_taps * cfg.hidden_size, generator=g).to(torch.float16)
-        out.append((pos, n, taps, int(torch.randint(0, cfg.vocab_size, (1,), generator=g))))
+        out.append((pos, n, *_taps_and_seed(cfg, n, g)))
         pos += n
     return out
 
@@ -70,8 +75,7 @@ def lockstep_rounds(cfg, n_rounds: int, seeds: list[int]):
     gens = [torch.Generator().manual_seed(s) for s in seeds[1:]]
     out = []
     for start, n, taps, tok in lead:
-        more = [(torch.randn(n, cfg.n_taps * cfg.hidden_size, generator=g).to(torch.float16),
-                 int(torch.randint(0, cfg.vocab_size, (1,), generator=g))) for g in gens]
+        more = [_taps_and_seed(cfg, n, g) for g in gens]
         out.append((start, n, [taps] + [t for t, _ in more], [tok] + [k for _, k in more]))
     return out
 

@@ -94,8 +94,8 @@ class RankWorker:
         # check only what guards their slots.
         self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress,
                                  values_checked=True, max_batch=self.spec.batch_limit(cfg))
-        log.info("rank %d: connected through %s%s", self.rank, coll.describe(),
-                 f"; {self.engine.status()['graphs']}" if graphs else "")
+        # (the collectives' own line comes from comm.factory)
+        log.info("rank %d: engine ready%s", self.rank, f"; {self.engine.status()['graphs']}" if graphs else "")
         return coll.describe()
 
     def _cache_markov(self, drafter) -> None:

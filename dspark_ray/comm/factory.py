@@ -29,13 +29,8 @@ def check_backend(backend: str, tp: int, device: str) -> None:
 def missing_capability(backend: str) -> str | None:
     """What this process lacks to run `backend`, or None. Peer access itself is proven by the push handshake."""
     if backend == "push":
-        import torch
-        if not torch.cuda.is_available():
-            return "no CUDA device is visible to this process"
-        try:
-            import cupy  # noqa: F401
-        except ImportError as e:
-            return f"cupy is not importable ({e}; pip install -e .[gpu])"
+        from .push import push_unavailable_reason
+        return push_unavailable_reason()
     return None
 
 
