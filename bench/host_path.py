@@ -27,7 +27,7 @@ from dspark_ray import contract as C                                        # no
 from dspark_ray import records as M                                 # noqa: E402
 from dspark_ray.comm.local import LocalCollectives                         # noqa: E402
 from dspark_ray.config import full                                          # noqa: E402
-from dspark_ray.engine import EntryOut                                      # noqa: E402
+from dspark_ray.engine import entry_taps                                    # noqa: E402
 from dspark_ray.frontend import Identity, StepService                       # noqa: E402
 from dspark_ray.graphs import GraphSet                                      # noqa: E402
 from dspark_ray.model.state import SlotState                                # noqa: E402
@@ -94,7 +94,8 @@ class InstantPair:
 
     def run(self, batch, deadline_ns=None):
         self.last_seq += 1
-        r = M.RankResult(0, "", np.arange(5, dtype="<i4").tobytes(), np.full(5, 0.75, "<f4").tobytes(), b"", 5)
+        r = C.EntryResult(drafts=np.arange(5, dtype="<i4").tobytes(), confidences=np.full(5, 0.75, "<f4").tobytes(),
+                          confident_len=5)
         return [r for _ in batch.entries]
 
 
@@ -127,14 +128,19 @@ def measure(rows: int, n: int) -> dict:
     frame = writer.encode(step, 1)
     payload = memoryview(frame)[HEADER_SIZE:]
     msg = decode_payload(C.MsgType.STEP, payload)
-    batch = M.RankBatch([], [M.RankEntry(0, 5, 5, 0, msg.entries[0].token_ids, msg.entries[0].taps, -1, False)])
+    batch = M.RingBatch([], [msg.entries[0]], [(0, rows)])
     batch_bytes = M.encode(batch)
     ring_slot = np.zeros(max(1 << 20, len(batch_bytes)), np.uint8)     # (a larger batch spills on the ring)
     slot_view = memoryview(ring_slot)
     slot_view[:len(batch_bytes)] = batch_bytes
     in_slot = slot_view[:len(batch_bytes)].toreadonly()
-    out = EntryOut(0, "", np.arange(5, dtype=np.int32), np.full(5, 0.75, np.float32), None, 3)
-    reply = M.encode(M.RankReply(M.to_rank_results([out])))
+    drafts, confidences = np.arange(5, dtype=np.int32), np.full(5, 0.75, np.float32)
+
+    def results_encode():               # the engine's answer from its host arrays, and the rank's reply
+        return M.encode(M.RingReply([C.EntryResult(drafts=drafts.astype("<i4", copy=False).tobytes(),
+                                                   confidences=confidences.astype("<f4", copy=False).tobytes(),
+                                                   confident_len=3)]))
+    reply = results_encode()
     results = M.decode_reply(reply).results
 
     service = StepService(Identity("m", "c", 2, cfg.max_model_len), limits, InstantPair(), window=cfg.sliding_window)
@@ -162,7 +168,7 @@ def measure(rows: int, n: int) -> dict:
     gs.memcpy = lambda *a: None
     slot = gs.slots[0]
     slot.advance(0, 200)
-    inserts = [(slot, 200, M.to_step_entries(M.decode_batch(in_slot), width)[0].taps)]
+    inserts = [(slot, 200, entry_taps(M.decode_batch(in_slot).entries[0], width))]
     packed = torch.zeros(1, 2 * 5 + 1, dtype=torch.float64)          # drafts, confidences, confident length
 
     def py_loop():
@@ -184,11 +190,11 @@ def measure(rows: int, n: int) -> dict:
         "frontend_batch_encode": timed(lambda: M.encode(batch), n),
         "ring_publish_copy": timed(lambda: slot_view.__setitem__(slice(0, len(batch_bytes)), batch_bytes), n),
         "rank_decode_batch": timed(lambda: M.decode_batch(in_slot), n),
-        "rank_to_step_entries": timed(lambda: M.to_step_entries(M.decode_batch(in_slot), width), n),
+        "rank_decode_and_view_taps": timed(lambda: entry_taps(M.decode_batch(in_slot).entries[0], width), n),
         "rank_stage_insert": timed(lambda: [gs._stage_insert(c) for c in gs._chunks(inserts)], n),
         "rank_stage_draft": timed(lambda: gs._stage_draft([slot], [5]), n),
         "rank_unpack": timed(lambda: gs._unpack(packed, 1, 5, 5, False, True), n),
-        "rank_results_encode": timed(lambda: M.encode(M.RankReply(M.to_rank_results([out]))), n),
+        "rank_results_encode": timed(results_encode, n),
         "frontend_decode_reply": timed(lambda: M.decode_reply(reply), n),
         "reply_encode": timed(lambda: writer._encode(C.StepReply(results=[C.EntryResult(
             generation=1, drafts=results[0].drafts, confidences=results[0].confidences,

@@ -203,7 +203,8 @@ class RouterMargins:
 
 
 def run_format(preset: str, fmt: str, args, root: Path) -> dict:
-    from dspark_ray.engine import RankEngine, StepEntry
+    from dspark_ray.engine import RankEngine
+    from support.batches import Driver, entry
     from dspark_ray.kernels.gemm import describe_matmul, use_matmul
     from dspark_ray.modes import make_drafter
     from dspark_ray.weights.loader import Checkpoint
@@ -223,7 +224,7 @@ def run_format(preset: str, fmt: str, args, root: Path) -> dict:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     ours = make_drafter(cfg, "tp1", ckpt=ck, device="cuda")
-    eng = RankEngine(ours, n_slots=B + 1, graphs=True, max_batch=B)
+    eng = Driver(RankEngine(ours, n_slots=B + 1, graphs=True, max_batch=B))
     ours_mib = (torch.cuda.memory_allocated() - base) / 2**20
     log(f"{preset} {fmt}: our rank loaded and captured in {time.time() - t0:.1f} s, {ours_mib:.0f} MiB "
         f"({describe_matmul()})")
@@ -234,7 +235,6 @@ def run_format(preset: str, fmt: str, args, root: Path) -> dict:
     for group, rounds in all_rounds.items():
         seeds = list(group)
         slots = list(range(len(seeds)))
-        eng.reset_slots(slots)
         eager = [ours.new_slot() for _ in seeds]
         per = {s: [] for s in seeds}
         for r, (start, n, taps, toks) in enumerate(rounds):
@@ -242,11 +242,11 @@ def run_format(preset: str, fmt: str, args, root: Path) -> dict:
             p0 = start + n
             state, params, tokens = theirs.draft(toks, p0)
             t_len = int(params["draft_confidence_len"])        # exllamav3 keeps the batch's longest only
-            outs = eng.step([StepEntry(slot=j, seed=toks[j], n_out=cfg.block_size, start=start,
-                                       token_ids=torch.zeros(n, dtype=torch.int64), taps=taps[j], want_margins=True)
-                             for j in slots])
+            outs = eng.step([entry(slot=j, seed_token=toks[j], n_out=cfg.block_size, start_pos=start,
+                                   token_ids=torch.zeros(n, dtype=torch.int64), taps=taps[j], want_margins=True)
+                             for j in slots], resets=slots if r == 0 else ())
             for j in slots:
-                ours.insert(eager[j], start, torch.zeros(n, dtype=torch.int64), taps[j].cuda())
+                ours.insert(eager[j], start, taps[j].cuda())
             with RouterMargins() as rm:
                 e = ours.draft(eager, toks, cfg.block_size, want_margins=True, debug=True)
             res["confident_len_rounds"] += 1
@@ -254,7 +254,7 @@ def run_format(preset: str, fmt: str, args, root: Path) -> dict:
             their_lg = None
             for j, out in zip(slots, outs):
                 t_drafts = tokens[j, 1:].cpu()
-                o_drafts = torch.from_numpy(out.drafts).to(torch.int64)
+                o_drafts = torch.from_numpy(out.drafts_array()).to(torch.int64)
                 if not torch.equal(e.drafts[j].cpu(), o_drafts):
                     res["engine_equals_eager"] = False
                 eq = o_drafts == t_drafts

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from dspark_ray import contract as C                 # noqa: E402
 from dspark_ray import records as M                 # noqa: E402
 from dspark_ray.config import tiny                          # noqa: E402
 from dspark_ray.engine import RankEngine                    # noqa: E402
@@ -30,8 +31,8 @@ from dspark_ray.weights.synth import synthesize             # noqa: E402
 from tcp_roundtrip import _commit, _device, emit             # noqa: E402
 
 # (phase, from stamp, to stamp): "loop_*" stamps are this script's, the rest the engine's and the graph set's.
-PHASES = (("decode", "loop_got", "loop_decoded"), ("check", "engine_in", "checked"),
-          ("stage", "checked", "first_launch"), ("unpack", "synced", "ran"), ("finish", "ran", "engine_out"),
+PHASES = (("decode", "loop_got", "loop_decoded"), ("reset", "engine_in", "started"),
+          ("stage", "started", "first_launch"), ("unpack", "synced", "ran"), ("finish", "ran", "engine_out"),
           ("encode", "engine_out", "loop_encoded"))
 
 
@@ -45,7 +46,7 @@ def main() -> None:
     cfg = tiny()
     with tempfile.TemporaryDirectory() as ckpt:
         synthesize(cfg, ckpt, progress=False)
-        eng = RankEngine(make_drafter(cfg, "tp1", ckpt=Checkpoint(ckpt)), 4, graphs=True, values_checked=True)
+        eng = RankEngine(make_drafter(cfg, "tp1", ckpt=Checkpoint(ckpt)), 4, graphs=True)
     gs, cached = eng.graphs, {}
     replay = gs._replay
 
@@ -56,23 +57,22 @@ def main() -> None:
     gs._replay = instant
 
     width = cfg.n_taps * cfg.hidden_size
-    taps = np.random.default_rng(0).standard_normal((a.rows, width)).astype(np.float16).tobytes()
-    ids = np.arange(a.rows, dtype="<i4").tobytes()
+    taps = np.random.default_rng(0).standard_normal((a.rows, width)).astype(np.float16)
+    ids = np.arange(a.rows)
     phases: dict[str, list[int]] = {k: [] for k, _, _ in PHASES}
     pos = 0
     for i in range(a.steps):
+        resets = []
         if pos + a.rows >= cfg.max_model_len // 2:
-            eng.reset_slots([0])
-            pos = 0
-        view = memoryview(M.encode(M.RankBatch([], [M.RankEntry(0, 5, 5, pos, ids, taps, -1, False)]))).toreadonly()
+            resets, pos = [0], 0
+        e = C.make_entry(slot=0, generation=1, seed_token=5, start_pos=pos, token_ids=ids, taps=taps)
+        view = memoryview(M.encode(M.RingBatch(resets, [e], [(0, pos + a.rows)]))).toreadonly()
         row = {"loop_got": time.monotonic_ns()}
         batch = M.decode_batch(view)                    # what RankWorker._loop does with a ring slot
-        eng.reset_slots(batch.resets)
-        entries = M.to_step_entries(batch, width)
         row["loop_decoded"] = time.monotonic_ns()
-        outs = eng.step(entries)
+        results = eng.step(batch)
         row.update(eng.last_stamps)
-        M.encode(M.RankReply(M.to_rank_results(outs)))
+        M.encode(M.RingReply(results))
         row["loop_encoded"] = time.monotonic_ns()
         pos += a.rows
         if i >= a.steps // 5:                           # the first fifth warms up

@@ -98,16 +98,17 @@ class Request:
         self.slot, self.generation, self.fresh, self.slot_pos, self.held = slot, generation, True, 0, 0
 
     def advance(self, e) -> None:
-        """The trunk's round (a workload StepEntry): its rollback, its accepted rows, the next draft's seed."""
+        """The trunk's round (a workload entry): its rollback, its accepted rows, the next draft's seed."""
         if self.base is None:
-            self.base = e.start
+            self.base = e.start_pos
         if e.rollback_to >= 0:
             assert e.rollback_to >= self.base, (e.rollback_to, self.base)
             del self.rows[e.rollback_to - self.base:]
             self.held = min(self.held, e.rollback_to)
-        assert e.start == self.end, (e.start, self.end)
-        self.rows.extend(zip(e.token_ids.tolist(), e.taps.numpy()))
-        self.seed, self.n_out, self.margins = e.seed, e.n_out, e.want_margins
+        assert e.start_pos == self.end, (e.start_pos, self.end)
+        if e.rows:
+            self.rows.extend(zip(e.token_array().tolist(), e.taps_array(len(e.taps) // 2 // e.rows)))
+        self.seed, self.n_out, self.margins = e.seed_token, e.n_out, e.want_margins
         # What a re-insert (the last window, after rollbacks of up to 2 rows a round) or a catch-up can still need.
         keep = min(self.end - self.window - 8, self.end if self.fresh else self.held)
         if keep > self.base:

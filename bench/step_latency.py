@@ -96,13 +96,16 @@ def main() -> None:
     import ray
     import torch
 
+    import msgspec
+
     from support import workload
+    from support.batches import Batcher, entry
     from dspark_ray.actors.placement import deploy, teardown
     from dspark_ray.spec import PairSpec
     from dspark_ray.cli import resolve_checkpoint
     from dspark_ray.client import DrafterClient
-    from dspark_ray.contract import Code, make_entry
-    from dspark_ray.engine import RankEngine, StepEntry
+    from dspark_ray.contract import Code
+    from dspark_ray.engine import RankEngine
     from dspark_ray.modes import make_emulated, run_pair
     from dspark_ray.scheduling import thread_deltas
     from dspark_ray.stamps import CPU_HOPS, HOPS, RANK_PHASES, join_round_trips, now
@@ -127,9 +130,9 @@ def main() -> None:
         batch = []
         for q in range(R):
             taps = workload.make_taps(cfg, n, g) if bank is None or r == 0 else bank[(r * R + q) % len(bank)]
-            batch.append(StepEntry(slot=q, seed=int(torch.randint(0, cfg.vocab_size, (1,), generator=g)), n_out=5,
-                                   start=pos[q], token_ids=torch.randint(0, cfg.vocab_size, (n,), generator=g),
-                                   taps=taps))
+            batch.append(entry(slot=q, seed_token=int(torch.randint(0, cfg.vocab_size, (1,), generator=g)), n_out=5,
+                               start_pos=pos[q], token_ids=torch.randint(0, cfg.vocab_size, (n,), generator=g),
+                               taps=taps))
             pos[q] += n
         entries.append(batch)
 
@@ -139,9 +142,11 @@ def main() -> None:
     if not gpu:
         d0, d1 = make_emulated(cfg, ckpt=ck)
         e0, e1 = RankEngine(d0, R, 0), RankEngine(d1, R, 1)
+        place = Batcher(e0.slots)
         for batch in entries:
+            rb = place(batch)
             t0 = time.perf_counter()
-            run_pair(lambda: e0.step(batch), lambda: e1.step(batch))
+            run_pair(lambda: e0.step(rb), lambda: e1.step(rb))
             inproc.append((time.perf_counter() - t0) * 1e3)
 
     # Every party also stamps its thread's CPU time (stamps.cpu_now): the front-end hands its settings to every
@@ -176,8 +181,7 @@ def main() -> None:
                 if i == warm:
                     before = ray.get(fe.status.remote())      # while connected: the connection's thread is listed
                     log(f"timed rounds: {a.rounds}")
-                ents = [make_entry(slot=gr.slot, generation=gr.generation, seed_token=e.seed, start_pos=e.start,
-                                   token_ids=e.token_ids.numpy(), taps=e.taps.numpy(), n_out=5)
+                ents = [msgspec.structs.replace(e, slot=gr.slot, generation=gr.generation)
                         for gr, e in zip(grants, batch)]
                 if gap_ns:
                     # Busy, like an engine's thread driving its trunk's forward (a sleep would also cool this core).

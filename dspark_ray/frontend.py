@@ -4,7 +4,10 @@
 `Pair` (`actors.frontend.PairManager`: the step ring and the rank actors).
 
 Per STEP, nothing reaches a rank before every field was checked: stateless rules (contract.validate_entries),
-then the slot's owner, generation and cursor (position gap, rollback depth, drafts below max_model_len) here. A
+then the slot's owner, generation and cursor (position gap, rollback depth, drafts below max_model_len) here. This
+is the only place that checks: the ranks run what the ring hands them. The front-end's cursors are the one account
+of where each slot stands; a batch hands the ranks each entry's placement (`SlotCursor.after`), and the cursor takes
+it when the entry answers OK. A
 STEP that finds the pair idle and nobody queued runs as the batch on its own thread (no queue, no thread hand-off:
 each hand-off costs a wake-up of tens of microseconds). Otherwise its valid entries join one queue: while a batch
 runs, other callers' entries wait there, and the next caller to find the pair free takes every queued entry (up to
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from . import contract as C
-from .records import RankBatch, RankEntry, RankResult
+from .records import RingBatch
 from .model.state import SlotCursor
 from .stamps import Stamps, cpu_now, now
 
@@ -45,7 +48,7 @@ class PairFailure(RuntimeError):
 class PairLate(Exception):
     """The batch is still on the pair at `deadline_ns`: `resume()` waits on for it (its results, or a PairFailure)."""
 
-    def __init__(self, resume: Callable[[], list[RankResult]]):
+    def __init__(self, resume: Callable[[], list[C.EntryResult]]):
         super().__init__("the batch outlived its deadline")
         self.resume = resume
 
@@ -54,7 +57,7 @@ class Pair(Protocol):
     """What the front-end drives: one batch in, rank 0's results out, or a PairFailure; PairLate when the batch
     is still running at `deadline_ns` (time.monotonic_ns; None: no deadline)."""
 
-    def run(self, batch: RankBatch, deadline_ns: int | None = None) -> list[RankResult]: ...
+    def run(self, batch: RingBatch, deadline_ns: int | None = None) -> list[C.EntryResult]: ...
 
 
 @dataclass
@@ -77,6 +80,7 @@ class _Pending:
     index: int
     entry: C.Entry
     deadline_ns: int
+    placed: tuple[int, int]         # its slot's (base, position) once it ran (SlotCursor.after, at admission)
     # Set inside a batch only; a waiter wakes on the service's `_turn` condition, notified when a batch ends (a
     # plain flag: an Event per entry cost ~3 us of every STEP).
     done: bool = False
@@ -217,11 +221,12 @@ class StepService(C.StepHandler):
         reasons = C.validate_entries(msg, self.limits)
         with self.lock:
             for k, (e, why) in enumerate(zip(msg.entries, reasons)):
-                results[k] = self._admit(session, e, why)
-                if results[k] is None:
-                    p = _Pending(k, e, deadline)
+                placed = self._admit(session, e, why)
+                if isinstance(placed, C.EntryResult):
+                    results[k] = placed
+                else:
                     self.slots[e.slot].busy = True
-                    pend.append(p)
+                    pend.append(_Pending(k, e, deadline, placed))
         t_admitted, cpu_admitted = now(), cpu_now()
         with self._turn:
             # The pair idle and nobody queued: this STEP is the batch (no queue round trip).
@@ -249,8 +254,9 @@ class StepService(C.StepHandler):
         C.validate_step(msg, self.limits)
         C.validate_entries(msg, self.limits)
 
-    def _admit(self, session: int, e: C.Entry, why: str | None) -> C.EntryResult | None:
-        """The stateful checks (caller holds the lock): None to run the entry, else its answer."""
+    def _admit(self, session: int, e: C.Entry, why: str | None) -> C.EntryResult | tuple[int, int]:
+        """The stateful checks (caller holds the lock): the entry's placement (its slot's (base, position) once it
+        ran) to run it, else its answer."""
         if why:
             self.stats["bad_entry"] += 1
             known = 0 <= e.slot < len(self.slots)      # every answer for a real slot carries its generation
@@ -275,13 +281,13 @@ class StepService(C.StepHandler):
         if w:
             self.stats["bad_entry"] += 1
             return C.error_result(C.Code.BAD_ENTRY, f"slot {e.slot}: {w}", gen)
-        # Where the seed will sit: for an entry with rows the stateless check saw the same p0 (start_pos + rows).
-        p0 = slot.cursor.position_after(e.start_pos, e.rows, e.rollback_to)
-        w = C.draft_reach(e.slot, p0, e.n_out, self.limits.max_model_len)
+        # p0, where the seed will sit: for an entry with rows the stateless check saw the same (start_pos + rows).
+        placed = slot.cursor.after(e.start_pos, e.rows, e.rollback_to)
+        w = C.draft_reach(e.slot, placed[1], e.n_out, self.limits.max_model_len)
         if w:
             self.stats["bad_entry"] += 1
             return C.error_result(C.Code.BAD_ENTRY, w, gen)
-        return None
+        return placed
 
     # -- batches ---------------------------------------------------------------------------------------------------
     def _drive(self, p: _Pending) -> None:
@@ -363,14 +369,12 @@ class StepService(C.StepHandler):
         with self.lock:
             # An entry its waiter expired is left out, under the lock its resync takes: a slot reset gathered here
             # then never precedes an entry of the same slot in this batch that its waiter gave up on.
-            live = [p for p in live if not p.done]
+            live = [p for p in live if not p.done and not self._resynced(p)]
             if not live:
                 return False
             resets = sorted(self.pending_resets)
             self.pending_resets.clear()
-        rb = RankBatch(resets, [RankEntry(p.entry.slot, p.entry.seed_token, p.entry.n_out, p.entry.start_pos,
-                                          p.entry.token_ids, p.entry.taps, p.entry.rollback_to,
-                                          p.entry.want_margins) for p in live])
+        rb = RingBatch(resets, [p.entry for p in live], [p.placed for p in live])
         self.stats["batches"] += 1
         self.stats["entries"] += len(live)
         self.stats["batch_sizes"][len(live)] += 1
@@ -383,7 +387,21 @@ class StepService(C.StepHandler):
             self._fail_batch(live, resets, f)
         return False
 
-    def _hand_off(self, live: list[_Pending], resets: list[int], resume: Callable[[], list[RankResult]]) -> None:
+    def _resynced(self, p: _Pending) -> bool:
+        """`p`'s slot was resynced since its admission (a failed batch resynced every slot, the slot was released):
+        its placement is void. It answers STALE_GENERATION without running (caller holds the lock)."""
+        slot = self.slots[p.entry.slot]
+        if p.entry.generation == slot.cursor.generation:
+            return False
+        self.stats["stale"] += 1
+        slot.busy = False
+        p.result = C.error_result(C.Code.STALE_GENERATION, f"slot {p.entry.slot}: resynced while the entry waited "
+                                  f"(generation {slot.cursor.generation} now): re-insert its context",
+                                  slot.cursor.generation)
+        p.done = True
+        return True
+
+    def _hand_off(self, live: list[_Pending], resets: list[int], resume: Callable[[], list[C.EntryResult]]) -> None:
         """The batch outlived its earliest deadline: a reaper thread waits on for it and ends the turn; the entries
         past their deadline answer now (the others at theirs, in _drive, or with the batch's results)."""
         log.warning("a batch of %d entries is still on the pair at its deadline: answering DEADLINE, waiting on "
@@ -408,8 +426,9 @@ class StepService(C.StepHandler):
                 self._end_turn()
         threading.Thread(target=reap, name="dspark-late-batch", daemon=True).start()
 
-    def _finish_batch(self, live: list[_Pending], resets: list[int], results: list[RankResult]) -> None:
-        """Answer the batch's entries from rank 0's results (those not expired meanwhile) and move their cursors."""
+    def _finish_batch(self, live: list[_Pending], resets: list[int], results: list[C.EntryResult]) -> None:
+        """Answer the batch's entries from rank 0's results (those not expired meanwhile) and move their cursors to
+        the placements the ranks took."""
         if len(results) != len(live):       # answers are matched by position: never pair up a short list
             raise PairFailure("broken", f"rank 0 answered {len(results)} entries of a batch of {len(live)}")
         if self.on_failure:
@@ -421,19 +440,13 @@ class StepService(C.StepHandler):
                     continue
                 slot = self.slots[p.entry.slot]
                 gen = slot.cursor.generation
-                if r.code == 0:
-                    self.stats["ok"] += 1
-                    e = p.entry
-                    if e.rollback_to >= 0:
-                        slot.cursor.rollback(e.rollback_to)
-                    slot.cursor.advance(e.start_pos, e.rows)
-                    p.result = C.EntryResult(code=C.Code.OK, generation=gen, drafts=r.drafts,
-                                             confidences=r.confidences, margins=r.margins,
-                                             confident_len=r.confident_len)
-                else:
-                    self.stats["bad_entry"] += 1
-                    p.result = C.error_result(C.Code.BAD_ENTRY, r.reason, gen)
                 slot.busy = False
+                if self._resynced(p):      # released or resynced while it ran: the reset rides the next batch
+                    continue
+                self.stats["ok"] += 1
+                slot.cursor.place(*p.placed)
+                r.generation = gen
+                p.result = r
                 p.seq = seq
                 p.done = True
 

@@ -93,7 +93,7 @@ class RankWorker:
         # The front-end scans every entry's values before it publishes them (contract.validate_entries): the ranks
         # check only what guards their slots.
         self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress,
-                                 values_checked=True, max_batch=self.spec.batch_limit(cfg))
+                                 max_batch=self.spec.batch_limit(cfg))
         # (the collectives' own line comes from comm.factory)
         log.info("rank %d: engine ready%s", self.rank, f"; {self.engine.status()['graphs']}" if graphs else "")
         return coll.describe()
@@ -119,7 +119,6 @@ class RankWorker:
         raise_priority(f"rank {self.rank} step loop")     # this thread only: loading and capture stay at Ray's 15
         if self.spec.rank_cpus:
             pin_thread([self.spec.rank_cpus[self.rank]], f"rank {self.rank} step loop")
-        width = self.engine.drafter.cfg.n_taps * self.engine.drafter.cfg.hidden_size
         # Between steps (the ring's wait, the GPU's) this thread rehearses the last step's host path (keep_warm.py).
         warm = self.keep_warm
         if self.engine.graphs is not None and warm.enabled:
@@ -140,50 +139,47 @@ class RankWorker:
             try:
                 # The entries view the ring's slot (no copy): it stays ours until complete() below.
                 batch = M.decode_batch(view)
-                self.engine.reset_slots(batch.resets)
-                entries = M.to_step_entries(batch, width)
                 # this thread's CPU time at the engine's first and last stamps (stamps.CPU_HOPS)
                 row["cpu_engine_in"] = cpu_now()
-                outs = self.engine.step(entries)
+                results = self.engine.step(batch)
                 row["cpu_engine_out"] = cpu_now()
                 row.update(self.engine.last_stamps)
                 if self.rank == 0:
-                    payload = M.encode(M.RankReply(M.to_rank_results(outs)))
+                    payload = M.encode(M.RingReply(results))
             except StepFailed as e:
-                status, payload = M.STATUS_STEP_FAILED, M.encode(M.RankReply([], str(e)))
+                status, payload = M.STATUS_STEP_FAILED, M.encode(M.RingReply([], str(e)))
             except EngineBroken as e:
-                status, payload = M.STATUS_BROKEN, M.encode(M.RankReply([], str(e)))
+                status, payload = M.STATUS_BROKEN, M.encode(M.RingReply([], str(e)))
             except Exception as e:               # decoding or anything unforeseen: latch, the pair may be split
                 self.engine.broken = f"{type(e).__name__}: {e}"
-                status, payload = M.STATUS_BROKEN, M.encode(M.RankReply([], self.engine.broken))
+                status, payload = M.STATUS_BROKEN, M.encode(M.RingReply([], self.engine.broken))
             # stamped before the hand-off: the front-end may see the completion at once
             row["encoded"], row["cpu_encoded"] = now(), cpu_now()
             if status == M.STATUS_OK and warm.wants_sample("batch", len(view)):
-                self._rehearse_from(view, width, outs)
+                self._rehearse_from(view, results)
             self.reader.complete(seq, status, payload)
             warm.ran()
             last_step, sleeps = time.monotonic(), self.reader.sleeps
             self.stamps.add(row)
             self.wake_ups.add(woke)
 
-    def _rehearse_from(self, view, width: int, outs) -> None:
-        """Rehearse this batch's decode, checks and staging (and rank 0 its answer's encoding) between steps: its
-        first REHEARSAL_ENTRIES entries (keep_warm.py), encoded into bytes of their own (the view is the ring's
-        until complete())."""
-        engine, entries = self.engine, []
-        sample = M.decode_batch(view)
-        batch = M.encode(M.RankBatch(sample.resets, sample.entries[:REHEARSAL_ENTRIES]))
-        outs = outs[:REHEARSAL_ENTRIES]
+    def _rehearse_from(self, view, results) -> None:
+        """Rehearse this batch's decode and staging (and rank 0 its answer's encoding) between steps: its first
+        REHEARSAL_ENTRIES entries (keep_warm.py), encoded into bytes of their own (the view is the ring's until
+        complete())."""
+        engine, decoded = self.engine, []
+        batch = M.encode(M.decode_batch(view).head(REHEARSAL_ENTRIES))
+        results = results[:REHEARSAL_ENTRIES]
 
         def decode():
-            entries[:] = M.to_step_entries(M.decode_batch(batch), width)
+            decoded[:] = [M.decode_batch(batch)]
         self.keep_warm.set("decode", decode)
-        self.keep_warm.set("engine", lambda: engine.rehearse(entries))
+        self.keep_warm.set("engine", lambda: decoded and engine.rehearse(decoded[0]))
         launch_every = launch_rehearsal_period_us()
         if engine.graphs is not None and engine.graphs.cuda and launch_every is not None:
             self.keep_warm.set("launch", engine.graphs.rehearse_launch, launch_every)
         if self.rank == 0:
-            self.keep_warm.set("reply", lambda: M.encode(M.RankReply(M.to_rank_results(outs))))
+            self.keep_warm.set("reply", lambda: M.encode(M.RingReply(results)))
 
     def status(self) -> dict:
         st = self.engine.status() if self.engine else {"rank": self.rank, "loading": self.progress()}

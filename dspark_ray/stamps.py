@@ -43,8 +43,8 @@ HOPS = (("client_to_server", "client_send", "tcp_recv"),      # client encode, T
         ("encode_batch", "ring_publish", "ring_posting"),     # batch encoded
         ("ring_out", "ring_posting", "rank_got"),             # copied into the ring slot, seen by a spinning rank
         ("rank_decode", "rank_got", "rank_engine_in"),        # decode, resets, entries
-        ("rank_check", "rank_engine_in", "rank_checked"),     # the engine's entry checks
-        ("rank_prepare", "rank_checked", "rank_run_in"),      # rollbacks, the graph set's arguments
+        ("rank_reset", "rank_engine_in", "rank_started"),     # the batch's slot resets
+        ("rank_prepare", "rank_started", "rank_run_in"),      # the slots placed, the graph set's arguments
         ("rank_writable", "rank_run_in", "rank_writable"),    # the last upload has left the pinned buffer
         ("rank_stage_insert", "rank_writable", "rank_first_launch"),  # the inserted rows' inputs and taps
         ("rank_launch_insert", "rank_first_launch", "rank_insert_launched"),  # the insert replay launched
@@ -58,7 +58,7 @@ HOPS = (("client_to_server", "client_send", "tcp_recv"),      # client encode, T
         ("results", "ring_completions", "svc_reply"),         # results decoded, cursors advanced, reply built
         ("reply_send", "svc_reply", "tcp_sent"),              # reply encoded, sent
         ("server_to_client", "tcp_sent", "client_recv"))      # TCP loopback back, client decode
-RANK_PHASES = (("decode", "got", "engine_in"), ("check", "engine_in", "checked"), ("run", "checked", "ran"),
+RANK_PHASES = (("decode", "got", "engine_in"), ("reset", "engine_in", "started"), ("run", "started", "ran"),
                ("finish", "ran", "engine_out"), ("engine_step", "engine_in", "engine_out"))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
+import msgspec
 import pytest
 import torch
 
@@ -19,7 +19,7 @@ os.environ.setdefault("DSPARK_KEEP_WARM_US", "0")
 os.environ.setdefault("DSPARK_KEEP_WARM_HOLD_US", "0")      # from the step's end on, not 250 us after it
 
 from dspark_ray import records as M  # noqa: E402
-from dspark_ray.contract import Code, make_entry  # noqa: E402
+from dspark_ray.contract import Code  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -113,36 +113,29 @@ class EnginePair:
     """A worker's pair in this process (frontend.Pair): the rank loop's decode, step and encode (rank_worker.py)
     around one engine; `delay_s` stands for a slow step."""
 
-    def __init__(self, engine, width: int, delay_s: float = 0.0):
-        self.engine, self.width, self.delay_s = engine, width, delay_s
+    def __init__(self, engine, delay_s: float = 0.0):
+        self.engine, self.delay_s = engine, delay_s
 
     def run(self, batch, deadline_ns=None):
         time.sleep(self.delay_s)
-        b = M.decode_batch(M.encode(batch))
-        self.engine.reset_slots(b.resets)
-        outs = self.engine.step(M.to_step_entries(b, self.width))
-        return M.decode_reply(M.encode(M.RankReply(M.to_rank_results(outs)))).results
+        results = self.engine.step(M.decode_batch(M.encode(batch)))
+        return M.decode_reply(M.encode(M.RingReply(results))).results
 
 
 def to_entry(e, slot, gen, **over):
-    kw = dict(slot=slot, generation=gen, seed_token=e.seed, start_pos=e.start, token_ids=e.token_ids.numpy(),
-              taps=e.taps.numpy(), rollback_to=e.rollback_to, n_out=e.n_out, want_margins=e.want_margins)
-    kw.update(over)
-    return make_entry(**kw)
+    """A workload entry (generation 0, request i on slot i) sent for a granted slot."""
+    return msgspec.structs.replace(e, slot=slot, generation=gen, **over)
 
 
 def step_as_reference(c, ref, grants, batch) -> None:
-    """One STEP of `batch` (request i on grants[i]) over the wire: every answer OK and the in-process reference
-    engine's bit for bit."""
+    """One STEP of `batch` (request i on grants[i]) over the wire: every answer OK and the in-process reference's
+    (a `support.batches.Driver`) bit for bit."""
     want = ref.step(batch)
     got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)], deadline_ms=60_000)
     for w, g in zip(want, got):
         assert g.code == Code.OK, g.reason
-        assert np.array_equal(g.drafts_array(), w.drafts)
-        assert np.array_equal(g.confidences_array(), w.confidences)
-        if w.margins is not None:
-            assert np.array_equal(g.margins_array(), w.margins)
-        assert g.confident_len == w.confident_len
+        assert (g.drafts, g.confidences, g.margins, g.confident_len) == \
+            (w.drafts, w.confidences, w.margins, w.confident_len)
 
 
 def assert_set_drafts_like_eager(gs, d, eager, block_size: int, seed0: int, seed_step: int) -> None:

@@ -36,7 +36,7 @@ def _service(cfg, ckpt, n_slots: int = N_SLOTS, sessions: int = 1) -> tuple[Step
     engine = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), n_slots)
     svc = StepService(Identity("model", cfg.digest(), 2, cfg.max_model_len),
                       C.Limits.for_config(cfg, slot_capacity=n_slots),
-                      EnginePair(engine, cfg.n_taps * cfg.hidden_size), window=cfg.sliding_window)
+                      EnginePair(engine), window=cfg.sliding_window)
     sids = []
     for k in range(sessions):
         sids.append(svc.open_session(f"test{k}"))
@@ -309,9 +309,9 @@ def test_drafts_past_max_model_len_are_refused_and_leave_no_trace(cfg, ckpt):
 
 
 def test_the_front_end_and_the_cursor_agree_on_where_the_seed_sits():
-    """SlotCursor.position_after (the front-end's p0 for the max_model_len check) is the position the cursor holds
-    after it applies the entry, for every valid entry on every kind of slot: fresh, partial, rolled back to its
-    base or below its window."""
+    """SlotCursor.after (the placement the front-end hands the ranks, and its p0 for the max_model_len check) is
+    where the cursor stands after it applies the entry's rules (rollback, advance), for every valid entry on every
+    kind of slot: fresh, partial, rolled back to its base or below its window."""
     rng = random.Random(3)
     for _ in range(3000):
         c = SlotCursor(8, 16)
@@ -327,8 +327,8 @@ def test_the_front_end_and_the_cursor_agree_on_where_the_seed_sits():
         start = rng.randrange(0, 100) if fresh_after else (rollback if rollback >= 0 else c.position)
         if c.check_entry(start, rows, rollback):
             continue
-        p0 = c.position_after(start, rows, rollback)
+        placed = c.after(start, rows, rollback)
         if rollback >= 0:
             c.rollback(rollback)
         c.advance(start, rows)
-        assert p0 == c.position
+        assert placed == (c.base, c.position)

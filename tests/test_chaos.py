@@ -12,6 +12,7 @@ from dspark_ray.actors.placement import teardown
 from dspark_ray.client import DrafterClient
 from dspark_ray.contract import Code
 from dspark_ray.engine import RankEngine
+from support.batches import Driver
 from dspark_ray.modes import make_drafter
 
 from conftest import deploy_pair
@@ -31,7 +32,7 @@ def test_chaos_soak(ray_cluster, tiny_ckpt, cfg, full_weights):
     lock = threading.Lock()
 
     def client(i):
-        ref = RankEngine(make_drafter(cfg, "split", full=full_weights), 1)
+        ref = Driver(RankEngine(make_drafter(cfg, "split", full=full_weights), 1))
         try:
             with DrafterClient(host, port, timeout_s=60) as c:
                 c.hello(client=f"chaos {i}")

@@ -19,7 +19,8 @@ from dspark_ray.actors.placement import teardown
 from dspark_ray.scheduling import pin_thread, thread_deltas, thread_niceness, threads_named
 from dspark_ray.client import ClientError, DrafterClient
 from dspark_ray.contract import Code, make_entry
-from dspark_ray.engine import RankEngine, StepEntry
+from dspark_ray.engine import RankEngine
+from support.batches import Driver, entry
 from dspark_ray.model.layout import Layout
 from dspark_ray.modes import make_drafter
 from dspark_ray import settings
@@ -169,7 +170,7 @@ def test_hello_accepted_and_refused(pair, ckpt, cfg):
 
 def test_rounds_over_the_wire_equal_the_in_process_reference_bit_for_bit(pair, cfg, ckpt):
     rounds = workload.rounds(cfg, seed=3, n_requests=2, n_rounds=40, far_start=2000)
-    ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 2)
+    ref = Driver(RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 2))
     with client(pair) as c:
         grants = acquire_when_free(c, 2)
         for batch in rounds:
@@ -193,7 +194,7 @@ def test_rounds_through_shared_memory_equal_the_in_process_reference_bit_for_bit
     """A client on the service's host sends its requests through a shared-memory ring (transport/shm.py): the
     answers are the reference's bit for bit, and closing the client frees its slots."""
     rounds = workload.rounds(cfg, seed=5, n_requests=2, n_rounds=12, far_start=700)
-    ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 2)
+    ref = Driver(RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 2))
     c = DrafterClient(pair[1], pair[2], timeout_s=60, shm=True)
     c.hello(client="test shm")
     grants = acquire_when_free(c, 2)
@@ -261,7 +262,7 @@ def test_bad_frames_close_only_their_own_connection(pair, cfg):
 def test_concurrent_clients_are_batched_and_get_the_same_bits_as_alone(pair, cfg, ckpt, ray_cluster):
     n = 3
     rounds = workload.rounds(cfg, seed=9, n_requests=n, n_rounds=6)
-    ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), n)
+    ref = Driver(RankEngine(make_drafter(cfg, "split", ckpt=ckpt), n))
     want = [ref.step(b) for b in rounds]
     before = ray_cluster.get(pair[0].status.remote())["stats"]["batch_sizes"]
     got: dict[int, list] = {}
@@ -284,8 +285,7 @@ def test_concurrent_clients_are_batched_and_get_the_same_bits_as_alone(pair, cfg
         t.join(120)
     for i in range(n):
         for r, w in zip(got[i], [b[i] for b in want]):
-            assert r.code == Code.OK and np.array_equal(r.drafts_array(), w.drafts)
-            assert np.array_equal(r.confidences_array(), w.confidences)
+            assert r.code == Code.OK and (r.drafts, r.confidences) == (w.drafts, w.confidences)
     after = ray_cluster.get(pair[0].status.remote())["stats"]["batch_sizes"]
     merged = sum(after[k] - before[k] for k in range(2, len(after)))
     assert merged > 0, (before, after)
@@ -321,12 +321,12 @@ def test_a_step_larger_than_the_replay_limit_is_split(pair, cfg, ckpt, ray_clust
     """The test pair takes 6 entries a replay (`max_batch=6`: graph buckets 1-4 and 6): 8 entries run as a batch of
     6 (a wide bucket) and one of 2, with the in-process engine's answers bit for bit."""
     g = torch.Generator().manual_seed(6)
-    batch = [StepEntry(slot=i, seed=3 + i, n_out=1 + i % 5, start=0, token_ids=torch.arange(2 + i),
-                       taps=workload.make_taps(cfg, 2 + i, g), want_margins=i % 3 == 0) for i in range(8)]
+    batch = [entry(slot=i, seed_token=3 + i, n_out=1 + i % 5, token_ids=torch.arange(2 + i),
+                   taps=workload.make_taps(cfg, 2 + i, g), want_margins=i % 3 == 0) for i in range(8)]
     before = ray_cluster.get(pair[0].status.remote())["stats"]["batch_sizes"]
     with client(pair) as c:
         grants = acquire_when_free(c, 8)
-        step_as_reference(c, RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 8), grants, batch)
+        step_as_reference(c, Driver(RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 8)), grants, batch)
         c.release([g.slot for g in grants])
     st = ray_cluster.get(pair[0].status.remote())
     after = st["stats"]["batch_sizes"]
@@ -469,7 +469,7 @@ def test_every_party_stamps_a_step_and_the_hops_join_in_path_order(pair, cfg, ra
         for name, a, b in HOPS:
             if name != "server_to_client":
                 assert row[b] >= row[a], (name, row[b] - row[a])
-        assert row["client_recv"] - row["client_send"] >= row["rank_ran"] - row["rank_checked"] > 0
+        assert row["client_recv"] - row["client_send"] >= row["rank_ran"] - row["rank_started"] > 0
 
 
 def test_step_over_http_through_ray_serve_equals_the_reference(pair, cfg, ckpt, ray_cluster):
@@ -505,22 +505,23 @@ def test_step_over_http_through_ray_serve_equals_the_reference(pair, cfg, ckpt, 
         st, got = call("POST", f"{sess}/acquire", {"n": 2})
         assert st == 200, got
         grants = got["slots"]
-        ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 2)
+        ref = Driver(RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 2))
         for batch in workload.rounds(cfg, seed=11, n_requests=2, n_rounds=6, far_start=300):
             want = ref.step(batch)
             body = {"deadline_ms": 60_000, "entries": [
-                http.entry_to_json(grants[i]["slot"], grants[i]["generation"], e.seed, e.token_ids.numpy(),
-                                   e.taps.numpy(), e.start, e.rollback_to, e.n_out, e.want_margins)
+                http.entry_to_json(grants[i]["slot"], grants[i]["generation"], e.seed_token, e.token_array(),
+                                   e.taps_array(cfg.n_taps * cfg.hidden_size), e.start_pos, e.rollback_to, e.n_out,
+                                   e.want_margins)
                 for i, e in enumerate(batch)]}
             st, got = call("POST", f"{sess}/step", body)
             assert st == 200, got
             for w, g in zip(want, got["results"]):
                 assert g["code"] == "OK", g
-                assert np.array_equal(np.asarray(g["drafts"], np.int32), w.drafts)
-                assert np.array_equal(np.asarray(g["confidences"], np.float32), w.confidences)
-                assert (g["margins"] is None) == (w.margins is None)
-                if w.margins is not None:
-                    assert np.array_equal(np.asarray(g["margins"], np.float32), w.margins)
+                assert np.array_equal(np.asarray(g["drafts"], np.int32), w.drafts_array())
+                assert np.array_equal(np.asarray(g["confidences"], np.float32), w.confidences_array())
+                assert (g["margins"] is None) == (not w.margins)
+                if w.margins:
+                    assert np.array_equal(np.asarray(g["margins"], np.float32), w.margins_array())
                 assert g["confident_len"] == w.confident_len
         st, got = call("POST", f"{sess}/acquire", {"n": 7})       # 6 of 8 free
         assert st == 409 and got["detail"]["code"] == "OVERLOADED", got

@@ -74,7 +74,7 @@ def worker(cfg, ckpt):
         engine = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 4)
         svc = StepService(Identity("model", cfg.digest(), 2, cfg.max_model_len),
                           C.Limits.for_config(cfg, slot_capacity=4),
-                          EnginePair(engine, cfg.n_taps * cfg.hidden_size), window=cfg.sliding_window)
+                          EnginePair(engine), window=cfg.sliding_window)
         return TcpServer(svc).start()
     made = [make(), make()]
     yield made

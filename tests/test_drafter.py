@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from support import workload
-from dspark_ray.engine import BAD_ENTRY, OK, RankEngine, StepEntry
+from support.batches import Driver
+from dspark_ray.contract import Code
+from dspark_ray.engine import RankEngine
 from dspark_ray.model import attention, heads, mhc, moe, ops
-from dspark_ray.model.drafter import DraftInputError, Drafter
+from dspark_ray.model.drafter import Drafter
 from dspark_ray.model.heads import confident_prefix
 from dspark_ray.model.moe import Router
 from dspark_ray.modes import make_drafter
@@ -22,7 +24,7 @@ def taps(cfg, n, seed=0):
 
 def filled(d: Drafter, rows: int, start: int = 0, seed: int = 0):
     st = d.new_slot()
-    d.insert(st, start, torch.arange(rows) % d.cfg.vocab_size, taps(d.cfg, rows, seed))
+    d.insert(st, start, taps(d.cfg, rows, seed))
     return st
 
 
@@ -50,14 +52,12 @@ def test_weight_scales_keep_activations_finite_and_routing_and_argmax_non_degene
     for mod in (ops, attention, moe, mhc, heads):
         monkeypatch.setattr(mod, "f16", checked)
     d = make_drafter(cfg, "tp1", ckpt=ckpt)
-    eng = RankEngine(d, 2)
+    eng = Driver(RankEngine(d, 2))
     margins, used = [], [set() for _ in range(cfg.n_blocks)]
-    for batch in workload.rounds(cfg, seed=1, n_rounds=24, far_start=1000):
-        for e in batch:
-            e.want_margins = True
+    for batch in workload.rounds(cfg, seed=1, n_rounds=24, far_start=1000, margins_every=1):
         for o in eng.step(batch):
-            assert o.code == OK and np.isfinite(o.confidences).all()
-            margins += o.margins.tolist()
+            assert o.code == Code.OK and np.isfinite(o.confidences_array()).all()
+            margins += o.margins_array().tolist()
         for b, ex in enumerate(d.last_experts):
             used[b] |= set(ex.flatten().tolist())
     assert nonfinite == []
@@ -162,9 +162,9 @@ def test_confidence_bias_moves_the_prefix_to_none_and_all(cfg, full_weights):
 def test_batch_of_two_with_different_p0_equals_each_alone(tp1, cfg):
     # Different p0 (7 vs 13) and different accepted lengths; 13 > W exercises the ring past the window.
     a1, b1 = filled(tp1, 7, seed=1), filled(tp1, 13, seed=2)
-    tp1.insert(b1, 13, torch.tensor([5, 6, 7]), taps(cfg, 3, seed=3))
+    tp1.insert(b1, 13, taps(cfg, 3, seed=3))
     a2, b2 = filled(tp1, 7, seed=1), filled(tp1, 13, seed=2)
-    tp1.insert(b2, 13, torch.tensor([5, 6, 7]), taps(cfg, 3, seed=3))
+    tp1.insert(b2, 13, taps(cfg, 3, seed=3))
     both = tp1.draft([a1, b1], [11, 12], 5, want_margins=True, debug=True)
     one = tp1.draft([a2], [11], 5, want_margins=True, debug=True)
     two = tp1.draft([b2], [12], 5, want_margins=True, debug=True)
@@ -232,68 +232,21 @@ def test_deterministic_across_two_runs(cfg, ckpt):
     runs = []
     for _ in range(2):
         d = make_drafter(cfg, "tp1", ckpt=ckpt)
-        eng = RankEngine(d, 2)
+        eng = Driver(RankEngine(d, 2))
         outs = [eng.step(b) for b in workload.rounds(cfg, seed=5, n_rounds=4)]
         runs.append([(o.drafts, o.confidences) for batch in outs for o in batch])
-    for (d1, c1), (d2, c2) in zip(*runs):
-        assert np.array_equal(d1, d2) and np.array_equal(c1, c2)
+    assert runs[0] == runs[1]
 
 
 def test_rollback_drops_rows(tp1, cfg):
     a = filled(tp1, 12)
-    tp1.insert(a, 12, torch.tensor([1, 2, 3]), taps(cfg, 3, seed=9))
-    tp1.insert(a, 13, torch.tensor([4]), taps(cfg, 1, seed=10), rollback_to=13)   # drop 13, 14; add a new 13
+    tp1.insert(a, 12, taps(cfg, 3, seed=9))
+    tp1.insert(a, 13, taps(cfg, 1, seed=10), rollback_to=13)   # drop 13, 14; add a new 13
     b = filled(tp1, 12)
-    tp1.insert(b, 12, torch.tensor([1]), taps(cfg, 3, seed=9)[:1])
-    tp1.insert(b, 13, torch.tensor([4]), taps(cfg, 1, seed=10))
+    tp1.insert(b, 12, taps(cfg, 3, seed=9)[:1])
+    tp1.insert(b, 13, taps(cfg, 1, seed=10))
     assert a.position == b.position == 14
     assert same(tp1.draft([a], [3], 5), tp1.draft([b], [3], 5))
-
-
-# -- bad input: a clear error, and the slot is unchanged -----------------------------------------------------------
-
-@pytest.mark.parametrize("case", ["token_id", "gap", "too_many_rows", "tap_width", "deep_rollback"])
-def test_bad_insert_raises_and_leaves_the_slot_unchanged(tp1, cfg, case):
-    st = filled(tp1, 10)
-    kv, pos, base = st.kv.clone(), st.position, st.base
-    t = taps(cfg, 2)
-    args = {
-        "token_id": (10, torch.tensor([1, cfg.vocab_size]), t, -1, "token id 4096 outside"),
-        "gap": (12, torch.tensor([1, 2]), t, -1, "position gap"),
-        "too_many_rows": (10, torch.arange(129), taps(cfg, 129), -1, "129 rows > insert limit 128"),
-        "tap_width": (10, torch.tensor([1, 2]), t[:, :-1], -1, "taps shape"),
-        "deep_rollback": (3, torch.tensor([1, 2]), t, 3, None),
-    }[case]
-    if case == "deep_rollback":       # the ring holds W + 128 rows: rolling back 3 of 10 is fine ...
-        tp1.insert(st, *args[:4])
-        return
-    with pytest.raises(DraftInputError, match=args[4]):
-        tp1.insert(st, *args[:4])
-    assert torch.equal(st.kv, kv) and st.position == pos and st.base == base
-
-
-def test_bad_entry_fails_alone_in_a_batch(cfg, ckpt):
-    eng = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), 3)
-    good = StepEntry(slot=0, seed=5, n_out=3, start=0, token_ids=torch.arange(4), taps=taps(cfg, 4))
-    bad = StepEntry(slot=1, seed=cfg.vocab_size + 1, n_out=3, start=0, token_ids=torch.arange(4), taps=taps(cfg, 4))
-    outs = eng.step([good, bad])
-    assert outs[0].code == OK and outs[1].code == BAD_ENTRY and "seed token 4097" in outs[1].reason
-    assert eng.slots[1].fresh            # nothing inserted for the refused entry
-    ref = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), 3).step([good])[0]
-    assert np.array_equal(outs[0].drafts, ref.drafts)
-
-
-def test_an_engine_told_the_values_were_scanned_still_guards_its_slots(cfg, ckpt):
-    """values_checked (the ranks behind the front-end, which scans taps and token ids) skips only those scans."""
-    eng = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), 3, values_checked=True)
-    first = StepEntry(slot=0, seed=5, n_out=3, start=0, token_ids=torch.arange(4), taps=taps(cfg, 4))
-    gap = StepEntry(slot=0, seed=5, n_out=3, start=9, token_ids=torch.arange(2), taps=taps(cfg, 2))
-    narrow = StepEntry(slot=1, seed=5, n_out=3, start=0, token_ids=torch.arange(2), taps=taps(cfg, 2)[:, :-1])
-    assert eng.step([first])[0].code == OK
-    outs = eng.step([gap, narrow])
-    assert [o.code for o in outs] == [BAD_ENTRY, BAD_ENTRY]
-    assert "start" in outs[0].reason and "taps shape" in outs[1].reason
-    assert eng.slots[0].position == 4 and eng.slots[1].fresh
 
 
 def test_graph_set_gathers_the_windows_of_drafter_window_inputs_across_the_ring_wrap(tp1, cfg):

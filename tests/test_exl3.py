@@ -25,6 +25,7 @@ from dspark_ray.actors.placement import teardown
 from dspark_ray.client import DrafterClient
 from dspark_ray.config import tiny
 from dspark_ray.engine import RankEngine
+from support.batches import Driver
 from dspark_ray.model.layout import Layout
 from dspark_ray.modes import make_drafter, make_emulated, read_rank, run_pair
 from dspark_ray.weights import exl3
@@ -548,7 +549,7 @@ def test_a_deployed_pair_serves_an_exl3_checkpoint_as_the_reference(ray_cluster,
     c = Checkpoint(exl3_dir)
     fe, host, port = deploy_pair(ray_cluster, exl3_dir, "exl3")
     try:
-        ref = RankEngine(make_drafter(c.config, "split", ckpt=c), 2)
+        ref = Driver(RankEngine(make_drafter(c.config, "split", ckpt=c), 2))
         with DrafterClient(host, port, timeout_s=60) as cl:
             cl.hello(client="test exl3", model_digest=c.identity_digest, config_digest=c.config.digest(), tp=2)
             grants = cl.acquire(2)

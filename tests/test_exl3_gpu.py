@@ -199,7 +199,7 @@ def test_drafter_on_the_kernels_matches_the_decoded_one_and_its_graphs(exl3_ckpt
             taps = workload.make_taps(cfg, n, torch.Generator().manual_seed(11 + r))
             assert gs.run([(gs.slots[r], 0, taps)], [], [], 1, False) is None
             st = d.new_slot()
-            d.insert(st, 0, torch.arange(n), taps)
+            d.insert(st, 0, taps)
             assert torch.equal(gs.slots[r].kv, st.kv), r
             eager.append(st)
         assert_set_drafts_like_eager(gs, d, eager, cfg.block_size, 5, 37)
@@ -227,8 +227,8 @@ def test_kernels_draft_like_the_decoded_checkpoint_up_to_near_ties(exl3_ckpt):
         n = 6 + r
         taps = workload.make_taps(cfg, n, torch.Generator().manual_seed(300 + r))
         a, b = dk.new_slot(), dd.new_slot()
-        dk.insert(a, 0, torch.arange(n), taps)
-        dd.insert(b, 0, torch.arange(n), taps)
+        dk.insert(a, 0, taps)
+        dd.insert(b, 0, taps)
         x = dk.draft([a], [r + 1], cfg.block_size, True)
         y = dd.draft([b], [r + 1], cfg.block_size, True)
         eq = x.drafts[0] == y.drafts[0]

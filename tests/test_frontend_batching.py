@@ -9,7 +9,7 @@ import time
 import pytest
 
 from dspark_ray import contract as C
-from dspark_ray.records import RankBatch, RankResult
+from dspark_ray.records import RingBatch
 from dspark_ray.frontend import Identity, PairLate, StepService
 
 WINDOW = 8
@@ -28,7 +28,7 @@ class _Pair:
         self.resets: list[list[int]] = []
         self.honour_deadline = False    # as PairManager: PairLate at the deadline, resume() waits for the gate
 
-    def run(self, batch: RankBatch, deadline_ns=None) -> list[RankResult]:
+    def run(self, batch: RingBatch, deadline_ns=None) -> list[C.EntryResult]:
         self.batches.append((threading.get_ident(), [e.slot for e in batch.entries]))
         self.resets.append(list(batch.resets))
         self.entered.set()
@@ -39,11 +39,11 @@ class _Pair:
             assert self.gate.wait(10)
         return self._finish(batch)
 
-    def _finish(self, batch: RankBatch) -> list[RankResult]:
+    def _finish(self, batch: RingBatch) -> list[C.EntryResult]:
         assert self.gate is None or self.gate.wait(10)
         if self.fail:
             raise ValueError("boom")
-        res = [RankResult(0, "", b"\0" * 4 * e.n_out, b"\0" * 4 * e.n_out, b"", 0) for e in batch.entries]
+        res = [C.EntryResult(drafts=b"\0" * 4 * e.n_out, confidences=b"\0" * 4 * e.n_out) for e in batch.entries]
         return res[:-1] if self.short else res
 
 

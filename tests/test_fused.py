@@ -360,7 +360,7 @@ def drafter_checks(ckpt_dir: str, dev: str) -> dict:
     g = torch.Generator().manual_seed(1)
     for i, s in enumerate(states):
         n = 6 + 7 * i                                   # request 0 holds a partial window, request 1 a full one
-        d.insert(s, 3, torch.randint(0, cfg.vocab_size, (n,), generator=g).to(dev),
+        d.insert(s, 3,
                  torch.randn(n, cfg.n_taps * cfg.hidden_size, generator=g).half().to(dev))
     use_matmul("exact")
     ref = d.draft(states, [5, 9], 5, want_margins=True, debug=True)

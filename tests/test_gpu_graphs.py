@@ -18,7 +18,7 @@ def _slots(d, cfg, rows, seed):
     out = []
     for i, n in enumerate(rows):
         st = d.new_slot()
-        d.insert(st, 0, torch.arange(n), workload.make_taps(cfg, n, torch.Generator().manual_seed(seed + i)))
+        d.insert(st, 0, workload.make_taps(cfg, n, torch.Generator().manual_seed(seed + i)))
         out.append(st)
     return out
 
@@ -113,7 +113,7 @@ def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt, matmul):
             taps = workload.make_taps(cfg, m, torch.Generator().manual_seed(m + k))
             inserts.append((st, 1000, taps))
             ref = d.new_slot()
-            d.insert(ref, 1000, torch.zeros(m, dtype=torch.int64), taps)
+            d.insert(ref, 1000, taps)
             want.append(ref)
         gs.pool[4:6].zero_()
         gs.run(inserts, [], [], 1, False)
@@ -145,7 +145,7 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, matmul, 
             n = int(torch.randint(1, gs.step_rows[bsz] // bsz + 1, (1,), generator=g))
             taps, pos = workload.make_taps(cfg, n, g), eager[r].position
             inserts.append((gs.slots[r], pos, taps))
-            d.insert(eager[r], pos, torch.zeros(n, dtype=torch.int64), taps)
+            d.insert(eager[r], pos, taps)
         seeds = [int(x) for x in torch.randint(0, cfg.vocab_size, (bsz,), generator=g)]
         launches += not gs.inp.in_use                # (the inserts-only runs above leave their upload in flight)
         gs.rehearse_launch()                         # keep_warm's launch between steps changes no bit

@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from support import workload
-from dspark_ray.engine import BAD_ENTRY, OK, RankEngine, StepEntry
+from support.batches import Driver, entry
+from dspark_ray import records as M
+from dspark_ray.contract import make_entry
+from dspark_ray.engine import RankEngine, entry_taps
 from dspark_ray.graphs import GraphSet, HostDraft
 from dspark_ray.model.heads import confident_prefix
 from dspark_ray.modes import make_drafter
@@ -19,26 +22,24 @@ N_SLOTS = 6
 
 
 def _engines(cfg, ckpt):
-    eager = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS)
-    graph = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
+    eager = Driver(RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS))
+    graph = Driver(RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True))
     # draft, step: 1-4 requests at every (n_out, margins), the wide bucket 6 at n_out B (both margins); insert
     assert graph.graphs is not None and graph.graphs.n_graphs == 2 * (4 * cfg.block_size * 2 + 2) + 5
     return eager, graph
 
 
 def _same_step(eager, graph, batch):
+    """Both engines' answers to `batch`: equal in every field and byte, each of its entry's n_out."""
     a, b = eager.step(batch), graph.step(batch)
-    for x, y in zip(a, b):
-        assert (x.code, x.reason, x.confident_len) == (y.code, y.reason, y.confident_len)
-        if x.code == OK:
-            assert np.array_equal(x.drafts, y.drafts) and np.array_equal(x.confidences, y.confidences)
-            assert x.drafts.dtype == np.int32 and x.confidences.dtype == np.float32    # the contract's dtypes
-            # an entry's prefix is over its own n_out drafts, also when the batch drafted more
-            assert x.confident_len == int(confident_prefix(torch.from_numpy(x.confidences),
-                                                           eager.drafter.head.threshold))
-            assert (x.margins is None) == (y.margins is None)
-            if x.margins is not None:
-                assert np.array_equal(x.margins, y.margins)
+    assert len(a) == len(b) == len(batch)
+    for e, x, y in zip(batch, a, b):
+        assert x == y
+        assert (len(x.drafts), len(x.confidences), len(x.margins)) == (4 * e.n_out, 4 * e.n_out,
+                                                                        4 * e.n_out * e.want_margins)
+        # an entry's prefix is over its own n_out drafts, also when the batch drafted more
+        assert x.confident_len == int(confident_prefix(torch.from_numpy(x.confidences_array().copy()),
+                                                       eager.drafter.head.threshold))
     return b
 
 
@@ -50,8 +51,8 @@ def _same_rings(eager, graph):
 
 def test_graph_engine_equals_the_eager_engine_bit_for_bit(cfg, ckpt):
     """Rounds of 3 requests (partial windows, a far start, rollbacks, every n_out, margins), then batches the
-    rounds do not cover: inserts of more than the largest bucket across two entries, a bad entry, and 5 requests
-    (the wide bucket of 6, one pad request)."""
+    rounds do not cover: inserts of more than the largest bucket across two entries, and 5 requests (the wide
+    bucket of 6, one pad request)."""
     eager, graph = _engines(cfg, ckpt)
     for batch in workload.rounds(cfg, n_requests=3, n_rounds=10, far_start=900_000):
         _same_step(eager, graph, batch)
@@ -59,19 +60,15 @@ def test_graph_engine_equals_the_eager_engine_bit_for_bit(cfg, ckpt):
     g = torch.Generator().manual_seed(3)
     pos = [s.position for s in graph.slots]
 
-    def entry(slot, rows, **kw):
-        return StepEntry(slot=slot, seed=int(torch.randint(0, cfg.vocab_size, (1,), generator=g)), n_out=5,
-                         start=pos[slot], token_ids=torch.randint(0, cfg.vocab_size, (rows,), generator=g),
-                         taps=workload.make_taps(cfg, rows, g), **kw)
+    def rows_at(slot, rows, **kw):
+        return entry(slot=slot, seed_token=int(torch.randint(0, cfg.vocab_size, (1,), generator=g)), n_out=5,
+                     start_pos=pos[slot], token_ids=torch.randint(0, cfg.vocab_size, (rows,), generator=g),
+                     taps=workload.make_taps(cfg, rows, g), **kw)
 
-    big = [entry(0, 100), entry(1, 90, want_margins=True), entry(3, 128)]   # 318 rows: three chunks
+    big = [rows_at(0, 100), rows_at(1, 90, want_margins=True), rows_at(3, 128)]   # 318 rows: three chunks
     _same_step(eager, graph, big)
-    bad = entry(2, 4)
-    bad.taps[1, 7] = float("nan")
-    outs = _same_step(eager, graph, [entry(4, 2), bad])
-    assert outs[1].code == BAD_ENTRY and "inf or nan" in outs[1].reason
     pos = [s.position for s in graph.slots]
-    _same_step(eager, graph, [entry(s, 1 + s) for s in range(5)])
+    _same_step(eager, graph, [rows_at(s, 1 + s) for s in range(5)])
     _same_rings(eager, graph)
     assert graph.slots[5].fresh and not graph.slots[5].kv.any()       # pad rows went to the scratch slot only
 
@@ -92,11 +89,11 @@ def test_a_decode_round_is_one_step_graph_with_the_separate_graphs_bits(cfg, ckp
     runs the draft graph. Every answer and ring is the separate graphs' (`DSPARK_STEP_GRAPHS=0`) bit for bit."""
     monkeypatch.setenv("DSPARK_STEP_GRAPHS", "0")
     settings.reread()
-    apart = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
+    apart = Driver(RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True))
     assert not apart.graphs.step_graphs
     monkeypatch.delenv("DSPARK_STEP_GRAPHS")
     settings.reread()
-    graph = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
+    graph = Driver(RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True))
     assert graph.graphs.n_graphs == 2 * (4 * cfg.block_size * 2 + 2) + 5   # draft, step; insert
     log = _replays(graph)
     for batch in workload.rounds(cfg, n_requests=4, n_rounds=8, far_start=900_000):
@@ -104,16 +101,16 @@ def test_a_decode_round_is_one_step_graph_with_the_separate_graphs_bits(cfg, ckp
     assert log == ["step"] * 8
     g = torch.Generator().manual_seed(5)
 
-    def entry(slot, rows):
-        return StepEntry(slot=slot, seed=3 + slot, n_out=4, start=graph.slots[slot].position,
-                         token_ids=torch.randint(0, cfg.vocab_size, (rows,), generator=g),
-                         taps=workload.make_taps(cfg, rows, g))
+    def rows_at(slot, rows):
+        return entry(slot=slot, seed_token=3 + slot, n_out=4, start_pos=graph.slots[slot].position,
+                     token_ids=torch.randint(0, cfg.vocab_size, (rows,), generator=g),
+                     taps=workload.make_taps(cfg, rows, g))
     for rows, kinds in (({0: 100, 1: 30}, ["insert", "step"]),      # a 128-row chunk, then 2 rows beside the draft
                         ({0: 40}, ["insert", "draft"]),              # 40 > 8: one insert chunk, then the draft
                         ({0: 6, 1: 9}, ["step"]),                    # 15 <= 2 x 8
                         ({2: 0}, ["draft"])):
         del log[:]
-        _same_step(apart, graph, [entry(slot, n) for slot, n in rows.items()])
+        _same_step(apart, graph, [rows_at(slot, n) for slot, n in rows.items()])
         assert log == kinds, (log, kinds)
     _same_rings(apart, graph)
 
@@ -121,15 +118,11 @@ def test_a_decode_round_is_one_step_graph_with_the_separate_graphs_bits(cfg, ckp
 def test_a_request_drafts_the_same_in_every_batch_bucket(cfg, ckpt):
     """Batch invariance through the packed path: each request of a 4-request batch gets its one-request answer."""
     _, graph = _engines(cfg, ckpt)
-    batch = [StepEntry(slot=s, seed=11 + s, n_out=5, start=0, token_ids=torch.arange(3 + 5 * s),
-                       taps=workload.make_taps(cfg, 3 + 5 * s, torch.Generator().manual_seed(s))) for s in range(4)]
-    alone = []
-    for e in batch:
-        alone.append(graph.step([e])[0])
-        graph.reset_slots([e.slot])
-    together = graph.step(batch)
-    for a, b in zip(alone, together):
-        assert np.array_equal(a.drafts, b.drafts) and np.array_equal(a.confidences, b.confidences)
+    batch = [entry(slot=s, seed_token=11 + s, n_out=5, token_ids=torch.arange(3 + 5 * s),
+                   taps=workload.make_taps(cfg, 3 + 5 * s, torch.Generator().manual_seed(s))) for s in range(4)]
+    alone = [graph.step([e])[0] for e in batch]
+    together = graph.step(batch, resets=range(4))
+    assert alone == together
 
 
 def test_wide_batches_run_padded_in_their_bucket_with_the_eager_bits(cfg, ckpt):
@@ -138,8 +131,8 @@ def test_wide_batches_run_padded_in_their_bucket_with_the_eager_bits(cfg, ckpt):
     there) and every ring is the eager engine's bit for bit; a draft in a bucket gives each request its one-request
     answer."""
     n = 16
-    eager = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), n)
-    graph = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), n, graphs=True)
+    eager = Driver(RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), n))
+    graph = Driver(RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), n, graphs=True))
     gs = graph.graphs
     assert gs.wide_buckets == (6, 8, 12, 16) and gs.max_requests == 16
     assert gs.n_graphs == 2 * (4 * cfg.block_size * 2 + 4 * 2) + 5
@@ -153,7 +146,7 @@ def test_wide_batches_run_padded_in_their_bucket_with_the_eager_bits(cfg, ckpt):
     for width in (5, 7, 9, 13, 16):
         for batch in workload.rounds(cfg, seed=width, n_requests=width, n_rounds=2, first_rows=(2, 1)):
             for e in batch:
-                e.start = graph.slots[e.slot].position
+                e.start_pos = graph.slots[e.slot].position
             _same_step(eager, graph, batch)
     assert log == ["step"] * (3 + 5 * 2)
     _same_rings(eager, graph)
@@ -208,9 +201,8 @@ def test_the_engines_answers_come_from_the_download_in_the_contracts_dtypes(cfg,
     step's)."""
     _, graph = _engines(cfg, ckpt)
     gs = graph.graphs
-    e = StepEntry(slot=0, seed=7, n_out=5, start=0, token_ids=torch.arange(9),
-                  taps=workload.make_taps(cfg, 9, torch.Generator().manual_seed(1)))
-    graph.step([e])
+    graph.step([entry(slot=0, seed_token=7, n_out=5, token_ids=torch.arange(9),
+                      taps=workload.make_taps(cfg, 9, torch.Generator().manual_seed(1)))])
     states = [gs.slots[0]]
     for n_out, margins in ((5, True), (3, False)):
         want = HostDraft.of(gs.run([], states, [11], n_out, margins))       # a draft leaves the slot as it was
@@ -225,22 +217,22 @@ def test_the_engines_answers_come_from_the_download_in_the_contracts_dtypes(cfg,
 
 
 def test_a_rank_reads_the_ring_slot_in_place():
-    """The rank's entries view the ring's bytes (no copy of the taps); the token ids stay int32; an entry without
-    rows has empty tensors of the right width."""
-    from dspark_ray import records as M
+    """The ring carries the contract's records, and a rank's entries view the slot's bytes: its taps are read in
+    place (a byte written into the slot shows through), an entry without rows has empty taps of the right width."""
     width = 12
-    taps = np.arange(3 * width, dtype=np.float16)
-    slot = memoryview(M.encode(M.RankBatch([2], [
-        M.RankEntry(0, 5, 5, 0, np.arange(3, dtype="<i4").tobytes(), taps.tobytes(), -1, False),
-        M.RankEntry(1, 6, 2, 4, b"", b"", -1, True)]))).toreadonly()
-    batch = M.decode_batch(slot)
-    a, b = M.to_step_entries(batch, width)
-    assert batch.resets == [2]
-    assert a.token_ids.dtype == torch.int32 and a.token_ids.tolist() == [0, 1, 2]
-    assert a.taps.shape == (3, width) and torch.equal(a.taps.flatten(), torch.from_numpy(taps))
-    base = np.frombuffer(slot, np.uint8)
-    assert np.shares_memory(a.taps.numpy(), base)                              # a view of the slot
-    assert b.token_ids.numel() == 0 and b.taps.shape == (0, width) and b.want_margins
+    taps = np.arange(3 * width, dtype=np.float16).reshape(3, width)
+    slot = bytearray(M.encode(M.RingBatch([2], [
+        make_entry(slot=0, generation=3, seed_token=5, token_ids=np.arange(3), taps=taps),
+        make_entry(slot=1, generation=1, seed_token=6, start_pos=4, n_out=2, want_margins=True)], [(0, 3), (-1, 0)])))
+    batch = M.decode_batch(memoryview(slot).toreadonly())
+    a, b = batch.entries
+    assert batch.resets == [2] and batch.placed == [(0, 3), (-1, 0)]
+    assert (a.generation, a.seed_token, a.rows) == (3, 5, 3) and a.token_array().tolist() == [0, 1, 2]
+    t = entry_taps(a, width)
+    assert t.shape == (3, width) and torch.equal(t, torch.from_numpy(taps))
+    slot[slot.find(taps.tobytes()) + 1] ^= 0x40                                # the high byte of taps[0, 0]
+    assert t[0, 0] != 0 and torch.equal(t.flatten()[1:], torch.from_numpy(taps).flatten()[1:])
+    assert entry_taps(b, width).shape == (0, width) and b.want_margins and b.rows == 0
 
 
 def test_the_staged_pool_rows_are_the_ring_rows_of_every_position(cfg, ckpt):

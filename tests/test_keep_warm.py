@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from support import workload
+from support.batches import Driver
 from dspark_ray.transport.ring import RingTimeout, StepRing
-from dspark_ray.engine import RankEngine, StepEntry
+from dspark_ray.engine import RankEngine
 from dspark_ray.keep_warm import KeepWarm, launch_rehearsal_period_us
 from dspark_ray.modes import make_drafter
+from dspark_ray.records import RingBatch
 from dspark_ray.wire import spinning_recv_into
 from dspark_ray import settings
 
@@ -131,18 +133,18 @@ def test_a_rehearsing_graph_engine_answers_and_writes_the_bits_of_one_that_does_
     """Before every step, the engine rehearses the step before it (whose entries have moved on) and the one to
     come: the answers and every slot's ring are those of an engine that never rehearses, bit for bit. The
     rehearsal does stage into the pinned buffer, and does not while an upload may read it."""
-    plain = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
-    warm = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
+    plain = Driver(RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True))
+    warm = Driver(RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True))
     staged = warm.graphs.inp.host_np
-    last: list[StepEntry] = []
+    last = RingBatch([], [], [])
     n_staged = 0
     for batch in workload.rounds(cfg, n_requests=3, n_rounds=10, far_start=900_000):
-        for rehearsed in (last, batch):
+        for rehearsed in (last, RingBatch([], batch, [(-1, 0)] * len(batch))):   # (a rehearsal reads no placement)
             before = staged.copy()
             warm.rehearse(rehearsed)
             n_staged += not np.array_equal(before, staged)
         _same_step(plain, warm, batch)
-        last = batch
+        last = RingBatch([], batch, [(-1, 0)] * len(batch))
     _same_rings(plain, warm)
     assert n_staged >= 10
     warm.graphs.inp.in_use = True                    # as while a GPU upload is in flight
@@ -190,16 +192,6 @@ def test_the_socket_waiters_readiness_check_sees_a_frame_that_came_during_a_rehe
         assert recv(memoryview(buf)) == 4 and bytes(buf) == b"abcd"
     assert ran == ["first"]                     # the second piece waits for the next wait
     assert kw._start == 1                       # ... and runs first then
-
-
-def test_rehearsing_an_entry_whose_slot_is_gone_or_full_does_nothing(cfg, ckpt):
-    eng = RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True)
-    taps = workload.make_taps(cfg, 3, torch.Generator().manual_seed(0))
-    before = eng.graphs.inp.host_np.copy()
-    eng.rehearse([StepEntry(slot=N_SLOTS + 3, seed=1, n_out=5, token_ids=torch.arange(3), taps=taps)])
-    eng.rehearse([StepEntry(slot=0, seed=1, n_out=5, token_ids=torch.arange(3), taps=taps[:, :7])])   # bad shape
-    assert np.array_equal(before, eng.graphs.inp.host_np)
-    assert all(s.position == 0 for s in eng.slots)
 
 
 def test_the_gpu_wait_polls_its_event_and_runs_the_hook_with_the_events_own_check():
@@ -270,25 +262,24 @@ def test_a_wide_batch_is_rehearsed_by_its_first_entries(cfg):
     from dspark_ray import records as M
     from dspark_ray.spec import PairSpec
     from dspark_ray.rank_worker import RankWorker
-    from dspark_ray.engine import EntryOut
     from dspark_ray.keep_warm import REHEARSAL_ENTRIES
     from dspark_ray.transport.tcp import TcpServer
     from dspark_ray.wire import HEADER_SIZE, FrameWriter
-    n, width = 9, cfg.n_taps * cfg.hidden_size
+    n = 9
     taps = workload.make_taps(cfg, 2, torch.Generator().manual_seed(1)).numpy()
     seen = []
 
     class Engine:
         graphs = None
 
-        def rehearse(self, entries):
-            seen.append(("rank", [e.slot for e in entries]))
+        def rehearse(self, batch):
+            seen.append(("rank", [e.slot for e in batch.entries]))
     w = RankWorker(PairSpec(checkpoint="x"), 0)
     w.engine, w.keep_warm = Engine(), KeepWarm("rank", every_us=0, enabled=True)
-    batch = M.RankBatch([3], [M.RankEntry(s, 5, 5, 0, np.arange(2, dtype="<i4").tobytes(), taps.tobytes(), -1, False)
-                              for s in range(n)])
-    out = EntryOut(0, "", np.arange(5, dtype=np.int32), np.full(5, 0.5, np.float32), None, 2)
-    w._rehearse_from(M.encode(batch), width, [out] * n)
+    batch = M.RingBatch([3], [C.make_entry(slot=s, generation=1, seed_token=5, token_ids=[1, 2], taps=taps)
+                              for s in range(n)], [(0, 2)] * n)
+    out = C.ok_result(generation=0, drafts=np.arange(5), confidences=np.full(5, 0.5), confident_len=2)
+    w._rehearse_from(M.encode(batch), [out] * n)
     w.keep_warm()
     assert seen == [("rank", list(range(REHEARSAL_ENTRIES)))]
     assert set(w.keep_warm.pieces) == {"decode", "engine", "reply"} and not w.keep_warm.dropped

@@ -33,7 +33,7 @@ def test_cached_rows_change_no_bit_on_either_shard(cfg, full_weights, rounds, un
     d = make_drafter(cfg, "split", full=full_weights, markov_cache=cfg.vocab_size // part)
     assert d.markov_cache_bytes == cfg.vocab_size // part * cfg.vocab_size * 2
     if part == 2:           # both kinds of step happen: previous tokens with a row and without
-        prevs = torch.cat([torch.cat((torch.tensor([e.seed]), r.drafts[:-1]))
+        prevs = torch.cat([torch.cat((torch.tensor([e.seed_token]), r.drafts[:-1]))
                            for batch, recs in zip(rounds, uncached) for e, r in zip(batch, recs)])
         assert (prevs < cfg.vocab_size // 2).any() and (prevs >= cfg.vocab_size // 2).any()
     parity.assert_identical(uncached, parity.replay(d, rounds), f"cache of {cfg.vocab_size // part} rows")
@@ -94,7 +94,7 @@ def test_cached_rows_give_the_live_bits_on_the_card(cfg, ckpt):
             taps = workload.make_taps(cfg, 6 + 5 * r, torch.Generator().manual_seed(40 + r))
             gs.run([(gs.slots[r], 0, taps)], [], [], 1, False)
             st = d.new_slot()
-            d.insert(st, 0, torch.zeros(taps.shape[0], dtype=torch.int64), taps)
+            d.insert(st, 0, taps)
             eager.append(st)
         assert_set_drafts_like_eager(gs, d, eager, cfg.block_size, 3, 1009)
         d.head.markov_map = cmap

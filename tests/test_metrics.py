@@ -11,7 +11,7 @@ import types
 import pytest
 
 from dspark_ray import contract as C
-from dspark_ray.records import RankBatch, RankResult
+from dspark_ray.records import RingBatch
 from dspark_ray.frontend import Identity, PairFailure, StepService
 from dspark_ray.metrics import ANSWER_CODES, Exporter
 from dspark_ray.wake_ups import WakeUps
@@ -64,11 +64,11 @@ class _Pair:
     def __init__(self, delay_s=0.0):
         self.delay_s, self.fail = delay_s, False
 
-    def run(self, batch: RankBatch, deadline_ns=None) -> list[RankResult]:
+    def run(self, batch: RingBatch, deadline_ns=None) -> list[C.EntryResult]:
         time.sleep(self.delay_s)
         if self.fail:
             raise PairFailure("step", "planted")
-        return [RankResult(0, "", b"\0" * 4 * e.n_out, b"\0" * 4 * e.n_out, b"", 0) for e in batch.entries]
+        return [C.EntryResult(drafts=b"\0" * 4 * e.n_out, confidences=b"\0" * 4 * e.n_out) for e in batch.entries]
 
 
 class _Sup:

@@ -27,7 +27,7 @@ def test_the_readme_client_loop_drafts_every_round_and_releases_its_slot(cfg, ck
     width = cfg.n_taps * cfg.hidden_size
     rng = np.random.default_rng(0)
     svc = StepService(Identity("model", cfg.digest(), 2, cfg.max_model_len), C.Limits.for_config(cfg, slot_capacity=4),
-                      EnginePair(RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 4), width),
+                      EnginePair(RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 4)),
                       window=cfg.sliding_window)
     srv = TcpServer(svc).start()
     rounds = []

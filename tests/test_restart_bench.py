@@ -23,36 +23,36 @@ def test_the_client_sends_what_the_slot_lacks(cfg):
     for _ in range(6):                                    # served: each round's rows alone
         (e,) = next(work)
         q.advance(e)
-        context += e.token_ids.tolist()
+        context += _tokens(e)
         sent = q.entry()
-        assert sent.start_pos == len(context) - len(e.token_ids) and _tokens(sent) == e.token_ids.tolist()
+        assert sent.start_pos == len(context) - e.rows and _tokens(sent) == _tokens(e)
         q.settle(EntryResult(code=Code.OK, generation=1))
     (e,) = next(work)                                     # UNAVAILABLE: the slot is unchanged ...
     q.advance(e)
-    context += e.token_ids.tolist()
+    context += _tokens(e)
     q.entry()
     q.settle(EntryResult(code=Code.UNAVAILABLE, generation=1))
     (e,) = next(work)                                     # ... so the next entry carries both rounds' rows
     q.advance(e)
-    context += e.token_ids.tolist()
+    context += _tokens(e)
     sent = q.entry()
-    assert _tokens(sent) == context[sent.start_pos:] and len(context) - sent.start_pos > len(e.token_ids)
+    assert _tokens(sent) == context[sent.start_pos:] and len(context) - sent.start_pos > e.rows
     q.settle(EntryResult(code=Code.STALE_GENERATION, generation=2))      # resynced: the last window, fresh
     (e,) = next(work)
     q.advance(e)
-    context += e.token_ids.tolist()
+    context += _tokens(e)
     sent = q.entry()
     assert (sent.generation, sent.start_pos, sent.rollback_to) == (2, len(context) - W, -1)
     assert _tokens(sent) == context[-W:]
     q.settle(EntryResult(code=Code.OK, generation=2))
     e = next(work)[0]                                     # the trunk rolls back below what the slot holds
-    e.rollback_to, e.start = len(context) - 1, len(context) - 1
+    e.rollback_to, e.start_pos = len(context) - 1, len(context) - 1
     context = context[:-1]
     q.advance(e)
-    context += e.token_ids.tolist()
+    context += _tokens(e)
     sent = q.entry()
-    assert sent.rollback_to == sent.start_pos == len(context) - len(e.token_ids)
-    assert _tokens(sent) == e.token_ids.tolist()
+    assert sent.rollback_to == sent.start_pos == len(context) - e.rows
+    assert _tokens(sent) == _tokens(e)
 
 
 def test_the_check_tells_one_changed_bit():

@@ -7,15 +7,17 @@ import os
 import statistics
 import time
 
-import numpy as np
+import msgspec
 import pytest
 import torch
 
 from support import workload
+from support.batches import Driver, entry
+from dspark_ray import contract as C
 from dspark_ray.actors.placement import teardown
 from dspark_ray.client import DrafterClient
-from dspark_ray.contract import Code, make_entry
-from dspark_ray.engine import RankEngine, StepEntry
+from dspark_ray.contract import Code
+from dspark_ray.engine import RankEngine
 from dspark_ray.modes import make_drafter
 
 from conftest import PAIR_BACKEND, deploy_pair
@@ -27,32 +29,29 @@ class Request:
     """A client-side request on one slot, mirrored into an in-process reference engine slot: every OK answer is
     compared bit for bit with what the reference drafts from the same context."""
 
-    def __init__(self, c: DrafterClient, ref: RankEngine, ref_slot: int, cfg, seed: int):
+    def __init__(self, c: DrafterClient, ref: Driver, ref_slot: int, cfg, seed: int):
         self.c, self.ref, self.rs, self.cfg = c, ref, ref_slot, cfg
         (g,) = c.acquire(1)
         self.slot, self.gen = g.slot, g.generation
         self.gen_ = torch.Generator().manual_seed(seed)
         self.pos, self.fresh = 0, True
 
-    def entry(self) -> StepEntry:
+    def entry(self) -> C.Entry:
+        """The next entry, for the reference's slot (its generation is the client's to quote)."""
         rows = 8 if self.fresh else int(torch.randint(1, 7, (1,), generator=self.gen_))
-        return StepEntry(slot=self.rs, seed=int(torch.randint(0, self.cfg.vocab_size, (1,), generator=self.gen_)),
-                         n_out=5, start=self.pos, token_ids=torch.randint(0, self.cfg.vocab_size, (rows,),
-                                                                          generator=self.gen_),
-                         taps=workload.make_taps(self.cfg, rows, self.gen_))
+        return entry(slot=self.rs, seed_token=int(torch.randint(0, self.cfg.vocab_size, (1,), generator=self.gen_)),
+                     n_out=5, start_pos=self.pos,
+                     token_ids=torch.randint(0, self.cfg.vocab_size, (rows,), generator=self.gen_),
+                     taps=workload.make_taps(self.cfg, rows, self.gen_))
 
     def step(self, deadline_ms: float = 60_000):
         e = self.entry()
-        (r,) = self.c.step([make_entry(slot=self.slot, generation=self.gen, seed_token=e.seed, start_pos=e.start,
-                                       token_ids=e.token_ids.numpy(), taps=e.taps.numpy(), n_out=e.n_out)],
-                           deadline_ms=deadline_ms)
+        (r,) = self.c.step([msgspec.structs.replace(e, slot=self.slot, generation=self.gen)], deadline_ms=deadline_ms)
         if r.code == Code.OK:
-            if self.fresh:
-                self.ref.reset_slots([self.rs])
-            (w,) = self.ref.step([e])
-            assert np.array_equal(r.drafts_array(), w.drafts), "a wrong draft was returned"
-            assert np.array_equal(r.confidences_array(), w.confidences)
-            self.pos += e.token_ids.shape[0]
+            (w,) = self.ref.step([e], resets=[self.rs] if self.fresh else [])
+            assert r.drafts == w.drafts, "a wrong draft was returned"
+            assert r.confidences == w.confidences
+            self.pos += e.rows
             self.fresh = False
         elif r.code in (Code.INTERNAL, Code.STALE_GENERATION) or r.generation != self.gen:
             # resynced (also a DEADLINE whose batch was on the pair: a new generation): re-insert the context
@@ -64,7 +63,7 @@ class Request:
 def sup(ray_cluster, tiny_ckpt, cfg, ckpt):
     fe, host, port = deploy_pair(ray_cluster, tiny_ckpt, "sup", collective_timeout_s=1.5,
                                  step_timeout_s=STEP_TIMEOUT, restart_threshold=3)
-    ref = RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 8)
+    ref = Driver(RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 8))
     yield fe, host, port, ref
     teardown("sup")
 

@@ -75,8 +75,8 @@ def emulated(cfg, full_weights, rounds):
 def test_workload_covers_inserts_rollbacks_and_a_partial_window(cfg, rounds):
     assert len(rounds) >= 40
     assert any(e.rollback_to >= 0 for b in rounds for e in b)
-    assert rounds[0][0].token_ids.shape[0] < cfg.sliding_window          # request 0 starts on a partial window
-    assert rounds[0][1].start == ROUNDS["far_start"]
+    assert rounds[0][0].rows < cfg.sliding_window          # request 0 starts on a partial window
+    assert rounds[0][1].start_pos == ROUNDS["far_start"]
 
 
 def test_emulated_pair_equals_split_reference_bit_for_bit(cfg, full_weights, rounds, emulated):
@@ -202,7 +202,7 @@ def test_solo_rank_runs_alone_on_half_the_weights_with_local_stand_ins(cfg, full
     assert solo.head.shards[0].head.shape[0] == cfg.vocab_size - vocab_split(cfg.vocab_size)
     assert solo.head.shards[0].start == vocab_split(cfg.vocab_size)
     st = solo.new_slot()
-    solo.insert(st, 0, torch.arange(6), workload.make_taps(cfg, 6, torch.Generator().manual_seed(0)))
+    solo.insert(st, 0, workload.make_taps(cfg, 6, torch.Generator().manual_seed(0)))
     out = solo.draft([st], [7], 5, want_margins=True)
     # Its drafts come from its own vocab slice only; the numbers are a stand-in's, not the pair's.
     assert bool((out.drafts >= vocab_split(cfg.vocab_size)).all())

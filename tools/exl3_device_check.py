@@ -152,7 +152,7 @@ def check_forward(d: Path, ck: Checkpoint, dev, n_rounds: int, ref_device) -> di
                   "cache_seqlens": torch.tensor([p0], dtype=torch.int32)}
         state = model.forward(torch.tensor([[seed]], dtype=torch.long), params)
         theirs = model.sample_from_state(state, params)[0, 1:].cpu()
-        ref.insert(st, start, torch.zeros(n, dtype=torch.long, device=ref_device), taps.to(ref_device))
+        ref.insert(st, start, taps.to(ref_device))
         r = ref.draft([st], [seed], cfg.block_size, want_margins=True)
         ours = r.drafts[0].cpu()
         eq = (ours == theirs)

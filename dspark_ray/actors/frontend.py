@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict
 
 from .. import records as M
+from ..contract import EntryResult
 from ..frontend import PairFailure, PairLate, StepService
 from ..keep_warm import REHEARSAL_ENTRIES, KeepWarm
 from ..metrics import Exporter
@@ -134,7 +135,7 @@ class PairManager:
         self.kill()
         self.start()
 
-    def run(self, batch: M.RankBatch, deadline_ns: int | None = None) -> list[M.RankResult]:
+    def run(self, batch: M.RingBatch, deadline_ns: int | None = None) -> list[EntryResult]:
         """One step through the ring. A missing completion within the bound is a hang (or a death): the ranks
         are killed so nothing stale can answer later, and the supervisor restarts the pair. Still running at
         `deadline_ns`: PairLate, whose resume() waits on (the same bound, counted from the publish)."""
@@ -160,8 +161,8 @@ class PairManager:
             self.kill()
             raise PairFailure("broken", str(e)) from None
 
-    def _collect(self, batch: M.RankBatch, payload: bytes, row: dict, bound: float,
-                 deadline_ns: int | None) -> list[M.RankResult]:
+    def _collect(self, batch: M.RingBatch, payload: bytes, row: dict, bound: float,
+                 deadline_ns: int | None) -> list[EntryResult]:
         seq = row["seq"]
         with self._failing_closed("completion"):
             while True:
@@ -200,7 +201,7 @@ class PairManager:
         self.last_seq = seq
         self.stamps.add(row)
         if self.keep_warm is not None and self.keep_warm.wants_sample("batch", len(payload)):
-            sample = M.RankBatch(batch.resets, batch.entries[:REHEARSAL_ENTRIES])      # (keep_warm.py)
+            sample = batch.head(REHEARSAL_ENTRIES)      # (keep_warm.py)
             self.keep_warm.set("batch", lambda: M.encode(sample))
             self.keep_warm.set("reply", lambda reply=comps[0][1]: M.decode_reply(reply))
         return results

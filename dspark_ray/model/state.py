@@ -11,9 +11,10 @@ import torch
 
 
 class SlotCursor:
-    """Where a slot stands (base, position) and the rules for inserts and rollbacks, without the rows: the
-    front-end keeps one per slot to refuse a bad entry before it reaches a rank, the ranks one inside each
-    `SlotState`. One implementation of the rules, so both always agree."""
+    """Where a slot stands (base, position) and the rules for inserts and rollbacks, without the rows. In the service
+    the front-end's cursor is the one account of a slot: it refuses a bad entry before it reaches a rank and hands
+    the ranks each entry's placement (`after`), which their `SlotState`s take as given (`place`). The reference
+    drafter, used on its own, applies the rules to its `SlotState` itself (`rollback`, `advance`)."""
 
     def __init__(self, window: int, max_rows: int):
         self.window, self.max_rows = window, max_rows
@@ -70,15 +71,26 @@ class SlotCursor:
                 return why
         return self.check_insert(start, n, rollback_to)
 
-    def position_after(self, start: int, n: int, rollback_to: int = -1) -> int:
-        """p0 after an entry's rollback and insert of n rows at `start` (checked before), the state untouched:
-        where its draft's seed sits."""
-        pos = self.position
+    def after(self, start: int, n: int, rollback_to: int = -1) -> tuple[int, int]:
+        """(base, position) after an entry's rollback and insert of n rows at `start` (checked before), the state
+        untouched: the front-end hands this placement to the ranks with the entry, and takes it itself once the entry
+        ran; position is where the entry's seed sits."""
+        base, pos = self.base, self.position
         if rollback_to >= 0:
-            pos = 0 if self.fresh or rollback_to == self.base else rollback_to    # as `rollback` does
-        return start + n if n else pos
+            if base < 0 or rollback_to == base:       # as `rollback` does: back to the first row held is a fresh slot
+                base, pos = -1, 0
+            else:
+                pos = rollback_to
+        if n:
+            base = start if base < 0 else base
+            pos = start + n
+        return base, pos
 
     # -- mutations -----------------------------------------------------------------------------------------------
+    def place(self, base: int, position: int) -> None:
+        """Take a placement `after` computed (the front-end's cursor, the one account of where a slot stands)."""
+        self.base, self.position = base, position
+
     def rollback(self, q: int) -> None:
         if self.fresh or q == self.base:
             self.reset()

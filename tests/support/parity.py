@@ -23,9 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark_ray.engine import StepEntry
+from dspark_ray import contract as C
+from dspark_ray.engine import entry_taps
 from dspark_ray.model import ops
 from dspark_ray.model.drafter import Drafter
+
+from .batches import Batcher
 
 
 @dataclass
@@ -37,38 +40,44 @@ class EntryRecord:
     normed: torch.Tensor        # (B, h) fp16 head input
 
 
-def replay(d: Drafter, rounds: list[list[StepEntry]]) -> list[list[EntryRecord]]:
+def replay(d: Drafter, rounds: list[list[C.Entry]]) -> list[list[EntryRecord]]:
     """Insert and draft every batch of `rounds` through `d` (margins and debug outputs on)."""
     slots: dict[int, object] = {}
+    width = d.cfg.n_taps * d.cfg.hidden_size
     out = []
     for batch in rounds:
         states = []
         for e in batch:
             st = slots.setdefault(e.slot, d.new_slot())
-            d.insert(st, e.start, e.token_ids, e.taps, e.rollback_to)
+            d.insert(st, e.start_pos, entry_taps(e, width), e.rollback_to)
             states.append(st)
         n_out = max(e.n_out for e in batch)
-        r = d.draft(states, [e.seed for e in batch], n_out, want_margins=True, debug=True)
+        r = d.draft(states, [e.seed_token for e in batch], n_out, want_margins=True, debug=True)
         out.append([EntryRecord(r.drafts[j, :e.n_out].clone(), r.confidences[j, :e.n_out].clone(),
                                 r.margins[j, :e.n_out].clone(), r.logits[j, :e.n_out].clone(), r.normed[j].clone())
                     for j, e in enumerate(batch)])
     return out
 
 
-def replay_engine(eng, rounds: list[list[StepEntry]]) -> list[list[EntryRecord]]:
+def replay_engine(eng, rounds: list[list[C.Entry]]) -> list[list[EntryRecord]]:
     """The same rounds through a `RankEngine` (graphs or eager): drafts, confidences, and margins where the entry
     asked for them (empty otherwise); no logits or head input (a graph keeps no debug outputs)."""
     out = []
     none = torch.empty(0)
+    batcher = Batcher(eng.slots)
     for batch in rounds:
-        res = eng.step(batch)
-        out.append([EntryRecord(torch.from_numpy(r.drafts), torch.from_numpy(r.confidences),
-                                torch.from_numpy(r.margins) if r.margins is not None else none, none, none)
-                    for r in res])
+        res = eng.step(batcher(batch))
+        out.append([EntryRecord(tensor(r.drafts_array()), tensor(r.confidences_array()), tensor(r.margins_array()),
+                                none, none) for r in res])
     return out
 
 
-def as_engine_records(recs: list[list[EntryRecord]], rounds: list[list[StepEntry]]) -> list[list[EntryRecord]]:
+def tensor(a) -> torch.Tensor:
+    """A result's array (a read-only view of its bytes) as a tensor of its own."""
+    return torch.from_numpy(a.copy())
+
+
+def as_engine_records(recs: list[list[EntryRecord]], rounds: list[list[C.Entry]]) -> list[list[EntryRecord]]:
     """`replay` records cut to what `replay_engine` keeps (in the engine's dtypes: int32 drafts), for a bit-for-bit
     comparison of the two."""
     none = torch.empty(0)

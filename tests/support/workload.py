@@ -12,8 +12,10 @@ from typing import Iterator
 
 import torch
 
+from dspark_ray import contract as C
 from dspark_ray.config import DrafterConfig
-from dspark_ray.engine import StepEntry
+
+from .batches import entry
 
 
 def make_taps(cfg: DrafterConfig, rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -23,8 +25,9 @@ def make_taps(cfg: DrafterConfig, rows: int, gen: torch.Generator) -> torch.Tens
 
 def rounds(cfg: DrafterConfig, *, seed: int = 0, n_requests: int = 2, n_rounds: int = 40,
            first_rows: tuple[int, ...] = (6, 3), far_start: int | None = None, rollback_every: int = 7,
-           vary_n_out: bool = True, margins_every: int = 3) -> list[list[StepEntry]]:
-    """`n_rounds` batches of `n_requests` entries (request i uses slot i): the first rounds of `stream`."""
+           vary_n_out: bool = True, margins_every: int = 3) -> list[list[C.Entry]]:
+    """`n_rounds` batches of `n_requests` entries (contract records at generation 0; request i uses slot i): the
+    first rounds of `stream`."""
     return list(itertools.islice(stream(cfg, seed=seed, n_requests=n_requests, first_rows=first_rows,
                                         far_start=far_start, rollback_every=rollback_every, vary_n_out=vary_n_out,
                                         margins_every=margins_every), n_rounds))
@@ -32,7 +35,7 @@ def rounds(cfg: DrafterConfig, *, seed: int = 0, n_requests: int = 2, n_rounds: 
 
 def stream(cfg: DrafterConfig, *, seed: int = 0, n_requests: int = 2, first_rows: tuple[int, ...] = (6, 3),
            far_start: int | None = None, rollback_every: int = 7, vary_n_out: bool = True,
-           margins_every: int = 3) -> Iterator[list[StepEntry]]:
+           margins_every: int = 3) -> Iterator[list[C.Entry]]:
     """Batches of `n_requests` entries (request i uses slot i), one per round, without end: a load that runs as
     long as its driver needs (bench/restart.py). Request 0's first insert is short (partial window); with
     `far_start`, request 1 starts at that position (a long prompt's last rows)."""
@@ -54,9 +57,9 @@ def stream(cfg: DrafterConfig, *, seed: int = 0, n_requests: int = 2, first_rows
                     start = rollback
             ids = torch.randint(0, cfg.vocab_size, (n,), generator=g)
             n_out = int(torch.randint(1, B + 1, (1,), generator=g)) if vary_n_out else B
-            batch.append(StepEntry(
-                slot=i, seed=int(torch.randint(0, cfg.vocab_size, (1,), generator=g)), n_out=n_out,
-                start=start, token_ids=ids, taps=make_taps(cfg, n, g), rollback_to=rollback,
+            batch.append(entry(
+                slot=i, seed_token=int(torch.randint(0, cfg.vocab_size, (1,), generator=g)), n_out=n_out,
+                start_pos=start, token_ids=ids, taps=make_taps(cfg, n, g), rollback_to=rollback,
                 want_margins=bool(margins_every) and r % margins_every == 0))
             pos[i] = start + n
         yield batch
