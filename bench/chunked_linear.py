@@ -74,9 +74,9 @@ class Case:
         rows = chunks * ROWS
         if groups > 1:     # the step's grouped layout, read in place (`gemm.grouped_rows_empty`)
             self.xg = self.x.as_strided((rows, groups, k), (k, rows * k, 1))
-            self.cublas = lambda w: gemm.padded_grouped_linear(self.xg, w)
+            self.cublas = lambda w: gemm.padded_grouped_linear(self.xg, w, dense="cublas")
         else:
-            self.cublas = lambda w: (gemm.padded_linear_f16 if f16 else gemm.padded_linear)(self.x, w)
+            self.cublas = lambda w: (gemm.padded_linear_f16 if f16 else gemm.padded_linear)(self.x, w, dense="cublas")
 
     def run(self, w, t: Tiles | None = None, x=None):
         x = self.x if x is None else x
@@ -103,12 +103,10 @@ def main(argv=None) -> int:
         ap.add_argument("--modes", default="tp1,pair")
         ap.add_argument("--only", default="", help="comma list of shape names")
         ap.add_argument("--sweep", action="store_true", help="time a sweep of tilings instead of the step's tiles")
-    started = kernel_bench.start("chunked_linear", __doc__, 50, argv, extra=extra, matmul="fast")
+    started = kernel_bench.start("chunked_linear", __doc__, 50, argv, extra=extra, pin=True)
     if started is None:
         return 2
     args, dev, g = started
-    from dspark_ray.kernels import gemm
-    gemm.DENSE = "cublas"                 # the baseline's calls; the kernel is called directly
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     chunk_counts = [int(c) for c in args.chunks.split(",")]
     res = kernel_bench.header("chunked_linear", {"chunks": chunk_counts, "sleep_us": args.sleep_us, "reps": args.reps,

@@ -107,7 +107,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     from dspark_ray.comm.local import LocalCollectives
     from dspark_ray.comm.solo import SoloCollectives
     from dspark_ray.graphs import GraphSet
-    from dspark_ray.kernels.gemm import dense_for, describe_matmul, use_matmul
+    from dspark_ray.kernels.gemm import dense_for, describe, kernels_for
     from dspark_ray.model.drafter import Drafter
     from dspark_ray.model.layout import Layout
     from dspark_ray.modes import read_rank
@@ -116,13 +116,13 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     ck = Checkpoint(args.ckpt)
     cfg = ck.config
     n_req = max([4] + [b for b, _ in args.shapes])     # the widest batch: the deployment's --max-batch
-    use_matmul(args.matmul, dense_for(n_req * cfg.block_size, args.dense))
+    kernels = kernels_for(args.matmul, dense_for(n_req * cfg.block_size, args.dense))
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     layout = Layout(cfg, 1 if mode == "tp1" else 2)
     weights = read_rank(ck, layout, rank, "cuda")
     coll = coll or (LocalCollectives(1) if mode == "tp1" else SoloCollectives(rank))
-    d = Drafter(cfg, [weights], [layout.vocab_range(rank)[0]], coll)
+    d = Drafter(cfg, [weights], [layout.vocab_range(rank)[0]], coll, kernels=kernels)
     dense, expert_b, resident = weight_bytes(weights)
     markov_w2 = sum(t.numel() * t.element_size() for n, t in weights.items() if "markov_w2" in n)
     del weights             # the drafter holds what it uses (the routed experts stacked, the per-expert tensors freed)
@@ -132,7 +132,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     t_cache = time.time() - t_cache
     if rows == cfg.vocab_size:                         # every row cached: markov_w2 is never read
         dense -= markov_w2
-    log(f"{mode} rank {rank}: loaded {resident / 2**30:.2f} GiB in {time.time() - t0:.1f} s ({describe_matmul()}); "
+    log(f"{mode} rank {rank}: loaded {resident / 2**30:.2f} GiB in {time.time() - t0:.1f} s ({describe(d.kernels)}); "
         f"Markov bias rows cached: {d.markov_cache_bytes / 2**30:.2f} GiB in {t_cache:.2f} s")
     # Slots for the widest shape timed (4 at least: the step and insert rows use them) and one for the inserts.
     if args.graph_set == "minimal":     # A/B of the time outside the kernels against the set's size (docs/engine.md)
@@ -142,7 +142,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     gs.capture(lambda k, n: log(f"{mode} rank {rank}: captured {k}/{n}") if k % 15 == 0 or k == n else None)
     log(f"{mode} rank {rank}: {gs.n_graphs} graphs in {gs.capture_seconds:.2f} s, {gs.graph_bytes / 2**20:.0f} MiB")
     states = _slots(gs, cfg, n_req if args.graph_set == "full" else 4, cfg.sliding_window + 32, args.start)
-    res = {"mode": mode, "rank": rank, "matmul": describe_matmul(), "capture_s": round(gs.capture_seconds, 3),
+    res = {"mode": mode, "rank": rank, "matmul": describe(d.kernels), "capture_s": round(gs.capture_seconds, 3),
            "graph_mib": round(gs.graph_bytes / 2**20, 1), "resident_gib": round(resident / 2**30, 3),
            "markov_cache_gib": round(d.markov_cache_bytes / 2**30, 3), "markov_cache_s": round(t_cache, 2),
            "dense_bytes_per_step": dense, "expert_bytes": expert_b, "draft": {}, "insert": {}, "step": {},

@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         ap.add_argument("--spread-gb", type=float, default=0.0, help="place the weight copies this many GB apart")
         ap.add_argument("--f16", action="store_true", help="cuBLAS with fp16 output (gemm.padded_linear_f16, as "
                         "the step's wq_a|wkv, wq_b and shared w1|w3) instead of fp32 (padded_linear, as wo_b)")
-    started = kernel_bench.start("gemm_preload", __doc__, 200, argv, extra=extra, matmul="fast")
+    started = kernel_bench.start("gemm_preload", __doc__, 200, argv, extra=extra, pin=True)
     if started is None:
         return 2
     args, dev, g = started

@@ -40,15 +40,16 @@ def us_stats(xs: list[float]) -> dict:
 def graph_set(coll, rank: int, tp: int, ckpt: str):
     """One shard's drafter on `coll`, its minimal graph set captured, one slot filled from position 900,000."""
     from dspark_ray.graphs import GraphSet
-    from dspark_ray.kernels.gemm import use_matmul
+    from dspark_ray.kernels.gemm import kernels_for
     from dspark_ray.model.drafter import Drafter
     from dspark_ray.model.layout import Layout
     from dspark_ray.modes import read_rank
     from dspark_ray.weights.loader import Checkpoint
-    use_matmul("fast")
+    kernels = kernels_for("fast")
     ck = Checkpoint(ckpt)
     layout = Layout(ck.config, tp)
-    d = Drafter(ck.config, [read_rank(ck, layout, rank, "cuda")], [layout.vocab_range(rank)[0]], coll)
+    d = Drafter(ck.config, [read_rank(ck, layout, rank, "cuda")], [layout.vocab_range(rank)[0]], coll,
+                kernels=kernels)
     gs = GraphSet(d, n_slots=2, max_requests=1, n_outs=(5,), insert_buckets=(8,))
     gs.capture()
     return gs, _slots(gs, ck.config, 1, ck.config.sliding_window + 32, 900000)

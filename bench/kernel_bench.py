@@ -17,9 +17,10 @@ from bench.tcp_roundtrip import _commit, _device
 FLUSH_BYTES = 256 << 20        # filled before a timed kernel: nothing it reads is left in L2 (50 MB on an H200)
 
 
-def start(name: str, doc: str, reps: int, argv=None, extra=None, matmul: str | None = None):
+def start(name: str, doc: str, reps: int, argv=None, extra=None, pin: bool = False):
     """(arguments, the card, a generator on it seeded 0), or None (after saying why) when there is no CUDA device
-    to run on. `extra(ap)` adds the bench's own flags; `matmul` installs that matmul path (`gemm.use_matmul`)."""
+    to run on. `extra(ap)` adds the bench's own flags; `pin` pins what the fast path pins (`gemm.pin_determinism`,
+    as `gemm.kernels_for("fast")` does): for the benches that call its kernels directly."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--out")
@@ -29,9 +30,9 @@ def start(name: str, doc: str, reps: int, argv=None, extra=None, matmul: str | N
     if not torch.cuda.is_available():
         print(f"{name}: needs CUDA", file=sys.stderr)
         return None
-    if matmul is not None:
+    if pin:
         from dspark_ray.kernels import gemm
-        gemm.use_matmul(matmul)
+        gemm.pin_determinism()
     dev = torch.device("cuda")
     return args, dev, torch.Generator(device=dev).manual_seed(0)
 

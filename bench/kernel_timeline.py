@@ -53,23 +53,23 @@ def timeline(mode: str, rank: int, ckpt: str, start: int, coll=None, barrier=Non
     kernels. A pair rank meets its peer at `barrier` before each profiled replay, so both launch it at the same
     moment and a collective's time is its own, not the wait for a peer that launched later. `nvtx`: no profiler;
     one replay inside the NVTX range "ncu_replay", for Nsight Compute to time each of its kernels alone (see main's
-    help). `dense`: the dense linears' kernel (`gemm.use_matmul`); `markov_cache`: the cached Markov bias rows, as
+    help). `dense`: the dense linears' kernel (`gemm.kernels_for`); `markov_cache`: the cached Markov bias rows, as
     `serve --markov-cache` sizes them (`Drafter.cache_markov_for`)."""
     from bench.draft_step import _slots
     from dspark_ray.comm.local import LocalCollectives
     from dspark_ray.graphs import GraphSet
-    from dspark_ray.kernels.gemm import use_matmul
+    from dspark_ray.kernels.gemm import kernels_for
     from dspark_ray.model.drafter import Drafter
     from dspark_ray.model.layout import Layout
     from dspark_ray.modes import read_rank
     from dspark_ray.weights.loader import Checkpoint
     from torch.profiler import ProfilerActivity, profile
-    use_matmul("fast", dense)
+    kernels = kernels_for("fast", dense)
     ck = Checkpoint(ckpt)
     cfg = ck.config
     layout = Layout(cfg, 1 if mode == "tp1" else 2)     # solo: rank 0's shard of the pair, no collectives
     d = Drafter(cfg, [read_rank(ck, layout, rank, "cuda")], [layout.vocab_range(rank)[0]],
-                coll or LocalCollectives(1))
+                coll or LocalCollectives(1), kernels=kernels)
     rows = d.cache_markov_for(markov_cache)
     gs = GraphSet(d, n_slots=requests + 1, max_requests=requests, n_outs=(5,), insert_buckets=(8, 128))
     gs.capture()

@@ -67,7 +67,7 @@ def prefetch(w: torch.Tensor, stride: int, programs: int = 16) -> None:
 
 
 def main(argv=None) -> int:
-    started = kernel_bench.start("l2_retention", __doc__, 200, argv, matmul="fast")
+    started = kernel_bench.start("l2_retention", __doc__, 200, argv, pin=True)
     if started is None:
         return 2
     args, dev, g = started

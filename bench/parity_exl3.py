@@ -205,7 +205,7 @@ class RouterMargins:
 def run_format(preset: str, fmt: str, args, root: Path) -> dict:
     from dspark_ray.engine import RankEngine
     from support.batches import Driver, entry
-    from dspark_ray.kernels.gemm import describe_matmul, use_matmul
+    from dspark_ray.kernels.gemm import describe, kernels_for
     from dspark_ray.modes import make_drafter
     from dspark_ray.weights.loader import Checkpoint
     d = ensure(preset, fmt, root)
@@ -219,15 +219,15 @@ def run_format(preset: str, fmt: str, args, root: Path) -> dict:
     theirs = Theirs(d, pages, max([B] + args.time))
     log(f"{preset} {fmt}: exllamav3 loaded in {theirs.load_s:.1f} s ({torch.cuda.memory_allocated() / 2**30:.2f} "
         f"GiB on the card)")
-    use_matmul("fast")
+    kernels = kernels_for("fast")
     t0 = time.time()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    ours = make_drafter(cfg, "tp1", ckpt=ck, device="cuda")
+    ours = make_drafter(cfg, "tp1", ckpt=ck, device="cuda", kernels=kernels)
     eng = Driver(RankEngine(ours, n_slots=B + 1, graphs=True, max_batch=B))
     ours_mib = (torch.cuda.memory_allocated() - base) / 2**20
     log(f"{preset} {fmt}: our rank loaded and captured in {time.time() - t0:.1f} s, {ours_mib:.0f} MiB "
-        f"({describe_matmul()})")
+        f"({describe(ours.kernels)})")
     res = {"format": fmt, "checkpoint_identity": ck.identity_digest, "exllamav3_load_s": round(theirs.load_s, 1),
            "our_rank_mib": round(ours_mib), "seeds": {}, "blocks": 0, "blocks_exact": 0, "positions": 0,
            "positions_exact": 0, "confident_len_rounds": 0, "confident_len_equal": 0, "engine_equals_eager": True, "mismatches": []}

@@ -61,7 +61,7 @@ def tilings(args, dev, g) -> dict:
 
 
 def main(argv=None) -> int:
-    started = kernel_bench.start("router_overlap", __doc__, 300, argv, matmul="fast",
+    started = kernel_bench.start("router_overlap", __doc__, 300, argv, pin=True,
                                  extra=lambda ap: ap.add_argument("--tilings", action="store_true"))
     if started is None:
         return 2

@@ -204,12 +204,11 @@ def main(argv=None) -> int:
         ap.add_argument("--only", default="", help="comma list of shape names")
         ap.add_argument("--pad-rows", default="32", help="cuBLAS's padded row counts to time (the step: 32)")
         ap.add_argument("--no-triton", action="store_true", help="time cuBLAS only")
-    started = kernel_bench.start("splitk_gemm", __doc__, 100, argv, extra=extra, matmul="fast")
+    started = kernel_bench.start("splitk_gemm", __doc__, 100, argv, extra=extra, pin=True)
     if started is None:
         return 2
     args, dev, g = started
     from dspark_ray.kernels import gemm
-    gemm.DENSE = "cublas"               # the baseline: cuBLAS on padded chunks (PAD_ROWS set per timing below)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     res = kernel_bench.header("splitk_gemm", {"rows": args.rows, "sleep_us": args.sleep_us, "calls_per_graph": CALLS,
                                               "reps": args.reps, "shapes": SHAPES}, cases={})
@@ -239,10 +238,10 @@ def main(argv=None) -> int:
                 x.copy_(torch.randn(x.shape, generator=g, device=dev).to(torch.float16))
                 xs[pad] = x
 
-                def cublas(w, x=x):
+                def cublas(w, x=x):         # the baseline: cuBLAS on padded chunks
                     if groups > 1:
-                        return gemm.padded_grouped_linear(x, w)
-                    return (gemm.padded_linear_f16 if f16 else gemm.padded_linear)(x, w)
+                        return gemm.padded_grouped_linear(x, w, dense="cublas")
+                    return (gemm.padded_linear_f16 if f16 else gemm.padded_linear)(x, w, dense="cublas")
                 us = round(after_spin_us([lambda w=w: cublas(w) for w in ws]), 2)
                 row["cublas_us" if pad == 32 else f"cublas_pad{pad}_us"] = us
                 gemm.PAD_ROWS = 32

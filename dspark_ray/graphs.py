@@ -314,7 +314,7 @@ class GraphSet:
         else:
             windows, valid = self._windows(bsz)
         out = self.d.forward(v("seeds")[:bsz], v("p0")[:bsz], windows, valid, n_out, margins)
-        pack = ops.fused("pack_outputs")
+        pack = self.d.kernels.fused("pack_outputs")
         if pack is not None:
             return pack(out.drafts, out.confidences, out.margins if margins else None, out.confident_len)
         parts = [out.drafts, out.confidences] + ([out.margins] if margins else []) + [out.confident_len[:, None]]
@@ -377,7 +377,8 @@ class GraphSet:
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            self._capture_all(fns, progress)
+            with ops.using(self.d.kernels):     # the set's own ops (branches, the PDL scope): the drafter's kernels
+                self._capture_all(fns, progress)
         finally:
             if gc_was_on:
                 gc.enable()
@@ -493,7 +494,8 @@ class GraphSet:
         host: as the drafter's `DraftOut` (torch), or with `host` as a `HostDraft` (the engine's answers)."""
         if self.cuda:       # replays and numpy only: no torch op for inference mode to speed up (it costs ~5 us)
             return self._run(inserts, states, seeds, n_out, want_margins, host)
-        with torch.inference_mode():        # the uncaptured functions run the model's ops
+        # The uncaptured functions run the model's ops and the set's own, on the drafter's kernels (as `capture`)
+        with torch.inference_mode(), ops.using(self.d.kernels):
             return self._run(inserts, states, seeds, n_out, want_margins, host)
 
     def _run(self, inserts, states, seeds, n_out, want_margins, host) -> DraftOut | HostDraft | None:

@@ -73,7 +73,8 @@ def _rank_weights(layout, ranks, full, ckpt, device) -> list[Weights]:
 
 def make_drafter(cfg: DrafterConfig, mode: str, *, full: Weights | None = None, ckpt=None, rank: int = 0,
                  coll: Collectives | None = None, device="cpu", **kw) -> Drafter:
-    """One drafter of `mode` (not `emulated`: see `make_emulated`) from in-memory full weights or a checkpoint."""
+    """One drafter of `mode` (not `emulated`: see `make_emulated`) from in-memory full weights or a checkpoint. `kw`
+    goes to `Drafter` (its `kernels`: the exact reference unless handed others, `kernels.gemm.kernels_for`)."""
     if mode not in MODES or mode == "emulated":
         raise ValueError(f"mode {mode!r}: choose one of tp1, split, solo, pair (emulated: make_emulated)")
     layout = Layout(cfg, 1 if mode == "tp1" else 2)

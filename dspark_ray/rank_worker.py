@@ -16,6 +16,7 @@ import time
 import torch
 
 from . import records as M
+from .model import ops
 from .scheduling import pin_thread, process_facts, raise_priority
 from .engine import EngineBroken, RankEngine, StepFailed
 from .keep_warm import REHEARSAL_ENTRIES, KeepWarm, launch_rehearsal_period_us
@@ -37,6 +38,7 @@ class RankWorker:
         self.weights = None
         self.engine: RankEngine | None = None
         self.markov_cache: dict | None = None      # {"rows", "bytes"} once connected
+        self.kernels = ops.EXACT                   # the drafter's (load() picks them by the spec)
         self.reader = None
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -52,10 +54,11 @@ class RankWorker:
         t0 = time.time()
         ck = Checkpoint(self.spec.checkpoint)
         if self.spec.device.startswith("cuda") or self.spec.matmul != "auto":
-            from .kernels.gemm import dense_for, describe_matmul, use_matmul
+            from .kernels.gemm import dense_for, describe, kernels_for
             cfg = ck.config
-            use_matmul(self.spec.matmul, dense_for(self.spec.batch_limit(cfg) * cfg.block_size, self.spec.dense))
-            log.info("rank %d: matmul %s", self.rank, describe_matmul())
+            self.kernels = kernels_for(self.spec.matmul,
+                                       dense_for(self.spec.batch_limit(cfg) * cfg.block_size, self.spec.dense))
+            log.info("rank %d: matmul %s", self.rank, describe(self.kernels))
         self.ckpt = ck
         self.total = len(ck.names())
         layout = Layout(ck.config, self.spec.tp)
@@ -81,7 +84,7 @@ class RankWorker:
         coll = connect(self.spec.backend, self.rank, self.spec.tp, init_method=init_method,
                        peer_ids=self.layout.vocab_range(1 - self.rank) if self.spec.tp == 2 else (0, 0),
                        timeout_s=self.spec.collective_timeout_s)
-        drafter = Drafter(cfg, [self.weights], [self.layout.vocab_range(self.rank)[0]], coll)
+        drafter = Drafter(cfg, [self.weights], [self.layout.vocab_range(self.rank)[0]], coll, kernels=self.kernels)
         self.weights = None          # the drafter holds what it uses (routed experts stacked: the originals go)
         self._cache_markov(drafter)
         cuda = self.spec.device.startswith("cuda")
@@ -184,7 +187,7 @@ class RankWorker:
     def status(self) -> dict:
         st = self.engine.status() if self.engine else {"rank": self.rank, "loading": self.progress()}
         st["pid"] = os.getpid()
-        st["matmul"] = matmul_status()
+        st["matmul"] = matmul_status(self.engine.drafter.kernels if self.engine else self.kernels)
         if self.markov_cache is not None:
             st["markov_cache"] = self.markov_cache
         st["keep_warm"] = self.keep_warm.status()
@@ -202,9 +205,6 @@ class RankWorker:
             self.reader.close()
 
 
-def matmul_status() -> dict:
-    """The kernels this process installed: the matmul mode, and on the fast path the dense kernel."""
-    from .kernels import gemm
-    from .model import ops
-    mode = ops.current_matmul()[2]
-    return {"mode": mode, "dense": gemm.DENSE if mode == "fast" else None}
+def matmul_status(kernels: ops.Kernels) -> dict:
+    """The drafter's kernels: the matmul mode, and on the fast path the dense kernel (else None)."""
+    return {"mode": kernels.mode, "dense": kernels.dense}

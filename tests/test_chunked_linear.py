@@ -120,10 +120,9 @@ def test_tiles_refuse_a_group_width_off_the_tile():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("k,n,groups", [(5120, 1792, 1), (1280, 16384, 1), (4096, 4096, 4), (5120, 129280, 1),
                                         (8192, 5120, 1), (5120, 2304, 1), (300, 96, 1)])  # splits 4 1 4 1 3 5 1
-def test_chunked_linear_gpu(k, n, groups, monkeypatch):
+def test_chunked_linear_gpu(k, n, groups):
     from dspark_ray.kernels import chunked_linear as ck
     from dspark_ray.kernels import gemm
-    monkeypatch.setattr(gemm, "DENSE", "triton")
     gemm.pin_determinism()
     g = torch.Generator().manual_seed(k + n)
     w = (torch.randn(n, k, generator=g) / k ** 0.5).half().cuda()
@@ -135,8 +134,8 @@ def test_chunked_linear_gpu(k, n, groups, monkeypatch):
         if groups > 1:
             buf = gemm.grouped_rows_empty(v.shape[0], groups, k, torch.float16, "cuda")
             buf.copy_(v)
-            return gemm.padded_grouped_linear(buf, w)
-        return gemm.padded_linear_f16(v[:, 0], w)
+            return gemm.padded_grouped_linear(buf, w, dense="triton")
+        return gemm.padded_linear_f16(v[:, 0], w, dense="triton")
 
     full = lin(x)                                            # 4 chunks
     assert full.dtype == torch.float16
@@ -152,7 +151,7 @@ def test_chunked_linear_gpu(k, n, groups, monkeypatch):
     for e in ck.COUNTERS.eager.values():
         assert int(e.abs().sum()) == 0
     if groups == 1:                                          # fp32 out: the same sums, one rounding fewer
-        f32 = gemm.padded_linear(x[:, 0], w)
+        f32 = gemm.padded_linear(x[:, 0], w, dense="triton")
         assert f32.dtype == torch.float32 and torch.equal(f32.half(), full)
     xs = x[:70].clone()
     s = torch.cuda.Stream()

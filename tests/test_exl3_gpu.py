@@ -182,37 +182,32 @@ def test_fused_experts_agree_with_the_decoded_experts_and_repeat_their_bits(exl3
 def test_drafter_on_the_kernels_matches_the_decoded_one_and_its_graphs(exl3_ckpt):
     exl3_gemm = _need_exl3()
     from dspark_ray.graphs import GraphSet
-    from dspark_ray.kernels.gemm import use_matmul
-    from dspark_ray.model import ops
+    from dspark_ray.kernels.gemm import kernels_for
     ck, cfg = exl3_ckpt, exl3_ckpt.config
-    saved = ops.current_matmul()
-    try:
-        use_matmul("fast")
-        d = make_drafter(cfg, "tp1", ckpt=ck, device="cuda")
-        assert isinstance(d.head.shards[0].head, exl3_gemm.Exl3Weight)
-        assert ops.fused("branch") is None              # one stream for every EXL3 launch
-        gs = GraphSet(d, n_slots=6)
-        gs.capture()
-        rows = [6, 11, 3, 20]
-        eager = []
-        for r, n in enumerate(rows):
-            taps = workload.make_taps(cfg, n, torch.Generator().manual_seed(11 + r))
-            assert gs.run([(gs.slots[r], 0, taps)], [], [], 1, False) is None
-            st = d.new_slot()
-            d.insert(st, 0, taps)
-            assert torch.equal(gs.slots[r].kv, st.kv), r
-            eager.append(st)
-        assert_set_drafts_like_eager(gs, d, eager, cfg.block_size, 5, 37)
-        # Batch invariance (the fused MoE kernel and 16-row slabs): every bucket gives each request its one-request
-        # answer, bit for bit.
-        alone = [gs.run([], [gs.slots[r]], [5 + 37 * r], cfg.block_size, True) for r in range(4)]
-        for bsz in range(2, 5):
-            got = gs.run([], gs.slots[:bsz], [5 + 37 * r for r in range(bsz)], cfg.block_size, True)
-            for r in range(bsz):
-                for k in ("drafts", "confidences", "margins"):
-                    assert torch.equal(getattr(got, k)[r], getattr(alone[r], k)[0]), (bsz, r, k)
-    finally:
-        ops.set_matmul(*saved)
+    d = make_drafter(cfg, "tp1", ckpt=ck, device="cuda", kernels=kernels_for("fast"))
+    assert isinstance(d.head.shards[0].head, exl3_gemm.Exl3Weight)
+    assert d.kernels.fused("branch") is None and d.kernels.fused("branch_parts") is None   # one stream for EXL3
+    assert d.kernels.mode == "fast" and d.kernels.fused("attend") is not None
+    gs = GraphSet(d, n_slots=6)
+    gs.capture()
+    rows = [6, 11, 3, 20]
+    eager = []
+    for r, n in enumerate(rows):
+        taps = workload.make_taps(cfg, n, torch.Generator().manual_seed(11 + r))
+        assert gs.run([(gs.slots[r], 0, taps)], [], [], 1, False) is None
+        st = d.new_slot()
+        d.insert(st, 0, taps)
+        assert torch.equal(gs.slots[r].kv, st.kv), r
+        eager.append(st)
+    assert_set_drafts_like_eager(gs, d, eager, cfg.block_size, 5, 37)
+    # Batch invariance (the fused MoE kernel and 16-row slabs): every bucket gives each request its one-request
+    # answer, bit for bit.
+    alone = [gs.run([], [gs.slots[r]], [5 + 37 * r], cfg.block_size, True) for r in range(4)]
+    for bsz in range(2, 5):
+        got = gs.run([], gs.slots[:bsz], [5 + 37 * r for r in range(bsz)], cfg.block_size, True)
+        for r in range(bsz):
+            for k in ("drafts", "confidences", "margins"):
+                assert torch.equal(getattr(got, k)[r], getattr(alone[r], k)[0]), (bsz, r, k)
 
 
 def test_kernels_draft_like_the_decoded_checkpoint_up_to_near_ties(exl3_ckpt):

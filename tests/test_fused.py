@@ -10,6 +10,7 @@ On CPU the checks run under Triton's interpreter in a subprocess (TRITON_INTERPR
 tests); with CUDA they run on the card (`gpu` marker)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -36,13 +37,21 @@ def _alone_equals_batch(fn, n):
 
 
 def kernel_checks(dev: str) -> dict:
-    """Every per-kernel check on `dev`; returns name -> result (bools must be True, floats small)."""
+    """Every per-kernel check on `dev`; returns name -> result (bools must be True, floats small). The model's parts
+    run on the exact kernels with the fused ones each check names (`use(table)`: from there on), none at first."""
+    from dspark_ray.model import ops
+    with contextlib.ExitStack() as stack:
+        def use(table: dict) -> None:
+            stack.enter_context(ops.using(ops.Kernels(mode="checks", fused_table=table)))
+        use({})                 # the reference chains, whatever the caller runs on
+        return _kernel_checks(dev, use)
+
+
+def _kernel_checks(dev: str, use) -> dict:
     from dspark_ray.kernels import fused, gemm
     from dspark_ray.model import mhc, moe, ops
     from dspark_ray.model.attention import Attention
     from dspark_ray.model.ops import Rope, f16, head_norm
-    saved = ops.current_matmul()
-    ops.set_matmul(*saved[:3], fused_table={})          # the reference chains, whatever the caller installed
     g = torch.Generator().manual_seed(0)
 
     def rn(*shape, s=1.0):
@@ -245,7 +254,7 @@ def kernel_checks(dev: str) -> dict:
                    w1, rn(1, hd_ + r, s=0.1).half(), None, LocalCollectives(2))
     normed, prenorm, seeds = rn(3, 5, hd_).half(), rn(3, 5, hd_), torch.tensor([1, 250, 300], device=dev)
     ref = dh(normed, prenorm, seeds, 5, True, keep_logits=True)
-    ops.set_matmul(*saved[:3], fused_table={"markov_step": fused.markov_step})
+    use({"markov_step": fused.markov_step})
     out = dh(normed, prenorm, seeds, 5, True, keep_logits=True)
     res["markov_drafts_equal"] = torch.equal(out.drafts, ref.drafts)
     res["markov_tie_to_lower_id"] = bool((out.drafts == 250).any()) and not bool((out.drafts == 300).any())
@@ -258,7 +267,7 @@ def kernel_checks(dev: str) -> dict:
     res["markov_alone"] = torch.equal(one.drafts[0], out.drafts[1]) and torch.equal(one.margins[0], out.margins[1])
     # Cached Markov bias rows: `markov_rows` makes the bits the step adds (with zero logits the step's logits are its
     # bias), and the loop with rows cached for some of its previous tokens (not others) drafts the uncached bits.
-    ops.set_matmul(*saved[:3], fused_table={"markov_step": fused.markov_step, "markov_rows": fused.markov_rows})
+    use({"markov_step": fused.markov_step, "markov_rows": fused.markov_rows})
     prevs = torch.cat((seeds[:, None], out.drafts[:, :-1]), dim=1).flatten().unique()
     toks = torch.cat((prevs[::2], torch.arange(400, 470, device=dev)[~torch.isin(torch.arange(400, 470, device=dev),
                                                                                 prevs)]))
@@ -278,7 +287,7 @@ def kernel_checks(dev: str) -> dict:
             torch.equal(got.drafts, out.drafts) and torch.equal(got.margins, out.margins)
             and torch.equal(got.confidences, out.confidences)
             and torch.equal(got.logits.nan_to_num(7.0), out.logits.nan_to_num(7.0)))
-    ops.set_matmul(*saved[:3], fused_table={"markov_step": fused.markov_step})
+    use({"markov_step": fused.markov_step})
     # Every tiling of the Markov step gives the default's bits: on 200 vocab rows (part-filled and empty tiles), a
     # tie across tiles (ids 20 and 37: the lower wins, the runner-up equals the top), a NaN logit.
     from dspark_ray.kernels.fused_head import MARKOV_TILING
@@ -342,32 +351,28 @@ def kernel_checks(dev: str) -> dict:
     res["embed_streams_exact"] = torch.equal(streams, emb[ids.flatten()].float()[:, None].expand(-1, 4, -1))
     res["embed_positions_exact"] = pos.tolist() == [p + j for p in (0, 900000, 2 ** 24 + 3) for j in range(5)]
     res["confidence_n_out_prefix"] = _rel(c3, ops.sigmoid(ops.f16(ops.linear_tree(ci[:, :3], cw))[..., 0].float()))
-    ops.set_matmul(*saved)
     return res
 
 
 def drafter_checks(ckpt_dir: str, dev: str) -> dict:
-    """The tiny drafter, exact path vs fast path (matmuls and fused kernels), two requests at different p0."""
+    """The tiny drafter, exact path vs fast path (matmuls and fused kernels), two requests at different p0: two
+    drafters of one checkpoint, one on each kernel set, drafting over the same slots (filled on the exact path)."""
     from dspark_ray.config import load_config
-    from dspark_ray.kernels.gemm import use_matmul
-    from dspark_ray.model import ops
+    from dspark_ray.kernels.gemm import kernels_for
     from dspark_ray.modes import make_drafter
     from dspark_ray.weights.loader import Checkpoint
-    saved = ops.current_matmul()
     cfg = load_config(ckpt_dir)
     d = make_drafter(cfg, "tp1", ckpt=Checkpoint(ckpt_dir), device=dev)
+    fast = make_drafter(cfg, "tp1", ckpt=Checkpoint(ckpt_dir), device=dev, kernels=kernels_for("fast"))
     states = [d.new_slot(), d.new_slot()]
     g = torch.Generator().manual_seed(1)
     for i, s in enumerate(states):
         n = 6 + 7 * i                                   # request 0 holds a partial window, request 1 a full one
         d.insert(s, 3,
                  torch.randn(n, cfg.n_taps * cfg.hidden_size, generator=g).half().to(dev))
-    use_matmul("exact")
     ref = d.draft(states, [5, 9], 5, want_margins=True, debug=True)
-    use_matmul("fast")
-    out = d.draft(states, [5, 9], 5, want_margins=True, debug=True)
-    one = d.draft(states[1:], [9], 5, want_margins=True, debug=True)
-    ops.set_matmul(*saved)
+    out = fast.draft(states, [5, 9], 5, want_margins=True, debug=True)
+    one = fast.draft(states[1:], [9], 5, want_margins=True, debug=True)
     return {"drafts_equal": torch.equal(ref.drafts, out.drafts), "logits": _rel(out.logits, ref.logits),
             "alone": torch.equal(one.logits[0], out.logits[1]) and torch.equal(one.drafts[0], out.drafts[1])}
 

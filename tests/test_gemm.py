@@ -117,26 +117,25 @@ def test_indexed_linear_interpreter_cpu():
         assert r["noncontig"], name
 
 
-def test_use_matmul_round_trip():
-    saved = ops.current_matmul()
-    try:
-        assert gemm.use_matmul("fast") == "fast"
-        dense, indexed, mode, fused = ops.current_matmul()
-        assert (dense, indexed, mode) == (gemm.padded_linear, gemm.indexed_linear, "fast")
-        assert "attend" in fused and ops.fused("mhc_collapse_norm") is not None
-        assert "mode=fast" in gemm.describe_matmul() and "pad_rows=32" in gemm.describe_matmul()
-        assert gemm.use_matmul("exact") == "exact"
-        assert ops.current_matmul() == (ops.linear_tree, ops.linear_indexed_tree, "exact", {})
-        assert gemm.use_matmul("auto") == ("fast" if torch.cuda.is_available() else "exact")
-        with pytest.raises(ValueError):
-            gemm.use_matmul("fastest")
-        with pytest.raises(ValueError, match="dense kernel"):
-            gemm.use_matmul("fast", dense="cutlass")
-        assert gemm.use_matmul("fast", dense="cublas") == "fast" and "dense=cublas" in gemm.describe_matmul()
-    finally:
-        ops.set_matmul(*saved)
-        gemm.DENSE = "triton"
-    assert ops.current_matmul() == saved
+def test_kernels_for_builds_each_mode_and_refuses_unknown_ones():
+    fast = gemm.kernels_for("fast")
+    assert (fast.mode, fast.dense, fast.matmul_indexed) == ("fast", "triton", gemm.indexed_linear)
+    assert fast.matmul.func is gemm.padded_linear and fast.matmul.keywords == {"dense": "triton"}
+    assert "attend" in fast.fused_table and fast.fused("mhc_collapse_norm") is not None
+    assert "mode=fast" in gemm.describe(fast) and "pad_rows=32" in gemm.describe(fast)
+    assert gemm.kernels_for("exact") is ops.EXACT and "mode=exact" in gemm.describe(ops.EXACT)
+    assert gemm.kernels_for("auto").mode == ("fast" if torch.cuda.is_available() else "exact")
+    with pytest.raises(ValueError):
+        gemm.kernels_for("fastest")
+    with pytest.raises(ValueError, match="dense kernel"):
+        gemm.kernels_for("fast", dense="cutlass")
+    cublas = gemm.kernels_for("fast", dense="cublas")
+    assert cublas.dense == "cublas" and "dense=cublas" in gemm.describe(cublas)
+    # The dense choice is bound into that set's linears, not set for the process: the first set keeps its own.
+    assert all(f.keywords == {"dense": "cublas"} for f in (cublas.matmul, cublas.fused("linear_f16"),
+                                                          cublas.fused("linear_grouped")))
+    assert fast.fused("linear_f16").keywords == {"dense": "triton"} and "dense=triton" in gemm.describe(fast)
+    assert ops.active() is ops.EXACT
 
 
 def test_pin_determinism_reports():

@@ -60,21 +60,17 @@ def test_graph_replay_equals_eager_bit_for_bit(cfg, ckpt, margins):
 
 
 @pytest.fixture(params=["exact", "fast"])
-def matmul(request):
-    from dspark_ray.kernels.gemm import use_matmul
-    from dspark_ray.model import ops
-    saved = ops.current_matmul()
-    use_matmul(request.param)
-    yield request.param
-    ops.set_matmul(*saved)
+def kernels(request):
+    from dspark_ray.kernels.gemm import kernels_for
+    return kernels_for(request.param)
 
 
-def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt, matmul):
+def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt, kernels):
     """Every graph equals the eager step; every batch bucket gives each request its one-request answer; drafts
     for n_out = k are the first k of n_out = B; inserts through the pool (any row count, chunked past 128, pad rows
     to the scratch slot) write the eager rows."""
     from dspark_ray.graphs import GraphSet
-    d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda")
+    d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda", kernels=kernels)
     gs = GraphSet(d, n_slots=8)
     gs.capture()
     print(f"\n{len(gs.draft_graphs)} draft + {len(gs.insert_graphs)} insert graphs captured in "
@@ -123,13 +119,13 @@ def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt, matmul):
         assert not gs.pool[:4].sub(torch.stack([e.kv for e in eager])).any()     # other slots untouched
 
 
-def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, matmul, monkeypatch):
+def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, kernels, monkeypatch):
     """Every step graph (the insert block by block beside the draft, each part joined by its block's attention)
     writes the eager insert's rows and drafts the eager bits, over rounds that wrap the slots' rings."""
     from dspark_ray.graphs import GraphSet
     monkeypatch.delenv("DSPARK_STEP_GRAPHS", raising=False)
     settings.reread()
-    d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda")
+    d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda", kernels=kernels)
     gs = GraphSet(d, n_slots=8)
     gs.capture()
     rows = [6, 11, 3, 20, 9, 2, 14, 5]
@@ -166,11 +162,11 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, matmul, 
     gs.inp.in_use = False
 
 
-def test_wide_buckets_replay_the_eager_bits_for_every_width(cfg, ckpt, matmul):
+def test_wide_buckets_replay_the_eager_bits_for_every_width(cfg, ckpt, kernels):
     """5-16 requests replay a wide bucket's graph (6, 8, 12, 16), padded with copies of the first request and drafted
     at n_out = B: for every width, the eager batch's bits and each request's one-request answer, bit for bit."""
     from dspark_ray.graphs import GraphSet
-    d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda")
+    d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda", kernels=kernels)
     gs = GraphSet(d, n_slots=16)
     gs.capture()
     assert gs.wide_buckets == (6, 8, 12, 16)
@@ -193,20 +189,21 @@ def test_wide_buckets_replay_the_eager_bits_for_every_width(cfg, ckpt, matmul):
                 assert torch.equal(got.confidences[r], a.confidences[0, :n_out]), (width, n_out, margins, r)
 
 
-def test_programmatic_dependent_launch_keeps_the_bits(cfg, ckpt, matmul):
+def test_programmatic_dependent_launch_keeps_the_bits(cfg, ckpt, kernels):
     """Inside `ops.graph_launches()` the fast path's kernels launch with programmatic dependent launch on Hopper
     and later: a graph captured there replays the bits of one captured outside it, and of the eager step."""
     import contextlib
 
     from dspark_ray.kernels import fused_ops
     from dspark_ray.model import ops
-    d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda")
+    d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda", kernels=kernels)
     states = _slots(d, cfg, [6, 11, 3], 21)
     static = _inputs(d, states, [7, 9, 4000])
     want = d.draft(states, [7, 9, 4000], 5, True, debug=True)
     outs = {}
     for scoped in (False, True):
-        with ops.graph_launches() if scoped else contextlib.nullcontext(), torch.inference_mode():
+        launches = ops.graph_launches if scoped else contextlib.nullcontext
+        with ops.using(d.kernels), launches(), torch.inference_mode():      # the graph set captures so
             outs[scoped] = fused_ops.launch_opts(torch.empty(1, device="cuda"))["PDL"]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -223,19 +220,19 @@ def test_programmatic_dependent_launch_keeps_the_bits(cfg, ckpt, matmul):
             assert torch.equal(getattr(out, k), getattr(want, k)), (scoped, k)
     hopper = torch.cuda.get_device_capability()[0] >= 9
     assert outs[False] is False
-    assert outs[True] is (matmul == "fast" and hopper and settings.current().pdl), outs
+    assert outs[True] is (kernels.mode == "fast" and hopper and settings.current().pdl), outs
     if hopper:
         assert fused_ops.pdl_capable() or not settings.current().pdl, "this Triton cannot launch with PDL"
-    from dspark_ray.kernels.gemm import describe_matmul
-    assert describe_matmul().endswith("pdl=graphs" if outs[True] else "pdl=off"), describe_matmul()
+    from dspark_ray.kernels.gemm import describe
+    assert describe(d.kernels).endswith("pdl=graphs" if outs[True] else "pdl=off"), describe(d.kernels)
 
 
 def test_host_copy_kernel_moves_every_byte():
     """`kernels/host_copy.copy_bytes`, the graph set's upload and download: pinned host <-> device, sizes that are
     not a multiple of anything, one or two segments, eager and replayed from a graph (under PDL), byte for byte;
     bytes past a segment's end are left alone."""
+    from dspark_ray.kernels.fused_ops import pdl_launches
     from dspark_ray.kernels.host_copy import copy_bytes
-    from dspark_ray.model import ops
     g = torch.Generator().manual_seed(3)
     sizes = (1, 4095, 4096, 4097, 70001)
     host = [torch.randint(0, 256, (n + 64,), generator=g, dtype=torch.uint8).pin_memory() for n in sizes]
@@ -255,7 +252,7 @@ def test_host_copy_kernel_moves_every_byte():
     # captured with programmatic dependent launch, behind a kernel that writes what it copies
     src = torch.zeros(5000, dtype=torch.uint8, device="cuda")
     out = torch.zeros(5000, dtype=torch.uint8).pin_memory()
-    with ops.graph_launches():
+    with pdl_launches():                        # (the fast path's `ops.graph_launches`)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -76,27 +76,21 @@ def test_cached_rows_give_the_live_bits_on_the_card(cfg, ckpt):
     """The fused path on the card (DSPARK_TEST_CKPT=/tmp/full: the full preset, every id cached): eager replays with
     and without the rows, and every 1-4-request graph captured with them against the eager step without them."""
     from dspark_ray.graphs import GraphSet
-    from dspark_ray.kernels.gemm import use_matmul
-    from dspark_ray.model import ops
-    saved = ops.current_matmul()
-    use_matmul("fast")
-    try:
-        d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda")
-        rounds = workload.rounds(cfg, seed=9, n_requests=2, n_rounds=12, far_start=3000)
-        live = parity.replay(d, rounds)
-        d.head.cache_markov_rows(torch.arange(cfg.vocab_size))
-        parity.assert_identical(live, parity.replay(d, rounds), "cached vs live on the card")
-        gs = GraphSet(d, n_slots=5, max_requests=4, n_outs=(cfg.block_size,))
-        gs.capture()
-        cmap, d.head.markov_map = d.head.markov_map, None        # the eager steps below: live rows
-        eager = []
-        for r in range(4):
-            taps = workload.make_taps(cfg, 6 + 5 * r, torch.Generator().manual_seed(40 + r))
-            gs.run([(gs.slots[r], 0, taps)], [], [], 1, False)
-            st = d.new_slot()
-            d.insert(st, 0, taps)
-            eager.append(st)
-        assert_set_drafts_like_eager(gs, d, eager, cfg.block_size, 3, 1009)
-        d.head.markov_map = cmap
-    finally:
-        ops.set_matmul(*saved)
+    from dspark_ray.kernels.gemm import kernels_for
+    d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda", kernels=kernels_for("fast"))
+    rounds = workload.rounds(cfg, seed=9, n_requests=2, n_rounds=12, far_start=3000)
+    live = parity.replay(d, rounds)
+    d.cache_markov(cfg.vocab_size)                              # every id's row, made by the fused kernel
+    parity.assert_identical(live, parity.replay(d, rounds), "cached vs live on the card")
+    gs = GraphSet(d, n_slots=5, max_requests=4, n_outs=(cfg.block_size,))
+    gs.capture()
+    cmap, d.head.markov_map = d.head.markov_map, None        # the eager steps below: live rows
+    eager = []
+    for r in range(4):
+        taps = workload.make_taps(cfg, 6 + 5 * r, torch.Generator().manual_seed(40 + r))
+        gs.run([(gs.slots[r], 0, taps)], [], [], 1, False)
+        st = d.new_slot()
+        d.insert(st, 0, taps)
+        eager.append(st)
+    assert_set_drafts_like_eager(gs, d, eager, cfg.block_size, 3, 1009)
+    d.head.markov_map = cmap

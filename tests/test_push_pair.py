@@ -40,9 +40,9 @@ def _rank(rank: int, ckpt_dir: str, port: int, out: str, n_rounds: int, engine: 
     pc = connect_over(gloo.group, rank, Layout(cfg, 2).vocab_range(1 - rank), 2.0)
     if engine:
         from dspark_ray.engine import RankEngine
-        from dspark_ray.kernels.gemm import use_matmul
-        use_matmul(engine["matmul"])
-        d = make_drafter(cfg, "pair", ckpt=ck, rank=rank, coll=pc, device="cuda")
+        from dspark_ray.kernels.gemm import kernels_for
+        d = make_drafter(cfg, "pair", ckpt=ck, rank=rank, coll=pc, device="cuda",
+                         kernels=kernels_for(engine["matmul"]))
         eng = RankEngine(d, engine["n_requests"], rank, graphs=True)
         rec = parity.replay_engine(eng, _rounds(cfg, n_rounds, engine["far_start"], engine["n_requests"]))
     else:
@@ -73,20 +73,14 @@ def _run_ranks(ckpt_dir, tmp_path, n_rounds, engine=None):
 def _graph_pair_equals_emulated(ckpt_dir, tmp_path, n_rounds, far_start, matmul="fast", n_requests=4):
     """The GPU engine on the real pair (graphs, push inside the graphs) against the emulated pair run eagerly on
     one card with the same kernels: drafts, confidences and margins bit for bit."""
-    from dspark_ray.kernels.gemm import use_matmul
-    from dspark_ray.model import ops
+    from dspark_ray.kernels.gemm import kernels_for
     from dspark_ray.weights.loader import Checkpoint
     engine = {"matmul": matmul, "far_start": far_start, "n_requests": n_requests}
     pair = _run_ranks(ckpt_dir, tmp_path, n_rounds, engine)
     ck = Checkpoint(ckpt_dir)
-    saved = ops.current_matmul()
-    use_matmul(matmul)
-    try:
-        d0, d1 = make_emulated(ck.config, ckpt=ck, device="cuda")
-        rounds = _rounds(ck.config, n_rounds, far_start, n_requests)
-        emu = run_pair(lambda: parity.replay(d0, rounds), lambda: parity.replay(d1, rounds))
-    finally:
-        ops.set_matmul(*saved)
+    d0, d1 = make_emulated(ck.config, ckpt=ck, device="cuda", kernels=kernels_for(matmul))
+    rounds = _rounds(ck.config, n_rounds, far_start, n_requests)
+    emu = run_pair(lambda: parity.replay(d0, rounds), lambda: parity.replay(d1, rounds))
     emu = [parity.as_engine_records(side, rounds) for side in emu]
     parity.assert_identical(emu[0], pair[0], "rank 0: emulated (eager) vs GPU engine pair (graphs)")
     parity.assert_identical(emu[1], pair[1], "rank 1: emulated (eager) vs GPU engine pair (graphs)")

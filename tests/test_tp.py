@@ -152,8 +152,7 @@ def test_a_gloo_rank_that_exits_without_close_still_exits_cleanly(tmp_path):
 
 @pytest.fixture(scope="module")
 def plain_tp1(cfg, full_weights, rounds):
-    with parity.native_matmul():
-        return parity.replay(make_drafter(cfg, "tp1", full=full_weights), rounds)
+    return parity.replay(make_drafter(cfg, "tp1", full=full_weights, kernels=parity.NATIVE_MATMUL), rounds)
 
 
 def _faulty_pair(cfg, full_weights, rounds, fault):

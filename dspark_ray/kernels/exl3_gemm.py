@@ -27,8 +27,9 @@ depend on the call's slot count; the routed experts therefore run the fused MoE 
 whose rows are batch invariant, wherever it takes the banks.
 
 exllamav3's kernels share one lock array per card for their split-K reduction: two of them in flight at once on
-two streams could corrupt each other's partial sums. `serialize_branches` (called by the loader once it hands out
-EXL3 weights) makes `ops.branch` run in line, so every EXL3 launch is on the one stream.
+two streams could corrupt each other's partial sums. An `Exl3Weight` says so (`serial_launches`), and a drafter
+holding one runs `ops.branch` in line (`model.drafter.Drafter` drops the branch kernels from its kernels), so every
+EXL3 launch is on the one stream.
 """
 from __future__ import annotations
 
@@ -147,6 +148,8 @@ def forced_shape(op: str, K, codebook: str, k: int, n: int, device: torch.device
 # ==== one Linear =====================================================================================================
 class Exl3Weight:
     """An EXL3 Linear on the GPU, shaped like the (out, in) weight it stands for; `matmul` runs `exl3_gemm`."""
+
+    serial_launches = True          # no two of its kernels in flight at once (one lock array per card: see above)
 
     def __init__(self, rec: Exl3Linear):
         t = rec.trellis
@@ -401,12 +404,6 @@ def _torch_function(func, args, kwargs):
                     f"slice, torch.cat of row blocks and torch.stack of experts are)")
 
 
-def serialize_branches() -> None:
-    """Run `ops.branch` in line from now on (see the module docstring: one stream for every EXL3 launch)."""
-    ops.drop_fused("branch", "branch_parts")
-
-
 def load(rec: Exl3Linear) -> Exl3Weight:
     """The loader's entry: one EXL3 record on a CUDA device -> the weight the model multiplies by."""
-    serialize_branches()
     return Exl3Weight(rec)

@@ -1,4 +1,4 @@
-"""Fused Triton kernels for the draft step's chains of small ops (the fast path, `kernels.gemm.use_matmul("fast")`).
+"""Fused Triton kernels for the draft step's chains of small ops (the fast path, `kernels.gemm.kernels_for("fast")`).
 
 Why: in the reference form (`model/*`), the mHC mixes, the 20 Sinkhorn rounds, every norm, RoPE, the attention
 softmax and SwiGLU are chains of small torch ops, and every tree-sum level is a kernel of its own. The full drafter

@@ -1,4 +1,4 @@
-"""Batch-invariant GPU matmuls for the drafter's fast path (`use_matmul("fast")`).
+"""Batch-invariant GPU matmuls for the drafter's fast path (`kernels_for("fast")`).
 
 The exact tree-sum GEMM of `model.ops` is batch invariant by construction but far too slow on a GPU for the full
 model. These kernels keep its property (a row's bits never depend on which other rows share the call, nor on the
@@ -6,7 +6,7 @@ process or the card of a given kind) with library-speed throughput:
 
 * `padded_linear` (dense layers): the rows in chunks of exactly PAD_ROWS (the last padded). On a GPU, one launch
   of `chunked_linear` for all chunks: each weight tile read once and applied to every chunk's own fixed-shape dot,
-  its tiles fixed by the weight's shape and the card (`chunked_linear.tiles`). With `use_matmul(dense="cublas")`,
+  its tiles fixed by the weight's shape and the card (`chunked_linear.tiles`). With `kernels_for(dense="cublas")`,
   cuBLAS once per chunk (off a GPU, torch.mm the same way), always with one (PAD_ROWS, N, K) shape: cuBLAS picks
   its algorithm by a deterministic heuristic of (shape, dtype, device, workspace, alignment), so fixing the shape
   fixes the kernel, but every chunk reads the whole weight again. Either way a row's result cannot depend on the
@@ -30,6 +30,7 @@ timing (per card, per process, per run) may be on, since timings differ and so w
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 
@@ -42,10 +43,9 @@ from .rows import BLOCK_K, BLOCK_N, NUM_WARPS, PAD_ROWS, grouped_rows_empty, row
 # and the step was no faster (pair 1.43 ms, one card 1.93 ms against 1.81; bench/results/gpu/README.md). Kept, and
 # tested on both paths, for tuning.
 SMALL_WEIGHT_BYTES = 0
-# The dense linears on a GPU (`use_matmul(..., dense=)`): "triton" (`chunked_linear`, one weight read for every
-# chunk) or "cublas" (a padded cuBLAS GEMM per chunk). A start-up choice: the two give different bits, so every
-# process of a deployment runs the same one (`dense_for`).
-DENSE = "triton"
+# The dense linears on a GPU (`kernels_for(..., dense=)`, bound into the kernels it builds): "triton"
+# (`chunked_linear`, one weight read for every chunk) or "cublas" (a padded cuBLAS GEMM per chunk). A start-up
+# choice: the two give different bits, so every process of a deployment runs the same one (`dense_for`).
 DENSE_KERNELS = ("triton", "cublas")
 
 _PINNED: dict = {}
@@ -137,13 +137,13 @@ def dense_for(rows: int, choice: str = "auto") -> str:
     return choice
 
 
-def _chunked(x: torch.Tensor) -> bool:
+def _chunked(x: torch.Tensor, dense: str) -> bool:
     """Whether a dense linear on x runs `chunked_linear` (one launch) rather than cuBLAS once per chunk (also for
     a bench that sets another PAD_ROWS: the kernel's chunk is 32 rows)."""
-    return x.is_cuda and DENSE == "triton" and PAD_ROWS == 32
+    return x.is_cuda and dense == "triton" and PAD_ROWS == 32
 
 
-def _padded_mm(x: torch.Tensor, w: torch.Tensor, mm, out_dtype: torch.dtype) -> torch.Tensor:
+def _padded_mm(x: torch.Tensor, w: torch.Tensor, mm, out_dtype: torch.dtype, dense: str) -> torch.Tensor:
     """x (..., K) @ w.T on chunks of exactly PAD_ROWS rows of a padded copy of x: `chunked_linear` in one launch,
     or `mm(chunk, w)` per chunk."""
     lead, k = x.shape[:-1], x.shape[-1]
@@ -152,7 +152,7 @@ def _padded_mm(x: torch.Tensor, w: torch.Tensor, mm, out_dtype: torch.dtype) -> 
     if m == 0:
         return torch.empty((*lead, n), dtype=out_dtype, device=x.device)
     xp, chunks = _padded_rows(x2)
-    if _chunked(x2):
+    if _chunked(x2, dense):
         from .chunked_linear import chunked_linear
         out = chunked_linear(xp, w, torch.empty((chunks * PAD_ROWS, n), dtype=out_dtype, device=x.device))
     else:
@@ -161,8 +161,9 @@ def _padded_mm(x: torch.Tensor, w: torch.Tensor, mm, out_dtype: torch.dtype) -> 
     return out[:m].reshape(*lead, n)
 
 
-def padded_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Batch-invariant fp32 x @ w.T: x (..., K) fp16-valued, w (N, K) fp16 -> fp32 (..., N).
+def padded_linear(x: torch.Tensor, w: torch.Tensor, dense: str = "triton") -> torch.Tensor:
+    """Batch-invariant fp32 x @ w.T: x (..., K) fp16-valued, w (N, K) fp16 -> fp32 (..., N). On a GPU, `dense`
+    "triton" runs `chunked_linear` over every chunk in one launch (module docstring); "cublas" as follows.
 
     Rows go through cuBLAS in chunks of exactly PAD_ROWS (the last padded), so every GEMM has the same shape
     and runs the same kernel whatever the batch. The rows are read in place when x sits at the start of a padded
@@ -173,21 +174,21 @@ def padded_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if _small(x, w):
         from .fused import rows_linear
         return rows_linear(x, w, torch.float32)
-    return _padded_mm(x, w, _mm_f32, torch.float32)
+    return _padded_mm(x, w, _mm_f32, torch.float32, dense)
 
 
-def padded_linear_f16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def padded_linear_f16(x: torch.Tensor, w: torch.Tensor, dense: str = "triton") -> torch.Tensor:
     """`padded_linear` rounded to fp16 by cuBLAS's epilogue (fp32 accumulation, one rounding), which saves the
     separate conversion kernel. The same fixed shape per chunk, so the same batch invariance."""
     if _small(x, w):
         from .fused import rows_linear
         return rows_linear(x, w, torch.float16)
     if not x.is_cuda:
-        return ops.f16(padded_linear(x, w))
-    return _padded_mm(x, w, lambda xc, w: torch.mm(xc, w.t()), torch.float16)
+        return ops.f16(padded_linear(x, w, dense))
+    return _padded_mm(x, w, lambda xc, w: torch.mm(xc, w.t()), torch.float16, dense)
 
 
-def padded_grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def padded_grouped_linear(x: torch.Tensor, w: torch.Tensor, dense: str = "triton") -> torch.Tensor:
     """fp16 (n, G * R): group g of x (n, G, K) times rows [g*R, (g+1)*R) of w (G * R, K) (the attention's grouped
     wo_a; fp32 accumulation, one rounding to fp16). On a GPU: `chunked_linear` over every group and chunk in one
     launch, or (dense "cublas") one batched GEMM of a fixed (G, PAD_ROWS, K) x (G, K, R) shape per chunk.
@@ -196,13 +197,13 @@ def padded_grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     r = w.shape[0] // g
     wg = w.view(g, r, k)
     if n == 0 or not x.is_cuda:
-        return torch.cat([ops.f16(padded_linear(x[:, i], wg[i])) for i in range(g)], dim=-1)
+        return torch.cat([ops.f16(padded_linear(x[:, i], wg[i], dense)) for i in range(g)], dim=-1)
     xp, chunks = _padded_rows(x.transpose(0, 1), (g,))
     # Each chunk's GEMM writes its (G, PAD_ROWS, R) result straight into the row-major (rows, G * R) layout wo_b
     # reads in place: as a strided batch (row stride G * R, group stride R), which cuBLAS takes as its output
     # without a copy. (Written group-major, it took a transposing copy kernel of ~2.5 us a block.)
     res = rows_empty(n, g * r, torch.float16, x.device)
-    if _chunked(x):
+    if _chunked(x, dense):
         from .chunked_linear import chunked_linear
         chunked_linear(xp, w, res.as_strided((chunks * PAD_ROWS, g * r), (g * r, 1)), groups=g)
         return res
@@ -227,40 +228,36 @@ def indexed_linear_reference(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor
     return torch.einsum("pk,pnk->pn", x.double(), w[idx].double()).float()
 
 
-def use_matmul(mode: str, dense: str = "triton") -> str:
-    """Install the kernels of `model.ops`: "exact" (the reference: tree-sum matmuls, op chains), "fast" (these
-    matmuls and the fused kernels of `kernels/fused.py`; pins determinism first), "auto" (fast with CUDA, else
-    exact); `dense` picks the fast path's dense kernel on a GPU ("triton" or "cublas", `dense_for`). A start-up
-    choice; returns the mode installed."""
-    global DENSE
+def kernels_for(mode: str, dense: str = "triton") -> ops.Kernels:
+    """The kernels of `mode`, to hand to a drafter: "exact" (`ops.EXACT`: tree-sum matmuls, op chains), "fast"
+    (these matmuls and the fused kernels of `kernels/fused.py`; pins determinism first, a setting of the process),
+    "auto" (fast with CUDA, else exact). `dense` picks the fast path's dense kernel on a GPU ("triton" or "cublas",
+    `dense_for`), bound into its dense linears. A start-up choice."""
     if dense not in DENSE_KERNELS:
         raise ValueError(f"dense kernel must be triton or cublas, not {dense!r}")
-    DENSE = dense
     if mode == "auto":
         mode = "fast" if torch.cuda.is_available() else "exact"
     if mode == "exact":
-        ops.set_matmul(ops.linear_tree, ops.linear_indexed_tree, mode="exact")
-    elif mode == "fast":
-        pin_determinism()
-        from . import fused             # imports triton: only the fast path needs it
-        from .streams import branch, branch_parts
-        ops.set_matmul(padded_linear, indexed_linear, mode="fast",
-                       fused_table={**fused.TABLE, "linear_grouped": padded_grouped_linear,
-                                    "linear_f16": padded_linear_f16, "branch": branch,
-                                    "branch_parts": branch_parts})
-    else:
+        return ops.EXACT
+    if mode != "fast":
         raise ValueError(f"matmul mode must be exact, fast or auto, not {mode!r}")
-    return mode
+    pin_determinism()
+    from . import fused             # imports triton: only the fast path needs it
+    from .streams import branch, branch_parts
+    return ops.Kernels(mode="fast", matmul=partial(padded_linear, dense=dense), matmul_indexed=indexed_linear,
+                       dense=dense,
+                       fused_table={**fused.TABLE, "linear_grouped": partial(padded_grouped_linear, dense=dense),
+                                    "linear_f16": partial(padded_linear_f16, dense=dense), "branch": branch,
+                                    "branch_parts": branch_parts})
 
 
-def describe_matmul() -> str:
-    """One line for the start-up log."""
-    mode = ops.current_matmul()[2]
+def describe(kernels: ops.Kernels) -> str:
+    """One line for the start-up log: the kernels, and what this process pinned."""
     pinned = ",".join(f"{k}={v}" for k, v in _PINNED.items()) or "none"
-    fused = ",".join(sorted(ops.current_matmul()[3])) or "none"
+    fused = ",".join(sorted(kernels.fused_table)) or "none"
     pdl = "off"                 # programmatic dependent launch of the graphs' fused kernels (Hopper and later)
-    if mode == "fast" and torch.cuda.is_available():
+    if kernels.mode == "fast" and torch.cuda.is_available():
         from .fused_ops import pdl_active
         pdl = "graphs" if pdl_active() else "off"
-    return (f"matmul mode={mode} pad_rows={PAD_ROWS} dense={DENSE} triton(BLOCK_N={BLOCK_N},BLOCK_K={BLOCK_K},"
-            f"num_warps={NUM_WARPS}) fused[{fused}] pinned[{pinned}] pdl={pdl}")
+    return (f"matmul mode={kernels.mode} pad_rows={PAD_ROWS} dense={kernels.dense or 'none'} triton(BLOCK_N={BLOCK_N},"
+            f"BLOCK_K={BLOCK_K},num_warps={NUM_WARPS}) fused[{fused}] pinned[{pinned}] pdl={pdl}")

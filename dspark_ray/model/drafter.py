@@ -4,9 +4,14 @@ Parallel-unaware math: the drafter holds the weight shards of the ranks that liv
 a pair rank or solo; both for the emulated pair) and hands one partial per shard to its `Collectives` at the two
 reduction points of every block (after wo_b, after the FFN) and at every argmax. Which slice a shard holds is the
 layout table's business (`model/layout.py`); replicated tensors are read from the first shard.
+
+Kernel-unaware too: the drafter is handed its kernels (`ops.Kernels`, the exact reference by default) and makes them
+the active ones while each of its entry points runs (`forward`, `context_rows_by_block`, `cache_markov`, and what
+calls them); the parts call `ops.linear` / `ops.fused` and get them, on whatever thread the entry point runs.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -25,6 +30,15 @@ from .ops import Rope, linear, rms_norm
 from .state import SlotState
 
 Weights = dict[str, torch.Tensor]
+
+
+def _on_own_kernels(method):
+    """`method` with the drafter's kernels active while it runs (an entry point of the drafter's math)."""
+    @functools.wraps(method)
+    def run(self, *args, **kw):
+        with ops.using(self.kernels):
+            return method(self, *args, **kw)
+    return run
 
 
 @dataclass
@@ -82,8 +96,15 @@ class _Block:
 class Drafter:
     def __init__(self, cfg: DrafterConfig, shards: list[Weights], vocab_starts: list[int] | None = None,
                  coll: Collectives | None = None, *, fp8_kv: bool = False, conf_threshold: float = 0.5,
-                 markov_cache: int = 0):
+                 markov_cache: int = 0, kernels: ops.Kernels = ops.EXACT):
         self.cfg = cfg
+        if not isinstance(kernels, ops.Kernels):
+            raise TypeError(f"kernels {kernels!r} are not an ops.Kernels (kernels.gemm.kernels_for builds them)")
+        # Weights whose kernels must not run beside each other on two streams (exllamav3's: one lock array per
+        # card, kernels/exl3_gemm.py) take every branch in line.
+        if any(getattr(t, "serial_launches", False) for w in shards for t in w.values()):
+            kernels = kernels.without("branch", "branch_parts")
+        self.kernels = kernels
         self.coll = coll or LocalCollectives(len(shards))
         if len(shards) != len(self.coll.local_ranks):
             raise ValueError(f"{len(shards)} shards for collectives with local ranks {self.coll.local_ranks}")
@@ -117,6 +138,7 @@ class Drafter:
             raise ValueError(f"collectives of local ranks {coll.local_ranks}; the drafter's: {self.coll.local_ranks}")
         self.coll = self.head.coll = coll
 
+    @_on_own_kernels
     def cache_markov(self, rows: int) -> int:
         """Cache the Markov bias rows of the ids [0, rows) (a BPE vocabulary's lower ids are its earlier, more
         frequent merges; all of them: every step reads a row, never markov_w2): the same drafts, less read and
@@ -163,10 +185,15 @@ class Drafter:
         return list(self.context_rows_by_block(taps, pos))
 
     def context_rows_by_block(self, taps: torch.Tensor, pos: torch.Tensor) -> Iterator[torch.Tensor]:
-        """`context_rows` one block at a time: a caller may use block n's rows before the next are computed."""
-        x = rms_norm(linear(taps, self.main_proj), self.main_norm, self.cfg.rms_norm_eps)
+        """`context_rows` one block at a time: a caller may use block n's rows before the next are computed. Each
+        step runs on the drafter's kernels, set and reset around it: between the steps the caller's context is its
+        own (and a generator left unfinished leaves nothing set)."""
+        with ops.using(self.kernels):
+            x = rms_norm(linear(taps, self.main_proj), self.main_norm, self.cfg.rms_norm_eps)
         for b in self.blocks:
-            yield b.attn[0].kv_rows(x, pos)
+            with ops.using(self.kernels):
+                rows = b.attn[0].kv_rows(x, pos)
+            yield rows
 
     # -- draft forward + head (spec 3b, 3c, 3d) --------------------------------------------------------------------
     @torch.inference_mode()
@@ -185,6 +212,7 @@ class Drafter:
         windows = [torch.stack([s.window_rows(n)[0] for s in states]) for n in range(self.cfg.n_blocks)]
         return windows, torch.stack([s.window_valid(self.device) for s in states])
 
+    @_on_own_kernels
     def forward(self, seeds: torch.Tensor, p0: torch.Tensor, windows: list[torch.Tensor], valid: torch.Tensor,
                 n_out: int, want_margins: bool = False, debug: bool = False) -> DraftOut:
         """The draft step's math, tensors only: no shape depends on the data and nothing syncs with the host, so a

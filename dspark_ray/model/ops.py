@@ -9,14 +9,18 @@ share the call, the thread count or the device, so
 * the CPU suite, a CPU rank in a Ray actor (one thread) and an in-process reference (two threads) agree bit for bit.
 
 A library GEMM (MKL, cuBLAS) chooses its blocking by the row count and thread count and so breaks both (measured
-on this CPU with torch 2.13: `x @ W.T` for 20 rows differs from the same rows one at a time). The GPU engine swaps
-`linear` for a batch-invariant kernel of its own through `set_matmul`, a start-up choice.
+on this CPU with torch 2.13: `x @ W.T` for 20 rows differs from the same rows one at a time). The GPU engine runs
+`linear` on a batch-invariant kernel of its own: each drafter is handed its `Kernels` at start-up (`EXACT`, these
+ops, by default), and the ops run on those of the drafter whose entry point is running (`using`).
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
-from typing import Callable
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -116,19 +120,15 @@ def linear_indexed_tree(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> 
     return linear_rows(x, w[idx])
 
 
-_matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = linear_tree
-_matmul_indexed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = linear_indexed_tree
-MATMUL_MODE = "exact"
 # Fused kernels by name (`kernels/fused.py`), each a one-launch twin of a chain of the reference ops here and in
-# the model modules, which use it when installed. Empty: the reference chains (the exact path). Every name the
-# model may ask for is listed here: an unknown name (a misspelling) raises instead of quietly taking the slow path.
+# the model modules, which use it when the active kernels have it. Every name the model may ask for is listed here:
+# an unknown name (a misspelling) raises instead of quietly taking the slow path.
 FUSED_NAMES = frozenset({
     "attend", "branch", "branch_parts", "confidence", "confidence_prenorm", "embed_streams", "expert_act",
     "expert_out", "graph_launches", "head_norm_rope", "hyper_head_norm", "linear_f16", "linear_grouped",
     "markov_rows", "markov_step", "mhc_collapse_norm", "mhc_expand", "pack_outputs", "rms_norm", "route",
     "router_logits", "swiglu",
 })
-_fused: dict[str, Callable] = {}
 
 
 def _known(names) -> None:
@@ -137,38 +137,66 @@ def _known(names) -> None:
         raise KeyError(f"no fused kernel named {', '.join(map(repr, unknown))} (ops.FUSED_NAMES lists them)")
 
 
-def set_matmul(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-               indexed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-               mode: str = "custom", fused_table: dict[str, Callable] | None = None) -> None:
-    """Install the fp32-accumulating matmuls used by every dense layer and by the routed experts, and the fused
-    kernels (a start-up decision of the process: `kernels.gemm.use_matmul` picks between the exact reference
-    and the GPU kernels)."""
-    global _matmul, _matmul_indexed, MATMUL_MODE
-    _known(fused_table or {})
-    _matmul = fn
-    _matmul_indexed = indexed or linear_indexed_tree
-    MATMUL_MODE = mode
-    _fused.clear()
-    _fused.update(fused_table or {})
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels a drafter's math runs on: the fp32-accumulating matmul of every dense layer, the indexed one of
+    the routed experts, and the fused kernels by name (none: the reference chains). `mode` names the set in the
+    logs ("exact", "fast" or a caller's own); `dense` is the fast path's dense kernel ("triton" or "cublas"), None
+    where there is no such choice. A value made once at start-up (`kernels.gemm.kernels_for`) and handed to the
+    drafter, which makes it the active set while one of its entry points runs (`using`)."""
+    mode: str = "exact"
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = linear_tree
+    matmul_indexed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = linear_indexed_tree
+    fused_table: Mapping[str, Callable] = field(default_factory=dict)
+    dense: str | None = None
+
+    def __post_init__(self):
+        _known(self.fused_table)
+        # A read-only copy: whoever holds the set shares it, so no one may change it under the others.
+        object.__setattr__(self, "fused_table", MappingProxyType(dict(self.fused_table)))
+
+    def fused(self, name: str) -> Callable | None:
+        """The fused kernel `name`, or None (use the reference chain); KeyError for a name no kernel has."""
+        if name not in FUSED_NAMES:
+            _known([name])
+        return self.fused_table.get(name)
+
+    def without(self, *names: str) -> "Kernels":
+        """These kernels less the fused ones named: their reference chains run instead."""
+        _known(names)
+        return replace(self, fused_table={k: v for k, v in self.fused_table.items() if k not in names})
 
 
-def current_matmul() -> tuple:
-    """(dense, indexed, mode, fused table) as installed: `set_matmul(*current_matmul())` restores them."""
-    return _matmul, _matmul_indexed, MATMUL_MODE, dict(_fused)
+EXACT = Kernels()       # the reference: tree-sum matmuls, every op chain as written
+
+# The kernels the ops run on: those of the drafter whose entry point is running (it sets them through `using`),
+# the exact reference outside any. A context variable, not a module global, so that drafters with different kernels
+# live in one process (one after the other or on threads of their own) and each runs on its own, while the model
+# modules call `fused` / `linear` without a kernel argument. A new thread starts with the default, so every entry
+# point sets it.
+_ACTIVE: contextvars.ContextVar[Kernels] = contextvars.ContextVar("dspark_kernels", default=EXACT)
+
+
+def active() -> Kernels:
+    """The kernels the ops run on here and now."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def using(kernels: Kernels) -> Iterator[Kernels]:
+    """Run the ops on `kernels` inside the block (this thread's context only); the set before comes back after."""
+    if not isinstance(kernels, Kernels):
+        raise TypeError(f"kernels {kernels!r} are not an ops.Kernels (kernels.gemm.kernels_for builds them)")
+    token = _ACTIVE.set(kernels)
+    try:
+        yield kernels
+    finally:
+        _ACTIVE.reset(token)
 
 
 def fused(name: str) -> Callable | None:
-    """The installed fused kernel `name`, or None (use the reference chain); KeyError for a name no kernel has."""
-    if name not in FUSED_NAMES:
-        _known([name])
-    return _fused.get(name)
-
-
-def drop_fused(*names: str) -> None:
-    """Uninstall fused kernels by name: their reference chains run from now on."""
-    _known(names)
-    for n in names:
-        _fused.pop(n, None)
+    """The active fused kernel `name`, or None (use the reference chain); KeyError for a name no kernel has."""
+    return _ACTIVE.get().fused(name)
 
 
 class Ready:
@@ -192,7 +220,7 @@ def branch(fn: Callable, *args):
     """fn(*args) as a branch that may run beside what the caller does next; `.join()` gives its result. The fast
     path runs it on a side stream (`kernels/streams.py`); here it runs at once. Either way the same bits: a branch
     only reads its arguments, and the caller joins before it reads the result."""
-    k = _fused.get("branch")
+    k = _ACTIVE.get().fused_table.get("branch")
     return k(fn, *args) if k is not None else Ready(fn(*args))
 
 
@@ -200,7 +228,7 @@ def branch_parts(fn: Callable, *args) -> list:
     """The values the generator fn(*args) yields, as branches that may run beside what the caller does next, each
     joined alone (`.join()` or `joined`) by the op that reads it: a reader of the first part need not wait for the
     work that makes the later ones. The serial form runs the generator at once."""
-    k = _fused.get("branch_parts")
+    k = _ACTIVE.get().fused_table.get("branch_parts")
     return k(fn, *args) if k is not None else [Ready(v) for v in fn(*args)]
 
 
@@ -208,16 +236,16 @@ def graph_launches():
     """The context the graph set warms up and captures in: there the fast path launches its kernels with
     programmatic dependent launch (`kernels/fused_ops.pdl_launches`), so the graphs hold programmatic edges; the
     same bits as without."""
-    k = _fused.get("graph_launches")
+    k = _ACTIVE.get().fused_table.get("graph_launches")
     return k() if k is not None else contextlib.nullcontext()
 
 
 def linear_indexed(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """fp32 (P, N): row p times its own weight w[idx[p]] (E, N, K stacked), through the installed kernel, or the
+    """fp32 (P, N): row p times its own weight w[idx[p]] (E, N, K stacked), through the active kernel, or the
     bank's own product when the stacked weights carry one (EXL3 experts: `kernels/exl3_gemm.py`)."""
     if not isinstance(w, torch.Tensor):
         return w.matmul_indexed(x, idx, F32)
-    return _matmul_indexed(x, w, idx)
+    return _ACTIVE.get().matmul_indexed(x, w, idx)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = F16,
@@ -230,9 +258,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = F16,
             return y
         y = y + bias.float()
         return f16(y) if out_dtype == F16 else y
-    if bias is None and out_dtype == F16 and "linear_f16" in _fused:
-        return _fused["linear_f16"](x, w)
-    y = _matmul(x, w)
+    kernels = _ACTIVE.get()
+    if bias is None and out_dtype == F16 and "linear_f16" in kernels.fused_table:
+        return kernels.fused_table["linear_f16"](x, w)
+    y = kernels.matmul(x, w)
     if bias is not None:
         y = y + bias.float()
     return f16(y) if out_dtype == F16 else y
@@ -241,8 +270,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = F16,
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Block RMSNorm: y = (x * w) * rsqrt(mean(x^2) + eps) entirely in fp32, output fp16 (spec section 4).
     x is fp16 or fp32; w is bf16 (kept) or fp16, read exactly as fp32."""
-    if "rms_norm" in _fused:
-        return _fused["rms_norm"](x, w, eps)
+    k = _ACTIVE.get().fused_table.get("rms_norm")
+    if k is not None:
+        return k(x, w, eps)
     xf = x.float()
     r = rsqrt(tree_sum(xf * xf) / xf.shape[-1] + eps)
     return f16((xf * w.float()) * r[..., None])
@@ -306,8 +336,9 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
     We follow exllamav3 rather than DeepSeek's reference (silu(min(g, L))): exllamav3 is the implementation our
     spec was checked against bit for bit on drafts (spec section 10), and the two differ only where g > L, by at
     most L * (1 - sigmoid(L)) in the gate factor. limit == 0 disables both clamps."""
-    if "swiglu" in _fused:
-        return _fused["swiglu"](g, u, limit)
+    k = _ACTIVE.get().fused_table.get("swiglu")
+    if k is not None:
+        return k(g, u, limit)
     s = silu_f16(f16(g)).float()
     uf = f16(u).float()
     if limit > 0:

@@ -17,7 +17,6 @@ rank out of step).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -96,15 +95,8 @@ def assert_identical(a: list[list[EntryRecord]], b: list[list[EntryRecord]], wha
                     raise AssertionError(f"{what}: round {r} entry {j}: {k} differs")
 
 
-@contextlib.contextmanager
-def native_matmul():
-    """Run the drafter with the library GEMM (one BLAS call, its own reduction order): the plain tp1 reference."""
-    saved = ops.current_matmul()
-    ops.set_matmul(lambda x, w: x.float() @ w.float().t(), mode="native")
-    try:
-        yield
-    finally:
-        ops.set_matmul(*saved)
+# The plain tp1 reference's kernels: the library GEMM (one BLAS call, its own reduction order), the reference chains.
+NATIVE_MATMUL = ops.Kernels(mode="native", matmul=lambda x, w: x.float() @ w.float().t())
 
 
 def fp16_step(x: float) -> float:
