@@ -29,7 +29,7 @@ from .contract import (SHM_RING_PREFIX, Acquire, AcquireReply, Code, Entry, Entr
 from .wire import (HEADER_SIZE, ConnectionClosed, FrameError, FrameReader, FrameWriter, bound_blocking_io,
                    decode_frame, spinning_recv_into)
 
-__all__ = ["DrafterClient", "ClientError", "PendingStep", "make_entry"]
+__all__ = ["DrafterClient", "ClientError", "PendingStep", "RequestSlot", "make_entry"]
 
 # msgpack overhead of one Entry beyond its two byte strings (field names, ints): generous, used to split STEPs.
 _ENTRY_OVERHEAD = 160
@@ -147,6 +147,10 @@ class DrafterClient:
         for chunk in pending.rest:
             results.extend(self._call(Step(entries=chunk, deadline_ms=pending.deadline_ms), StepReply).results)
         return results
+
+    def request(self, n_out: int = 5, deadline_ms: float = 100.0) -> "RequestSlot":
+        """A slot for one live request, kept in step with its context (`RequestSlot`); acquired now."""
+        return RequestSlot(self, n_out, deadline_ms)
 
     def close(self) -> None:
         if self._ring is not None:
@@ -268,3 +272,45 @@ class PendingStep:
     request_id: int
     rest: list[list[Entry]]         # the chunks beyond the first (sent one after the other by step_end)
     deadline_ms: float
+
+
+class RequestSlot:
+    """One live request's slot, kept in step with its context: the contract's re-insert rules in one place.
+
+    `step(ids, taps, seed)` takes the whole context as the trunk holds it (its token ids and their taps, the
+    accepted rows appended each round) and sends only what the slot lacks: the rows since its last OK answer; after
+    a resync (an answer with a new generation) the context's last window, a fresh slot's first insert; a slot left
+    further behind than one insert can carry (a long restart) is given back for a fresh one. It returns the entry's
+    `EntryResult`: drafts when OK, else none (verify that round without drafts). HELLO first: it reads the limits.
+    """
+
+    def __init__(self, client: DrafterClient, n_out: int = 5, deadline_ms: float = 100.0):
+        self.client, self.n_out, self.deadline_ms = client, n_out, deadline_ms
+        (self.grant,) = client.acquire(1)
+        self.held = 0               # the first context row the slot lacks
+        self.fresh = True           # the slot holds nothing (acquired or resynced): it takes the last window
+
+    def step(self, ids, taps, seed: int) -> EntryResult:
+        c, lim = self.client, self.client.limits
+        if not self.fresh and len(ids) - self.held > lim.max_rows_per_entry:
+            c.release([self.grant.slot])
+            (self.grant,), self.fresh = c.acquire(1), True
+        if self.fresh:
+            self.held = max(0, len(ids) - lim.sliding_window)     # the drafter reads no further back
+        (r,) = c.step([make_entry(slot=self.grant.slot, generation=self.grant.generation, seed_token=seed,
+                                  start_pos=self.held, token_ids=ids[self.held:], taps=taps[self.held:],
+                                  n_out=self.n_out)], deadline_ms=self.deadline_ms)
+        if r.code == Code.OK:
+            self.held, self.fresh = len(ids), False
+        elif r.generation != self.grant.generation:      # resynced: quote the new generation, re-insert
+            self.grant, self.fresh = SlotGrant(slot=self.grant.slot, generation=r.generation), True
+        return r
+
+    def release(self) -> None:
+        self.client.release([self.grant.slot])
+
+    def __enter__(self) -> "RequestSlot":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
