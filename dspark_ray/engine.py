@@ -206,8 +206,7 @@ class RankEngine:
             return
         es = batch.entries
         inserts = [(self.slots[e.slot], self.slots[e.slot].position, t) for e in es if (t := self._taps(e)).shape[0]]
-        self.graphs.rehearse(inserts, [self.slots[e.slot] for e in es], [e.seed_token for e in es],
-                             max(e.n_out for e in es), any(e.want_margins for e in es))
+        self.graphs.rehearse(inserts, [self.slots[e.slot] for e in es], *_draft_args(es))
 
     def _run(self, batch: RingBatch):
         """Place the slots, then the inserts and one batched draft. The graph engine takes every insert and the
@@ -222,7 +221,7 @@ class RankEngine:
             t = self._taps(e)
             if t.shape[0]:
                 inserts.append((st, e.start_pos, t))
-        seeds, n_out, margins = [e.seed_token for e in es], max(e.n_out for e in es), any(e.want_margins for e in es)
+        seeds, n_out, margins = _draft_args(es)
         if self.graphs is None:
             for st, start, taps in inserts:
                 self.drafter.insert(st, start, taps)
@@ -244,6 +243,12 @@ class RankEngine:
             st["graphs"] = {"count": self.graphs.n_graphs, "capture_s": round(self.graphs.capture_seconds, 3),
                             "bytes": self.graphs.graph_bytes, "request_buckets": self.graphs.request_buckets}
         return st
+
+
+def _draft_args(es: list[Entry]) -> tuple[list[int], int, bool]:
+    """A batch's draft as the graph set and the drafter take it: the seeds, the batch's n_out, whether any entry
+    wants margins."""
+    return [e.seed_token for e in es], max(e.n_out for e in es), any(e.want_margins for e in es)
 
 
 def entry_taps(e: Entry, width: int) -> torch.Tensor:

@@ -7,8 +7,9 @@ Per STEP, nothing reaches a rank before every field was checked: stateless rules
 then the slot's owner, generation and cursor (position gap, rollback depth, drafts below max_model_len) here. This
 is the only place that checks: the ranks run what the ring hands them. The front-end's cursors are the one account
 of where each slot stands; a batch hands the ranks each entry's placement (`SlotCursor.after`), and the cursor takes
-it when the entry answers OK. A
-STEP that finds the pair idle and nobody queued runs as the batch on its own thread (no queue, no thread hand-off:
+it when the entry answers OK.
+
+A STEP that finds the pair idle and nobody queued runs as the batch on its own thread (no queue, no thread hand-off:
 each hand-off costs a wake-up of tens of microseconds). Otherwise its valid entries join one queue: while a batch
 runs, other callers' entries wait there, and the next caller to find the pair free takes every queued entry (up to
 `max_entries_per_replay`) into one batch.

@@ -93,8 +93,7 @@ class RankWorker:
         def progress(done, total):
             if done == total or done % 10 == 0:
                 log.info("rank %d: %s %d / %d graphs", self.rank, "captured" if cuda else "recorded", done, total)
-        # The front-end scans every entry's values before it publishes them (contract.validate_entries): the ranks
-        # check only what guards their slots.
+        # The front-end checks every entry and places its slot before it publishes a batch: the engine checks nothing.
         self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress,
                                  max_batch=self.spec.batch_limit(cfg))
         # (the collectives' own line comes from comm.factory)
@@ -159,19 +158,19 @@ class RankWorker:
             # stamped before the hand-off: the front-end may see the completion at once
             row["encoded"], row["cpu_encoded"] = now(), cpu_now()
             if status == M.STATUS_OK and warm.wants_sample("batch", len(view)):
-                self._rehearse_from(view, results)
+                self._rehearse_from(batch, results)
             self.reader.complete(seq, status, payload)
             warm.ran()
             last_step, sleeps = time.monotonic(), self.reader.sleeps
             self.stamps.add(row)
             self.wake_ups.add(woke)
 
-    def _rehearse_from(self, view, results) -> None:
+    def _rehearse_from(self, batch, results) -> None:
         """Rehearse this batch's decode and staging (and rank 0 its answer's encoding) between steps: its first
-        REHEARSAL_ENTRIES entries (keep_warm.py), encoded into bytes of their own (the view is the ring's until
-        complete())."""
+        REHEARSAL_ENTRIES entries (keep_warm.py), encoded into bytes of their own (the decoded batch views the ring's
+        slot, which is the ring's again after complete())."""
         engine, decoded = self.engine, []
-        batch = M.encode(M.decode_batch(view).head(REHEARSAL_ENTRIES))
+        batch = M.encode(batch.head(REHEARSAL_ENTRIES))
         results = results[:REHEARSAL_ENTRIES]
 
         def decode():

@@ -279,7 +279,7 @@ def test_a_wide_batch_is_rehearsed_by_its_first_entries(cfg):
     batch = M.RingBatch([3], [C.make_entry(slot=s, generation=1, seed_token=5, token_ids=[1, 2], taps=taps)
                               for s in range(n)], [(0, 2)] * n)
     out = C.ok_result(generation=0, drafts=np.arange(5), confidences=np.full(5, 0.5), confident_len=2)
-    w._rehearse_from(M.encode(batch), [out] * n)
+    w._rehearse_from(M.decode_batch(M.encode(batch)), [out] * n)     # as the step loop decoded it
     w.keep_warm()
     assert seen == [("rank", list(range(REHEARSAL_ENTRIES)))]
     assert set(w.keep_warm.pieces) == {"decode", "engine", "reply"} and not w.keep_warm.dropped
