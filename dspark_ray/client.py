@@ -277,34 +277,48 @@ class PendingStep:
 class RequestSlot:
     """One live request's slot, kept in step with its context: the contract's re-insert rules in one place.
 
-    `step(ids, taps, seed)` takes the whole context as the trunk holds it (its token ids and their taps, the
-    accepted rows appended each round) and sends only what the slot lacks: the rows since its last OK answer; after
-    a resync (an answer with a new generation) the context's last window, a fresh slot's first insert; a slot left
-    further behind than one insert can carry (a long restart) is given back for a fresh one. It returns the entry's
-    `EntryResult`: drafts when OK, else none (verify that round without drafts). HELLO first: it reads the limits.
+    `step(ids, taps, seed)` takes the context as the trunk holds it (its token ids and their taps, the accepted rows
+    appended each round) and sends only what the slot lacks: the rows since its last OK answer; after a resync (an
+    answer with a new generation) the context's last window, a fresh slot's first insert; a slot left further behind
+    than one insert can carry (a long restart) is given back for a fresh one. It returns the entry's `EntryResult`:
+    drafts when OK, else none (verify that round without drafts). HELLO first: it reads the limits.
+
+    An engine that batches its requests into one STEP (engines/exllamav3.py) uses the two halves: `entry(...)` for
+    each request, one `step` of the client for all of them, then `answer(result)` for each. The context may then
+    be only its recent rows: `first` is the position of `ids[0]` (the slot never needs more than the last window).
     """
 
-    def __init__(self, client: DrafterClient, n_out: int = 5, deadline_ms: float = 100.0):
+    def __init__(self, client: DrafterClient, n_out: int = 5, deadline_ms: float = 100.0,
+                 grant: SlotGrant | None = None):
         self.client, self.n_out, self.deadline_ms = client, n_out, deadline_ms
-        (self.grant,) = client.acquire(1)
+        (self.grant,) = (grant,) if grant is not None else client.acquire(1)
         self.held = 0               # the first context row the slot lacks
         self.fresh = True           # the slot holds nothing (acquired or resynced): it takes the last window
+        self._end = 0               # the context's end that the entry in flight brings the slot to
 
-    def step(self, ids, taps, seed: int) -> EntryResult:
-        c, lim = self.client, self.client.limits
-        if not self.fresh and len(ids) - self.held > lim.max_rows_per_entry:
-            c.release([self.grant.slot])
-            (self.grant,), self.fresh = c.acquire(1), True
-        if self.fresh:
-            self.held = max(0, len(ids) - lim.sliding_window)     # the drafter reads no further back
-        (r,) = c.step([make_entry(slot=self.grant.slot, generation=self.grant.generation, seed_token=seed,
-                                  start_pos=self.held, token_ids=ids[self.held:], taps=taps[self.held:],
-                                  n_out=self.n_out)], deadline_ms=self.deadline_ms)
+    def entry(self, ids, taps, seed: int, first: int = 0) -> Entry:
+        """The entry that brings the slot up to the context (rows `first .. first + len(ids) - 1`) and drafts from
+        `seed`; `answer` takes its result."""
+        lim = self.client.limits
+        self._end = end = first + len(ids)
+        if not self.fresh and (end - self.held > lim.max_rows_per_entry or self.held < first):
+            self.client.release([self.grant.slot])
+            (self.grant,), self.fresh = self.client.acquire(1), True
+        start = max(first, end - lim.sliding_window) if self.fresh else self.held    # the drafter reads no further
+        return make_entry(slot=self.grant.slot, generation=self.grant.generation, seed_token=seed, start_pos=start,
+                          token_ids=ids[start - first:], taps=taps[start - first:], n_out=self.n_out)
+
+    def answer(self, r: EntryResult) -> EntryResult:
+        """Take the answer to `entry`'s entry: the slot holds the context when OK; a new generation empties it."""
         if r.code == Code.OK:
-            self.held, self.fresh = len(ids), False
+            self.held, self.fresh = self._end, False
         elif r.generation != self.grant.generation:      # resynced: quote the new generation, re-insert
             self.grant, self.fresh = SlotGrant(slot=self.grant.slot, generation=r.generation), True
         return r
+
+    def step(self, ids, taps, seed: int) -> EntryResult:
+        (r,) = self.client.step([self.entry(ids, taps, seed)], deadline_ms=self.deadline_ms)
+        return self.answer(r)
 
     def release(self) -> None:
         self.client.release([self.grant.slot])
