@@ -289,8 +289,8 @@ class RequestSlot:
     """
 
     def __init__(self, client: DrafterClient, n_out: int = 5, deadline_ms: float = 100.0,
-                 grant: SlotGrant | None = None):
-        self.client, self.n_out, self.deadline_ms = client, n_out, deadline_ms
+                 grant: SlotGrant | None = None, want_margins: bool = False):
+        self.client, self.n_out, self.deadline_ms, self.want_margins = client, n_out, deadline_ms, want_margins
         (self.grant,) = (grant,) if grant is not None else client.acquire(1)
         self.held = 0               # the first context row the slot lacks
         self.fresh = True           # the slot holds nothing (acquired or resynced): it takes the last window
@@ -306,7 +306,8 @@ class RequestSlot:
             (self.grant,), self.fresh = self.client.acquire(1), True
         start = max(first, end - lim.sliding_window) if self.fresh else self.held    # the drafter reads no further
         return make_entry(slot=self.grant.slot, generation=self.grant.generation, seed_token=seed, start_pos=start,
-                          token_ids=ids[start - first:], taps=taps[start - first:], n_out=self.n_out)
+                          token_ids=ids[start - first:], taps=taps[start - first:], n_out=self.n_out,
+                          want_margins=self.want_margins)
 
     def answer(self, r: EntryResult) -> EntryResult:
         """Take the answer to `entry`'s entry: the slot holds the context when OK; a new generation empties it."""

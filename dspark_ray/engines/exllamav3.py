@@ -130,12 +130,13 @@ class RemoteDrafter:
 
     def __init__(self, endpoints: Sequence[str] | str | DrafterPool, config, *, deadline_ms: float = 20.0,
                  timeout_s: float = 1.0, spin_us: float = 3000.0, tp: int | None = None,
-                 config_digest: str | None = None, tokens: TokenSource | None = None):
+                 config_digest: str | None = None, tokens: TokenSource | None = None, margins: bool = False):
         """`endpoints`: the deployment's STEP endpoints ("host:port", a list or commas) or a `DrafterPool`.
         `config`: the model's config (exllamav3's `Config`, or dspark-ray's `DrafterConfig`): block size, tapped
         layers, hidden and vocab sizes, each checked against what the service serves. `deadline_ms`: each STEP's
         budget; `timeout_s`: how long a silent worker is waited for before it is marked down (the pool tries it
-        again in the background). `config_digest` / `tp`: pin the served drafter (HELLO refuses another)."""
+        again in the background). `config_digest` / `tp`: pin the served drafter (HELLO refuses another).
+        `margins`: ask for each draft's top-1 minus top-2 logit too (`last_margins`, for parity checks)."""
         self.pool = endpoints if isinstance(endpoints, DrafterPool) else \
             DrafterPool(endpoints, timeout_s=timeout_s, spin_us=spin_us)
         if self.pool.hello_reply is None:
@@ -153,7 +154,7 @@ class RemoteDrafter:
         if B > lim.max_n_out:
             raise ClientError(f"the model drafts {B} tokens a block, the service at most {lim.max_n_out}",
                               Code.CONFIG_MISMATCH)
-        self.block_size, self.deadline_ms = B, deadline_ms
+        self.block_size, self.deadline_ms, self.margins = B, deadline_ms, margins
         # What the generator reads of a drafter: block_size counts the seed position (generator/generator.py).
         self.config = SimpleNamespace(block_size=B + 1, dspark_block_size=B, dspark_target_layer_ids=layers,
                                       hidden_size=lim.hidden_size, vocab_size=lim.vocab_size)
@@ -169,6 +170,7 @@ class RemoteDrafter:
         self.stats = {"rounds": 0, "rows": 0, "ok": 0, "not_ok": {}, "released": 0, "partial_windows": 0,
                       "unknown_rows": 0}
         self.last_codes: list[Code | None] = []     # the last round's answer per row (None: no entry was sent)
+        self.last_margins: list[np.ndarray | None] = []     # with `margins`: the last round's, per OK row
 
     # ---- set-up ------------------------------------------------------------------------------------------------
     def cache_for(self, cache) -> DraftCache:
@@ -260,12 +262,15 @@ class RemoteDrafter:
         results = self._step(entries)
         conf = 0
         self.last_codes = [None] * len(batch)
+        self.last_margins = [None] * len(batch)
         for i, r in zip(where, results):
             seq = batch[i]
             seq.slot.answer(r)
             self.last_codes[i] = Code(r.code)
             if r.code == Code.OK:
                 out[i, 1:] = torch.from_numpy(r.drafts_array().astype(np.int64))
+                if self.margins:
+                    self.last_margins[i] = r.margins_array().copy()
                 conf = max(conf, r.confident_len)
                 self.stats["ok"] += 1
             else:
@@ -382,7 +387,7 @@ class RemoteDrafter:
             if len(grants) < len(need):
                 log.debug("%d of %d sequences wait for a slot: %s", len(need) - len(grants), len(need), e)
         for s, g in zip(need, grants):
-            s.slot = RequestSlot(self.pool, self.block_size, self.deadline_ms, grant=g)
+            s.slot = RequestSlot(self.pool, self.block_size, self.deadline_ms, grant=g, want_margins=self.margins)
 
     def _lose_slot(self, seq: _Sequence, e: ClientError) -> None:
         log.debug("slot swap failed: %s", e)

@@ -150,9 +150,10 @@ def uniform(seed: int, name: str, start: int, count: int, device="cpu") -> torch
     return _unit(hash32(seed, name, start, count, device))
 
 
-def draw_values(spec: TensorSpec, seed: int, start: int, count: int, device="cpu") -> torch.Tensor:
-    """Elements [start, start+count) of the flattened tensor in its storage dtype."""
-    d = draw_for(spec.name)
+def draw_values(spec: TensorSpec, seed: int, start: int, count: int, device="cpu", draw: Draw | None = None
+                ) -> torch.Tensor:
+    """Elements [start, start+count) of the flattened tensor in its storage dtype (drawn as SCALES says, or `draw`)."""
+    d = draw or draw_for(spec.name)
     half = torch.tensor(d.half_width(spec.shape), dtype=torch.float32, device=device)   # rounded once, to fp32
     v = uniform(seed, spec.name, start, count, device).mul_(half)
     if d.center:
@@ -233,9 +234,8 @@ FP8_BLOCK = 128
 _E4M3_MAX = 448.0
 
 
-def _fp8_exponent(spec: TensorSpec) -> int:
+def _fp8_exponent(spec: TensorSpec, d: Draw) -> int:
     """The smallest e with every drawn value (|v| <= the fp32 half width) inside e4m3's +-448 * 2**e."""
-    d = draw_for(spec.name)
     if d.center:
         raise ValueError(f"tensor {spec.name}: FP8 storage needs values centred on 0")
     half = torch.tensor(d.half_width(spec.shape), dtype=torch.float32).item()
@@ -247,18 +247,19 @@ def _fp8_exponent(spec: TensorSpec) -> int:
     return e
 
 
-def _fp8_values(spec: TensorSpec, e: int, seed: int, start: int, count: int, device="cpu") -> torch.Tensor:
-    v = draw_values(TensorSpec(spec.name, spec.shape, torch.float32, spec.kind), seed, start, count, device)
+def _fp8_values(spec: TensorSpec, e: int, d: Draw, seed: int, start: int, count: int, device="cpu") -> torch.Tensor:
+    v = draw_values(TensorSpec(spec.name, spec.shape, torch.float32, spec.kind), seed, start, count, device, d)
     return v.mul_(2.0 ** -e).to(torch.float8_e4m3fn)          # a power of two: exact, then one e4m3 rounding
 
 
-def _fp8_parts(spec: TensorSpec) -> list[StoredSpec]:
+def _fp8_parts(spec: TensorSpec, draw: Draw | None = None) -> list[StoredSpec]:
     """DeepSeek's FP8 storage: the plain checkpoint's values in E4M3 over one E8M0 scale per 128 x 128 block (all
     blocks share the exponent that bounds the draw: the values are uniform, so every block's amax is about it)."""
-    e = _fp8_exponent(spec)
+    d = draw or draw_for(spec.name)
+    e = _fp8_exponent(spec, d)
     grid = tuple(-(-n // FP8_BLOCK) for n in spec.shape)
     key = spec.name[: -len(".weight")]
-    return [StoredSpec(spec.name, spec.shape, torch.float8_e4m3fn, partial(_fp8_values, spec, e)),
+    return [StoredSpec(spec.name, spec.shape, torch.float8_e4m3fn, partial(_fp8_values, spec, e, d)),
             StoredSpec(f"{key}.scale", grid, torch.float8_e8m0fnu, partial(_constant, e + 127, torch.float8_e8m0fnu))]
 
 
@@ -334,15 +335,23 @@ def synthesize(cfg: DrafterConfig, out_dir: str | Path, seed: int = 0, device: s
     """Write the checkpoint and its manifest; returns the manifest. `progress=None`: a bar above 1 GB. `fmt="exl3"`
     stores the Linears as the `bits` mix says (mix.py); the config then carries exllamav3's quantization_config."""
     mix = parse_mix(bits) if fmt == "exl3" else None
-    specs = stored_specs(cfg, fmt, mix)
+    config = cfg.to_json_dict()
+    if mix is not None:
+        config["quantization_config"] = quantization_config(mix)
+    return write_checkpoint(stored_specs(cfg, fmt, mix), config, cfg.digest(), out_dir, seed=seed, device=device,
+                            shard_bytes=shard_bytes, progress=progress)
+
+
+def write_checkpoint(specs: list[StoredSpec], config: dict, config_digest: str, out_dir: str | Path, *, seed: int = 0,
+                     device: str | torch.device = "cpu", shard_bytes: int = DEFAULT_SHARD_BYTES,
+                     progress: bool | None = None, listed: Callable[[str], bool] = lambda name: True) -> dict:
+    """Stream `specs` into safetensors shards beside `config` (config.json) and write the manifest of the tensors
+    `listed` selects (the drafter's, in a directory that also holds a trunk); returns the manifest."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for pattern in _OWNED:                          # stale shards of an earlier layout would be found by a glob
         for p in out.glob(pattern):
             p.unlink()
-    config = cfg.to_json_dict()
-    if mix is not None:
-        config["quantization_config"] = quantization_config(mix)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     shards = _plan_shards(specs, shard_bytes)
@@ -395,7 +404,7 @@ def synthesize(cfg: DrafterConfig, out_dir: str | Path, seed: int = 0, device: s
         index = {"metadata": {"total_size": total},
                  "weight_map": {s.name: fname for fname, shard in zip(names, shards) for s in shard}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
-    manifest = compute_manifest(cfg.digest(), records)
+    manifest = compute_manifest(config_digest, {n: r for n, r in records.items() if listed(n)})
     write_manifest(out, manifest)                   # last: its presence says the checkpoint is complete
     return manifest
 

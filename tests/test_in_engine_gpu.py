@@ -1,0 +1,163 @@
+"""exllamav3's generator drafting through dspark-ray, lossless (issue 54, items 3 and 5; GPU and exllamav3 only).
+
+On the tiny engine model (weights/engine_model.py, written on the card), the committed prompts, 64 new tokens each,
+greedy, batch 1 and 4: (a) no drafting, (b) exllamav3's own DSpark drafter, (c) dspark-ray's worker on the same
+card (tp1) through `RemoteDrafter`. (b) and (c) give (a)'s tokens; wherever their drafts agree at a position, their
+accepted lengths agree; every difference is a near-tie with its margin, or the test fails. Then faults inside a
+generation: the rank killed with SIGKILL, and the rank frozen for 5 s: the tokens are (a)'s, drafting resumes, and
+no draft phase waits past the STEP's deadline plus a few milliseconds.
+
+    source .devbundle/setup.sh && python -m pytest -q -rA tests/test_in_engine_gpu.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+exllamav3 = pytest.importorskip("exllamav3") if torch.cuda.is_available() else None
+
+from support import in_engine as E  # noqa: E402
+
+MAX_NEW = 64
+DEADLINE_MS = 50.0
+SLACK_MS = 10.0          # the deadline's answer, its decode and the generator's own staging around the STEP
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from dspark_ray.weights.engine_model import write_engine_model
+    d = tmp_path_factory.mktemp("engine_tiny")
+    write_engine_model("tiny", d, device="cuda")
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def trunk(model_dir):
+    return E.load_trunk(model_dir)
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir, ray_cluster):
+    from dspark_ray.actors.placement import deploy, teardown
+    from dspark_ray.spec import PairSpec
+    spec = PairSpec(checkpoint=model_dir, tp=1, n_slots=8, max_batch=8, backend="gloo", device="cuda",
+                    collective_timeout_s=2.0)
+    fe, endpoint = deploy(spec, name="in-engine")
+    yield fe, endpoint
+    teardown("in-engine")
+
+
+@pytest.fixture(scope="module")
+def undrafted(trunk):
+    return {b: E.generate(trunk, E.prompts(), mode="none", batch=b, max_new=MAX_NEW) for b in (1, 4)}
+
+
+@pytest.fixture(scope="module")
+def margins(trunk):
+    return E.trunk_margins(trunk, E.prompts(), MAX_NEW)
+
+
+def remote(worker, trunk, **kw):
+    from dspark_ray.engines.exllamav3 import RemoteDrafter
+    return RemoteDrafter(worker[1], trunk.config, deadline_ms=DEADLINE_MS, margins=True, **kw)
+
+
+def report(name, res):
+    print(f"\n[in-engine] {name}: " + json.dumps(res, default=str))
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_dspark_drafts_leave_the_tokens_unchanged_and_agree_with_exllamav3s_drafter(trunk, worker, undrafted,
+                                                                                    margins, batch):
+    base = undrafted[batch]
+    assert all(len(t) == MAX_NEW for t in base.tokens.values())
+    model, cache = E.own_drafter(trunk)
+    theirs = E.generate(trunk, E.prompts(), mode="exllamav3", batch=batch, max_new=MAX_NEW,
+                        draft_model=model, draft_cache=cache)
+    del model, cache
+    torch.cuda.empty_cache()
+    d = remote(worker, trunk)
+    ours = E.generate(trunk, E.prompts(), mode="dspark", batch=batch, max_new=MAX_NEW, draft_model=d,
+                      draft_cache=d.cache_for(trunk.cache))
+    d.close()
+    b_vs_a = E.compare(base, theirs, trunk_margins=margins)
+    c_vs_a = E.compare(base, ours, drafter_ref=theirs, margins=ours.margins, trunk_margins=margins)
+    report(f"batch {batch} exllamav3 vs none", b_vs_a | theirs.summary())
+    report(f"batch {batch} dspark vs none and exllamav3", c_vs_a | ours.summary())
+    assert b_vs_a["unexplained"] == 0 and c_vs_a["unexplained"] == 0
+    assert c_vs_a["rounds_compared"] >= 8 * 5                      # the rounds line up and were compared
+    assert ours.drafter_stats["ok"] == ours.drafter_stats["rows"]   # every row drafted OK: no fault here
+    acc = ours.summary()["mean_accepted"]
+    assert 1.0 <= acc <= 4.0, acc                                   # speculation is real, and not trivial
+
+
+def _rank_pid(worker, ray_cluster):
+    (pid,) = ray_cluster.get(worker[0].rank_pids.remote())
+    return pid
+
+
+def _wait_serving(worker, ray_cluster, timeout=120):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        st = ray_cluster.get(worker[0].status.remote())
+        if not st.get("unavailable"):
+            return st
+        time.sleep(0.5)
+    raise AssertionError("the worker did not serve again")
+
+
+FAULT_NEW = 256          # long enough to outlast a restart at the pace below
+TRUNK_PACE_S = 0.05      # after the fault, each round takes at least this (a real trunk's forward is 20-50 ms)
+
+
+@pytest.fixture(scope="module")
+def undrafted_long(trunk):
+    return E.generate(trunk, E.prompts(4), mode="none", batch=4, max_new=FAULT_NEW)
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_a_fault_inside_a_generation_leaves_its_tokens_unchanged_and_drafting_resumes(trunk, worker, undrafted_long,
+                                                                                    ray_cluster, fault):
+    gen0 = _wait_serving(worker, ray_cluster)["worker_generation"]
+    d = remote(worker, trunk)
+    seen = {"fired_at": None, "ok_before": 0, "not_ok_after": 0, "ok_after": 0, "t_fault": None,
+            "first_ok_after_s": None}
+
+    def on_round(run, gen):
+        codes = [c for c in d.last_codes if c is not None]
+        ok = sum(c == 0 for c in codes)
+        if seen["fired_at"] is None:
+            seen["ok_before"] += ok
+            if len(run.draft_ms) == 20:                  # mid-generation, drafting well under way
+                seen["fired_at"], seen["t_fault"] = len(run.draft_ms), time.monotonic()
+                if fault == "kill":
+                    os.kill(_rank_pid(worker, ray_cluster), signal.SIGKILL)
+                else:
+                    ray_cluster.get(worker[0].set_fault.remote(0, "stall", count=1, seconds=5.0))
+            return
+        seen["not_ok_after"] += len(codes) - ok
+        if seen["not_ok_after"] and ok:
+            seen["ok_after"] += ok
+            if seen["first_ok_after_s"] is None:
+                seen["first_ok_after_s"] = round(time.monotonic() - seen["t_fault"], 3)
+        if not seen["ok_after"]:
+            time.sleep(TRUNK_PACE_S)
+
+    ours = E.generate(trunk, E.prompts(4), mode=f"dspark+{fault}", batch=4, max_new=FAULT_NEW, draft_model=d,
+                      draft_cache=d.cache_for(trunk.cache), on_round=on_round)
+    d.close()
+    res = E.compare(undrafted_long, ours) | ours.summary() | seen | {"slowest_draft_phases_ms": sorted(ours.draft_ms)[-3:]}
+    report(f"fault {fault}", res)
+    assert seen["fired_at"] is not None and res["unexplained"] == 0 and res["tokens_equal"] == 4
+    assert seen["not_ok_after"] > 0                        # the fault was seen by the rounds after it ...
+    assert seen["ok_after"] > 0                            # ... and drafting resumed within the generation
+    assert max(ours.draft_ms) <= DEADLINE_MS + SLACK_MS, sorted(ours.draft_ms)[-5:]
+    if fault == "kill":
+        assert _wait_serving(worker, ray_cluster)["worker_generation"] > gen0      # the pair was restarted
