@@ -88,14 +88,20 @@ def main() -> None:
                       "batches": batches, "deadline_ms": a.deadline_ms, "greedy": True,
                       "engine": "exllamav3 1.6.5 Generator", "dspark": "tp1 worker on the same card, TCP"},
            "runs": [], "lossless": {}, "projection_at_seed000_round": {}}
+    def save() -> None:
+        out["wall_s"] = round(time.time() - t_start, 1)
+        if a.out:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(out, indent=1, default=str) + "\n")
+
     try:
+        t0 = time.time()               # before the worker: its Markov cache is sized by the memory left then
+        own, own_cache = E.own_drafter(trunk)
+        log(f"exllamav3's drafter loaded in {time.time() - t0:.1f} s")
         t0 = time.time()
         spec = PairSpec(checkpoint=model_dir, tp=1, n_slots=16, max_batch=max(batches), backend="gloo", device="cuda")
         fe, endpoint = deploy(spec, name="in-engine")
         log(f"dspark-ray worker serving on {endpoint} in {time.time() - t0:.1f} s")
-        t0 = time.time()
-        own, own_cache = E.own_drafter(trunk)
-        log(f"exllamav3's drafter loaded in {time.time() - t0:.1f} s")
         remote = RemoteDrafter(endpoint, trunk.config, deadline_ms=a.deadline_ms, margins=True)
         modes = {"none": {}, "exllamav3": dict(draft_model=own, draft_cache=own_cache),
                  "dspark": dict(draft_model=remote, draft_cache=remote.cache_for(trunk.cache))}
@@ -119,16 +125,13 @@ def main() -> None:
                 "tokens_per_s_dspark_over_none": round(sc["tokens_per_s"] / sa["tokens_per_s"], 3)}
             out["projection_at_seed000_round"][f"batch{b}"] = {m: projection(runs[m].summary())
                                                                for m in ("none", "exllamav3", "dspark")}
+            save()
         remote.close()
     finally:
         teardown("in-engine")
         ray.shutdown()
-    out["wall_s"] = round(time.time() - t_start, 1)
-    text = json.dumps(out, indent=1, default=str)
-    print(text)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text + "\n")
+    save()
+    print(json.dumps(out, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from support import in_engine as E  # noqa: E402
 
 MAX_NEW = 64
 DEADLINE_MS = 50.0
-SLACK_MS = 10.0          # the deadline's answer, its decode and the generator's own staging around the STEP
+SLACK_MS = 5.0           # the deadline answer, its decode and the generator's own staging around the STEP
 
 
 @pytest.fixture(scope="module")

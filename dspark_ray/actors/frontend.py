@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import asdict
 
@@ -162,8 +163,11 @@ class PairManager:
             raise PairFailure("broken", str(e)) from None
 
     def _collect(self, batch: M.RingBatch, payload: bytes, row: dict, bound: float,
-                 deadline_ns: int | None) -> list[EntryResult]:
+                 deadline_ns: int | None, late: bool = False) -> list[EntryResult]:
         seq = row["seq"]
+        # A batch past its deadline (the reaper's wait) is waited for asleep: spinning and rehearsing there would
+        # hold the GIL against the connection threads that answer the next STEPs by their deadlines.
+        wait = dict(spin_us=0.0, idle=None) if late else dict(idle=self.keep_warm)
         with self._failing_closed("completion"):
             while True:
                 # Slices of the bound, so a dead or failed rank is noticed within ~0.1 s instead of at the bound,
@@ -172,7 +176,7 @@ class PairManager:
                 if deadline_ns is not None:
                     left = min(left, (deadline_ns - now()) / 1e9)
                 try:
-                    comps = self.ring.wait_completions(seq, timeout_s=min(0.1, max(0.0, left)), idle=self.keep_warm)
+                    comps = self.ring.wait_completions(seq, timeout_s=min(0.1, max(0.0, left)), **wait)
                     break
                 except RingTimeout:
                     dead = self.ring.dead_readers()
@@ -190,7 +194,7 @@ class PairManager:
                     if time.monotonic() >= bound:
                         raise
                     if deadline_ns is not None and now() >= deadline_ns:
-                        raise PairLate(lambda: self._collect(batch, payload, row, bound, None)) from None
+                        raise PairLate(lambda: self._collect(batch, payload, row, bound, None, late=True)) from None
         statuses = [s for s, _ in comps]
         if any(s == M.STATUS_BROKEN for s in statuses) or any(s == M.STATUS_STEP_FAILED for s in statuses):
             kind = "broken" if M.STATUS_BROKEN in statuses else "step"
@@ -236,6 +240,9 @@ def frontend_actor_class():
         def __init__(self, spec: dict, host: str = "127.0.0.1", port: int = 0, name: str = "dspark",
                      pg=None, rank_bundles=None, rank_resources=None, restart_threshold: int = 3):
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+            # A thread woken to answer a STEP by its deadline takes the GIL within 0.5 ms of asking, not the default
+            # 5 ms, whatever another thread of the front-end is running.
+            sys.setswitchinterval(0.0005)
             import ray
             from ..config import load_config
             from ..contract import Limits

@@ -170,12 +170,14 @@ def engine_specs(cfg: DrafterConfig, seed: int, disagree: float, fp8: bool, devi
 
 
 def tokenizer_files(vocab: int) -> dict[str, dict]:
-    """A word-level tokenizer: ids 0..3 the specials, id k >= 4 the word "tk"."""
-    words = {s: i for i, s in enumerate(SPECIALS)} | {f"t{k}": k for k in range(len(SPECIALS), vocab)}
+    """A word-level tokenizer: ids 0..3 the specials, id 4 the piece " t", id k >= 5 the piece " tk". No
+    pre-tokenizer: an input string is one piece (the engine is handed token ids; exllamav3's Tokenizer probes that
+    " t" encodes to one piece of its own length)."""
+    words = {s: i for i, s in enumerate(SPECIALS)} | {" t": 4} | {f" t{k}": k for k in range(5, vocab)}
     added = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
               "special": True} for i, s in enumerate(SPECIALS)]
     tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-                 "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
+                 "pre_tokenizer": None, "post_processor": None, "decoder": None,
                  "model": {"type": "WordLevel", "vocab": words, "unk_token": "<unk>"}}
     config = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
               "add_bos_token": False, "tokenizer_class": "PreTrainedTokenizerFast"}
