@@ -86,7 +86,7 @@ def trunk_specs(cfg: DrafterConfig) -> list[TensorSpec]:
     head = [TensorSpec("hc_head_fn", (M, M * h), torch.float32, "fp32"),
             TensorSpec("hc_head_base", (M,), torch.float32, "fp32"),
             TensorSpec("hc_head_scale", (1,), torch.float32, "fp32")]
-    return out + head + [_spec("norm.weight", h)]
+    return out + head + [TensorSpec("norm.weight", (h,), torch.bfloat16, "norm")]
 
 
 def _draw(spec: TensorSpec) -> Draw:
