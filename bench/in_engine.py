@@ -24,6 +24,10 @@ from pathlib import Path
 
 import torch
 
+# The worker shares the engine's card here: its ranks' rehearsed graph launches between steps (a kernel every 1 ms,
+# for a card of their own) would time-slice the card against the trunk's forward. Off, before dspark_ray is read.
+os.environ.setdefault("DSPARK_KEEP_WARM_LAUNCH_US", "0")
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
@@ -86,7 +90,8 @@ def main() -> None:
            "commit": _commit(), "device": torch.cuda.get_device_name(0), "preset": a.preset,
            "config": {"prompts": len(prompts), "prompt_lengths": [len(p) for p in prompts], "new_tokens": a.new,
                       "batches": batches, "deadline_ms": a.deadline_ms, "greedy": True,
-                      "engine": "exllamav3 1.6.5 Generator", "dspark": "tp1 worker on the same card, TCP"},
+                      "engine": "exllamav3 1.6.5 Generator", "dspark": "tp1 worker on the same card, TCP",
+                      "DSPARK_KEEP_WARM_LAUNCH_US": os.environ["DSPARK_KEEP_WARM_LAUNCH_US"]},
            "runs": [], "lossless": {}, "projection_at_seed000_round": {}}
     def save() -> None:
         out["wall_s"] = round(time.time() - t_start, 1)

@@ -45,13 +45,23 @@ def trunk(model_dir):
 
 @pytest.fixture(scope="module")
 def worker(model_dir, ray_cluster):
+    from dspark_ray import settings
     from dspark_ray.actors.placement import deploy, teardown
     from dspark_ray.spec import PairSpec
+    # The worker shares the engine's card: no rehearsed graph launches between steps (bench/in_engine.py says why).
+    saved = os.environ.get("DSPARK_KEEP_WARM_LAUNCH_US")
+    os.environ["DSPARK_KEEP_WARM_LAUNCH_US"] = "0"
+    settings.reread()
     spec = PairSpec(checkpoint=model_dir, tp=1, n_slots=8, max_batch=8, backend="gloo", device="cuda",
                     collective_timeout_s=2.0)
     fe, endpoint = deploy(spec, name="in-engine")
     yield fe, endpoint
     teardown("in-engine")
+    if saved is None:
+        os.environ.pop("DSPARK_KEEP_WARM_LAUNCH_US")
+    else:
+        os.environ["DSPARK_KEEP_WARM_LAUNCH_US"] = saved
+    settings.reread()
 
 
 @pytest.fixture(scope="module")

@@ -57,27 +57,45 @@ TokenSource = Callable[[torch.Tensor, int, int], np.ndarray]
 
 
 class _Window:
-    """A sequence's most recent context rows on the host (token ids and taps), positions `first .. end - 1`."""
+    """A sequence's most recent context rows on the host (token ids and taps), positions `first .. end - 1`: at
+    least the last `keep` once that many came, in a buffer of twice that, compacted once every `keep` rows (a
+    round's rows are copied once, not the window)."""
 
     def __init__(self, width: int, keep: int):
         self.keep = keep
-        self.ids = np.empty(0, np.int32)
-        self.taps = np.empty((0, width), np.float16)
-        self.first = 0
+        self._ids = np.empty(2 * keep, np.int32)
+        self._taps = np.empty((2 * keep, width), np.float16)
+        self.first = self.n = 0
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids[:self.n]
+
+    @property
+    def taps(self) -> np.ndarray:
+        return self._taps[:self.n]
 
     @property
     def end(self) -> int:
-        return self.first + len(self.ids)
+        return self.first + self.n
 
     def append(self, start: int, ids: np.ndarray, taps: np.ndarray) -> None:
         """Rows from `start` on; a gap before them (rows never handed over) starts the window again there."""
         if start != self.end:
-            self.ids, self.taps, self.first = self.ids[:0], self.taps[:0], start
-        self.ids = np.concatenate([self.ids, ids.astype(np.int32)])
-        self.taps = np.concatenate([self.taps, taps])
-        if len(self.ids) > 2 * self.keep:           # trim now and then, not every round
-            cut = len(self.ids) - self.keep
-            self.ids, self.taps, self.first = self.ids[cut:], self.taps[cut:], self.first + cut
+            self.first, self.n = start, 0
+        if len(ids) > self.keep:                     # only the last `keep` can ever be sent
+            cut = len(ids) - self.keep
+            ids, taps, start = ids[cut:], taps[cut:], start + cut
+            self.first, self.n = start, 0
+        k = len(ids)
+        if self.n + k > len(self._ids):              # compact: the last keep - k rows to the front
+            drop = self.n + k - self.keep
+            self._ids[:self.n - drop] = self._ids[drop:self.n]
+            self._taps[:self.n - drop] = self._taps[drop:self.n]
+            self.first, self.n = self.first + drop, self.n - drop
+        self._ids[self.n:self.n + k] = ids
+        self._taps[self.n:self.n + k] = taps
+        self.n += k
 
 
 @dataclass
