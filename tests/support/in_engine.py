@@ -65,6 +65,8 @@ class Run:
     rounds: dict[int, dict[int, tuple]] = field(default_factory=dict)     # prompt index -> kv -> (drafts, accepted)
     draft_ms: list[float] = field(default_factory=list)                   # per draft phase
     margins: dict[tuple[int, int], list[float]] = field(default_factory=dict)   # (prompt, kv) -> ours, if asked
+    verify_ms: list[float] = field(default_factory=list)       # per generation pass (the trunk's forward, sampling,
+    update_ms: list[float] = field(default_factory=list)       # ... and the drafter's update_kv_from_target in it)
     iterations: int = 0
     wall_s: float = 0.0
     drafter_stats: dict = field(default_factory=dict)
@@ -83,7 +85,10 @@ class Run:
                 "draft_phase_ms_p50": round(statistics.median(self.draft_ms), 4) if self.draft_ms else None,
                 "draft_phase_ms_p99": round(sorted(self.draft_ms)[int(0.99 * (len(self.draft_ms) - 1))], 4)
                 if self.draft_ms else None,
-                "draft_phases": len(self.draft_ms), **({"drafter": self.drafter_stats} if self.drafter_stats else {})}
+                "draft_phases": len(self.draft_ms),
+                "verify_phase_ms_p50": round(statistics.median(self.verify_ms), 4) if self.verify_ms else None,
+                "update_ms_p50": round(statistics.median(self.update_ms), 4) if self.update_ms else None,
+                **({"drafter": self.drafter_stats} if self.drafter_stats else {})}
 
 
 def generate(trunk: Trunk, prompt_ids: list[list[int]], *, mode: str, batch: int, max_new: int = 64,
@@ -115,6 +120,23 @@ def generate(trunk: Trunk, prompt_ids: list[list[int]], *, mode: str, batch: int
             return out
 
         gen.iterate_draftmodel_dflash_gen = timed
+        update = draft_model.update_kv_from_target
+
+        def timed_update(*args, **kw):
+            t0 = time.perf_counter()
+            update(*args, **kw)
+            if kw.get("lengths") is not None:
+                run.update_ms.append((time.perf_counter() - t0) * 1e3)
+
+        draft_model.update_kv_from_target = timed_update
+    inner_gen = gen.iterate_gen
+
+    def timed_gen(results, draft_tokens=None):
+        t0 = time.perf_counter()
+        inner_gen(results, draft_tokens)
+        run.verify_ms.append((time.perf_counter() - t0) * 1e3)
+
+    gen.iterate_gen = timed_gen
     jobs = [Job(input_ids=torch.tensor([p], dtype=torch.long), max_new_tokens=max_new, stop_conditions=[],
                 sampler=ArgmaxSampler(), identifier=i) for i, p in enumerate(prompt_ids)]
     for i in range(len(prompt_ids)):
@@ -135,6 +157,8 @@ def generate(trunk: Trunk, prompt_ids: list[list[int]], *, mode: str, batch: int
         kv0 = len(prompt_ids[j.identifier]) - 1
         run.rounds[j.identifier] = {kv0 + n - acc - 1: (verified.get((j.identifier, kv0 + n - acc - 1)), acc)
                                     for n, _, acc in j.draft_stats}
+    if draft_model is not None:
+        del draft_model.update_kv_from_target          # the instance's own method again
     if hasattr(draft_model, "stats"):
         run.drafter_stats = json.loads(json.dumps(draft_model.stats))
     gen.close() if hasattr(gen, "close") else None
