@@ -66,6 +66,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--deadline-ms", type=float, default=50.0)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each mode, alternated; the median is reported")
+    ap.add_argument("--ring-spin-us", type=float, default=None,
+                    help="the worker's parties spin this long for the next step (PairSpec.ring_spin_us; default: the "
+                         "spec's, 100 ms on a GPU)")
+    ap.add_argument("--client-spin-us", type=float, default=3000.0, help="the adapter's client spin for a reply")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     t_start = time.time()
@@ -93,7 +97,8 @@ def main() -> None:
            "config": {"prompts": len(prompts), "prompt_lengths": [len(p) for p in prompts], "new_tokens": a.new,
                       "batches": batches, "deadline_ms": a.deadline_ms, "greedy": True,
                       "engine": "exllamav3 1.6.5 Generator", "dspark": "tp1 worker on the same card, TCP",
-                      "DSPARK_KEEP_WARM_LAUNCH_US": os.environ["DSPARK_KEEP_WARM_LAUNCH_US"]},
+                      "DSPARK_KEEP_WARM_LAUNCH_US": os.environ["DSPARK_KEEP_WARM_LAUNCH_US"],
+                      "ring_spin_us": a.ring_spin_us, "client_spin_us": a.client_spin_us},
            "runs": [], "lossless": {}, "projection_at_seed000_round": {}}
     def save() -> None:
         out["wall_s"] = round(time.time() - t_start, 1)
@@ -106,10 +111,12 @@ def main() -> None:
         own, own_cache = E.own_drafter(trunk)
         log(f"exllamav3's drafter loaded in {time.time() - t0:.1f} s")
         t0 = time.time()
-        spec = PairSpec(checkpoint=model_dir, tp=1, n_slots=16, max_batch=max(batches), backend="gloo", device="cuda")
+        spec = PairSpec(checkpoint=model_dir, tp=1, n_slots=16, max_batch=max(batches), backend="gloo", device="cuda",
+                        ring_spin_us=a.ring_spin_us)
         fe, endpoint = deploy(spec, name="in-engine")
         log(f"dspark-ray worker serving on {endpoint} in {time.time() - t0:.1f} s")
-        remote = RemoteDrafter(endpoint, trunk.config, deadline_ms=a.deadline_ms, margins=True)
+        remote = RemoteDrafter(endpoint, trunk.config, deadline_ms=a.deadline_ms, margins=True,
+                               spin_us=a.client_spin_us)
         modes = {"none": {}, "exllamav3": dict(draft_model=own, draft_cache=own_cache),
                  "dspark": dict(draft_model=remote, draft_cache=remote.cache_for(trunk.cache))}
         for b in batches:
