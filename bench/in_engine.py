@@ -66,10 +66,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--deadline-ms", type=float, default=50.0)
     ap.add_argument("--repeats", type=int, default=3, help="runs of each mode, alternated; the median is reported")
-    ap.add_argument("--ring-spin-us", type=float, default=None,
-                    help="the worker's parties spin this long for the next step (PairSpec.ring_spin_us; default: the "
-                         "spec's, 100 ms on a GPU)")
-    ap.add_argument("--client-spin-us", type=float, default=3000.0, help="the adapter's client spin for a reply")
+    ap.add_argument("--ring-spin-us", type=float, default=2000.0,
+                    help="the worker's parties spin this long for the next step (PairSpec.ring_spin_us; 2 ms: the "
+                         "worker shares the engine's host, docs/exllamav3.md)")
+    ap.add_argument("--client-spin-us", type=float, default=0.0, help="the adapter's client spin for a reply")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     t_start = time.time()

@@ -52,8 +52,9 @@ def worker(model_dir, ray_cluster):
     saved = os.environ.get("DSPARK_KEEP_WARM_LAUNCH_US")
     os.environ["DSPARK_KEEP_WARM_LAUNCH_US"] = "0"
     settings.reread()
+    # ... and its host: its parties spin 2 ms for the next step, not the GPU default 100 ms (docs/exllamav3.md)
     spec = PairSpec(checkpoint=model_dir, tp=1, n_slots=8, max_batch=8, backend="gloo", device="cuda",
-                    collective_timeout_s=2.0)
+                    collective_timeout_s=2.0, ring_spin_us=2000.0)
     fe, endpoint = deploy(spec, name="in-engine")
     yield fe, endpoint
     teardown("in-engine")

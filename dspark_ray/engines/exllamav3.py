@@ -147,13 +147,13 @@ class RemoteDrafter:
     """exllamav3's DSpark drafter interface, answered by a dspark-ray deployment (one worker or several)."""
 
     def __init__(self, endpoints: Sequence[str] | str | DrafterPool, config, *, deadline_ms: float = 20.0,
-                 timeout_s: float = 1.0, spin_us: float = 3000.0, tp: int | None = None,
+                 timeout_s: float = 1.0, spin_us: float = 0.0, tp: int | None = None,
                  config_digest: str | None = None, tokens: TokenSource | None = None, margins: bool = False):
         """`endpoints`: the deployment's STEP endpoints ("host:port", a list or commas) or a `DrafterPool`.
         `config`: the model's config (exllamav3's `Config`, or dspark-ray's `DrafterConfig`): block size, tapped
         layers, hidden and vocab sizes, each checked against what the service serves. `deadline_ms`: each STEP's
         budget; `timeout_s`: how long a silent worker is waited for before it is marked down (the pool tries it
-        again in the background). `config_digest` / `tp`: pin the served drafter (HELLO refuses another).
+        again in the background); `spin_us`: how long the engine's thread polls for an answer before it blocks. `config_digest` / `tp`: pin the served drafter (HELLO refuses another).
         `margins`: ask for each draft's top-1 minus top-2 logit too (`last_margins`, for parity checks)."""
         self.pool = endpoints if isinstance(endpoints, DrafterPool) else \
             DrafterPool(endpoints, timeout_s=timeout_s, spin_us=spin_us)
