@@ -124,3 +124,18 @@ def test_a_model_with_another_tap_count_is_refused_at_construction(worker, cfg):
     other = cfg.replace(dspark_target_layer_ids=(1, 2))
     with pytest.raises(ClientError, match="taps 3, the model has 2"):
         RemoteDrafter(worker[1], other, timeout_s=60)
+
+
+def test_the_readmes_exllamav3_lines_call_the_adapters_own_api():
+    """The README's "From exllamav3" block (run for real by the GPU test) names RemoteDrafter's arguments and
+    methods as they are."""
+    import inspect
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "RemoteDrafter(" in b)
+    params = inspect.signature(RemoteDrafter).parameters
+    for kw in re.findall(r"RemoteDrafter\([^)]*?(\w+)=", block):
+        assert kw in params, kw
+    for method in re.findall(r"drafter\.(\w+)\(", block):
+        assert callable(getattr(RemoteDrafter, method, None)), method

@@ -172,3 +172,26 @@ def test_a_fault_inside_a_generation_leaves_its_tokens_unchanged_and_drafting_re
     assert max(ours.draft_ms) <= DEADLINE_MS + SLACK_MS, sorted(ours.draft_ms)[-5:]
     if fault == "kill":
         assert _wait_serving(worker, ray_cluster)["worker_generation"] > gen0      # the pair was restarted
+
+
+def test_the_readmes_exllamav3_lines_generate_the_undrafted_tokens(model_dir, worker, undrafted, trunk):
+    """The README's "From exllamav3" block, run as written (MODEL_DIR and ENDPOINT filled in), then one job."""
+    import re
+    from pathlib import Path
+    from exllamav3 import Job
+    from exllamav3.generator.sampler import ArgmaxSampler
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "RemoteDrafter(" in b)
+    scope = {"MODEL_DIR": model_dir, "ENDPOINT": worker[1]}
+    exec(compile(block, "README.md", "exec"), scope)
+    gen, prompt = scope["generator"], E.prompts(1)[0]
+    gen.enqueue(Job(input_ids=torch.tensor([prompt]), max_new_tokens=MAX_NEW, stop_conditions=[],
+                    sampler=ArgmaxSampler(), identifier=0))
+    tokens = []
+    while gen.num_remaining_jobs():
+        for r in gen.iterate():
+            if r.get("stage") == "streaming" and "token_ids" in r:
+                tokens += r["token_ids"].reshape(-1).tolist()
+    scope["drafter"].close()
+    assert tokens == undrafted[1].tokens[0]
+    assert scope["drafter"].stats["ok"] > 0
