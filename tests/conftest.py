@@ -1,7 +1,10 @@
 """Shared fixtures: one tiny synthetic checkpoint per session, its full weights, and a CPU-friendly torch."""
 from __future__ import annotations
 
+import fnmatch
 import os
+import shutil
+import tempfile
 import time
 
 import msgspec
@@ -20,6 +23,46 @@ os.environ.setdefault("DSPARK_KEEP_WARM_HOLD_US", "0")      # from the step's en
 
 from dspark_ray import records as M  # noqa: E402
 from dspark_ray.contract import Code  # noqa: E402
+
+
+# ---- what the session leaves behind --------------------------------------------------------------------------------
+# A test leaves no shared-memory segment and nothing in the temp folder. The session's own temp files (pytest's
+# tmp_path folders, Ray's session logs) live in one folder made here and removed at the end, and Ray's address file
+# there too, so `ray.init(address="auto")` in a test finds this session's cluster only. Whatever else is new in
+# /dev/shm or the temp folder at the end fails the run (pytest_sessionfinish).
+SHARED_PLACES = ("/dev/shm", tempfile.gettempdir())
+
+
+def listing(places=SHARED_PLACES) -> dict[str, set[str]]:
+    return {p: set(os.listdir(p)) if os.path.isdir(p) else set() for p in places}
+
+
+def left_behind(before: dict[str, set[str]], ignore: tuple[str, ...] = ()) -> list[str]:
+    """The paths new since `before`, but those matching a glob of `ignore`."""
+    now = listing(tuple(before))
+    return sorted(os.path.join(p, n) for p, names in now.items() for n in names - before[p]
+                  if not any(fnmatch.fnmatch(n, g) for g in ignore))
+
+
+BEFORE = listing()
+SESSION_TMP = tempfile.mkdtemp(prefix="dsr-tests-")      # short: Ray's socket paths live under it
+os.environ.setdefault("RAY_TMPDIR", SESSION_TMP)
+# Names other programs of the host may create meanwhile (a shared machine), comma-separated globs; CI sets none.
+FOREIGN = tuple(g for g in os.environ.get("DSPARK_TEST_FOREIGN_TMP", "").split(",") if g)
+
+
+def pytest_configure(config):
+    if not config.option.basetemp:
+        config.option.basetemp = os.path.join(SESSION_TMP, "pytest")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)
+    left = left_behind(BEFORE, FOREIGN)
+    if left:
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            "the test session left behind (shared memory or temp files):\n  " + "\n  ".join(left), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_modifyitems(config, items):

@@ -22,7 +22,7 @@ from ..scheduling import pin_thread, process_facts, raise_priority
 from ..settings import current as settings
 from ..spec import SAFE_ENV, PairSpec
 from ..stamps import Stamps, cpu_now, now
-from ..transport.ring import RingError, RingTimeout, StepRing
+from ..transport.ring import RingError, RingTimeout, StepRing, remove_orphans
 from .rank import rank_actor_class
 
 log = logging.getLogger("dspark_ray.frontend")
@@ -245,6 +245,10 @@ def frontend_actor_class():
             from ..weights.loader import Checkpoint
             self.spec = PairSpec(**spec)
             log.info("front-end %s: %s", name, settings().describe())
+            gone = remove_orphans()
+            if gone:
+                log.warning("front-end %s: removed %d ring(s) their dead owners left: %s", name, len(gone),
+                            ", ".join(gone))
             ck = Checkpoint(self.spec.checkpoint)
             cfg = load_config(self.spec.checkpoint)
             self.identity = Identity(ck.identity_digest, cfg.digest(), self.spec.tp, cfg.max_model_len)
@@ -261,7 +265,9 @@ def frontend_actor_class():
             self.node_ip = ray.util.get_node_ip_address()
             self.server = TcpServer(self.service, host=host, port=port, spin_us=self.spec.spin_us,
                                     on_thread_start=lambda: pin_thread(cpus, f"front-end {name} endpoint"),
-                                    keep_warm=self.keep_warm, advertise=self.node_ip)
+                                    keep_warm=self.keep_warm, advertise=self.node_ip,
+                                    max_connections=self.spec.max_connections,
+                                    idle_timeout_s=self.spec.idle_timeout_s)
             self.host, self.port, self.name = host, port, name
             self.started = False
             self.load_progress = []

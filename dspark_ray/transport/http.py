@@ -279,12 +279,17 @@ def start(name: str, endpoint: str, host: str, port: int) -> str:
     return f"http://{host}:{port}{ROUTE}/v1/sessions"
 
 
-def stop(name: str) -> None:
-    """Delete the pair's HTTP app, if Serve runs one (Serve itself stays for other apps)."""
+def stop(name: str) -> bool:
+    """Delete the pair's HTTP app, if Serve runs one (Serve itself stays for other apps); whether there was one."""
     try:
         from ray import serve
+        from ray.serve.context import _get_global_client
+        if _get_global_client(raise_if_no_controller_running=False) is None:    # no Serve: nothing to start
+            return False
         if f"{name}-http" in serve.status().applications:
             serve.delete(f"{name}-http")
+            return True
     except Exception:           # no Serve in this cluster (or not installed): nothing to stop
         pass
+    return False
 
