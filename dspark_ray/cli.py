@@ -81,6 +81,12 @@ def connect_ray(address: str | None, detach: bool) -> str:
     return "started an embedded local Ray"
 
 
+def quiet_serve_logs() -> None:
+    """Ray Serve's driver-side INFO lines (Serve started, connected to, an app deployed or deleted) are what this
+    command says in its own lines; its warnings still show."""
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+
+
 class LoadProgress:
     """The ranks' weight loading (deploy_workers' `on_progress`: each rank's (tensors loaded, total)): a bar on a
     terminal; elsewhere (a log file, a journal) one line when it starts and one when every rank is done."""
@@ -89,15 +95,15 @@ class LoadProgress:
         self.ranks, self.stream = ranks, stream or sys.stderr
         self.tty = self.stream.isatty()
         self.bar = None
-        self.t0: float | None = None
-        self.done = False
+        self.t0 = time.monotonic()
+        self.started = self.done = False
 
     def __call__(self, p) -> None:
         done, total = sum(x[0] for x in p), sum(x[1] for x in p)
         if not total or self.done:
             return
-        if self.t0 is None:
-            self.t0 = time.monotonic()
+        if not self.started:
+            self.started = True
             if self.tty:
                 from tqdm import tqdm
                 self.bar = tqdm(total=total, desc=f"loading {self.ranks} rank(s)", unit="tensor", leave=False,
@@ -111,8 +117,8 @@ class LoadProgress:
         if len(p) == self.ranks and all(n == t > 0 for n, t in p):
             self.close()
             self.done = True
-            print(f"weights loaded: {total} tensors in {time.monotonic() - self.t0:.1f} s", file=self.stream,
-                  flush=True)
+            print(f"weights loaded: {total} tensors, {time.monotonic() - self.t0:.1f} s into the start-up",
+                  file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -153,6 +159,7 @@ def shut_down(name: str, why: str, bound_s: float) -> int:
             print(f"already stopping (at most {bound_s:g} s)", file=sys.stderr, flush=True)
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, again)
+    quiet_serve_logs()
     print(f"{why}: stopping {name} ...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     step = {"now": "the HTTP app"}
@@ -232,6 +239,7 @@ def _serve(a, spec, backend: str, device: str, then) -> int:
               flush=True)
     if getattr(a, "http_port", None) is not None:
         from .transport import http
+        quiet_serve_logs()
         print(f"STEP over HTTP (Ray Serve): {http.start(a.name, endpoint, a.host, a.http_port)}", flush=True)
     if then is not None:
         try:
@@ -329,6 +337,7 @@ def cmd_stop(a) -> int:
     from .transport import http
     from .transport.ring import remove_orphans
     print(connect_ray(a.address, False), file=sys.stderr)
+    quiet_serve_logs()
     names = [w for w, _ in find_workers(a.name)] or [a.name]
     had_http = http.stop(a.name)
     removed = teardown(a.name)
