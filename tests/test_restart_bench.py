@@ -77,3 +77,32 @@ def test_a_killed_rank_serves_again_with_the_bits_of_a_fresh_deployment(ray_clus
     cr = out["correctness"]
     assert cr["ok_answers_checked_after_a_kill"] >= 4 * 2 and cr["reference_not_ok"] == 0
     assert cr["wrong_drafts"] == 0 and cr["wrong_other_fields"] == 0, cr["first_wrong"]
+
+
+def test_a_one_card_restart_is_laid_out_phase_by_phase_and_a_kill_during_it_recovers(ray_cluster, tiny_ckpt):
+    """tp 1, as the H200 figure: each kill's restart in phases from real stamps (the supervisor's, the front-end's,
+    the new rank's own) that add up to its time to the first OK answer; the new rank served before it had captured
+    every graph (the last batches' first, the rest between steps); a second kill while the rank restarts is a new
+    failure the supervisor retries at once, and the worker serves again, every answer the bits of a fresh one."""
+    from bench.restart import PHASES
+    from dspark_ray.spec import PairSpec
+    spec = PairSpec(checkpoint=str(tiny_ckpt), tp=1, n_slots=4, max_batch=4)
+    out = measure(spec, name="restart-tp1", requests=2, rounds=4, kills=1, gap_ms=5, kills_during_restart=1)
+    (k,) = out["kills_detail"]
+    ph = k["phases_s"]
+    want = [n for n, _ in PHASES if n not in ("cuda_context", "kernels")]     # (no CUDA, the exact matmul)
+    assert list(ph) == want + ["total_s"], ph
+    assert abs(sum(v for n, v in ph.items() if n != "total_s") - ph["total_s"]) < 0.01
+    assert ph["total_s"] == k["to_first_ok_s"] and min(ph["weights"], ph["imports"], ph["graphs"]) > 0
+    (g,) = k["graphs_at_first_ok"]
+    assert g["count"] + g["pending"] == 2 * (4 * 5 * 2) + 5      # the whole set: 1-4 requests, n_out 1..5, margins
+    assert 5 < g["captured_first"] < 2 * (4 * 5 * 2) + 5        # the inserts and the last batches' (2, ., .) only
+    (rank,) = k["stamps"]["ranks"]
+    assert rank["graphs_later"][1] >= rank["serve"][0]           # the rest captured once serving
+    d = out["during_restart"]
+    assert d["second_kills_landed"] == 1 and out["recovered"] == 2, d
+    (k2,) = d["kills_detail"]
+    assert k2["second_kill"]["after_s"] < k2["to_first_ok_s"] and k2["supervisor_restarts"] == 1
+    cr = out["correctness"]
+    assert cr["ok_answers_checked_after_a_kill"] >= 4 * 2 and cr["reference_not_ok"] == 0
+    assert cr["wrong_drafts"] == 0 and cr["wrong_other_fields"] == 0, cr["first_wrong"]

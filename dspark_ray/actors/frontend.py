@@ -6,6 +6,7 @@ in their placement-group bundles, load, connect, serve; on restart kill them and
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -61,6 +62,12 @@ class PairManager:
         # ("broken") before the watchdog calls the step hung.
         self.step_bound_s = spec.step_timeout_s or spec.collective_timeout_s * 2 + 5.0
         self.keep_warm = None          # a keep_warm.KeepWarm: the wait for completions rehearses the batch's coding
+        # The last batches' shapes (requests, n_out, margins): what a restarted one-card rank captures first.
+        self.shapes: collections.deque = collections.deque(maxlen=256)
+        # The last start-up's stamps (wall-clock seconds): begun, old ranks gone, actors asked for, loaded,
+        # connected, serving (bench/restart.py lays them out beside the ranks' own).
+        self.startup: dict[str, float] = {}
+        self._files: list[str] | None = None       # the checkpoint's files (read ahead on a restart)
 
     def _actor_options(self, r: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -70,8 +77,11 @@ class PairManager:
                "PYTHONUNBUFFERED": "1"}
         if self.spec.device.startswith("cuda"):
             # Load every kernel at start-up: a lazy module load can synchronize the context and deadlock against
-            # a collective spinning on the same card (CUDA programming guide, lazy loading).
-            env["CUDA_MODULE_LOADING"] = "EAGER"
+            # a collective spinning on the same card (CUDA programming guide, lazy loading). Only where such a
+            # collective runs: eager loading makes every kernel of every CUDA library part of the context's
+            # creation, which a one-card rank's start-up (and its restart) need not wait for. Set either way: a
+            # worker would otherwise inherit whatever the node's environment says.
+            env["CUDA_MODULE_LOADING"] = "EAGER" if self.spec.backend == "push" else "LAZY"
         opts["runtime_env"] = {"env_vars": env}
         opts["max_restarts"] = 0         # the front-end restarts the pair as a whole, never one rank alone
         opts["name"], opts["namespace"] = self.rank_name(r), "dspark"     # found again by a restarted front-end
@@ -99,13 +109,18 @@ class PairManager:
                     raise TimeoutError(f"rank actor {self.rank_name(r)} still exists after {timeout_s} s")
                 time.sleep(0.1)
 
-    def start(self) -> None:
+    def start(self, first: list[tuple[int, int, bool]] | None = None) -> None:
+        """Create, load, connect and serve the ranks. `first`: on a restart, the shapes of the last batches (a
+        one-card rank captures their graphs first and serves, rank_worker.py)."""
         import ray
         Rank = rank_actor_class()
+        stamp = self.startup = {"begun": time.time()}
         self.kill_leftovers()
+        stamp["old_ranks_gone"] = time.time()
         t0 = time.monotonic()
         self.ranks = [Rank.options(**self._actor_options(r)).remote(asdict(self.spec), r)
                       for r in range(self.spec.tp)]
+        stamp["actors_asked"] = time.time()
         loads = [a.load.remote() for a in self.ranks]
         while True:
             done, _ = ray.wait(loads, num_returns=len(loads), timeout=0.25)
@@ -114,11 +129,14 @@ class PairManager:
             if len(done) == len(loads):
                 break
         ray.get(loads)
+        stamp["loaded"] = time.time()
         init = f"tcp://127.0.0.1:{_free_port()}" if self.spec.tp == 2 else None
-        ray.get([a.connect.remote(init) for a in self.ranks], timeout=120)
+        ray.get([a.connect.remote(init, first) for a in self.ranks], timeout=120)
+        stamp["connected"] = time.time()
         for r in range(self.spec.tp):
             self.ring.reset_reader(r)
         ray.get([a.serve.remote(self.ring.handle) for a in self.ranks])
+        stamp["serving"] = time.time()
         log.info("pair %s: %d ranks up in %.2f s (%s)", self.name, self.spec.tp, time.monotonic() - t0,
                  self.spec.backend if self.spec.tp == 2 else "tp1")
 
@@ -132,8 +150,15 @@ class PairManager:
         self.ranks = []
 
     def restart(self, why: str) -> None:
+        # The checkpoint's files back into the page cache now, while the new ranks' processes start (if the host
+        # dropped them): their weights are read from memory (weights/staging.py).
+        from ..weights.staging import prefetch
+        if self._files is None:
+            from ..weights.loader import Checkpoint
+            self._files = Checkpoint(self.spec.checkpoint).files()
+        prefetch(self._files)
         self.kill()
-        self.start()
+        self.start(first=sorted(set(self.shapes)) or None)
 
     def run(self, batch: M.RingBatch, deadline_ns: int | None = None) -> list[EntryResult]:
         """One step through the ring. A missing completion within the bound is a hang (or a death): the ranks
@@ -146,6 +171,7 @@ class PairManager:
             row["posting"] = now()
             seq = self.ring.publish(payload, timeout_s=self.step_bound_s)
         row["seq"] = seq
+        self.shapes.append(batch_shape(batch))
         bound = time.monotonic() + self.step_bound_s
         return self._collect(batch, payload, row, bound, deadline_ns)
 
@@ -219,6 +245,12 @@ class PairManager:
     def close(self) -> None:
         self.kill()
         self.ring.unlink()
+
+
+def batch_shape(batch: M.RingBatch) -> tuple[int, int, bool]:
+    """A batch as the ranks' graphs key it: its requests, the widest n_out, whether any entry wants margins."""
+    es = batch.entries
+    return len(es), max((e.n_out for e in es), default=0), any(e.want_margins for e in es)
 
 
 def _rss_bytes() -> int:
@@ -318,6 +350,7 @@ def frontend_actor_class():
                     **self.service.status(), "supervisor": self.supervisor.status(),
                     "keep_warm": self.keep_warm.status(),
                     "wake_ups": self.server.wake_ups.status(),
+                    "startup": self.manager.startup,
                     "ranks": self.manager.status()}
 
         def set_fault(self, rank: int, kind: str | None, **params) -> str:

@@ -180,7 +180,7 @@ _SHM_DIR = "/dev/shm"              # where shm_open puts a segment's name (Linux
 _RING_NAME = re.compile(r"(?P<ring>.+-(?P<pid>\d+)-[0-9a-f]{8})(?:-x\d+|\.bells)?")
 
 
-def _started_at(pid: int) -> float | None:
+def process_started_at(pid: int) -> float | None:
     """When process `pid` started (epoch seconds), or None when there is no such process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -202,7 +202,7 @@ def owner_alive(pid: int, made_at: float) -> bool:
         return False
     except PermissionError:
         pass
-    started = _started_at(pid)
+    started = process_started_at(pid)
     return started is None or started <= made_at + 1.0     # (start times have clock-tick resolution)
 
 
