@@ -243,13 +243,31 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
                 return
             time.sleep(0.05)
 
+    def settle(k: dict) -> bool:
+        """Whether the restart after kill `k` has finished the work it left for between steps (its Markov rows,
+        the rest of its graphs; looked at every 0.5 s, bounded by the restart timeout): then the ranks' stamps of
+        it are recorded and the next kill may come."""
+        if "settled" in k or "t_ok" not in k:
+            return True
+        if time.monotonic() < k.get("next_look", 0.0):
+            return False
+        k["next_look"] = time.monotonic() + 0.5
+        st = ray.get(fe.status.remote(), timeout=30)
+        left = any(r.get("work_left") for r in st["ranks"])
+        if left and time.monotonic() - k["t_ok"] < restart_timeout_s:
+            return False
+        k["settled"] = {"wall": time.time(), "work_left": left, "ranks": [r.get("startup") or {} for r in st["ranks"]],
+                        "graphs": [r.get("graphs") for r in st["ranks"]],
+                        "markov_cache": [r.get("markov_cache") for r in st["ranks"]]}
+        return True
+
     try:
         while True:
             batch = next(work)
             for q, e in zip(reqs, batch):
                 q.advance(e)
             timer = None
-            if killing is None and since >= rounds:
+            if killing is None and since >= rounds and (not done or settle(done[-1])):
                 if len(done) == kills + kills_during_restart:
                     break
                 pids = ray.get(fe.rank_pids.remote(), timeout=30)
@@ -344,6 +362,34 @@ def restart_phases(k: dict) -> dict | None:
     return out
 
 
+def settling(steps: list[dict], k: dict) -> dict | None:
+    """What the restart left for between steps, after the first OK answer: when each rank's Markov rows and the
+    rest of its graphs were done (s after the kill), and the STEPs' round trips meanwhile (they wait for a piece of
+    that work now and then)."""
+    st = k.get("settled")
+    if not st or "t_ok" not in k:
+        return None
+    t_wall = k["t_wall"]
+
+    def rel(name: str):
+        spans = [r[name] for r in st["ranks"] if name in r]
+        return [round(min(b for b, _ in spans) - t_wall, 3), round(max(e for _, e in spans) - t_wall, 3)] \
+            if spans else None
+    return {"done_by_s": round(st["wall"] - t_wall, 3), "work_left": st["work_left"],
+            "markov_rows_later_s": rel("markov_rows_later"), "graphs_later_s": rel("graphs_later"),
+            "graphs": st["graphs"], "markov_cache": st["markov_cache"],
+            "step_ms_meanwhile": summary(later_step_ms(steps, k), "ms")}
+
+
+def later_step_ms(steps: list[dict], k: dict) -> list[float]:
+    """The round trips (ms) of the STEPs from kill `k`'s first OK answer until its restart's later work was done."""
+    st = k.get("settled")
+    if not st or "t_ok" not in k:
+        return []
+    until = k["t"] + (st["wall"] - k["t_wall"])
+    return [(s["t_recv"] - s["t_send"]) * 1e3 for s in steps if k["t_ok"] < s["t_send"] and s["t_recv"] < until]
+
+
 def kill_report(steps: list[dict], k: dict) -> dict:
     """One kill's figures from the STEPs' record: times from the kill (s) to the first answer of each code, the codes
     answered from the kill to the first OK answer of a STEP sent after it, and their timeline (runs of STEPs
@@ -387,6 +433,7 @@ def kill_report(steps: list[dict], k: dict) -> dict:
         "during_restart": k["during_restart"],
         "second_kill": k.get("second"),
         "phases_s": restart_phases(k),
+        "after_first_ok": settling(steps, k),
         "graphs_at_first_ok": k.get("graphs_at_first_ok"),
         "stamps": k.get("stamps"),            # the raw stamps (wall-clock s); the kill at kill_wall
         "kill_wall": k.get("t_wall"),
@@ -489,6 +536,10 @@ def measure(spec, *, name: str = "restart-bench", requests: int = 2, rounds: int
         "codes": dict(sorted(collections.Counter(c for s in steps for c in s["codes"]).items())),
         "step_ms_serving": summary([(s["t_recv"] - s["t_send"]) * 1e3 for s in steps if serving(s)], "ms"),
         "phases_p50_s": phases_p50([k["phases_s"] for k in per_kill]),
+        # once serving again: the Markov rows and the rest of the graphs made between steps, STEPs meanwhile
+        "later_work_done_s": summary([k["after_first_ok"]["done_by_s"] for k in per_kill if k["after_first_ok"]]),
+        "step_ms_while_later_work": summary([v for k in run["kills"] if not k["during_restart"]
+                                             for v in later_step_ms(steps, k)], "ms"),
         "kills_detail": per_kill,
     }
     oks = out["to_first_ok_s"]

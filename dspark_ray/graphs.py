@@ -45,9 +45,10 @@ checked against the eager path in CI.
 A restart need not wait for all of them: `capture(first=...)` takes the draft keys a live batch needs (the
 front-end's recent batches) and captures only their draft and step graphs, the insert graphs and the launch
 rehearsal's; the rest stay `pending`. The rank's step loop captures them one at a time between steps
-(`capture_next`), and a step that needs one still pending captures it first (`run`), before it stages its inputs:
-a pending graph is captured with harmless inputs staged (every insert row aimed at the scratch slot), as the set's
-start-up warm-up runs them, so its warm-up run changes no slot.
+(`capture_next`), and a step that needs one not captured yet captures it first (`run`), before it stages its
+inputs: a pending graph is captured with harmless inputs staged (every insert row aimed at the scratch slot), as
+the set's start-up warm-up runs them, so its warm-up run changes no slot. `recapture` makes every graph pending
+again (the old ones serve until replaced): after the Markov rows a restarted rank makes once it serves.
 
 Collectives are recorded through `coll.graph_capture()` and replayed through `coll.replay(graph, n)`: the push
 backend keeps its epoch book that way (each replay advances the device epochs by the graph's collective count), and
@@ -375,16 +376,9 @@ class GraphSet:
         inside a capture). On a CPU, only record the functions. With `first` (batches as (requests, n_out,
         margins)): only what those batches need now, the rest left `pending` (module docstring)."""
         t0 = time.monotonic()
-        keys = [(b, k, m) for b in range(1, min(EXACT_REQUESTS, self.max_requests) + 1) for k in self.n_outs
-                for m in (False, True)]
-        keys += [(b, max(self.n_outs), m) for b in self.wide_buckets for m in (False, True)]
-        fns = [(("draft", key), lambda key=key: self._draft_fn(*key)) for key in keys]
-        fns += [(("insert", rows), lambda rows=rows: self._insert_fn(rows)) for rows in self.insert_buckets]
-        fns += [(("step", key), lambda key=key: self._draft_fn(*key, self.step_rows[key[0]]))
-                for key in keys if self.step_rows]
+        fns = self._graph_fns()
         if first is not None:
-            live = {self._key(n, k, m) for n, k, m in first if 1 <= n <= self.max_requests}
-            self.pending = {kk: fn for kk, fn in fns if kk[0] != "insert" and kk[1] not in live}
+            self.pending = {kk: fn for kk, fn in fns if not self._first(kk, first)}
             fns = [(kk, fn) for kk, fn in fns if kk not in self.pending]
         # No garbage collection inside a capture: an unreachable object collected there (an earlier graph set's
         # graphs, pinned buffers, events) frees CUDA memory or queries events, which invalidates the capture (seen
@@ -427,6 +421,29 @@ class GraphSet:
             torch.cuda.synchronize()
             self.graph_bytes = max(0, free0 - torch.cuda.mem_get_info()[0])
 
+    def _graph_fns(self) -> list[tuple[tuple[str, object], Callable[[], object]]]:
+        """Every graph of the set, ((kind, key), what it runs), in capture order."""
+        keys = [(b, k, m) for b in range(1, min(EXACT_REQUESTS, self.max_requests) + 1) for k in self.n_outs
+                for m in (False, True)]
+        keys += [(b, max(self.n_outs), m) for b in self.wide_buckets for m in (False, True)]
+        fns = [(("draft", key), lambda key=key: self._draft_fn(*key)) for key in keys]
+        fns += [(("insert", rows), lambda rows=rows: self._insert_fn(rows)) for rows in self.insert_buckets]
+        fns += [(("step", key), lambda key=key: self._draft_fn(*key, self.step_rows[key[0]]))
+                for key in keys if self.step_rows]
+        return fns
+
+    def _first(self, kk: tuple[str, object], first: list[tuple[int, int, bool]]) -> bool:
+        """Whether graph `kk` is one the batches `first` need at once: an insert, or their draft or step graph."""
+        return kk[0] == "insert" or kk[1] in {self._key(n, k, m) for n, k, m in first if 1 <= n <= self.max_requests}
+
+    def recapture(self, first: list[tuple[int, int, bool]] | None = None) -> None:
+        """Every graph captured again between steps (`capture_next`), `first`'s before the rest: after a change
+        of what the graphs bake in (the Markov rows a restarted rank makes once it serves). Until its turn, each
+        graph serves as it was captured (the same bits)."""
+        fns = self._graph_fns()
+        fns.sort(key=lambda item: not self._first(item[0], first or []))      # (stable)
+        self.pending = dict(fns)
+
     def capture_next(self) -> bool:
         """Capture one pending graph (between steps); whether any is still pending."""
         if self.pending:
@@ -464,8 +481,11 @@ class GraphSet:
         self.inp.in_use = False
         self.capture_seconds += time.monotonic() - t0
 
+    def _graphs(self, kind: str) -> dict:
+        return {"draft": self.draft_graphs, "insert": self.insert_graphs, "step": self.step_graphs}[kind]
+
     def _store(self, kind: str, key, g: _Graph) -> None:
-        {"draft": self.draft_graphs, "insert": self.insert_graphs, "step": self.step_graphs}[kind][key] = g
+        self._graphs(kind)[key] = g
 
     def _capture_noop(self) -> torch.cuda.CUDAGraph:
         """A graph of one kernel on a buffer of its own, for `rehearse_launch`."""
@@ -575,7 +595,7 @@ class GraphSet:
             if states:
                 need.append(("step" if beside is not None else "draft", self._key(len(states), n_out, want_margins)))
             for kk in need:
-                if kk in self.pending:
+                if kk in self.pending and kk[1] not in self._graphs(kk[0]):
                     self._capture_pending(kk)
         for k, chunk in enumerate(chunks):
             if k:

@@ -55,6 +55,7 @@ class RankWorker:
         self.markov_cache: dict | None = None      # {"rows", "bytes"} once connected
         self.kernels = ops.EXACT                   # the drafter's (load() picks them by the spec)
         self.reader = None
+        self._later = None               # a restart's work left for between steps (_after_serving)
         self._thread: threading.Thread | None = None
         self._stop = False
         self.stamps = Stamps()           # per step: the ring's seq, got / the engine's phases / encoded
@@ -128,10 +129,16 @@ class RankWorker:
             drafter = Drafter(cfg, [self.weights], [self.layout.vocab_range(self.rank)[0]], coll,
                               kernels=self.kernels)
             self.weights = None      # the drafter holds what it uses (routed experts stacked: the originals go)
-        with self._phase("markov_rows"):
-            self._cache_markov(drafter)
         cuda = self.spec.device.startswith("cuda")
         graphs = self.spec.graphs is not False
+        # A restarted one-card rank serves first and makes its Markov rows and the rest of its graphs between steps.
+        later = first is not None and self.spec.tp == 1 and graphs
+        with self._phase("markov_rows"):
+            if later:
+                markov_rows = drafter.markov_rows_for(self.spec.markov_cache)      # sized now, made later
+                self.markov_cache = {"rows": 0, "bytes": 0, "later": markov_rows}
+            else:
+                self._cache_markov(drafter)
 
         def progress(done, total):
             if done == total or done % 10 == 0:
@@ -139,13 +146,32 @@ class RankWorker:
         # The front-end checks every entry and places its slot before it publishes a batch: the engine checks nothing.
         with self._phase("graphs"):
             self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress,
-                                     max_batch=self.spec.batch_limit(cfg),
-                                     first=first if self.spec.tp == 1 else None)
+                                     max_batch=self.spec.batch_limit(cfg), first=first if later else None)
             if cuda:
                 torch.cuda.synchronize()
+        self._later = self._after_serving(drafter, markov_rows, first) if later else None
         # (the collectives' own line comes from comm.factory)
         log.info("rank %d: engine ready%s", self.rank, f"; {self.engine.status()['graphs']}" if graphs else "")
         return coll.describe()
+
+    def _after_serving(self, drafter, markov_rows: int, first):
+        """What a restarted one-card rank leaves for between steps, a piece each `next` (~0.15 s at most on one
+        H200): its Markov rows a chunk at a time, then every graph captured again on them (the live shapes first;
+        the graphs captured before serve until replaced), else the graphs not captured yet."""
+        t0 = time.time()
+        graphs = self.engine.graphs
+        if markov_rows:
+            for _ in drafter.cache_markov_in_steps(markov_rows):
+                yield
+            self.markov_cache = {"rows": markov_rows, "bytes": drafter.markov_cache_bytes}
+            self.startup["markov_rows_later"] = [t0, time.time()]
+            graphs.recapture(first)
+        while graphs.capture_next():
+            yield
+        self.startup["graphs_later"] = [t0, time.time()]
+        log.info("rank %d: made after serving in %.2f s: %s; every graph captured (%d, %.2f s of capture)",
+                 self.rank, time.time() - t0, f"{markov_rows} Markov rows" if markov_rows else "no Markov rows",
+                 graphs.n_graphs, graphs.capture_seconds)
 
     def _cache_markov(self, drafter) -> None:
         """The Markov bias rows the spec asks for, sized against what the card has left now the weights are in."""
@@ -174,18 +200,17 @@ class RankWorker:
         if self.engine.graphs is not None and warm.enabled:
             self.engine.graphs.while_waiting = warm
         spin_us, last_step, sleeps = self.spec.spin_us, time.monotonic(), self.reader.sleeps
-        later = self.engine.graphs if self.engine.graphs is not None and self.engine.graphs.pending else None
         while not self._stop:
             try:
-                if later is not None:        # graphs left from a restart: a look at the ring, else one more graph
+                if self._later is not None:  # work left from a restart: a look at the ring, else one more piece
                     seq, view = self.reader.next(timeout_s=0.0, spin_us=0.0)
                 else:
                     # The spin counts from the last step: an idle rank that wakes from a timeout sleeps again at once.
                     left_us = max(0.0, spin_us - (time.monotonic() - last_step) * 1e6)
                     seq, view = self.reader.next(timeout_s=1.0, spin_us=left_us, idle=warm)
             except RingTimeout:
-                if later is not None:
-                    later = self._capture_later(later)
+                if self._later is not None:
+                    self._work_later()
                 continue
             except RingClosed:
                 break
@@ -219,21 +244,17 @@ class RankWorker:
             self.stamps.add(row)
             self.wake_ups.add(woke)
 
-    def _capture_later(self, graphs):
-        """Capture one graph left from the start-up (between steps); the set while more are left, else None. A
-        capture that fails closes the engine's latch: the next step fails and the pair is restarted."""
-        t0 = time.time()
+    def _work_later(self) -> None:
+        """One piece of the work a restart left for between steps (`_after_serving`). A piece that fails closes the
+        engine's latch: the next step fails and the pair is restarted."""
         try:
-            if graphs.capture_next():
-                return graphs
+            next(self._later)
+        except StopIteration:
+            self._later = None
         except Exception as e:
-            self.engine.broken = f"capturing a graph between steps: {type(e).__name__}: {e}"
+            self._later = None
+            self.engine.broken = f"start-up work between steps failed: {type(e).__name__}: {e}"
             log.error("rank %d: %s", self.rank, self.engine.broken)
-            return None
-        self.startup["graphs_later"] = [self.startup.get("serve", [t0])[0], time.time()]
-        log.info("rank %d: every graph captured (%d; %.2f s of capture in all)", self.rank, graphs.n_graphs,
-                 graphs.capture_seconds)
-        return None
 
     def _rehearse_from(self, batch, results) -> None:
         """Rehearse this batch's decode and staging (and rank 0 its answer's encoding) between steps: its first
@@ -262,6 +283,7 @@ class RankWorker:
         st["keep_warm"] = self.keep_warm.status()
         st["wake_ups"] = self.wake_ups.status()
         st["startup"] = self.startup
+        st["work_left"] = self._later is not None     # a restart's Markov rows and graphs still being made
         st["process"] = process_facts()
         st["env"] = {k: os.environ.get(k) for k in SAFE_ENV}
         st["settings"] = settings().to_dict()

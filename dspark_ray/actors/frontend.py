@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import asdict
 
@@ -67,7 +68,7 @@ class PairManager:
         # The last start-up's stamps (wall-clock seconds): begun, old ranks gone, actors asked for, loaded,
         # connected, serving (bench/restart.py lays them out beside the ranks' own).
         self.startup: dict[str, float] = {}
-        self._files: list[str] | None = None       # the checkpoint's files (read ahead on a restart)
+        self.checkpoint_files: list[str] = []       # (read ahead on a restart; the front-end sets them)
 
     def _actor_options(self, r: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -153,10 +154,7 @@ class PairManager:
         # The checkpoint's files back into the page cache now, while the new ranks' processes start (if the host
         # dropped them): their weights are read from memory (weights/staging.py).
         from ..weights.staging import prefetch
-        if self._files is None:
-            from ..weights.loader import Checkpoint
-            self._files = Checkpoint(self.spec.checkpoint).files()
-        prefetch(self._files)
+        threading.Thread(target=prefetch, args=(self.checkpoint_files,), name="dspark-prefetch", daemon=True).start()
         self.kill()
         self.start(first=sorted(set(self.shapes)) or None)
 
@@ -288,6 +286,7 @@ def frontend_actor_class():
                                             max_entries_per_replay=self.spec.batch_limit(cfg))
             self.manager = PairManager(self.spec, pg, rank_bundles, rank_resources, name,
                                        slot_bytes=ring_slot_bytes(self.limits))
+            self.manager.checkpoint_files = ck.files()
             # The endpoint's threads rehearse the last STEP's host path while they wait (keep_warm.py).
             self.keep_warm = KeepWarm(f"front-end {name}")
             self.manager.keep_warm = self.keep_warm if self.keep_warm.enabled else None
