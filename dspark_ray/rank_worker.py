@@ -10,7 +10,8 @@ Each phase of the start-up is stamped (`startup`: name -> [begin, end], wall-clo
 host's processes): the process's start, the imports, the CUDA context, the kernels, the weights, the collectives'
 handshake, the drafter, the Markov rows, the graphs, the ring. bench/restart.py lays them out from a kill -9 to
 the first answer. A restarted one-card rank (`connect(first=...)`) captures the graphs the live batches need and
-serves; its step loop captures the rest between steps (graphs.py).
+serves; its step loop makes the Markov rows and captures the graphs again on them, then the rest, between steps
+(`_after_serving`; docs/engine.md, "A restart").
 """
 from __future__ import annotations
 

@@ -26,29 +26,31 @@ from dspark_ray.contract import Code  # noqa: E402
 
 
 # ---- what the session leaves behind --------------------------------------------------------------------------------
-# A test leaves no shared-memory segment and nothing in the temp folder. The session's own temp files (pytest's
-# tmp_path folders, Ray's session logs) live in one folder made here and removed at the end, and Ray's address file
-# there too, so `ray.init(address="auto")` in a test finds this session's cluster only. Whatever else is new in
-# /dev/shm or the temp folder at the end fails the run (pytest_sessionfinish).
-SHARED_PLACES = ("/dev/shm", tempfile.gettempdir())
+# A test leaves no shared-memory segment and no temp file. The session's temp folder is one made here (TMPDIR, for
+# this process and all it starts: Ray's workers, the CLI's processes): pytest's tmp_path folders and Ray's session
+# (RAY_TMPDIR; its address file too, so `ray.init(address="auto")` in a test finds this session's cluster only)
+# live in it, and anything else left in it at the end, anything new in /dev/shm, or a name of ours new in the
+# host's temp folder (written there directly), fails the run (pytest_sessionfinish). Then the folder goes.
+HOST_TMP = tempfile.gettempdir()
+SESSION_TMP = tempfile.mkdtemp(prefix="dsr-tests-")      # short: Ray's socket paths live under it
+OURS = ("dsr-*", "dr-*", "dspark*", "*.bells")            # names our code and tests give, in the host's temp folder
+SESSION_OWN = ("pytest", "ray")                           # pytest's and Ray's, in the session's folder
 
 
-def listing(places=SHARED_PLACES) -> dict[str, set[str]]:
+def listing(places) -> dict[str, set[str]]:
     return {p: set(os.listdir(p)) if os.path.isdir(p) else set() for p in places}
 
 
-def left_behind(before: dict[str, set[str]], ignore: tuple[str, ...] = ()) -> list[str]:
-    """The paths new since `before`, but those matching a glob of `ignore`."""
-    now = listing(tuple(before))
-    return sorted(os.path.join(p, n) for p, names in now.items() for n in names - before[p]
-                  if not any(fnmatch.fnmatch(n, g) for g in ignore))
+def left_behind(before: dict[str, set[str]], only: tuple[str, ...] = ("*",)) -> list[str]:
+    """The paths new since `before` whose names match a glob of `only`."""
+    return sorted(os.path.join(p, n) for p, names in listing(tuple(before)).items() for n in names - before[p]
+                  if any(fnmatch.fnmatch(n, g) for g in only))
 
 
-BEFORE = listing()
-SESSION_TMP = tempfile.mkdtemp(prefix="dsr-tests-")      # short: Ray's socket paths live under it
+BEFORE_SHM, BEFORE_HOST = listing(["/dev/shm"]), listing([HOST_TMP])
+os.environ["TMPDIR"] = SESSION_TMP
+tempfile.tempdir = SESSION_TMP
 os.environ.setdefault("RAY_TMPDIR", SESSION_TMP)
-# Names other programs of the host may create meanwhile (a shared machine), comma-separated globs; CI sets none.
-FOREIGN = tuple(g for g in os.environ.get("DSPARK_TEST_FOREIGN_TMP", "").split(",") if g)
 
 
 def pytest_configure(config):
@@ -57,8 +59,9 @@ def pytest_configure(config):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    left = left_behind(BEFORE_SHM) + left_behind(BEFORE_HOST, OURS) + \
+        sorted(os.path.join(SESSION_TMP, n) for n in set(os.listdir(SESSION_TMP)) - set(SESSION_OWN))
     shutil.rmtree(SESSION_TMP, ignore_errors=True)
-    left = left_behind(BEFORE, FOREIGN)
     if left:
         session.config.pluginmanager.get_plugin("terminalreporter").write_line(
             "the test session left behind (shared memory or temp files):\n  " + "\n  ".join(left), red=True)

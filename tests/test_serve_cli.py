@@ -66,14 +66,14 @@ NOTHING = {"actors": [], "groups": [], "apps": [], "rings": []}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_tears_down_everything_serve_started_and_exits_0(ray_cluster, tiny_ckpt, sig):
+def test_a_signal_tears_down_everything_serve_started_and_exits_0(ray_cluster, tiny_ckpt, sig, tmp_path):
     """`serve` in the foreground with its HTTP app, joined to a cluster (where what it leaves outlives it): SIGTERM
     (systemctl stop) and SIGINT (Ctrl-C) both remove the HTTP app, the front-end and ranks, their placement group,
     the ring and its doorbells, within the bound, and exit 0. Its output, read off a terminal, has one line per
     phase (no progress bar redraws)."""
     name = f"sig{sig.value}"
     http_port = free_port()
-    log = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), f"{name}.log")
+    log = tmp_path / "serve.log"
     try:
         with open(log, "w") as out:
             p = subprocess.Popen(cli("serve", "--checkpoint", str(tiny_ckpt), "--tp", "1", "--name", name,
@@ -102,8 +102,6 @@ def test_a_signal_tears_down_everything_serve_started_and_exits_0(ray_cluster, t
     finally:
         from ray import serve
         serve.shutdown()
-        if os.path.exists(log):
-            os.unlink(log)
 
 
 def test_detached_serve_prints_no_warning_and_stop_removes_it_then_says_nothing_is_left(ray_cluster, tiny_ckpt):
