@@ -45,7 +45,8 @@ def resolve_checkpoint(preset: str | None, checkpoint: str | None, seed: int = 0
     if (out / "dspark-manifest.json").exists():
         return str(out)
     print(f"synthesizing the {preset} drafter into {out} ...", flush=True)
-    synthesize(get_preset(preset), out, seed=seed, device=device)
+    synthesize(get_preset(preset), out, seed=seed, device=device, progress=sys.stderr.isatty())   # (a bar: on a tty)
+    print(f"synthesized {out}", flush=True)
     return str(out)
 
 
