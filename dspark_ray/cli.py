@@ -12,16 +12,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from .comm.factory import BACKENDS
+from .transport.tcp import IDLE_TIMEOUT_S, MAX_CONNECTIONS
 
 log = logging.getLogger("dspark_ray")
 
@@ -41,7 +45,8 @@ def resolve_checkpoint(preset: str | None, checkpoint: str | None, seed: int = 0
     if (out / "dspark-manifest.json").exists():
         return str(out)
     print(f"synthesizing the {preset} drafter into {out} ...", flush=True)
-    synthesize(get_preset(preset), out, seed=seed, device=device)
+    synthesize(get_preset(preset), out, seed=seed, device=device, progress=sys.stderr.isatty())   # (a bar: on a tty)
+    print(f"synthesized {out}", flush=True)
     return str(out)
 
 
@@ -77,26 +82,110 @@ def connect_ray(address: str | None, detach: bool) -> str:
     return "started an embedded local Ray"
 
 
-def _progress_bar(tp: int):
-    from tqdm import tqdm
-    bar = {"b": None}
+def quiet_serve_logs() -> None:
+    """Ray Serve's driver-side INFO lines (Serve started, connected to, an app deployed or deleted) are what this
+    command says in its own lines; its warnings still show."""
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
-    def cb(p):
-        if not p:
-            return
+
+class LoadProgress:
+    """The ranks' weight loading (deploy_workers' `on_progress`: each rank's (tensors loaded, total)): a bar on a
+    terminal; elsewhere (a log file, a journal) one line when it starts and one when every rank is done."""
+
+    def __init__(self, ranks: int, stream=None):
+        self.ranks, self.stream = ranks, stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.bar = None
+        self.t0 = time.monotonic()
+        self.started = self.done = False
+
+    def __call__(self, p) -> None:
         done, total = sum(x[0] for x in p), sum(x[1] for x in p)
-        if total and bar["b"] is None:
-            bar["b"] = tqdm(total=total, desc=f"loading {tp} rank(s)", unit="tensor", leave=False)
-        if bar["b"] is not None:
-            bar["b"].total = max(bar["b"].total, total)      # workers report their totals as they start loading
-            bar["b"].n = done
-            bar["b"].refresh()
-    return cb
+        if not total or self.done:
+            return
+        if not self.started:
+            self.started = True
+            if self.tty:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, desc=f"loading {self.ranks} rank(s)", unit="tensor", leave=False,
+                                file=self.stream)
+            else:
+                print(f"loading the weights on {self.ranks} rank(s) ...", file=self.stream, flush=True)
+        if self.bar is not None:
+            self.bar.total = max(self.bar.total, total)      # workers report their totals as they start loading
+            self.bar.n = done
+            self.bar.refresh()
+        if len(p) == self.ranks and all(n == t > 0 for n, t in p):
+            self.close()
+            self.done = True
+            print(f"weights loaded: {total} tensors, {time.monotonic() - self.t0:.1f} s into the start-up",
+                  file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class Stop(KeyboardInterrupt):
+    """SIGTERM or SIGINT: tear down what this command started (a KeyboardInterrupt, so every `except Exception`
+    on the way lets it through, as it does Ctrl-C)."""
+
+
+@contextlib.contextmanager
+def stopped_by_signals():
+    """SIGTERM (`systemctl stop`, `kill`) and SIGINT (Ctrl-C) both raise Stop in the main thread while inside;
+    Ray's own SIGTERM handler (`sys.exit`, skipping the teardown) is replaced meanwhile."""
+    def stop(signum, frame):
+        raise Stop(signal.Signals(signum).name)
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def shut_down(name: str, why: str, bound_s: float) -> int:
+    """Remove the deployment `name` (its HTTP app, workers, rings) within `bound_s` seconds, further signals
+    ignored meanwhile: 0 when it is gone, 1 when the bound ran out first (what was left is named)."""
+    from .actors.placement import teardown
+    from .transport import http
+    from .transport.ring import remove_orphans
+    said = []
+
+    def again(signum, frame):
+        if not said:
+            said.append(1)
+            print(f"already stopping (at most {bound_s:g} s)", file=sys.stderr, flush=True)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, again)
+    quiet_serve_logs()
+    print(f"{why}: stopping {name} ...", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    step = {"now": "the HTTP app"}
+
+    def run():
+        http.stop(name)
+        step["now"] = "the workers"
+        teardown(name)
+        step["now"] = "leftover rings"
+        remove_orphans()
+        step["now"] = None
+    t = threading.Thread(target=run, name="dspark-stop", daemon=True)
+    t.start()
+    t.join(bound_s)
+    if step["now"] is not None:
+        print(f"dspark-ray {name}: not stopped within {bound_s:g} s (still removing {step['now']})",
+              file=sys.stderr, flush=True)
+        return 1
+    print(f"stopped {name} in {time.monotonic() - t0:.1f} s", flush=True)
+    return 0
 
 
 def cmd_serve(a, *, then=None) -> int:
-    from .actors.placement import deploy_workers, teardown
     from .spec import PairSpec
+    from .transport.ring import remove_orphans
     if a.pairs < 1:
         print(f"dspark-ray serve: --pairs {a.pairs}: at least 1", file=sys.stderr)
         return 2
@@ -107,7 +196,8 @@ def cmd_serve(a, *, then=None) -> int:
         spec = PairSpec(checkpoint=os.path.abspath(ckpt), tp=a.tp, n_slots=a.slots, backend=backend, device=device,
                         collective_timeout_s=a.collective_timeout, rank_cpus=a.rank_cpus,
                         frontend_cpus=a.frontend_cpus, max_batch=a.max_batch, dense=a.dense,
-                        markov_cache=a.markov_cache,
+                        markov_cache=a.markov_cache, max_connections=a.max_connections,
+                        idle_timeout_s=a.idle_timeout or None,
                         ring_spin_us=None if a.spin_ms is None else a.spin_ms * 1e3)
     except ValueError as e:
         print(f"dspark-ray serve: {e}", file=sys.stderr)
@@ -120,9 +210,26 @@ def cmd_serve(a, *, then=None) -> int:
         except http.ProxyElsewhere as e:
             print(f"dspark-ray serve: {e}", file=sys.stderr)
             return 2
+    gone = remove_orphans()
+    if gone:
+        print(f"removed {len(gone)} shared-memory ring(s) their dead owners left: {', '.join(gone)}", flush=True)
+    with stopped_by_signals():
+        try:
+            return _serve(a, spec, backend, device, then)
+        except Stop as e:
+            return shut_down(a.name, f"{e.args[0] if e.args else 'SIGINT'} received", a.stop_timeout)
+
+
+def _serve(a, spec, backend: str, device: str, then) -> int:
+    """`serve` from the deployment on (signals raise Stop meanwhile: `cmd_serve` tears down)."""
+    from .actors.placement import deploy_workers
     t0 = time.monotonic()
-    workers = deploy_workers(spec, a.pairs, host=a.host, port=a.port, name=a.name, detach=a.detach,
-                             on_progress=_progress_bar(a.tp * a.pairs))
+    progress = LoadProgress(a.tp * a.pairs)
+    try:
+        workers = deploy_workers(spec, a.pairs, host=a.host, port=a.port, name=a.name, detach=a.detach,
+                                 on_progress=progress)
+    finally:
+        progress.close()
     endpoint = ",".join(ep for _, ep in workers)
     if a.pairs == 1:
         print(f"dspark-ray {a.name}: tp {a.tp} ({backend} on {device}) ready in {time.monotonic() - t0:.1f} s; "
@@ -133,27 +240,23 @@ def cmd_serve(a, *, then=None) -> int:
               flush=True)
     if getattr(a, "http_port", None) is not None:
         from .transport import http
+        quiet_serve_logs()
         print(f"STEP over HTTP (Ray Serve): {http.start(a.name, endpoint, a.host, a.http_port)}", flush=True)
-
-    def stop() -> None:
-        from .transport import http
-        http.stop(a.name)
-        teardown(a.name)
     if then is not None:
         try:
-            return then(endpoint)
-        finally:
-            stop()
+            rc = then(endpoint)
+        except Stop:
+            raise
+        except BaseException:
+            shut_down(a.name, "the run failed", a.stop_timeout)
+            raise
+        return shut_down(a.name, "done", a.stop_timeout) or rc
     if a.detach:
         print(f"detached: `dspark-ray status --name {a.name}` / `dspark-ray stop --name {a.name}`")
         return 0
-    try:
-        print("serving; Ctrl-C to stop", flush=True)
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        stop()
-    return 0
+    print("serving; Ctrl-C or SIGTERM to stop", flush=True)
+    while True:
+        time.sleep(3600)
 
 
 def step_threads(facts: dict | None, prefix: str) -> str:
@@ -233,10 +336,19 @@ def _matmul(m: dict | None) -> str:
 def cmd_stop(a) -> int:
     from .actors.placement import find_workers, teardown
     from .transport import http
+    from .transport.ring import remove_orphans
     print(connect_ray(a.address, False), file=sys.stderr)
+    quiet_serve_logs()
     names = [w for w, _ in find_workers(a.name)] or [a.name]
-    http.stop(a.name)
-    teardown(a.name)
+    had_http = http.stop(a.name)
+    removed = teardown(a.name)
+    gone = remove_orphans()
+    if gone:
+        print(f"removed {len(gone)} shared-memory ring(s) their dead owners left: {', '.join(gone)}",
+              file=sys.stderr)
+    if not (had_http or removed):
+        print(f"no deployment named {a.name!r}", file=sys.stderr)
+        return 1
     print(f"stopped {', '.join(names)}")
     return 0
 
@@ -318,6 +430,12 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--collective-timeout", type=float, default=10.0)
         sp.add_argument("--rank-cpus", type=cpu_list, help="vCPUs for the ranks' step loops, one per rank: 9,12")
         sp.add_argument("--frontend-cpus", type=cpu_list, help="vCPUs for the front-end's endpoint threads")
+        sp.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                        help="connections a STEP endpoint holds at once (one thread each); one more is refused with "
+                             "an OVERLOADED frame")
+        sp.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S,
+                        help="seconds a session may go without a request before it is closed and its slots freed "
+                             "(0: never)")
         sp.add_argument("--spin-ms", type=float,
                         help="how long the ranks and the front-end poll for the next STEP before they sleep "
                              "(default 100 on a GPU host: longer than a trunk's forward; 0.05 on a CPU)")
@@ -329,11 +447,14 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--detach", action="store_true", help="leave detached actors behind (starts `ray start --head` "
                                                           "when no cluster runs)")
     sp.set_defaults(fn=cmd_serve)
+    sp.add_argument("--stop-timeout", type=float, default=60.0,
+                    help="on SIGTERM or SIGINT: the longest the teardown may take (seconds) before serve gives up "
+                         "and exits 1")
     sp = sub.add_parser("demo", help="the main job on the embedded default: serve, run the demo client, stop")
     serve_args(sp)
     sp.add_argument("--rounds", type=int, default=8)
     sp.add_argument("--requests", type=int, default=2)
-    sp.set_defaults(fn=cmd_demo, detach=False)
+    sp.set_defaults(fn=cmd_demo, detach=False, stop_timeout=60.0)
     for name, fn in (("status", cmd_status), ("stop", cmd_stop)):
         sp = sub.add_parser(name)
         sp.add_argument("--address")

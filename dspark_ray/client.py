@@ -198,6 +198,12 @@ class DrafterClient:
     def _receive(self, request_id: int, name: str, reply_type: type):
         """The reply to the request just sent (caller holds the lock): checked to answer it, and of its type."""
         got_id, reply = self._receive_tcp(name) if self._ring is None else self._receive_ring(name)
+        if got_id == 0 and isinstance(reply, ErrorReply):
+            # The server's last word before it closes the connection (its connection limit, an idle session, a
+            # frame of another version): the connection is gone, as when it is lost (code None), and says why.
+            self.close()
+            raise ClientError(f"{name} to {self.endpoint}: the server closed the connection: {reply.code.name}: "
+                              f"{reply.reason}")
         if got_id != request_id:
             self.close()
             raise ClientError(f"{name} to {self.endpoint}: reply to request {got_id}, expected {request_id}")

@@ -111,7 +111,7 @@ class RankEngine:
     slot appears at most once in a batch. One place checks, so the ranks cannot disagree about what to refuse."""
 
     def __init__(self, drafter: Drafter, n_slots: int, rank: int = 0, graphs: bool = False,
-                 progress=None, max_batch: int = MAX_REQUESTS):
+                 progress=None, max_batch: int = MAX_REQUESTS, first: list[tuple[int, int, bool]] | None = None):
         self.drafter, self.rank = drafter, rank
         c = drafter.cfg
         self.width = c.n_taps * c.hidden_size
@@ -121,7 +121,7 @@ class RankEngine:
         self.graphs = None
         if graphs:
             self.graphs = GraphSet(drafter, n_slots, max_batch)
-            self.graphs.capture(progress)
+            self.graphs.capture(progress, first=first)     # `first`: only what those batches need, the rest later
             self.slots: list[SlotState] = self.graphs.slots     # the rings live in the graph set's pool
         else:
             self.slots = [drafter.new_slot() for _ in range(n_slots)]
@@ -240,7 +240,9 @@ class RankEngine:
               "broken": self.broken, "last_error": self.last_error, "collectives": self.coll.describe(),
               "time": time.time()}
         if self.graphs:
-            st["graphs"] = {"count": self.graphs.n_graphs, "capture_s": round(self.graphs.capture_seconds, 3),
+            st["graphs"] = {"count": self.graphs.n_graphs, "pending": len(self.graphs.pending),
+                            "captured_first": self.graphs.captured_first,
+                            "capture_s": round(self.graphs.capture_seconds, 3),
                             "bytes": self.graphs.graph_bytes, "request_buckets": self.graphs.request_buckets}
         return st
 

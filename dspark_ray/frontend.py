@@ -135,11 +135,9 @@ class StepService(C.StepHandler):
         base = dict(model_digest=idt.model_digest, config_digest=idt.config_digest, tp=idt.tp,
                     max_model_len=idt.max_model_len, worker_generation=self.worker_generation, session_id=session)
         if why:
-            log.info("session %d: HELLO refused: %s", session, why)
             return C.HelloReply(ok=False, code=C.Code.CONFIG_MISMATCH, reason=why, **base)
         with self.lock:
             self.sessions[session]["hello"] = True
-        log.info("session %d: HELLO accepted (%s)", session, msg.client or "client")
         return C.HelloReply(ok=True, limits=self.limits, **base)
 
     def _need_hello(self, session: int) -> C.ErrorReply | None:
@@ -154,7 +152,6 @@ class StepService(C.StepHandler):
             return err
         why = C.validate_acquire(msg, self.limits)
         if why:
-            log.info("session %d: ACQUIRE refused: %s", session, why)
             return C.ErrorReply(code=C.Code.BAD_ENTRY, reason=why)
         with self.lock:
             free = [i for i, s in enumerate(self.slots) if s.owner is None]
@@ -178,13 +175,14 @@ class StepService(C.StepHandler):
                     done.append(i)
         return C.ReleaseReply(released=done)
 
-    def close_session(self, session: int) -> None:
+    def close_session(self, session: int) -> int:
+        """Free the session's slots; returns how many (the transport logs the session's closing line)."""
         with self.lock:
             held = [i for i, s in enumerate(self.slots) if s.owner == session]
             for i in held:
                 self._free(i)
             self.sessions.pop(session, None)
-        log.info("session %d closed, %d slots freed", session, len(held))
+        return len(held)
 
     def _free(self, i: int) -> None:
         """Give slot i back (release, closed session); its context goes with it. Caller holds the lock."""

@@ -42,6 +42,14 @@ dense layer is row-invariant, so a real row's bits do not depend on the padding)
 On a CPU (tests) the same buffers and functions run without capture, so the packing, gather and scatter are
 checked against the eager path in CI.
 
+A restart need not wait for all of them: `capture(first=...)` takes the draft keys a live batch needs (the
+front-end's recent batches) and captures only their draft and step graphs, the insert graphs and the launch
+rehearsal's; the rest stay `pending`. The rank's step loop captures them one at a time between steps
+(`capture_next`), and a step that needs one not captured yet captures it first (`run`), before it stages its
+inputs: a pending graph is captured with harmless inputs staged (every insert row aimed at the scratch slot), as
+the set's start-up warm-up runs them, so its warm-up run changes no slot. `recapture` makes every graph pending
+again (the old ones serve until replaced): after the Markov rows a restarted rank makes once it serves.
+
 Collectives are recorded through `coll.graph_capture()` and replayed through `coll.replay(graph, n)`: the push
 backend keeps its epoch book that way (each replay advances the device epochs by the graph's collective count), and
 a backend that cannot be captured (gloo, the emulated pair's threads) refuses at capture time. Both ranks of a pair
@@ -298,7 +306,10 @@ class GraphSet:
         self.mempool = None
         self._noop: torch.cuda.CUDAGraph | None = None      # for rehearse_launch, captured with the set on a GPU
         self.capture_seconds = 0.0
+        self.captured_first = 0             # graphs captured by `capture` (before serving)
         self.graph_bytes = 0
+        # Graphs left for later ((kind, key) -> fn): captured between steps or when a step needs them (`capture`).
+        self.pending: dict[tuple[str, object], Callable[[], object]] = {}
 
     # -- what the graphs run -------------------------------------------------------------------------------------
     def _draft_fn(self, bsz: int, n_out: int, margins: bool, insert_rows: int = 0) -> torch.Tensor:
@@ -359,17 +370,16 @@ class GraphSet:
 
     # -- capture ---------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture(self, progress: Callable[[int, int], None] | None = None) -> None:
+    def capture(self, progress: Callable[[int, int], None] | None = None,
+                first: list[tuple[int, int, bool]] | None = None) -> None:
         """Capture every graph (warm-up on a side stream first: kernels loaded, caches built, no lazy loading
-        inside a capture). On a CPU, only record the functions."""
+        inside a capture). On a CPU, only record the functions. With `first` (batches as (requests, n_out,
+        margins)): only what those batches need now, the rest left `pending` (module docstring)."""
         t0 = time.monotonic()
-        keys = [(b, k, m) for b in range(1, min(EXACT_REQUESTS, self.max_requests) + 1) for k in self.n_outs
-                for m in (False, True)]
-        keys += [(b, max(self.n_outs), m) for b in self.wide_buckets for m in (False, True)]
-        fns = [(("draft", key), lambda key=key: self._draft_fn(*key)) for key in keys]
-        fns += [(("insert", rows), lambda rows=rows: self._insert_fn(rows)) for rows in self.insert_buckets]
-        fns += [(("step", key), lambda key=key: self._draft_fn(*key, self.step_rows[key[0]]))
-                for key in keys if self.step_rows]
+        fns = self._graph_fns()
+        if first is not None:
+            self.pending = {kk: fn for kk, fn in fns if not self._first(kk, first)}
+            fns = [(kk, fn) for kk, fn in fns if kk not in self.pending]
         # No garbage collection inside a capture: an unreachable object collected there (an earlier graph set's
         # graphs, pinned buffers, events) frees CUDA memory or queries events, which invalidates the capture (seen
         # once in the gpu tests: "operation failed due to a previous error during capture"). Collected before.
@@ -383,6 +393,7 @@ class GraphSet:
             if gc_was_on:
                 gc.enable()
         self.capture_seconds = time.monotonic() - t0
+        self.captured_first = self.n_graphs
 
     def _capture_all(self, fns, progress) -> None:
         total, done = len(fns), 0
@@ -401,7 +412,7 @@ class GraphSet:
             for (kind, key), fn in fns:
                 upload = self._upload_bytes(kind, key)
                 g = self._capture(fn, upload, kind != "insert") if self.cuda else _Graph(None, fn, None, 0)
-                {"draft": self.draft_graphs, "insert": self.insert_graphs, "step": self.step_graphs}[kind][key] = g
+                self._store(kind, key, g)
                 done += 1
                 if progress:
                     progress(done, total)
@@ -409,6 +420,72 @@ class GraphSet:
             self._noop = self._capture_noop()
             torch.cuda.synchronize()
             self.graph_bytes = max(0, free0 - torch.cuda.mem_get_info()[0])
+
+    def _graph_fns(self) -> list[tuple[tuple[str, object], Callable[[], object]]]:
+        """Every graph of the set, ((kind, key), what it runs), in capture order."""
+        keys = [(b, k, m) for b in range(1, min(EXACT_REQUESTS, self.max_requests) + 1) for k in self.n_outs
+                for m in (False, True)]
+        keys += [(b, max(self.n_outs), m) for b in self.wide_buckets for m in (False, True)]
+        fns = [(("draft", key), lambda key=key: self._draft_fn(*key)) for key in keys]
+        fns += [(("insert", rows), lambda rows=rows: self._insert_fn(rows)) for rows in self.insert_buckets]
+        fns += [(("step", key), lambda key=key: self._draft_fn(*key, self.step_rows[key[0]]))
+                for key in keys if self.step_rows]
+        return fns
+
+    def _first(self, kk: tuple[str, object], first: list[tuple[int, int, bool]]) -> bool:
+        """Whether graph `kk` is one the batches `first` need at once: an insert, or their draft or step graph."""
+        return kk[0] == "insert" or kk[1] in {self._key(n, k, m) for n, k, m in first if 1 <= n <= self.max_requests}
+
+    def recapture(self, first: list[tuple[int, int, bool]] | None = None) -> None:
+        """Every graph captured again between steps (`capture_next`), `first`'s before the rest: after a change
+        of what the graphs bake in (the Markov rows a restarted rank makes once it serves). Until its turn, each
+        graph serves as it was captured (the same bits)."""
+        fns = self._graph_fns()
+        fns.sort(key=lambda item: not self._first(item[0], first or []))      # (stable)
+        self.pending = dict(fns)
+
+    def capture_next(self) -> bool:
+        """Capture one pending graph (between steps); whether any is still pending."""
+        if self.pending:
+            self._capture_pending(next(iter(self.pending)))
+        return bool(self.pending)
+
+    def _capture_pending(self, kk: tuple[str, object]) -> None:
+        """Capture the pending graph `kk` now: harmless inputs staged (every insert row into the scratch slot), its
+        warm-up run on the side stream, then the capture; nothing left in flight."""
+        t0 = time.monotonic()
+        fn = self.pending.pop(kk)
+        kind, key = kk
+        upload, download = self._upload_bytes(kind, key), kind != "insert"
+        if not self.cuda:
+            self._store(kind, key, _Graph(None, fn, None, 0))
+            return
+        self._ins_dst[:] = self._scratch_rows
+        self.inp.h["ins_pos"][:] = 0
+        gc_was_on = gc.isenabled()
+        gc.disable()                         # (nothing collected inside a capture: `capture`)
+        try:
+            with torch.inference_mode(), ops.using(self.d.kernels), ops.graph_launches():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    self._with_copies(fn, upload, download)
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+                g = self._capture(fn, upload, download)
+                torch.cuda.synchronize()
+        finally:
+            if gc_was_on:
+                gc.enable()
+        self._store(kind, key, g)
+        self.inp.in_use = False
+        self.capture_seconds += time.monotonic() - t0
+
+    def _graphs(self, kind: str) -> dict:
+        return {"draft": self.draft_graphs, "insert": self.insert_graphs, "step": self.step_graphs}[kind]
+
+    def _store(self, kind: str, key, g: _Graph) -> None:
+        self._graphs(kind)[key] = g
 
     def _capture_noop(self) -> torch.cuda.CUDAGraph:
         """A graph of one kernel on a buffer of its own, for `rehearse_launch`."""
@@ -513,6 +590,13 @@ class GraphSet:
         # The last chunk runs in the draft's step graph when it fits there (a decode round's rows always do).
         beside_rows = self._beside_rows(chunks, len(states))
         beside = chunks.pop() if beside_rows else None
+        if self.pending:                # graphs this step needs and the set has not captured yet: now, before staging
+            need = [("insert", self._bucket_for[sum(len(t) for _, _, t in c)]) for c in chunks]
+            if states:
+                need.append(("step" if beside is not None else "draft", self._key(len(states), n_out, want_margins)))
+            for kk in need:
+                if kk in self.pending and kk[1] not in self._graphs(kk[0]):
+                    self._capture_pending(kk)
         for k, chunk in enumerate(chunks):
             if k:
                 inp.writable()

@@ -26,7 +26,9 @@ SERVICE_COUNTERS = {"steps": "STEPs past the STEP-level checks",
 # One answer per entry, and one per request refused whole, by its code (the `code` label; StepService.stats keys).
 ANSWER_CODES = ("ok", "bad_entry", "stale", "internal", "unavailable", "deadline", "overloaded")
 TCP_COUNTERS = {"connections": "connections accepted by the STEP endpoint",
-                "bad_frames": "connections closed for a bad frame"}
+                "bad_frames": "connections closed for a bad frame",
+                "connections_refused": "connections refused at the endpoint's limit (serve --max-connections)",
+                "idle_sessions_closed": "sessions closed after serve --idle-timeout without a request"}
 # A STEP's time in the front-end, its frame's arrival to its reply built: ~80 us of host path on an instant pair,
 # 1-2 ms on the H200 pair, tens of ms for the CPU test pair.
 STEP_SECONDS_BOUNDS = [5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5, 2.0]

@@ -37,13 +37,14 @@ def shard_weights(full: Weights, layout: Layout, rank: int) -> Weights:
 
 
 def read_rank(ckpt, layout: Layout, rank: int, device="cpu", shared: Weights | None = None,
-              progress: Callable[[int], None] | None = None, exl3_kernels: bool | None = None) -> Weights:
+              progress: Callable[[int], None] | None = None, exl3_kernels: bool | None = None,
+              staging=None) -> Weights:
     """Rank `rank`'s tensors straight from a checkpoint: only its slice of each split tensor is read. Replicated
     tensors already read for another rank can be passed in `shared` and are reused, not read again.
 
     EXL3 Linears stay as stored and multiply on exllamav3's kernels (`kernels/exl3_gemm.py`) when `exl3_kernels`
     (default: on a CUDA device where exllamav3 imports); otherwise, and for wo_a's group slices, they are decoded
-    to fp16 (`weights/exl3.py`)."""
+    to fp16 (`weights/exl3.py`). `staging` (a `weights.staging.Staging`): plain tensors are read through it."""
     from .kernels import exl3_gemm             # (imports exllamav3 only when it multiplies)
     if exl3_kernels is None:
         exl3_kernels = str(device).startswith("cuda") and exl3_gemm.available()
@@ -56,7 +57,7 @@ def read_rank(ckpt, layout: Layout, rank: int, device="cpu", shared: Weights | N
             (rec,) = ckpt.exl3(name, *(s or ()), device=device)
             out[name] = exl3_gemm.load(rec)
         else:
-            out[name] = ckpt.read(name, *(s or ()), device=device)
+            out[name] = ckpt.read(name, *(s or ()), device=device, staging=staging)
         if progress:
             progress(1)
     return out

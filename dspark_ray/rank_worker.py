@@ -5,15 +5,26 @@ Start-up, in the front-end's order: `load()` on both ranks at once (each reads o
 both at once (the collectives' handshake: gloo's rendezvous, later the push collectives' IPC handles), `serve()`
 (starts the dispatch thread on the ring). No Ray call happens per step: the dispatch thread waits on the ring
 (bounded spin, then a blocking wait), runs the step and posts its completion record.
+
+Each phase of the start-up is stamped (`startup`: name -> [begin, end], wall-clock seconds, comparable across the
+host's processes): the process's start, the imports, the CUDA context, the kernels, the weights, the collectives'
+handshake, the drafter, the Markov rows, the graphs, the ring. bench/restart.py lays them out from a kill -9 to
+the first answer. A restarted one-card rank (`connect(first=...)`) captures the graphs the live batches need and
+serves; its step loop makes the Markov rows and captures the graphs again on them, then the rest, between steps
+(`_after_serving`; docs/engine.md, "A restart").
 """
 from __future__ import annotations
 
-import logging
-import os
-import threading
+import contextlib
 import time
 
-import torch
+IMPORTS_BEGAN = time.time()          # (before torch and the rest: the start-up's "imports" phase)
+
+import logging  # noqa: E402
+import os  # noqa: E402
+import threading  # noqa: E402
+
+import torch  # noqa: E402
 
 from . import records as M
 from .model import ops
@@ -30,8 +41,13 @@ log = logging.getLogger("dspark_ray.rank")
 
 class RankWorker:
     def __init__(self, spec: PairSpec | dict, rank: int):
+        from .transport.ring import process_started_at
+        now_s = time.time()
         self.spec = spec if isinstance(spec, PairSpec) else PairSpec(**spec)
         self.rank = rank
+        # The start-up's phases (module docstring): the process's own start (Ray's worker boot) and the imports.
+        born = process_started_at(os.getpid()) or IMPORTS_BEGAN
+        self.startup: dict[str, list[float]] = {"process": [born, IMPORTS_BEGAN], "imports": [IMPORTS_BEGAN, now_s]}
         torch.set_num_threads(self.spec.torch_threads)
         self.loaded = 0
         self.total = 0
@@ -40,24 +56,39 @@ class RankWorker:
         self.markov_cache: dict | None = None      # {"rows", "bytes"} once connected
         self.kernels = ops.EXACT                   # the drafter's (load() picks them by the spec)
         self.reader = None
+        self._later = None               # a restart's work left for between steps (_after_serving)
         self._thread: threading.Thread | None = None
         self._stop = False
         self.stamps = Stamps()           # per step: the ring's seq, got / the engine's phases / encoded
         self.keep_warm = KeepWarm(f"rank {rank}")
         self.wake_ups = WakeUps(f"rank {rank}", self.spec.spin_us)    # STEPs that found the step loop asleep
 
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        t0 = time.time()
+        yield
+        self.startup[name] = [t0, time.time()]
+
     # -- start-up --------------------------------------------------------------------------------------------------
     def load(self) -> dict:
         from .model.layout import Layout
         from .modes import read_rank
         from .weights.loader import Checkpoint
+        from .weights.staging import Staging
+        cuda = self.spec.device.startswith("cuda")
+        if cuda:
+            with self._phase("cuda_context"):
+                torch.cuda.init()
+                torch.empty(1, device=self.spec.device)
+                torch.cuda.synchronize()
         t0 = time.time()
         ck = Checkpoint(self.spec.checkpoint)
-        if self.spec.device.startswith("cuda") or self.spec.matmul != "auto":
+        if cuda or self.spec.matmul != "auto":
             from .kernels.gemm import dense_for, describe, kernels_for
-            cfg = ck.config
-            self.kernels = kernels_for(self.spec.matmul,
-                                       dense_for(self.spec.batch_limit(cfg) * cfg.block_size, self.spec.dense))
+            with self._phase("kernels"):
+                cfg = ck.config
+                self.kernels = kernels_for(self.spec.matmul,
+                                           dense_for(self.spec.batch_limit(cfg) * cfg.block_size, self.spec.dense))
             log.info("rank %d: matmul %s", self.rank, describe(self.kernels))
         self.ckpt = ck
         self.total = len(ck.names())
@@ -66,39 +97,82 @@ class RankWorker:
         def tick(n):
             self.loaded += n
 
-        self.weights = read_rank(ck, layout, self.rank, self.spec.device, progress=tick)
+        with self._phase("weights"):
+            # On a GPU the file's bytes go through pinned buffers, several threads at once (weights/staging.py).
+            with (Staging(self.spec.device) if cuda else contextlib.nullcontext()) as staging:
+                self.weights = read_rank(ck, layout, self.rank, self.spec.device, progress=tick, staging=staging)
+            if cuda:
+                torch.cuda.synchronize()
         self.layout = layout
         nbytes = sum(t.nbytes for t in self.weights.values())
-        log.info("rank %d: loaded %d tensors (%.1f MiB) in %.2f s", self.rank, self.total, nbytes / 2**20,
-                 time.time() - t0)
+        took = self.startup["weights"][1] - self.startup["weights"][0]
+        log.info("rank %d: loaded %d tensors (%.1f MiB) in %.2f s (%.1f GB/s)", self.rank, self.total,
+                 nbytes / 2**20, took, nbytes / max(took, 1e-9) / 1e9)
         return {"rank": self.rank, "tensors": self.total, "bytes": nbytes, "seconds": time.time() - t0}
 
     def progress(self) -> tuple[int, int]:
         return self.loaded, self.total
 
-    def connect(self, init_method: str | None) -> str:
-        """Meet the peer (both ranks call this at once: `comm.factory.connect`) and build the engine."""
+    def connect(self, init_method: str | None, first: list[tuple[int, int, bool]] | None = None) -> str:
+        """Meet the peer (both ranks call this at once: `comm.factory.connect`) and build the engine. `first` (a
+        restart: the batches the front-end ran last, as (requests, n_out, margins)): a one-card rank captures only
+        the graphs those need before it serves, the rest in its step loop between steps. A pair's ranks capture
+        everything first: their captures run collectives, so both must capture the same graph at the same point,
+        which between steps neither knows of the other."""
         from .comm.factory import connect
         from .model.drafter import Drafter
         cfg = self.ckpt.config
-        coll = connect(self.spec.backend, self.rank, self.spec.tp, init_method=init_method,
-                       peer_ids=self.layout.vocab_range(1 - self.rank) if self.spec.tp == 2 else (0, 0),
-                       timeout_s=self.spec.collective_timeout_s)
-        drafter = Drafter(cfg, [self.weights], [self.layout.vocab_range(self.rank)[0]], coll, kernels=self.kernels)
-        self.weights = None          # the drafter holds what it uses (routed experts stacked: the originals go)
-        self._cache_markov(drafter)
+        with self._phase("connect"):
+            coll = connect(self.spec.backend, self.rank, self.spec.tp, init_method=init_method,
+                           peer_ids=self.layout.vocab_range(1 - self.rank) if self.spec.tp == 2 else (0, 0),
+                           timeout_s=self.spec.collective_timeout_s)
+        with self._phase("drafter"):
+            drafter = Drafter(cfg, [self.weights], [self.layout.vocab_range(self.rank)[0]], coll,
+                              kernels=self.kernels)
+            self.weights = None      # the drafter holds what it uses (routed experts stacked: the originals go)
         cuda = self.spec.device.startswith("cuda")
         graphs = self.spec.graphs is not False
+        # A restarted one-card rank serves first and makes its Markov rows and the rest of its graphs between steps.
+        later = first is not None and self.spec.tp == 1 and graphs
+        with self._phase("markov_rows"):
+            if later:
+                markov_rows = drafter.markov_rows_for(self.spec.markov_cache)      # sized now, made later
+                self.markov_cache = {"rows": 0, "bytes": 0, "later": markov_rows}
+            else:
+                self._cache_markov(drafter)
 
         def progress(done, total):
             if done == total or done % 10 == 0:
                 log.info("rank %d: %s %d / %d graphs", self.rank, "captured" if cuda else "recorded", done, total)
         # The front-end checks every entry and places its slot before it publishes a batch: the engine checks nothing.
-        self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress,
-                                 max_batch=self.spec.batch_limit(cfg))
+        with self._phase("graphs"):
+            self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress,
+                                     max_batch=self.spec.batch_limit(cfg), first=first if later else None)
+            if cuda:
+                torch.cuda.synchronize()
+        self._later = self._after_serving(drafter, markov_rows, first) if later else None
         # (the collectives' own line comes from comm.factory)
         log.info("rank %d: engine ready%s", self.rank, f"; {self.engine.status()['graphs']}" if graphs else "")
         return coll.describe()
+
+    def _after_serving(self, drafter, markov_rows: int, first):
+        """What a restarted one-card rank leaves for between steps, a piece each `next` (~0.15 s at most on one
+        H200): its Markov rows a chunk at a time, then every graph captured again on them (the live shapes first;
+        the graphs captured before serve until replaced), else the graphs not captured yet."""
+        t0 = time.time()
+        graphs = self.engine.graphs
+        if markov_rows:
+            for _ in drafter.cache_markov_in_steps(markov_rows):
+                yield
+            self.markov_cache = {"rows": markov_rows, "bytes": drafter.markov_cache_bytes}
+            self.startup["markov_rows_later"] = [t0, time.time()]
+            graphs.recapture(first)
+        while graphs.capture_next():
+            yield
+        self.startup["graphs_later"] = [t0, time.time()]
+        log.info("rank %d: made after serving in %.2f s: %s; every graph captured (%d, %.2f s of capture)",
+                 self.rank, time.time() - t0, f"{markov_rows} Markov rows" if markov_rows else "no Markov rows",
+                 graphs.n_graphs, graphs.capture_seconds)
 
     def _cache_markov(self, drafter) -> None:
         """The Markov bias rows the spec asks for, sized against what the card has left now the weights are in."""
@@ -111,9 +185,10 @@ class RankWorker:
 
     def serve(self, ring_handle) -> None:
         from .transport.ring import StepRing
-        self.reader = StepRing.attach(ring_handle, self.rank)
-        self._thread = threading.Thread(target=self._loop, name=f"dspark-rank{self.rank}", daemon=True)
-        self._thread.start()
+        with self._phase("serve"):
+            self.reader = StepRing.attach(ring_handle, self.rank)
+            self._thread = threading.Thread(target=self._loop, name=f"dspark-rank{self.rank}", daemon=True)
+            self._thread.start()
 
     # -- the step loop ---------------------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -128,10 +203,15 @@ class RankWorker:
         spin_us, last_step, sleeps = self.spec.spin_us, time.monotonic(), self.reader.sleeps
         while not self._stop:
             try:
-                # The spin counts from the last step: an idle rank that wakes from a timeout sleeps again at once.
-                left_us = max(0.0, spin_us - (time.monotonic() - last_step) * 1e6)
-                seq, view = self.reader.next(timeout_s=1.0, spin_us=left_us, idle=warm)
+                if self._later is not None:  # work left from a restart: a look at the ring, else one more piece
+                    seq, view = self.reader.next(timeout_s=0.0, spin_us=0.0)
+                else:
+                    # The spin counts from the last step: an idle rank that wakes from a timeout sleeps again at once.
+                    left_us = max(0.0, spin_us - (time.monotonic() - last_step) * 1e6)
+                    seq, view = self.reader.next(timeout_s=1.0, spin_us=left_us, idle=warm)
             except RingTimeout:
+                if self._later is not None:
+                    self._work_later()
                 continue
             except RingClosed:
                 break
@@ -165,6 +245,18 @@ class RankWorker:
             self.stamps.add(row)
             self.wake_ups.add(woke)
 
+    def _work_later(self) -> None:
+        """One piece of the work a restart left for between steps (`_after_serving`). A piece that fails closes the
+        engine's latch: the next step fails and the pair is restarted."""
+        try:
+            next(self._later)
+        except StopIteration:
+            self._later = None
+        except Exception as e:
+            self._later = None
+            self.engine.broken = f"start-up work between steps failed: {type(e).__name__}: {e}"
+            log.error("rank %d: %s", self.rank, self.engine.broken)
+
     def _rehearse_from(self, batch, results) -> None:
         """Rehearse this batch's decode and staging (and rank 0 its answer's encoding) between steps: its first
         REHEARSAL_ENTRIES entries (keep_warm.py), encoded into bytes of their own (the decoded batch views the ring's
@@ -191,6 +283,8 @@ class RankWorker:
             st["markov_cache"] = self.markov_cache
         st["keep_warm"] = self.keep_warm.status()
         st["wake_ups"] = self.wake_ups.status()
+        st["startup"] = self.startup
+        st["work_left"] = self._later is not None     # a restart's Markov rows and graphs still being made
         st["process"] = process_facts()
         st["env"] = {k: os.environ.get(k) for k in SAFE_ENV}
         st["settings"] = settings().to_dict()

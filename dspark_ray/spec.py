@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from .comm.factory import check_backend
 from .kernels.gemm import DENSE_KERNELS
 from .model.heads import markov_cache_rows
+from .transport.tcp import IDLE_TIMEOUT_S, MAX_CONNECTIONS
 
 # Every actor's environment: never let NCCL / symmetric memory / NVSHMEM build NVLink multicast objects (the
 # lent GPU machines forbid them; see the device notes). Set in each actor's runtime_env and checked by a test.
@@ -54,6 +55,10 @@ class PairSpec:
     # GPU part 7 % shorter on one card at 1 request (1213 -> 1130 us), 4 % on a pair rank (766 -> 735), 11 % and
     # 8.5 % at 4 requests (bench/results/gpu/markov_cache_ab_h200.json).
     markov_cache: str = "auto"
+    # The STEP endpoint's bounds per client (transport/tcp.py): connections at once (one thread each), and how long a
+    # session may go without a request before it is closed and its slots freed (None: for ever).
+    max_connections: int = MAX_CONNECTIONS
+    idle_timeout_s: float | None = IDLE_TIMEOUT_S
 
     def __post_init__(self):
         check_backend(self.backend, self.tp, self.device)
@@ -71,6 +76,10 @@ class PairSpec:
         markov_cache_rows(self.markov_cache, 1)          # a bad choice raises here, before any actor starts
         if self.ring_spin_us is not None and not self.ring_spin_us >= 0:
             raise ValueError(f"ring_spin_us {self.ring_spin_us}: a spin of 0 us or more")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections {self.max_connections}: at least 1")
+        if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s {self.idle_timeout_s}: more than 0 s (or None: no limit)")
 
     def batch_limit(self, cfg) -> int:
         """Entries a replay takes for a drafter of `cfg`: max_batch, at most one per slot, and on the push pair at

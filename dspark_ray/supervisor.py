@@ -26,6 +26,8 @@ class Supervisor:
         self.restarts = 0
         self.restart_seconds: list[float] = []     # appended once per restart (metrics.py reads it from a cursor)
         self.attempts = 3
+        # The last restart's stamps (wall-clock seconds): the failure seen, each attempt begun, serving again; why.
+        self.last_restart: dict = {}
         self._lock = threading.Lock()
         self._restarting = False
         service.on_failure = self.observe
@@ -45,6 +47,7 @@ class Supervisor:
                    else f"{self.consecutive} consecutive failed steps (threshold {self.threshold})")
             self._restarting = True
             self.service.unavailable = f"restarting ({why})"
+            self.last_restart = {"failure_seen": time.time(), "why": why, "attempts": []}
         threading.Thread(target=self._restart, args=(why,), name="dspark-restart", daemon=True).start()
 
     def _restart(self, why: str) -> None:
@@ -52,6 +55,7 @@ class Supervisor:
         log.warning("restarting the pair: %s", why)
         ok = False
         for attempt in range(self.attempts):
+            self.last_restart["attempts"].append(time.time())
             try:
                 self.restart_fn(why)
                 ok = True
@@ -59,7 +63,10 @@ class Supervisor:
             except Exception as e:
                 log.error("pair restart attempt %d failed: %s: %s", attempt + 1, type(e).__name__, e)
                 self.service.last_errors = (self.service.last_errors + [f"restart failed: {e}"])[-10:]
-                time.sleep(min(5.0, 0.5 * 2 ** attempt))
+                # The second attempt at once (a rank killed while it started is a new failure, not a slow
+                # resource: bench/restart.py --kills-during-restart), later ones 0.5 s, 1 s, ... after.
+                if attempt:
+                    time.sleep(min(5.0, 0.5 * 2 ** (attempt - 1)))
         dt = time.monotonic() - t0
         with self._lock:
             self._restarting = False
@@ -70,6 +77,7 @@ class Supervisor:
                 self.service.worker_generation += 1
                 self.service.resync_all()
                 self.service.unavailable = None
+                self.last_restart["serving"] = time.time()
                 log.warning("pair restarted in %.2f s (worker generation %d)", dt,
                             self.service.worker_generation)
             else:
@@ -82,4 +90,4 @@ class Supervisor:
     def status(self) -> dict:
         return {"consecutive_failures": self.consecutive, "threshold": self.threshold, "restarts": self.restarts,
                 "restart_seconds": [round(s, 3) for s in self.restart_seconds[-10:]],
-                "restarting": self._restarting}
+                "restarting": self._restarting, "last_restart": self.last_restart}

@@ -57,6 +57,10 @@ class ConnectionClosed(EOFError):
     """The peer closed the connection cleanly, between two frames."""
 
 
+class IdleTimeout(Exception):
+    """No frame began within the reader's idle bound (`FrameReader(idle_timeout_s=...)`): the session is idle."""
+
+
 class Frame(NamedTuple):
     request_id: int
     msg: object
@@ -163,16 +167,19 @@ class FrameReader:
     0 at end of stream). A stall is a recv that makes no progress within the socket's own receive timeout (it raises
     TimeoutError, or BlockingIOError under SO_RCVTIMEO): mid-frame it is a FrameError, since the stream can no longer
     be trusted; between frames it is the caller's timeout, or, with `wait_between_frames`, nothing (an idle client
-    is normal) and the reader keeps waiting. The server arms SO_RCVTIMEO once per connection rather than switching
-    the timeout per frame: that switch cost two fcntl calls and a poll per frame, about 10 us of a ~40 us round trip.
+    is normal) and the reader keeps waiting, up to `idle_timeout_s` (then IdleTimeout; None: for ever). The server
+    arms SO_RCVTIMEO once per connection rather than switching the timeout per frame: that switch cost two fcntl
+    calls and a poll per frame, about 10 us of a ~40 us round trip; the idle bound is checked at those wake-ups.
     """
 
     def __init__(self, recv_into: Callable[[memoryview], int], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 wait_between_frames: bool = False):
+                 wait_between_frames: bool = False, idle_timeout_s: float | None = None):
         self.max_frame_bytes = max_frame_bytes
         self._recv_into = recv_into
         self._restart = getattr(recv_into, "restart", None)
         self._wait_between_frames = wait_between_frames
+        self.idle_timeout_s = idle_timeout_s
+        self._waiting_since = 0.0
         self._header = memoryview(bytearray(HEADER_SIZE))
         self._payload = bytearray(64 << 10)       # grows to the largest frame seen, never shrinks
         self.last_length = 0
@@ -183,6 +190,7 @@ class FrameReader:
         between frames (without `wait_between_frames`) and other socket errors pass through."""
         if self._restart is not None:        # a polling recv spins from here (spinning_recv_into)
             self._restart()
+        self._waiting_since = time.monotonic()
         self._fill(self._header, at_boundary=True)
         received_ns = time.monotonic_ns()
         mtype, request_id, length = parse_header(self._header, self.max_frame_bytes)
@@ -209,9 +217,12 @@ class FrameReader:
                 n = self._recv_into(view[got:])
             except (TimeoutError, BlockingIOError):
                 if at_boundary and got == 0:
-                    if self._wait_between_frames:
-                        continue
-                    raise
+                    if not self._wait_between_frames:
+                        raise
+                    idle = self.idle_timeout_s
+                    if idle is not None and time.monotonic() - self._waiting_since >= idle:
+                        raise IdleTimeout(f"no request for {idle:g} s") from None
+                    continue
                 raise FrameError(f"stalled frame: no progress after {got} of {len(view)} {part} bytes") from None
             if n == 0:
                 if at_boundary and got == 0:

@@ -1,7 +1,10 @@
 """Shared fixtures: one tiny synthetic checkpoint per session, its full weights, and a CPU-friendly torch."""
 from __future__ import annotations
 
+import fnmatch
 import os
+import shutil
+import tempfile
 import time
 
 import msgspec
@@ -20,6 +23,49 @@ os.environ.setdefault("DSPARK_KEEP_WARM_HOLD_US", "0")      # from the step's en
 
 from dspark_ray import records as M  # noqa: E402
 from dspark_ray.contract import Code  # noqa: E402
+
+
+# ---- what the session leaves behind --------------------------------------------------------------------------------
+# A test leaves no shared-memory segment and no temp file. The session's temp folder is one made here (TMPDIR, for
+# this process and all it starts: Ray's workers, the CLI's processes): pytest's tmp_path folders and Ray's session
+# (RAY_TMPDIR; its address file too, so `ray.init(address="auto")` in a test finds this session's cluster only)
+# live in it, and anything else left in it at the end, anything new in /dev/shm, or a name of ours new in the
+# host's temp folder (written there directly), fails the run (pytest_sessionfinish). Then the folder goes.
+HOST_TMP = tempfile.gettempdir()
+SESSION_TMP = tempfile.mkdtemp(prefix="dsr-tests-")      # short: Ray's socket paths live under it
+OURS = ("dsr-*", "dr-*", "dspark*", "*.bells")            # names our code and tests give, in the host's temp folder
+SESSION_OWN = ("pytest", "ray")                           # pytest's and Ray's, in the session's folder
+
+
+def listing(places) -> dict[str, set[str]]:
+    return {p: set(os.listdir(p)) if os.path.isdir(p) else set() for p in places}
+
+
+def left_behind(before: dict[str, set[str]], only: tuple[str, ...] = ("*",)) -> list[str]:
+    """The paths new since `before` whose names match a glob of `only`."""
+    return sorted(os.path.join(p, n) for p, names in listing(tuple(before)).items() for n in names - before[p]
+                  if any(fnmatch.fnmatch(n, g) for g in only))
+
+
+BEFORE_SHM, BEFORE_HOST = listing(["/dev/shm"]), listing([HOST_TMP])
+os.environ["TMPDIR"] = SESSION_TMP
+tempfile.tempdir = SESSION_TMP
+os.environ.setdefault("RAY_TMPDIR", SESSION_TMP)
+
+
+def pytest_configure(config):
+    if not config.option.basetemp:
+        config.option.basetemp = os.path.join(SESSION_TMP, "pytest")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    left = left_behind(BEFORE_SHM) + left_behind(BEFORE_HOST, OURS) + \
+        sorted(os.path.join(SESSION_TMP, n) for n in set(os.listdir(SESSION_TMP)) - set(SESSION_OWN))
+    shutil.rmtree(SESSION_TMP, ignore_errors=True)
+    if left:
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            "the test session left behind (shared memory or temp files):\n  " + "\n  ".join(left), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,6 +4,7 @@ outputs packed into one fp64 tensor), so CI checks them against the eager engine
 are checked on the GPU (test_gpu_graphs.py)."""
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -259,3 +260,35 @@ def test_the_staged_pool_rows_are_the_ring_rows_of_every_position(cfg, ckpt):
         dst = h["ins_rows"].reshape(NB, gs.T)[:, :bucket]
         assert np.array_equal(dst[:, :n], row0[:, None] + (p0 + np.arange(n)) % cap)
         assert (dst[:, n:] == (gs.scratch * NB + np.arange(NB))[:, None] * cap).all()
+
+
+def test_a_set_captured_for_the_live_batches_first_answers_every_batch_and_captures_the_rest_later(cfg, ckpt):
+    """A restart's graph set (`first`: the last batches' shapes): only their draft and step graphs, the insert
+    graphs, are captured before serving. A batch of another shape captures what it needs first, before it stages
+    anything (no slot changed by that capture), and answers the eager engine's bits; `capture_next` captures the
+    rest one at a time, and then the set is the whole set."""
+    eager = Driver(RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS))
+    graph = Driver(RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True,
+                              first=[(3, cfg.block_size, False), (3, cfg.block_size, True)]))
+    gs = graph.graphs
+    whole = 2 * (4 * cfg.block_size * 2 + 2) + 5
+    assert sorted(gs.draft_graphs) == sorted(gs.step_graphs) == [(3, cfg.block_size, False), (3, cfg.block_size, True)]
+    assert len(gs.insert_graphs) == 5 and gs.n_graphs == 9 and len(gs.pending) == whole - 9
+    for batch in workload.rounds(cfg, n_requests=3, n_rounds=6, far_start=900_000):
+        _same_step(eager, graph, batch)
+    assert gs.n_graphs + len(gs.pending) == whole                  # the rounds' other shapes captured on demand
+    before = {k: s.position for k, s in enumerate(graph.slots)}
+    _same_rings(eager, graph)
+    g = torch.Generator().manual_seed(5)
+    one = [entry(slot=0, seed_token=7, n_out=2, start_pos=before[0], token_ids=torch.tensor([3, 4]),
+                 taps=workload.make_taps(cfg, 2, g), want_margins=True)]
+    n = gs.n_graphs
+    _same_step(eager, graph, one)                                    # (1, 2, True): its step graph, on demand
+    assert ("step", (1, 2, True)) not in gs.pending and gs.n_graphs == n + 1
+    _same_rings(eager, graph)
+    while gs.capture_next():
+        pass
+    assert gs.n_graphs == whole and not gs.pending
+    for batch in workload.rounds(cfg, seed=9, n_requests=2, n_rounds=3):
+        _same_step(eager, graph, [msgspec.structs.replace(e, slot=4 + i) for i, e in enumerate(batch)])
+    _same_rings(eager, graph)

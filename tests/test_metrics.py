@@ -78,7 +78,7 @@ class _Sup:
 
 class _Server:
     def __init__(self):
-        self.counts = {"connections": 0, "bad_frames": 0}
+        self.counts = {"connections": 0, "bad_frames": 0, "connections_refused": 0, "idle_sessions_closed": 0}
         self.wake_ups = WakeUps("test", 0.0)
 
 

@@ -55,6 +55,7 @@ def run_readme(tmp: str) -> dict:
     them; the first failing line ends the run. Returns what ran and the failure, if any."""
     env = dict(os.environ, TMPDIR=tmp, DSPARK_CACHE=os.path.join(tmp, "cache"))
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_TMPDIR", None)         # (the test session's, conftest.py): this run's Ray keeps to TMPDIR
     fill = {"DIR": os.path.join(tmp, "ckpt")}
     ran: list[str] = []
     for line in readme_commands():

@@ -245,3 +245,42 @@ def test_misuse_is_refused_naming_the_rule(ring):
             r.next(0.05)
     finally:
         r.close()
+
+
+# ---- leftovers (issue 51, item 1) ----------------------------------------------------------------------------------
+def writer_dies_holding(q) -> None:
+    """Create a ring, publish a message too large for a slot (its spill segment lives until the readers ack it),
+    report the names, and die without unlinking anything (as kill -9 would)."""
+    w = StepRing.create("dspark-orphan-test", n_readers=1, slot_bytes=256)
+    w.publish(os.urandom(4096), timeout_s=T)
+    q.put((w.handle.name, w.handle.bell_dir))
+    q.close()
+    q.join_thread()
+    os._exit(0)
+
+
+def test_a_ring_whose_owner_died_is_removed_and_a_live_owners_ring_is_kept(ring):
+    """remove_orphans finds a dead writer's segment, spill and doorbells by the pid in their names and removes them
+    all; a ring whose owner runs is left alone, and so is a name of the same pattern whose pid now belongs to a
+    process started after the name was made (the pid was reused)."""
+    from dspark_ray.transport.ring import remove_orphans
+    q = CTX.Queue()
+    p = CTX.Process(target=writer_dies_holding, args=(q,))
+    p.start()
+    name, bells = q.get(timeout=30)
+    p.join(30)
+    assert _names(name) == [name, f"{name}-x1"] and os.path.isdir(bells)
+    live = StepRing.create("dspark-live-test", n_readers=1)
+    reused = f"/dev/shm/dspark-reused-{os.getpid()}-0badf00d"     # our pid, but made before we started
+    open(reused, "wb").close()
+    os.utime(reused, (time.time() - 10 * 86400,) * 2)
+    try:
+        gone = remove_orphans()
+        assert name in gone and f"dspark-reused-{os.getpid()}-0badf00d" in gone
+        assert live.handle.name not in gone
+        assert _names(name) == [] and not os.path.exists(bells) and not os.path.exists(reused)
+        assert _names(live.handle.name) == [live.handle.name] and os.path.isdir(live.handle.bell_dir)
+    finally:
+        live.unlink()
+        if os.path.exists(reused):
+            os.unlink(reused)

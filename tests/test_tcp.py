@@ -581,3 +581,85 @@ def test_a_server_on_every_interface_names_an_address_clients_can_use(front):
     srv = TcpServer(front, host="127.0.0.1", advertise="10.9.9.9")      # a concrete host is named as it is
     assert srv.endpoint == f"127.0.0.1:{srv.port}"
     srv.stop()
+
+
+# ---- bounds per client and the session's log lines (issue 51, item 3) ----------------------------------------------
+def conn_threads() -> int:
+    return sum(t.name.startswith("tcp-conn:") for t in threading.enumerate())
+
+
+def test_a_connection_over_the_limit_is_refused_with_a_clear_frame_and_costs_no_thread(front):
+    """At `max_connections` open connections the next one is answered ErrorReply OVERLOADED naming the limit (the
+    client raises it, code None: the connection is gone) and closed by the accept thread; the others keep being
+    served, and once one closes a new connection is served again."""
+    srv = TcpServer(front, max_frame_bytes=LIMITS.max_frame_bytes, max_connections=2).start()
+    try:
+        a, b = connect(srv), connect(srv)
+        a.acquire(1)
+        threads = conn_threads()
+        for _ in range(3):
+            with pytest.raises(ClientError, match="closed the connection: OVERLOADED: .*limit of 2 connections "
+                                                  r"\(serve --max-connections\)") as e:
+                connect(srv)
+            assert e.value.code is None
+        assert conn_threads() == threads and srv.counts["connections_refused"] == 3
+        assert_served(a, 0)
+        b.close()
+        deadline = time.monotonic() + WAIT_S
+        while conn_threads() >= threads:          # b's thread has ended: its place is free
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with connect(srv) as c:
+            assert c.acquire(1)
+        a.close()
+    finally:
+        srv.stop(timeout_s=WAIT_S)
+
+
+def test_an_idle_session_is_closed_with_its_slots_freed_and_told_why(front):
+    """No request for `idle_timeout_s`: the session is closed, its slots freed; the client's next request raises
+    the server's reason. A session that keeps stepping is not idle."""
+    srv = TcpServer(front, max_frame_bytes=LIMITS.max_frame_bytes, stall_timeout_s=0.2, idle_timeout_s=1.0).start()
+    try:
+        busy, idle = connect(srv), connect(srv)
+        [g] = busy.acquire(1)
+        idle.acquire(3)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.6:            # busy steps every 0.3 s: never idle for 1 s
+            assert_served(busy, g.slot)
+            time.sleep(0.3)
+        assert front.closed == [2] and len(front.free) == LIMITS.slot_capacity - 1
+        assert srv.counts["idle_sessions_closed"] == 1
+        with pytest.raises(ClientError, match=r"UNAVAILABLE: session 2 closed: no request for 1 s \(serve "
+                                              r"--idle-timeout\)"):
+            idle.acquire(1)
+        assert_served(busy, g.slot)
+        busy.close()
+    finally:
+        srv.stop(timeout_s=WAIT_S)
+
+
+def test_a_session_logs_one_line_when_it_opens_and_one_with_its_counts_when_it_closes(server, front, caplog):
+    """Two lines a session, whatever it sends: the open, and the close with why and its counts (requests, STEPs,
+    entries, those refused whole, slots freed); none per frame, refused or not."""
+    import logging
+    with caplog.at_level(logging.INFO):
+        c = connect(server)
+        c.acquire(2)
+        for k in range(5):
+            assert c.step([entry(0, seed=k), entry(1, seed=k)], deadline_ms=50)[0].code == C.Code.OK
+        with pytest.raises(ClientError, match="OVERLOADED"):
+            c.acquire(99)
+        c.close()
+        assert front.closed_event.wait(WAIT_S)
+        deadline = time.monotonic() + WAIT_S
+        while not any("closed" in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    lines = [r.getMessage() for r in caplog.records if "session 1" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("session 1 open: 127.0.0.1:")
+    assert lines[1].startswith("session 1 closed (closed by peer): 127.0.0.1:") and \
+        "client 'test' over tcp" in lines[1] and \
+        "8 requests (5 STEPs, 10 entries, 1 refused whole)" in lines[1], lines[1]
+    assert len(caplog.records) == 2, [r.getMessage() for r in caplog.records]

@@ -321,3 +321,34 @@ def test_fp8_without_scale_is_refused(ckpt_dir, tmp_path):
     save_tensors(d / ST, t)
     with pytest.raises(CheckpointError, match=r"wkv\.weight: stored as F8_E4M3.*wkv\.scale"):
         Checkpoint(d)
+
+
+# ---- the staged read (weights/staging.py, a restart's weights) ----------------------------------------------------
+def test_a_staged_read_is_the_files_bytes_across_chunks_and_a_short_file_is_an_error(tmp_path):
+    from dspark_ray.weights.staging import Staging
+    data = bytes(random.Random(3).getrandbits(8) for _ in range(10_000))
+    f = tmp_path / "blob"
+    f.write_bytes(data)
+    with Staging("cpu", threads=3, chunk_bytes=999) as st:          # chunks that split every way
+        for lo, hi in ((0, 10_000), (1, 9_999), (4_000, 4_001), (7, 7), (998, 2_998)):
+            assert bytes(st.read(f, lo, hi).numpy()) == data[lo:hi], (lo, hi)
+        with pytest.raises(EOFError, match="before the tensor's end"):
+            st.read(f, 9_000, 11_000)
+
+
+@pytest.mark.parametrize("tp,rank", [(1, 0), (2, 0), (2, 1)])
+def test_a_rank_read_through_the_staging_equals_the_plain_read(ckpt_dir, tp, rank):
+    """Every tensor of a rank's cut (whole, row cuts read as byte ranges, column cuts as before) in the same dtype
+    and bits as without the staging."""
+    from dspark_ray.model.layout import Layout
+    from dspark_ray.modes import read_rank
+    from dspark_ray.weights.staging import Staging
+    ck = Checkpoint(ckpt_dir)
+    layout = Layout(ck.config, tp)
+    plain = read_rank(ck, layout, rank)
+    with Staging("cpu", chunk_bytes=4096) as st:
+        staged = read_rank(ck, layout, rank, staging=st)
+        assert st.bytes_read > 0
+    assert plain.keys() == staged.keys()
+    for n in plain:
+        assert plain[n].dtype == staged[n].dtype and torch.equal(plain[n], staged[n]), n

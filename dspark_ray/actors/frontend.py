@@ -6,11 +6,13 @@ in their placement-group bundles, load, connect, serve; on restart kill them and
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import asdict
 
@@ -23,7 +25,7 @@ from ..scheduling import pin_thread, process_facts, raise_priority
 from ..settings import current as settings
 from ..spec import SAFE_ENV, PairSpec
 from ..stamps import Stamps, cpu_now, now
-from ..transport.ring import RingError, RingTimeout, StepRing
+from ..transport.ring import RingError, RingTimeout, StepRing, remove_orphans
 from .rank import rank_actor_class
 
 log = logging.getLogger("dspark_ray.frontend")
@@ -62,6 +64,12 @@ class PairManager:
         # ("broken") before the watchdog calls the step hung.
         self.step_bound_s = spec.step_timeout_s or spec.collective_timeout_s * 2 + 5.0
         self.keep_warm = None          # a keep_warm.KeepWarm: the wait for completions rehearses the batch's coding
+        # The last batches' shapes (requests, n_out, margins): what a restarted one-card rank captures first.
+        self.shapes: collections.deque = collections.deque(maxlen=256)
+        # The last start-up's stamps (wall-clock seconds): begun, old ranks gone, actors asked for, loaded,
+        # connected, serving (bench/restart.py lays them out beside the ranks' own).
+        self.startup: dict[str, float] = {}
+        self.checkpoint_files: list[str] = []       # (read ahead on a restart; the front-end sets them)
 
     def _actor_options(self, r: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -71,8 +79,11 @@ class PairManager:
                "PYTHONUNBUFFERED": "1"}
         if self.spec.device.startswith("cuda"):
             # Load every kernel at start-up: a lazy module load can synchronize the context and deadlock against
-            # a collective spinning on the same card (CUDA programming guide, lazy loading).
-            env["CUDA_MODULE_LOADING"] = "EAGER"
+            # a collective spinning on the same card (CUDA programming guide, lazy loading). Only where such a
+            # collective runs: eager loading makes every kernel of every CUDA library part of the context's
+            # creation, which a one-card rank's start-up (and its restart) need not wait for. Set either way: a
+            # worker would otherwise inherit whatever the node's environment says.
+            env["CUDA_MODULE_LOADING"] = "EAGER" if self.spec.backend == "push" else "LAZY"
         opts["runtime_env"] = {"env_vars": env}
         opts["max_restarts"] = 0         # the front-end restarts the pair as a whole, never one rank alone
         opts["name"], opts["namespace"] = self.rank_name(r), "dspark"     # found again by a restarted front-end
@@ -100,13 +111,18 @@ class PairManager:
                     raise TimeoutError(f"rank actor {self.rank_name(r)} still exists after {timeout_s} s")
                 time.sleep(0.1)
 
-    def start(self) -> None:
+    def start(self, first: list[tuple[int, int, bool]] | None = None) -> None:
+        """Create, load, connect and serve the ranks. `first`: on a restart, the shapes of the last batches (a
+        one-card rank captures their graphs first and serves, rank_worker.py)."""
         import ray
         Rank = rank_actor_class()
+        stamp = self.startup = {"begun": time.time()}
         self.kill_leftovers()
+        stamp["old_ranks_gone"] = time.time()
         t0 = time.monotonic()
         self.ranks = [Rank.options(**self._actor_options(r)).remote(asdict(self.spec), r)
                       for r in range(self.spec.tp)]
+        stamp["actors_asked"] = time.time()
         loads = [a.load.remote() for a in self.ranks]
         while True:
             done, _ = ray.wait(loads, num_returns=len(loads), timeout=0.25)
@@ -115,11 +131,14 @@ class PairManager:
             if len(done) == len(loads):
                 break
         ray.get(loads)
+        stamp["loaded"] = time.time()
         init = f"tcp://127.0.0.1:{_free_port()}" if self.spec.tp == 2 else None
-        ray.get([a.connect.remote(init) for a in self.ranks], timeout=120)
+        ray.get([a.connect.remote(init, first) for a in self.ranks], timeout=120)
+        stamp["connected"] = time.time()
         for r in range(self.spec.tp):
             self.ring.reset_reader(r)
         ray.get([a.serve.remote(self.ring.handle) for a in self.ranks])
+        stamp["serving"] = time.time()
         log.info("pair %s: %d ranks up in %.2f s (%s)", self.name, self.spec.tp, time.monotonic() - t0,
                  self.spec.backend if self.spec.tp == 2 else "tp1")
 
@@ -133,8 +152,12 @@ class PairManager:
         self.ranks = []
 
     def restart(self, why: str) -> None:
+        # The checkpoint's files back into the page cache now, while the new ranks' processes start (if the host
+        # dropped them): their weights are read from memory (weights/staging.py).
+        from ..weights.staging import prefetch
+        threading.Thread(target=prefetch, args=(self.checkpoint_files,), name="dspark-prefetch", daemon=True).start()
         self.kill()
-        self.start()
+        self.start(first=sorted(set(self.shapes)) or None)
 
     def run(self, batch: M.RingBatch, deadline_ns: int | None = None) -> list[EntryResult]:
         """One step through the ring. A missing completion within the bound is a hang (or a death): the ranks
@@ -147,6 +170,7 @@ class PairManager:
             row["posting"] = now()
             seq = self.ring.publish(payload, timeout_s=self.step_bound_s)
         row["seq"] = seq
+        self.shapes.append(batch_shape(batch))
         bound = time.monotonic() + self.step_bound_s
         return self._collect(batch, payload, row, bound, deadline_ns)
 
@@ -225,6 +249,12 @@ class PairManager:
         self.ring.unlink()
 
 
+def batch_shape(batch: M.RingBatch) -> tuple[int, int, bool]:
+    """A batch as the ranks' graphs key it: its requests, the widest n_out, whether any entry wants margins."""
+    es = batch.entries
+    return len(es), max((e.n_out for e in es), default=0), any(e.want_margins for e in es)
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -252,6 +282,10 @@ def frontend_actor_class():
             from ..weights.loader import Checkpoint
             self.spec = PairSpec(**spec)
             log.info("front-end %s: %s", name, settings().describe())
+            gone = remove_orphans()
+            if gone:
+                log.warning("front-end %s: removed %d ring(s) their dead owners left: %s", name, len(gone),
+                            ", ".join(gone))
             ck = Checkpoint(self.spec.checkpoint)
             cfg = load_config(self.spec.checkpoint)
             self.identity = Identity(ck.identity_digest, cfg.digest(), self.spec.tp, cfg.max_model_len)
@@ -259,6 +293,7 @@ def frontend_actor_class():
                                             max_entries_per_replay=self.spec.batch_limit(cfg))
             self.manager = PairManager(self.spec, pg, rank_bundles, rank_resources, name,
                                        slot_bytes=ring_slot_bytes(self.limits))
+            self.manager.checkpoint_files = ck.files()
             # The endpoint's threads rehearse the last STEP's host path while they wait (keep_warm.py).
             self.keep_warm = KeepWarm(f"front-end {name}")
             self.manager.keep_warm = self.keep_warm if self.keep_warm.enabled else None
@@ -268,7 +303,9 @@ def frontend_actor_class():
             self.node_ip = ray.util.get_node_ip_address()
             self.server = TcpServer(self.service, host=host, port=port, spin_us=self.spec.spin_us,
                                     on_thread_start=lambda: pin_thread(cpus, f"front-end {name} endpoint"),
-                                    keep_warm=self.keep_warm, advertise=self.node_ip)
+                                    keep_warm=self.keep_warm, advertise=self.node_ip,
+                                    max_connections=self.spec.max_connections,
+                                    idle_timeout_s=self.spec.idle_timeout_s)
             self.host, self.port, self.name = host, port, name
             self.started = False
             self.load_progress = []
@@ -319,6 +356,7 @@ def frontend_actor_class():
                     **self.service.status(), "supervisor": self.supervisor.status(),
                     "keep_warm": self.keep_warm.status(),
                     "wake_ups": self.server.wake_ups.status(),
+                    "startup": self.manager.startup,
                     "ranks": self.manager.status()}
 
         def set_fault(self, rank: int, kind: str | None, **params) -> str:

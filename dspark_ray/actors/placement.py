@@ -17,6 +17,18 @@ log = logging.getLogger("dspark_ray.placement")
 NAMESPACE = "dspark"
 
 
+class _SafeHere(logging.Filter):
+    """Drops Ray's warning that a restartable detached actor in a placement group cannot be restarted once its
+    group is removed. A worker's front-end is such an actor (Ray restarts it after a crash), and only `teardown`
+    removes its group, to end it: the case the warning is about is the one we want (docs/operations.md)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Scheduling a restartable detached actor with a placement group")
+
+
+_SAFE_HERE = _SafeHere()
+
+
 def bundles(tp: int, gpu: bool) -> tuple[list[dict], dict, dict]:
     """(bundles, rank actor resources, front-end resources). On a CPU-only host the ranks take fractional CPU
     bundles (a quarter each) so two pairs place on a 2-core machine (each rank runs one torch thread)."""
@@ -106,6 +118,7 @@ def _place(spec: PairSpec, name: str, host: str, port: int, detach: bool, restar
                                           "PYTHONUNBUFFERED": "1"}})
     if detach:
         opts["lifetime"] = "detached"
+        logging.getLogger("ray.actor").addFilter(_SAFE_HERE)       # (idempotent)
     return FrontEnd.options(**opts).remote(asdict(spec), host, port, name, pg, list(range(spec.tp)), rank_res,
                                            restart_threshold)
 
@@ -138,23 +151,28 @@ def find_workers(name: str = "dspark") -> list[tuple[str, object]]:
     return [(w, find(w)) for w in found]
 
 
-def teardown(name: str = "dspark") -> None:
+def teardown(name: str = "dspark") -> list[str]:
     """Remove the worker `name`, or every worker of the deployment `name` (NAME.0, NAME.1, ...): the front-ends
-    (which stop their ranks) and the placement groups, also those of workers whose front-end is dead already."""
+    (which stop their ranks) and the placement groups, also those of workers whose front-end is dead already.
+    Returns what it removed (front-ends and placement groups, by name): empty when nothing was deployed."""
     import ray
     from ray.util import placement_group_table
     from ray.util.placement_group import get_placement_group
+    removed = []
     for w, fe in find_workers(name):
         try:
             ray.get(fe.shutdown.remote(), timeout=30)
         except Exception as e:          # dead or hung: killing it below is all that is left
             log.warning("worker %s did not shut down cleanly (%s); killing it", w, e)
         ray.kill(fe)
+        removed.append(f"{w}-frontend")
     pat = _worker_pattern(name)
     for pg in placement_group_table().values():
         pg_name = pg.get("name") or ""
         if pg.get("state") != "REMOVED" and pg_name.endswith("-pg") and pat.fullmatch(pg_name[:-len("-pg")]):
             try:
                 ray.util.remove_placement_group(get_placement_group(pg_name))
+                removed.append(pg_name)
             except Exception:
                 pass
+    return removed

@@ -22,8 +22,8 @@ def rank_actor_class():
         def progress(self):
             return self.w.progress()
 
-        def connect(self, init_method):
-            return self.w.connect(init_method)
+        def connect(self, init_method, first=None):
+            return self.w.connect(init_method, first)
 
         def serve(self, ring_handle):
             return self.w.serve(ring_handle)

@@ -153,14 +153,36 @@ class Drafter:
     def cache_markov_for(self, choice: str | int) -> int:
         """Cache the rows `choice` asks for (`heads.markov_cache_rows`: auto sizes them against what this drafter's
         card has free now; none on a CPU); returns the row count."""
+        rows = self.markov_rows_for(choice)
+        self.cache_markov(rows)
+        return rows
+
+    def markov_rows_for(self, choice: str | int) -> int:
+        """The rows `choice` asks for here, now (`cache_markov_for` without the caching)."""
         free = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info(self.device)[0]
         row_bytes = sum(s.markov_w2.shape[0] for s in self.head.shards) * 2
-        rows = markov_cache_rows(choice, self.cfg.vocab_size, row_bytes=row_bytes, free_bytes=free)
-        self.cache_markov(rows)
-        return rows
+        return markov_cache_rows(choice, self.cfg.vocab_size, row_bytes=row_bytes, free_bytes=free)
+
+    def cache_markov_in_steps(self, rows: int) -> Iterator[None]:
+        """`cache_markov(rows)` one chunk of rows at each `next` (on this drafter's kernels, finished on the device
+        before it returns: a caller between two steps is back for the next step in ~0.15 s on one H200); the rows
+        serve once every chunk is made, the same drafts before as after."""
+        if rows <= 0:
+            self.cache_markov(0)
+            return
+        built, end = self.head.build_markov_rows(torch.arange(min(rows, self.cfg.vocab_size))), object()
+        while True:
+            with ops.using(self.kernels):
+                more = next(built, end) is not end
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            if not more:
+                break
+            yield
+        self.markov_cache_bytes = sum(s.markov_rows.numel() * s.markov_rows.element_size() for s in self.head.shards)
 
     # -- slots -----------------------------------------------------------------------------------------------------
     def new_slot(self) -> SlotState:

@@ -7,6 +7,7 @@ i.e. the lower shard). NaN policy: a NaN logit never wins (it is replaced by -in
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -96,6 +97,13 @@ class DraftHead:
         from markov_w2 (V_r x r x 2 bytes): the same bits, since the row is made by the step's own sum (the fused
         kernel's `markov_rows`, or the reference's `linear` in chunks of 32 rows, batch-invariant either way).
         Returns the bytes the rows take."""
+        for _ in self.build_markov_rows(tokens):
+            pass
+        return sum(s.markov_rows.numel() * s.markov_rows.element_size() for s in self.shards)
+
+    def build_markov_rows(self, tokens: torch.Tensor) -> Iterator[None]:
+        """`cache_markov_rows`, one chunk of rows a step (it yields after each): the old rows go at once, the new
+        serve only once every chunk is made (until then a step computes its bias as without a cache)."""
         V = self.markov_w1.shape[0]
         dev = self.markov_w1.device
         tokens = tokens.to(device=dev, dtype=torch.int64)
@@ -108,7 +116,7 @@ class DraftHead:
         cmap = torch.full((V,), -1, dtype=torch.int32, device=dev)
         cmap[tokens] = torch.arange(tokens.numel(), dtype=torch.int32, device=dev)
         build = ops.fused("markov_rows")
-        held = 0
+        made = []
         for s in self.shards:
             rows = torch.empty((tokens.numel(), s.markov_w2.shape[0]), dtype=torch.float16, device=dev)
             step = 8192 if build is not None else 32
@@ -117,10 +125,11 @@ class DraftHead:
                     build(tokens[c:c + step], self.markov_w1, s.markov_w2, s.markov_b2, out=rows[c:c + step])
                 else:
                     rows[c:c + step] = self._bias(f16(self.markov_w1[tokens[c:c + step]]), s)
+                yield
+            made.append(rows)
+        for s, rows in zip(self.shards, made):
             s.markov_rows = rows
-            held += rows.numel() * rows.element_size()
         self.markov_map = cmap
-        return held
 
     def __call__(self, normed: torch.Tensor, prenorm: torch.Tensor, seeds: torch.Tensor, n_out: int,
                  want_margins: bool, keep_logits: bool = False) -> HeadOut:

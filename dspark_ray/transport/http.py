@@ -19,13 +19,25 @@ the contract requires are required here (an entry's slot, generation, seed_token
 deadline_ms; ACQUIRE's n), the optional ones take the contract's defaults, an unknown field or a value of another
 type (a float for an int, 1 for a bool) is refused, never guessed at. A result: `code` (the contract's code name),
 `reason`, `generation`, `drafts`, `confidences` (the fp32 values as JSON numbers: exact), `margins` (or null),
-`confident_len`. A refusal is HTTP 409 with {code, reason}; a malformed body 422 with {code: "BAD_REQUEST",
-reason} naming the field; an unknown or expired session 404. A session unused for `session_ttl_s` is closed when
-the next session opens (its slots are freed), as a TCP session is when its connection closes.
+`confident_len`. A session unused for `session_ttl_s` is closed when the next session opens (its slots are freed),
+as a TCP session is when its connection closes.
+
+Every refusal is a JSON object {code, reason}:
+
+    409  the contract's refusal of a whole request (its code: BAD_ENTRY, OVERLOADED, CONFIG_MISMATCH, ...) with
+         the reason TCP gives for the same request (a STEP's deadline, its entry count: `contract.validate_step`)
+    422  BAD_REQUEST: the body is not JSON, or breaks the schema (the reason names the field)
+    404  NO_SESSION (an unknown or expired session), NOT_FOUND (no such route); 405 METHOD_NOT_ALLOWED
+    413  TOO_LARGE: a body over `max_body_bytes` (the TCP frame limit), answered from its Content-Length before a
+         byte of it is read (a body sent without one is refused once it grows past the limit)
+    408  BODY_TIMEOUT: a body that stops arriving for `body_stall_s` (TCP's stall timeout) is refused, its
+         connection freed
 """
 from __future__ import annotations
 
+import asyncio
 import base64
+import json
 import secrets
 import threading
 import time
@@ -34,11 +46,13 @@ import msgspec
 import numpy as np
 
 from ..client import ClientError
-from ..contract import Code, make_entry
+from ..contract import Code, Step, make_entry, validate_step
 from ..pool import DrafterPool
+from ..wire import DEFAULT_MAX_FRAME_BYTES
 
 ROUTE = "/dspark"
 SESSION_TTL_S = 300.0
+BODY_STALL_S = 5.0            # as TcpServer's stall_timeout_s: no progress for this long mid-request is a stall
 
 
 class _Json(msgspec.Struct, forbid_unknown_fields=True):
@@ -168,17 +182,99 @@ class _Sessions:
             self.close(t)
 
 
-def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S):
+class BodyLimits:
+    """ASGI middleware: a request's body is read here, whole, before the app sees it, within two bounds. Over
+    `max_bytes` is 413 TOO_LARGE: at once when the Content-Length says so (nothing of the body is read), else as
+    soon as the bytes received pass it. No progress for `stall_s` is 408 BODY_TIMEOUT. (Serve's proxy passes the
+    body on in the pieces it gets; FastAPI would otherwise read, and parse, whatever came.)"""
+
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_s: float = BODY_STALL_S):
+        self.app, self.max_bytes, self.stall_s = app, max_bytes, stall_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        try:
+            length = int(length) if length is not None else None
+        except ValueError:
+            return await refuse(send, 400, "BAD_REQUEST", f"Content-Length {length!r} is not a number")
+        if length is not None and length > self.max_bytes:
+            return await refuse(send, 413, "TOO_LARGE", self._too_large(length))
+        body, more = bytearray(), True
+        while more:
+            try:
+                msg = await asyncio.wait_for(receive(), self.stall_s)
+            except asyncio.TimeoutError:
+                return await refuse(send, 408, "BODY_TIMEOUT", f"the request body stalled: {len(body)} of "
+                                    f"{length if length is not None else '?'} bytes, then none for "
+                                    f"{self.stall_s:g} s")
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.max_bytes:
+                return await refuse(send, 413, "TOO_LARGE", self._too_large(None))
+        whole = {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        async def replay():
+            nonlocal whole
+            if whole is not None:
+                msg, whole = whole, None
+                return msg
+            return await receive()         # (after the body: the disconnect, when it comes)
+        return await self.app(scope, replay, send)
+
+    def _too_large(self, length: int | None) -> str:
+        size = f"{length} bytes" if length is not None else "more bytes"
+        return f"request body of {size} > the limit of {self.max_bytes} (the STEP endpoint's max_frame_bytes)"
+
+
+async def refuse(send, status: int, code: str, reason: str) -> None:
+    """A refusal in the endpoint's one shape, {code, reason}, sent from the ASGI level."""
+    body = json.dumps({"code": code, "reason": reason}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+_STATUS_CODES = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
+
+
+def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S, max_body_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+              body_stall_s: float = BODY_STALL_S):
     """The Serve application for the STEP endpoint `endpoint` ("host:port", or the workers' endpoints
     comma-separated: each HTTP session's slots are then spread over them); run it with `serve.run(app,
     route_prefix=ROUTE)`."""
     from fastapi import Body, FastAPI, HTTPException
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
     from ray import serve
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     api = FastAPI(title="dspark-ray STEP over HTTP")
+    api.add_middleware(BodyLimits, max_bytes=max_body_bytes, stall_s=body_stall_s)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def flat(request, e):
+        """Every refusal as {code, reason}: ours carry both, FastAPI's own (an unknown route) a status."""
+        d = e.detail if isinstance(e.detail, dict) else {"code": _STATUS_CODES.get(e.status_code, "HTTP_ERROR"),
+                                                         "reason": str(e.detail)}
+        return JSONResponse(d, status_code=e.status_code)
+
+    @api.exception_handler(RequestValidationError)
+    async def malformed(request, e):
+        """A body that is not JSON (or not an object) is refused as a schema error is: 422 BAD_REQUEST."""
+        why = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}" for err in e.errors())
+        return JSONResponse({"code": "BAD_REQUEST", "reason": why or "malformed body"}, status_code=422)
 
     def refused(e: ClientError) -> HTTPException:
         return HTTPException(409, {"code": e.code.name if e.code is not None else "CONNECTION", "reason": str(e)})
+
+    def refused_whole(code: Code, reason: str) -> HTTPException:
+        """The contract's ErrorReply for a whole request: the code and reason TCP answers it with."""
+        return HTTPException(409, {"code": code.name, "reason": reason})
 
     def bad(e: ValueError) -> HTTPException:
         return HTTPException(422, {"code": "BAD_REQUEST", "reason": str(e)})
@@ -236,6 +332,9 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S):
                 entries = [entry_from_json(e) for e in msg.entries]
             except BadBody as e:
                 raise bad(e) from None
+            why = validate_step(Step(entries=entries, deadline_ms=msg.deadline_ms), c.limits)
+            if why:                  # refused whole, as a front-end refuses the STEP frame (nothing runs)
+                raise refused_whole(Code.BAD_ENTRY, why)
             try:
                 return {"results": [result_to_json(r) for r in c.step(entries, deadline_ms=msg.deadline_ms)]}
             except ClientError as e:
@@ -268,23 +367,28 @@ def check_address(host: str, port: int) -> None:
                              f"first (`serve shutdown`)")
 
 
-def start(name: str, endpoint: str, host: str, port: int) -> str:
+def start(name: str, endpoint: str, host: str, port: int, **limits) -> str:
     """Run the app for the pair `name` (its STEP endpoint `endpoint`) on Ray Serve's HTTP proxy at host:port (Serve
     is started there if it is not running yet; ProxyElsewhere, and nothing deployed, if it runs on another
-    address); returns the sessions URL."""
+    address); returns the sessions URL. `limits`: build_app's (session_ttl_s, max_body_bytes, body_stall_s)."""
     from ray import serve
     check_address(host, port)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(endpoint), name=f"{name}-http", route_prefix=ROUTE)
+    serve.run(build_app(endpoint, **limits), name=f"{name}-http", route_prefix=ROUTE)
     return f"http://{host}:{port}{ROUTE}/v1/sessions"
 
 
-def stop(name: str) -> None:
-    """Delete the pair's HTTP app, if Serve runs one (Serve itself stays for other apps)."""
+def stop(name: str) -> bool:
+    """Delete the pair's HTTP app, if Serve runs one (Serve itself stays for other apps); whether there was one."""
     try:
         from ray import serve
+        from ray.serve.context import _get_global_client
+        if _get_global_client(raise_if_no_controller_running=False) is None:    # no Serve: nothing to start
+            return False
         if f"{name}-http" in serve.status().applications:
             serve.delete(f"{name}-http")
+            return True
     except Exception:           # no Serve in this cluster (or not installed): nothing to stop
         pass
+    return False
 

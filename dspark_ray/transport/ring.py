@@ -40,15 +40,21 @@ one reordering x86 TSO allows (store buffering), so both sides put a full fence 
 `nap_s` timeout stays as a safety net against any lost wake-up. Every wait has a bound and raises `RingTimeout`
 saying what it waited for; the `closed` word stops every party with `RingClosed`.
 
+Leftovers. The writer owns the ring's names and removes them (`unlink`). A writer killed before it could (kill -9,
+a front-end Ray restarts) leaves them behind: `remove_orphans` removes every ring whose owner pid, which its name
+carries, no longer runs. Each new front-end, `dspark-ray serve` and `dspark-ray stop` call it on their host.
+
 Threading: each endpoint (writer or reader object) is used by one thread at a time.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import mmap
 import os
 import platform
+import re
 import secrets
 import select
 import shutil
@@ -60,7 +66,8 @@ from typing import Callable
 
 import _posixshmem  # CPython's shm_open; attaching through it bypasses the resource_tracker (see _map_existing)
 
-__all__ = ["StepRing", "RingHandle", "RingWriter", "RingReader", "RingError", "RingTimeout", "RingClosed"]
+__all__ = ["StepRing", "RingHandle", "RingWriter", "RingReader", "RingError", "RingTimeout", "RingClosed",
+           "remove_orphans"]
 
 
 class RingError(RuntimeError):
@@ -165,6 +172,74 @@ def _pid_state(pid: int) -> str:
     except PermissionError:
         pass
     return f"pid {pid} alive"
+
+
+_SHM_DIR = "/dev/shm"              # where shm_open puts a segment's name (Linux)
+# What `StepRing.create` names: "<prefix>-<creator pid>-<8 hex>", a spill "<that>-x<seq>", the doorbells
+# "<that>.bells" in the temp folder. The creator is the ring's one writer and owner: it unlinks them all.
+_RING_NAME = re.compile(r"(?P<ring>.+-(?P<pid>\d+)-[0-9a-f]{8})(?:-x\d+|\.bells)?")
+
+
+def process_started_at(pid: int) -> float | None:
+    """When process `pid` started (epoch seconds), or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])      # field 22, starttime: clock ticks since boot
+        with open("/proc/stat") as f:
+            boot = next(int(ln.split()[1]) for ln in f if ln.startswith("btime "))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def owner_alive(pid: int, made_at: float) -> bool:
+    """Whether the process that made a name at `made_at` (its mtime) is still running: a process of that pid
+    runs and started before then (a pid the system gave to a newer process is not the owner). Conservative: on any
+    doubt, alive."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    started = process_started_at(pid)
+    return started is None or started <= made_at + 1.0     # (start times have clock-tick resolution)
+
+
+def remove_orphans(prefix: str = "dspark-") -> list[str]:
+    """Remove every ring on this host whose owner process is gone (killed before it could unlink): its segment,
+    spills and doorbells, found by the names `StepRing.create` gives them (`prefix` and the owner's pid in them).
+    A front-end calls it before it creates its ring, `dspark-ray serve` and `stop` on their host. Returns the rings
+    removed."""
+    found: dict[str, list[str]] = {}
+    places = [(_SHM_DIR, n) for n in _listdir(_SHM_DIR)] + [(tempfile.gettempdir(), n)
+                                                            for n in _listdir(tempfile.gettempdir())]
+    for where, n in places:
+        m = _RING_NAME.fullmatch(n)
+        if m is None or not n.startswith(prefix):
+            continue
+        path = os.path.join(where, n)
+        try:
+            made_at = os.stat(path).st_mtime
+        except OSError:
+            continue
+        if not owner_alive(int(m["pid"]), made_at):
+            found.setdefault(m["ring"], []).append(path)
+    for paths in found.values():
+        for path in paths:
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+    return sorted(found)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 @dataclasses.dataclass(frozen=True)

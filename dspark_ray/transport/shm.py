@@ -22,7 +22,7 @@ from typing import Callable
 
 from .ring import RingClosed, RingError, RingHandle, RingReader, RingTimeout, StepRing
 from ..contract import SHM_RING_PREFIX, ShmAttach
-from ..wire import ConnectionClosed, FrameError, FrameWriter, PayloadError, decode_frame
+from ..wire import ConnectionClosed, FrameError, FrameWriter, IdleTimeout, PayloadError, decode_frame
 
 __all__ = ["attach_ring", "serve_ring", "handle_of", "STATUS_BAD_FRAME"]
 
@@ -64,7 +64,8 @@ def _lifeline_closed(sock: socket.socket) -> bool:
 
 def serve_ring(ring: RingReader, sock: socket.socket, dispatch: Callable[[object, int], object],
                max_frame_bytes: int, spin_us: float, on_reply: Callable[[object, int, object], None] | None = None,
-               gate=None, refuse: Callable[[PayloadError], object] | None = None) -> None:
+               gate=None, refuse: Callable[[PayloadError], object] | None = None,
+               idle_timeout_s: float | None = None) -> None:
     """Serve the ring until the client closes it or its TCP connection (ConnectionClosed), or sends a bad frame
     (FrameError, after completing it with STATUS_BAD_FRAME). `dispatch(msg, received_ns)` answers a request;
     `refuse(e)` answers a frame whose payload did not decode (or raises FrameError; without it such a frame is a
@@ -72,8 +73,10 @@ def serve_ring(ring: RingReader, sock: socket.socket, dispatch: Callable[[object
     stamps). `gate` (a semaphore, optional): the
     wait spins `spin_us` only while it holds the gate, else it sleeps on the ring's doorbell at once; the TCP
     server shares its gate of polling threads (every spin takes the interpreter lock, and many spinning threads
-    would slow the one that has a STEP to run)."""
+    would slow the one that has a STEP to run). No request for `idle_timeout_s` (None: for ever) raises
+    IdleTimeout, as a TCP session's reader does."""
     writer = FrameWriter(max_frame_bytes)
+    last = time.monotonic()
     while True:
         held = gate is None or gate.acquire(blocking=False)
         try:
@@ -81,6 +84,8 @@ def serve_ring(ring: RingReader, sock: socket.socket, dispatch: Callable[[object
         except RingTimeout:
             if _lifeline_closed(sock):
                 raise ConnectionClosed("the client closed its TCP connection") from None
+            if idle_timeout_s is not None and time.monotonic() - last >= idle_timeout_s:
+                raise IdleTimeout(f"no request for {idle_timeout_s:g} s") from None
             continue
         except RingClosed:
             raise ConnectionClosed("the client closed its ring") from None
@@ -88,6 +93,7 @@ def serve_ring(ring: RingReader, sock: socket.socket, dispatch: Callable[[object
             if held and gate is not None:
                 gate.release()
         received_ns = time.monotonic_ns()
+        last = time.monotonic()
         try:
             try:
                 request_id, msg = decode_frame(view, max_frame_bytes)

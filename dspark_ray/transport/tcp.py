@@ -12,7 +12,12 @@ SHM_ATTACH, after which the session's requests come through the client's shared-
 A request read whole whose payload does not decode (a missing or unknown field, a value of another type) is
 answered ErrorReply BAD_ENTRY naming the field, and the session goes on: the stream is still in step. Anything else
 (a malformed, truncated, stalled or oversized frame, a reply type, a STEP before HELLO) closes that connection
-alone, with one log line; the session's slots are freed through `close_session`.
+alone; the session's slots are freed through `close_session`.
+
+Bounds per client: at most `max_connections` connections at once (one thread each); one more is answered
+ErrorReply OVERLOADED (request id 0: no request of its own) and closed, by the accept thread, without a thread. A
+session with no request for `idle_timeout_s` is answered ErrorReply UNAVAILABLE (request id 0) and closed, its slots
+freed. A session logs two lines: when it opens, and when it closes with why and its counts; never one per frame.
 
 Requests on one connection are read and answered one at a time, in order: a client may send the next before the
 reply to the last (it waits in the socket), but nothing of a connection runs concurrently with itself.
@@ -30,7 +35,8 @@ from ..keep_warm import REHEARSAL_ENTRIES
 from ..stamps import Stamps, cpu_now, now
 from ..wake_ups import WakeUps
 from ..wire import (DEFAULT_MAX_FRAME_BYTES, HEADER_SIZE, ConnectionClosed, FrameError, FrameReader, FrameWriter,
-                    PayloadError, VersionMismatch, bound_blocking_io, decode_payload, spinning_recv_into)
+                    IdleTimeout, PayloadError, VersionMismatch, bound_blocking_io, decode_payload,
+                    spinning_recv_into)
 from .shm import attach_ring, serve_ring
 
 log = logging.getLogger(__name__)
@@ -38,6 +44,12 @@ log = logging.getLogger(__name__)
 __all__ = ["TcpServer", "StepHandler"]
 
 REQUESTS = (MsgType.HELLO, MsgType.ACQUIRE, MsgType.RELEASE, MsgType.STEP, MsgType.SHM_ATTACH)
+# A connection costs a thread: 256 hold several engines' pools and HTTP sessions against a worker's 16 slots.
+MAX_CONNECTIONS = 256
+# A session with no request for this long is closed and its slots freed (an engine's live session steps every
+# decode round; a client that wants its slots back after a pause reconnects: HELLO, ACQUIRE, re-insert).
+IDLE_TIMEOUT_S = 600.0
+REFUSAL_LOG_S = 10.0
 _TYPE_OF = {cls: t for t, cls in MESSAGE_TYPES.items()}
 
 
@@ -70,6 +82,18 @@ class _Conn:
         self.peer = peer
         self.session: int | None = None
         self.thread: threading.Thread | None = None
+        self.opened = time.monotonic()
+        self.client = ""               # what its HELLO called it
+        self.transport = "tcp"
+        # What the session did, for its closing log line: requests, STEPs, their entries, requests refused whole.
+        self.counts = {"requests": 0, "steps": 0, "entries": 0, "refused": 0}
+
+    def summary(self, why: str, freed) -> str:
+        c = self.counts
+        return (f"session {self.session} closed ({why}): {self.peer}, client {self.client!r} over {self.transport}, "
+                f"{time.monotonic() - self.opened:.1f} s, {c['requests']} requests ({c['steps']} STEPs, "
+                f"{c['entries']} entries, {c['refused']} refused whole)"
+                + (f", {freed} slots freed" if isinstance(freed, int) else ""))
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "", "::")     # listen on every interface; not an address a client can use
@@ -80,7 +104,8 @@ class TcpServer:
 
     def __init__(self, handler: StepHandler, host: str = "127.0.0.1", port: int = 0,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_timeout_s: float = 5.0, spin_us: float = 0.0,
-                 max_pollers: int = 2, on_thread_start=None, keep_warm=None, advertise: str | None = None):
+                 max_pollers: int = 2, on_thread_start=None, keep_warm=None, advertise: str | None = None,
+                 max_connections: int = MAX_CONNECTIONS, idle_timeout_s: float | None = IDLE_TIMEOUT_S):
         """`spin_us`: how long a connection thread polls for the next frame before it blocks in recv (see
         wire.spinning_recv_into; the front-end passes the ring's spin: 100 ms on a GPU host, 50 us on a CPU). At most
         `max_pollers` threads poll at once, the others block at once: every poll takes the interpreter lock, and
@@ -88,7 +113,12 @@ class TcpServer:
         thread (the front-end pins it there to its vCPUs; the connection threads it starts inherit its affinity).
         `keep_warm` (a keep_warm.KeepWarm): the polls for the next frame rehearse the last STEP's decode, checks
         and reply encoding. `advertise`: the address `endpoint` names when `host` is a wildcard (0.0.0.0, ::),
-        which no client can connect to (the front-end passes its node's IP)."""
+        which no client can connect to (the front-end passes its node's IP). `max_connections`, `idle_timeout_s`
+        (None: none): the bounds per client (module docstring)."""
+        if max_connections < 1:
+            raise ValueError(f"max_connections {max_connections}: at least 1")
+        self.max_connections, self.idle_timeout_s = max_connections, idle_timeout_s
+        self._refusals_logged = (0.0, 0)           # (when, count then): refusals log at most every REFUSAL_LOG_S
         self.keep_warm = keep_warm
         self.advertise = advertise if host in WILDCARD_HOSTS else None
         self.handler = handler
@@ -109,8 +139,9 @@ class TcpServer:
         self._accept_thread: threading.Thread | None = None
         self.stamps = Stamps()      # per STEP: header received, frame read and decoded, reply sent
         self.wake_ups = WakeUps(f"tcp server {host}:{self._port}", spin_us)   # STEPs whose read blocked
-        # Counts that only grow (exported by metrics.py): connections accepted, and those closed for a bad frame.
-        self.counts = {"connections": 0, "bad_frames": 0}
+        # Counts that only grow (exported by metrics.py): connections accepted, those closed for a bad frame, those
+        # refused at the connection limit, sessions closed idle.
+        self.counts = {"connections": 0, "bad_frames": 0, "connections_refused": 0, "idle_sessions_closed": 0}
 
     @property
     def port(self) -> int:
@@ -167,8 +198,13 @@ class TcpServer:
                     log.error("tcp accept failed, listener stops: %s", e)
                 return
             # Every recv and send gives up after stall_timeout_s without progress: a peer stalling mid-frame, or not
-            # reading its replies, cannot hold its thread forever. Between frames the reader just keeps waiting.
+            # reading its replies, cannot hold its thread forever. Between frames the reader waits up to the idle bound.
             bound_blocking_io(sock, self.stall_timeout_s)
+            with self._lock:
+                full = len(self._conns) >= self.max_connections
+            if full:
+                self._refuse(sock, f"{addr[0]}:{addr[1]}")
+                continue
             # A STEP reply is one small write answered by the next request: Nagle would hold it for an ACK.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock, f"{addr[0]}:{addr[1]}")
@@ -182,25 +218,38 @@ class TcpServer:
             self.counts["connections"] += 1
             conn.thread.start()
 
+    def _refuse(self, sock: socket.socket, peer: str) -> None:
+        """A connection over the limit: told why in one frame, closed; no thread, a log line at most every
+        REFUSAL_LOG_S (a flood of them is one event)."""
+        self.counts["connections_refused"] += 1
+        _try_send(FrameWriter(self.max_frame_bytes), sock, ErrorReply(
+            code=Code.OVERLOADED, reason=f"this STEP endpoint holds its limit of {self.max_connections} connections "
+                                         f"(serve --max-connections): retry later or use another worker"))
+        _shutdown(sock)
+        sock.close()
+        when, seen = self._refusals_logged
+        if time.monotonic() - when >= REFUSAL_LOG_S:
+            log.warning("refused %d connection(s) at the limit of %d (the last from %s)",
+                        self.counts["connections_refused"] - seen, self.max_connections, peer)
+            self._refusals_logged = (time.monotonic(), self.counts["connections_refused"])
+
     def _serve(self, conn: _Conn) -> None:
         sock = conn.sock
         warm = self.keep_warm if self.keep_warm is not None and self.keep_warm.enabled else None
         recv = spinning_recv_into(sock, self.spin_us, self._pollers, warm)
-        reader = FrameReader(recv, self.max_frame_bytes, wait_between_frames=True)
+        reader = FrameReader(recv, self.max_frame_bytes, wait_between_frames=True, idle_timeout_s=self.idle_timeout_s)
         writer = FrameWriter(self.max_frame_bytes)
         why = "closed by peer"
         try:
             conn.session = self.handler.open_session(conn.peer)
-            log.info("connect %s session %d", conn.peer, conn.session)
+            log.info("session %d open: %s", conn.session, conn.peer)
             greeted = False
             while True:
                 blocked = getattr(recv, "blocked", None)      # None: plain blocking reads (spin 0), not counted
                 try:
                     request_id, msg, received_ns = reader.read()
                 except PayloadError as e:
-                    reply = refuse_payload(e, greeted)
-                    log.info("session %d: %s refused: %s", conn.session, e.mtype.name, e)
-                    writer.send(sock.sendall, reply, e.request_id)
+                    writer.send(sock.sendall, self._refused(conn, refuse_payload(e, greeted)), e.request_id)
                     continue
                 t_read, cpu_read = now(), cpu_now()
                 if isinstance(msg, ShmAttach) and greeted:
@@ -209,8 +258,7 @@ class TcpServer:
                 reply = self._dispatch(conn, msg, received_ns, greeted)
                 if isinstance(reply, HelloReply):
                     greeted = greeted or reply.ok
-                    log.info("hello %s session %d client %r%s", "accepted" if reply.ok else "refused",
-                             conn.session, msg.client, "" if reply.ok else f": {reply.code.name}: {reply.reason}")
+                    conn.client = msg.client
                 try:
                     writer.send(sock.sendall, reply, request_id)
                 except (FrameError, TypeError) as e:    # the front-end answered something unsendable: our bug
@@ -226,6 +274,11 @@ class TcpServer:
         except ConnectionClosed:
             if self._stopping.is_set():
                 why = "closed by server (stopping)"
+        except IdleTimeout as e:
+            why = f"idle: {e}"
+            self.counts["idle_sessions_closed"] += 1
+            _try_send(writer, sock, ErrorReply(code=Code.UNAVAILABLE, reason=f"session {conn.session} closed: {e} "
+                                                                             f"(serve --idle-timeout)"))
         except VersionMismatch as e:
             # A peer speaking another version gets a reason it can read (the header layout is the same in all).
             why = f"bad frame: {e}"
@@ -242,28 +295,29 @@ class TcpServer:
             sock.close()
             with self._lock:
                 self._conns.discard(conn)
+            freed = None
             if conn.session is not None:
                 try:
-                    self.handler.close_session(conn.session)
+                    freed = self.handler.close_session(conn.session)
                 except Exception:
                     log.exception("close_session(%d) failed", conn.session)
             # A bad frame is worth a warning: it is a client bug or a stranger on the port.
             if why.startswith("bad frame"):
                 self.counts["bad_frames"] += 1
-            log.log(logging.WARNING if why.startswith("bad frame") else logging.INFO,
-                    "disconnect %s session %s: %s", conn.peer, conn.session, why)
+            log.log(logging.WARNING if why.startswith("bad frame") else logging.INFO, "%s", conn.summary(why, freed))
 
     def _serve_shm(self, conn: _Conn, msg: ShmAttach, request_id: int, writer: FrameWriter) -> None:
         """SHM_ATTACH: attach to the client's ring and serve the session's requests through it (transport/shm.py)
         until the client closes it or the connection (ConnectionClosed) or sends a bad frame (FrameError). A ring
         that cannot be attached is refused with the reason, and the session goes on over TCP."""
         ring = attach_ring(msg)
+        conn.counts["requests"] += 1
         if isinstance(ring, str):
-            log.info("session %d: SHM_ATTACH refused: %s", conn.session, ring)
+            conn.counts["refused"] += 1
             writer.send(conn.sock.sendall, ShmAttachReply(ok=False, reason=ring), request_id)
             return
         writer.send(conn.sock.sendall, ShmAttachReply(ok=True), request_id)
-        log.info("session %d: requests through shared-memory ring %s", conn.session, msg.name)
+        conn.transport = f"shared memory ({msg.name})"
 
         def stamp(m, received_ns, reply):
             if isinstance(m, Step):
@@ -271,7 +325,8 @@ class TcpServer:
         try:
             serve_ring(ring, conn.sock, lambda m, t: self._dispatch(conn, m, t, True, ring=True),
                        self.max_frame_bytes, self.spin_us, on_reply=stamp, gate=self._pollers,
-                       refuse=lambda e: refuse_payload(e, True, ring=True))
+                       refuse=lambda e: self._refused(conn, refuse_payload(e, True, ring=True)),
+                       idle_timeout_s=self.idle_timeout_s)
         finally:
             ring.close()
 
@@ -296,8 +351,25 @@ class TcpServer:
             self.keep_warm.set("frame_checks", lambda: handler_rehearse(decoded[0]))
         self.keep_warm.set("frame_reply", lambda: scratch._encode(reply, 0))
 
+    @staticmethod
+    def _refused(conn: _Conn, reply: ErrorReply) -> ErrorReply:
+        """A request refused before the handler saw it (its payload did not decode), counted for the log line."""
+        conn.counts["requests"] += 1
+        conn.counts["refused"] += 1
+        return reply
+
     def _dispatch(self, conn: _Conn, msg: object, received_ns: int, greeted: bool, ring: bool = False) -> object:
-        session = conn.session
+        reply = self._handle(conn.session, msg, received_ns, greeted, ring)
+        c = conn.counts
+        c["requests"] += 1
+        if isinstance(msg, Step):
+            c["steps"] += 1
+            c["entries"] += len(msg.entries)
+        if isinstance(reply, ErrorReply) or (isinstance(reply, HelloReply) and not reply.ok):
+            c["refused"] += 1
+        return reply
+
+    def _handle(self, session: int, msg: object, received_ns: int, greeted: bool, ring: bool) -> object:
         why = out_of_place(_TYPE_OF[type(msg)], greeted, ring)
         if why:
             raise FrameError(why)

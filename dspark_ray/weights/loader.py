@@ -37,6 +37,7 @@ class CheckpointError(ValueError):
 
 
 _FLOAT_TAGS = {"F16", "BF16", "F32", "F64"}
+_STAGED_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 _FP8_TAGS = {"F8_E4M3"}
 _FP4_TAGS = {"I8", "U8"}                    # two e2m1 codes per byte
 _SCALE_TAGS = {"F8_E8M0", "U8", "F32", "BF16", "F16"}
@@ -305,6 +306,10 @@ class Checkpoint:
             self._identity = compute_manifest(self.config.digest(), recs)["identity_digest"]
         return self._identity
 
+    def files(self) -> list[str]:
+        """The safetensors files the drafter's tensors are stored in."""
+        return sorted({str(t.path) for n, t in self._stored.items() if self._is_drafter(n)})
+
     def names(self) -> list[str]:
         """Canonical names `read` serves: every required tensor (head.weight when tied and absent, gate.bias through
         its fallback) and the optional ones present."""
@@ -347,8 +352,10 @@ class Checkpoint:
         return start, stop
 
     def read(self, name: str, dim: int | None = None, start: int | None = None, stop: int | None = None,
-             device: str | torch.device = "cpu") -> torch.Tensor:
-        """The tensor (or its [start, stop) slice along `dim`) in compute form, on `device`."""
+             device: str | torch.device = "cpu", staging=None) -> torch.Tensor:
+        """The tensor (or its [start, stop) slice along `dim`) in compute form, on `device`. `staging` (a
+        `weights.staging.Staging` for `device`): a plain tensor, or a cut of its rows, is read through it (the same
+        bytes, read faster); anything else as without it."""
         kind = kind_of(name)
         if name in self._parts:
             start, stop = self._check_slice(name, self._parts_shape(name), dim, start, stop)
@@ -358,10 +365,10 @@ class Checkpoint:
             raise KeyError(f"tensor {name}: not in the checkpoint")
         start, stop = self._check_slice(name, self._logical_shape(sn), dim, start, stop)
         quant = self._quant(sn)
-        if quant is None:
-            raw = self._read_raw(sn, dim, start, stop).to(device)
-        else:
-            raw = self._read_quant(sn, quant, dim, start, stop, device)
+        raw = self._staged(sn, dim, start, stop, staging) if staging is not None and quant is None else None
+        if raw is None:
+            raw = (self._read_raw(sn, dim, start, stop).to(device) if quant is None
+                   else self._read_quant(sn, quant, dim, start, stop, device))
         return _to_compute(raw, kind, name, self._stored[sn].dtype)
 
     def exl3(self, name: str, dim: int | None = None, start: int | None = None, stop: int | None = None,
@@ -395,6 +402,19 @@ class Checkpoint:
         if dim is None:
             return h.get_tensor(sn)
         return h.get_slice(sn)[(slice(None),) * dim + (slice(start, stop),)]
+
+    def _staged(self, sn: str, dim, start, stop, staging) -> torch.Tensor | None:
+        """Stored tensor `sn` (or its rows [start, stop): a contiguous byte range) read through `staging`, as the
+        stored dtype and shape; None for what it does not read (another dtype, a cut along another dim)."""
+        t = self._stored[sn]
+        dtype = _STAGED_DTYPES.get(t.dtype)
+        if dtype is None or dim not in (None, 0) or not t.shape:
+            return None
+        shape = list(t.shape)
+        row = math.prod(shape[1:]) * dtype.itemsize
+        lo, hi = (0, shape[0]) if dim is None else (start, stop)
+        shape[0] = hi - lo
+        return staging.read(t.path, t.begin + lo * row, t.begin + hi * row).view(dtype).view(shape)
 
     def _cut_parts(self, name: str, dim, start, stop) -> list[tuple[str, int | None, int | None]]:
         """(prefix, start, stop) within each stored part that the cut touches: a row cut (dim 0) picks the parts it

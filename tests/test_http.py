@@ -1,0 +1,210 @@
+"""The HTTP endpoint's bounds and refusals (transport/http.py, issue 51 item 2): a body over the TCP frame limit is
+refused 413 before it is read, a stalled body 408, every refusal is {code, reason}, and a bad STEP is refused over
+HTTP exactly as over TCP. The middleware alone (no Ray), then the app on Ray Serve in front of a tiny tp1 worker."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from dspark_ray import contract as C
+from dspark_ray import wire
+from dspark_ray.transport import http
+from dspark_ray.wire import DEFAULT_MAX_FRAME_BYTES
+
+STALL_S = 1.0
+
+
+# ---- the body's bounds, at the ASGI level -------------------------------------------------------------------------
+def through_limits(chunks, content_length=None, max_bytes=1000, stall_s=0.2, gaps_s=()):
+    """Send a POST whose body comes in `chunks` (a None chunk: the client stops sending) through BodyLimits in front
+    of an app that echoes the body's length; returns (status, JSON answer, what the app saw, chunks read)."""
+    seen, read = [], [0]
+
+    async def app(scope, receive, send):
+        msg = await receive()
+        seen.append(msg["body"])
+        body = json.dumps({"length": len(msg["body"])}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    async def run():
+        queue: asyncio.Queue = asyncio.Queue()
+        for i, c in enumerate(chunks):
+            if c is not None:
+                queue.put_nowait({"type": "http.request", "body": c, "more_body": i < len(chunks) - 1})
+
+        async def receive():
+            read[0] += 1
+            return await queue.get()                 # a client that stopped sending: waits for ever
+        sent = []
+
+        async def send(m):
+            sent.append(m)
+        headers = [] if content_length is None else [(b"content-length", str(content_length).encode())]
+        await http.BodyLimits(app, max_bytes, stall_s)({"type": "http", "method": "POST", "headers": headers},
+                                                       receive, send)
+        return sent[0]["status"], json.loads(sent[1]["body"])
+    status, answer = asyncio.run(run())
+    return status, answer, seen, read[0]
+
+
+def test_a_body_within_the_limit_reaches_the_app_whole():
+    status, answer, seen, _ = through_limits([b"a" * 400, b"b" * 600], content_length=1000)
+    assert (status, answer, seen) == (200, {"length": 1000}, [b"a" * 400 + b"b" * 600])
+
+
+def test_a_body_announced_over_the_limit_is_refused_413_without_reading_a_byte():
+    status, answer, seen, read = through_limits([b"x" * 10], content_length=1 << 30)
+    assert status == 413 and answer["code"] == "TOO_LARGE" and "1073741824 bytes > the limit of 1000" in \
+        answer["reason"] and seen == [] and read == 0
+
+
+def test_a_body_without_a_length_is_refused_413_once_it_passes_the_limit():
+    status, answer, seen, read = through_limits([b"x" * 600, b"x" * 600] + [b"x" * 600] * 100)
+    assert status == 413 and answer["code"] == "TOO_LARGE" and seen == [] and read == 2
+
+
+def test_a_stalled_body_is_refused_408_after_the_stall_bound():
+    t0 = time.monotonic()
+    status, answer, seen, _ = through_limits([b"x" * 300, None], content_length=1000, stall_s=0.2)
+    assert status == 408 and answer["code"] == "BODY_TIMEOUT" and seen == []
+    assert "300 of 1000 bytes, then none for 0.2 s" in answer["reason"] and time.monotonic() - t0 < 2.0
+
+
+# ---- the app on Ray Serve -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def served(ray_cluster, tiny_ckpt):
+    """A tiny tp1 worker with its HTTP app (a 1 s body stall bound, to keep the test short): (TCP host, port,
+    the sessions URL)."""
+    from ray import serve
+
+    from conftest import deploy_pair
+    from dspark_ray.actors.placement import teardown
+    _, host, port = deploy_pair(ray_cluster, tiny_ckpt, "http", tp=1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        http_port = s.getsockname()[1]
+    try:
+        yield host, port, http.start("http", f"{host}:{port}", "127.0.0.1", http_port, body_stall_s=STALL_S)
+    finally:
+        http.stop("http")
+        serve.shutdown()
+        teardown("http")
+
+
+def call(method: str, url: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, method=method, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def session(served) -> str:
+    st, opened = call("POST", served[2], {"client": "http limits test"})
+    assert st == 200, opened
+    return f"{served[2]}/{opened['session']}"
+
+
+def raw_post(url: str, headers: dict, body: bytes, read_s: float) -> tuple[int, dict, float]:
+    """POST `body` under `headers` on a raw socket (it may be less than the Content-Length says), then read the
+    answer: (status, its JSON, seconds from the last byte sent to the answer)."""
+    hostport, path = url.removeprefix("http://").split("/", 1)
+    host, port = hostport.split(":")
+    with socket.create_connection((host, int(port)), timeout=read_s) as s:
+        head = f"POST /{path} HTTP/1.1\r\nHost: {hostport}\r\nContent-Type: application/json\r\n" + \
+            "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+        s.sendall(head.encode() + body)
+        t0 = time.monotonic()
+        got = b""
+        while b"\r\n\r\n" not in got or len(got.split(b"\r\n\r\n", 1)[1]) < _length(got):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    took = time.monotonic() - t0
+    head, _, payload = got.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload[:_length(got)]), took
+
+
+def _length(got: bytes) -> int:
+    for line in got.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 1 << 30
+
+
+def test_a_body_over_the_tcp_frame_limit_is_refused_413_before_it_is_sent(served):
+    """A STEP announcing a 1 GiB body: answered 413 TOO_LARGE (the limit is the STEP endpoint's frame limit) with
+    only 64 KiB of it sent, at once; the session still serves."""
+    url = session(served)
+    st, got, took = raw_post(f"{url}/step", {"Content-Length": str(1 << 30)}, b"{" + b" " * (64 << 10), 30)
+    assert st == 413 and got["code"] == "TOO_LARGE" and f"the limit of {DEFAULT_MAX_FRAME_BYTES}" in got["reason"]
+    assert took < 10, took
+    st, got = call("POST", f"{url}/acquire", {"n": 1})
+    assert st == 200 and len(got["slots"]) == 1, got
+
+
+def test_a_stalled_body_is_refused_408_and_its_connection_freed(served):
+    url = session(served)
+    st, got, took = raw_post(f"{url}/step", {"Content-Length": "1000"}, b'{"deadline_ms": 100', 30)
+    assert st == 408 and got["code"] == "BODY_TIMEOUT" and "19 of 1000 bytes" in got["reason"], got
+    assert STALL_S * 0.9 < took < STALL_S + 10, took
+    assert call("POST", f"{url}/acquire", {"n": 1})[0] == 200
+
+
+def test_every_refusal_is_a_code_and_a_reason(served):
+    url = session(served)
+    cases = {
+        "not JSON": ("POST", f"{url}/step", None, b"{not json", 422, "BAD_REQUEST"),
+        "not an object": ("POST", f"{url}/acquire", None, b"[1, 2]", 422, "BAD_REQUEST"),
+        "a missing field": ("POST", f"{url}/step", {"entries": []}, None, 422, "BAD_REQUEST"),
+        "an unknown session": ("POST", f"{served[2]}/nope/acquire", {"n": 1}, None, 404, "NO_SESSION"),
+        "an unknown route": ("POST", f"{url}/no/such/route", {}, None, 404, "NOT_FOUND"),
+        "a wrong method": ("GET", f"{url}/step", None, None, 405, "METHOD_NOT_ALLOWED"),
+        "a refused request": ("POST", f"{url}/acquire", {"n": 99}, None, 409, "BAD_ENTRY"),
+    }
+    for what, (method, u, body, raw, status, code) in cases.items():
+        st, got = call(method, u, body, raw)
+        assert (st, got.get("code")) == (status, code) and set(got) == {"code", "reason"} and got["reason"], \
+            (what, st, got)
+
+
+def tcp_answer(host: str, port: int, msg) -> object:
+    """`msg`'s answer from the STEP endpoint, sent as it is (no client-side splitting or checks) after HELLO."""
+    with socket.create_connection((host, port), timeout=60) as s:
+        reader = wire.FrameReader(s.recv_into)
+        for i, m in enumerate((C.Hello(client="tcp side"), msg)):
+            s.sendall(wire.encode(m, i + 1))
+            _, reply, _ = reader.read()
+        return reply
+
+
+def test_a_bad_step_is_refused_over_http_exactly_as_over_tcp(served):
+    """Each STEP-level refusal (a NaN, 0, negative or infinite deadline; more entries than max_entries_per_step)
+    and the empty STEP, sent over both: the same code and reason (HTTP 409 {code, reason} for TCP's ErrorReply),
+    the same empty results for the empty STEP."""
+    host, port, _ = served
+    url = session(served)
+    one = {"slot": 0, "generation": 0, "seed_token": 1, "start_pos": 0, "n_out": 1}
+    limit = call("POST", served[2], {})[1]["limits"]["max_entries_per_step"]
+    cases = {"NaN deadline": ([], math.nan), "zero deadline": ([], 0.0), "negative deadline": ([one], -1.0),
+             "infinite deadline": ([one], math.inf), f"{limit + 1} entries": ([one] * (limit + 1), 100.0),
+             "empty STEP": ([], 100.0)}
+    for what, (entries, deadline) in cases.items():
+        tcp = tcp_answer(host, port, C.Step(entries=[C.make_entry(**e) for e in entries], deadline_ms=deadline))
+        st, got = call("POST", f"{url}/step", raw=json.dumps({"entries": entries, "deadline_ms": deadline}).encode())
+        if isinstance(tcp, C.ErrorReply):
+            assert st == 409 and (got["code"], got["reason"]) == (tcp.code.name, tcp.reason), (what, tcp, got)
+        else:
+            assert isinstance(tcp, C.StepReply) and tcp.results == [] and (st, got) == (200, {"results": []}), \
+                (what, tcp, got)

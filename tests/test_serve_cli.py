@@ -1,0 +1,121 @@
+"""What an operator meets running `dspark-ray serve` / `stop` (issue 51): a signal tears down everything serve
+started and exits 0; output off a terminal is one line per phase, without a warning the operator cannot act on;
+`stop` with nothing deployed says so and exits 1. Each command runs as its own process, joined to the session's
+Ray cluster, as a user's would be on a `ray start` cluster."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STOP_BOUND_S = 60.0
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dspark_ray.cli", *args]
+
+
+def run_cli(ray_cluster, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(cli(*args, "--address", address(ray_cluster)), cwd=ROOT, env=cli_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def address(ray_cluster) -> str:
+    return ray_cluster.get_runtime_context().gcs_address
+
+
+def cli_env() -> dict:
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rings_of(name: str) -> list[str]:
+    """The shared-memory segments and doorbell folders of the worker `name`'s ring (transport/ring.py names)."""
+    import tempfile
+    return ([f for f in os.listdir("/dev/shm") if f.startswith(f"dspark-{name}-")]
+            + [f for f in os.listdir(tempfile.gettempdir()) if f.startswith(f"dspark-{name}-")])
+
+
+def deployed(ray_cluster, name: str) -> dict:
+    """What of the deployment `name` the cluster still holds: named actors, live placement groups, the HTTP app."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.util import placement_group_table
+    actors = sorted(a["name"] for a in ray_cluster.util.list_named_actors(all_namespaces=True)
+                    if a["name"].startswith(f"{name}-"))
+    groups = sorted(g["name"] for g in placement_group_table().values()
+                    if g.get("name") == f"{name}-pg" and g.get("state") != "REMOVED")
+    apps = []
+    if _get_global_client(raise_if_no_controller_running=False) is not None:
+        apps = [a for a in serve.status().applications if a.startswith(name)]
+    return {"actors": actors, "groups": groups, "apps": apps, "rings": rings_of(name)}
+
+
+NOTHING = {"actors": [], "groups": [], "apps": [], "rings": []}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_tears_down_everything_serve_started_and_exits_0(ray_cluster, tiny_ckpt, sig, tmp_path):
+    """`serve` in the foreground with its HTTP app, joined to a cluster (where what it leaves outlives it): SIGTERM
+    (systemctl stop) and SIGINT (Ctrl-C) both remove the HTTP app, the front-end and ranks, their placement group,
+    the ring and its doorbells, within the bound, and exit 0. Its output, read off a terminal, has one line per
+    phase (no progress bar redraws)."""
+    name = f"sig{sig.value}"
+    http_port = free_port()
+    log = tmp_path / "serve.log"
+    try:
+        with open(log, "w") as out:
+            p = subprocess.Popen(cli("serve", "--checkpoint", str(tiny_ckpt), "--tp", "1", "--name", name,
+                                     "--http-port", str(http_port), "--address", address(ray_cluster),
+                                     "--stop-timeout", str(STOP_BOUND_S)),
+                                 cwd=ROOT, env=cli_env(), stdout=out, stderr=subprocess.STDOUT, text=True)
+            deadline = time.monotonic() + 300
+            while "serving; Ctrl-C or SIGTERM to stop" not in open(log).read():
+                assert p.poll() is None, open(log).read()
+                assert time.monotonic() < deadline, open(log).read()
+                time.sleep(0.5)
+            up = deployed(ray_cluster, name)
+            assert up["actors"] == [f"{name}-frontend", f"{name}-rank0"] and up["groups"] == [f"{name}-pg"], up
+            assert up["apps"] == [f"{name}-http"] and len(up["rings"]) == 2, up
+            t0 = time.monotonic()
+            p.send_signal(sig)
+            rc = p.wait(STOP_BOUND_S + 30)
+            took = time.monotonic() - t0
+        text = open(log).read()
+        assert rc == 0 and took < STOP_BOUND_S, (rc, took, text)
+        assert f"{sig.name} received: stopping {name}" in text and f"stopped {name} in" in text, text
+        assert deployed(ray_cluster, name) == NOTHING
+        # one line per phase off a terminal: no carriage-return redraws, the load said once begun and once done
+        assert "\r" not in text and text.count("loading the weights on 1 rank(s)") == 1, text
+        assert text.count("weights loaded: ") == 1 and "Traceback" not in text, text
+    finally:
+        from ray import serve
+        serve.shutdown()
+
+
+def test_detached_serve_prints_no_warning_and_stop_removes_it_then_says_nothing_is_left(ray_cluster, tiny_ckpt):
+    """`serve --detach` returns once serving, with no Ray warning the operator cannot act on (the one about
+    restartable detached actors in a placement group: docs/operations.md says why it is safe here); `stop` removes
+    every worker and exits 0; `stop` again has nothing to remove: it says so and exits 1."""
+    name = "detached"
+    up = run_cli(ray_cluster, "serve", "--checkpoint", str(tiny_ckpt), "--tp", "1", "--name", name, "--detach")
+    text = up.stdout + up.stderr
+    assert up.returncode == 0, text
+    assert "restartable detached actor" not in text and "WARNING" not in text and "\r" not in text, text
+    assert deployed(ray_cluster, name)["actors"] == [f"{name}-frontend", f"{name}-rank0"]
+    down = run_cli(ray_cluster, "stop", "--name", name)
+    assert down.returncode == 0 and f"stopped {name}" in down.stdout, down.stdout + down.stderr
+    assert deployed(ray_cluster, name) == NOTHING
+    again = run_cli(ray_cluster, "stop", "--name", name)
+    assert again.returncode == 1 and f"no deployment named {name!r}" in again.stderr, again.stdout + again.stderr
