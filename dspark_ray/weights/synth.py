@@ -363,7 +363,7 @@ def write_checkpoint(specs: list[StoredSpec], config: dict, config_digest: str, 
     # that the hash's int64 temporaries stay in cache (2 MB each: measured 3-6x faster than 4M-element chunks).
     chunk = (1 << 26) if dev.type == "cuda" else (1 << 18)
     bar = None
-    if progress or (progress is None and total > 1 << 30):
+    if progress or (progress is None and total > 1 << 30 and sys.stderr.isatty()):   # a bar on a terminal only
         from tqdm import tqdm
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"synth {out.name}")
 
