@@ -46,8 +46,9 @@ def read_rank(ckpt, layout: Layout, rank: int, device="cpu", shared: Weights | N
     (default: on a CUDA device where exllamav3 imports); otherwise, and for wo_a's group slices, they are decoded
     to fp16 (`weights/exl3.py`). `staging` (a `weights.staging.Staging`): plain tensors are read through it."""
     from .kernels import exl3_gemm             # (imports exllamav3 only when it multiplies)
-    if exl3_kernels is None:
-        exl3_kernels = str(device).startswith("cuda") and exl3_gemm.available()
+    if exl3_kernels is None:        # (importing exllamav3 costs a restart seconds: only for a checkpoint that has EXL3)
+        exl3_kernels = str(device).startswith("cuda") and any(exl3_gemm.on_kernels(ckpt, n) for n in ckpt.names()) \
+            and exl3_gemm.available()
     out = {}
     for name in ckpt.names():
         s = layout.slice_of(name, tuple(ckpt.shape(name)), rank)
