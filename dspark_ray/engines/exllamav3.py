@@ -52,6 +52,7 @@ __all__ = ["RemoteDrafter"]
 log = logging.getLogger("dspark_ray.engines.exllamav3")
 
 PAGE_SIZE = 256          # exllamav3's cache page (generator/pagetable.py)
+ACQUIRE_RETRY_ROUNDS = 16    # a refused ACQUIRE is tried again after this many rounds (or when a slot of ours frees)
 
 TokenSource = Callable[[torch.Tensor, int, int], np.ndarray]
 
@@ -185,8 +186,9 @@ class RemoteDrafter:
         self._by_page: dict[int, _Sequence] = {}
         self._copies: list[_Copy] = []
         self._pinned: torch.Tensor | None = None
-        self.stats = {"rounds": 0, "rows": 0, "ok": 0, "not_ok": {}, "released": 0, "partial_windows": 0,
-                      "unknown_rows": 0}
+        self.stats = {"rounds": 0, "rows": 0, "ok": 0, "not_ok": {}, "released": 0, "acquire_refused": 0,
+                      "partial_windows": 0, "unknown_rows": 0}
+        self._acquire_after = 0
         self.last_codes: list[Code | None] = []     # the last round's answer per row (None: no entry was sent)
         self.last_margins: list[np.ndarray | None] = []     # with `margins`: the last round's, per OK row
 
@@ -382,6 +384,7 @@ class RemoteDrafter:
             s.slot = None
         if not slots:
             return
+        self._acquire_after = 0          # a slot of ours is free again: the next round may take it
         try:
             self.pool.release(slots)
             self.stats["released"] += len(slots)
@@ -389,9 +392,10 @@ class RemoteDrafter:
             log.warning("release of %d slots failed: %s", len(slots), e)
 
     def _grant_slots(self, batch: list[_Sequence]) -> None:
-        """A slot for each sequence without one; when the service has fewer free, the rest wait for a later round."""
+        """A slot for each sequence without one; when the service has fewer free, the rest wait. After a refusal
+        the next ACQUIRE waits for a slot of ours to free, or ACQUIRE_RETRY_ROUNDS rounds (another client's may)."""
         need = [s for s in batch if s.slot is None]
-        if not need:
+        if not need or self.stats["rounds"] < self._acquire_after:
             return
         try:
             grants = self.pool.acquire(len(need))
@@ -403,6 +407,8 @@ class RemoteDrafter:
                 except ClientError:
                     break
             if len(grants) < len(need):
+                self.stats["acquire_refused"] += 1
+                self._acquire_after = self.stats["rounds"] + ACQUIRE_RETRY_ROUNDS
                 log.debug("%d of %d sequences wait for a slot: %s", len(need) - len(grants), len(need), e)
         for s, g in zip(need, grants):
             s.slot = RequestSlot(self.pool, self.block_size, self.deadline_ms, grant=g, want_margins=self.margins)
