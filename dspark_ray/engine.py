@@ -140,10 +140,6 @@ class RankEngine:
         for s in slots:
             self.slots[s].reset()
 
-    def slot_info(self, s: int) -> dict:
-        st = self.slots[s]
-        return {"position": st.position, "base": st.base}
-
     # -- the step --------------------------------------------------------------------------------------------------
     def _taps(self, e: Entry) -> torch.Tensor:
         return entry_taps(e, self.width) if len(e.taps) else self._no_taps

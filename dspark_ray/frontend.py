@@ -489,9 +489,6 @@ class StepService(C.StepHandler):
             p.result = C.error_result(code, reason, slot.cursor.generation)
             p.done = True
 
-    def close(self) -> None:
-        """Nothing to stop: batches run on the callers' threads."""
-
     def status(self) -> dict:
         with self.lock:
             held = sum(s.owner is not None for s in self.slots)

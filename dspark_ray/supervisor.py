@@ -20,7 +20,7 @@ log = logging.getLogger("dspark_ray.supervisor")
 
 
 class Supervisor:
-    def __init__(self, service: StepService, restart: Callable[[str], None], threshold: int = 3):
+    def __init__(self, service: StepService, restart: Callable[[], None], threshold: int = 3):
         self.service, self.restart_fn, self.threshold = service, restart, threshold
         self.consecutive = 0
         self.restarts = 0
@@ -57,7 +57,7 @@ class Supervisor:
         for attempt in range(self.attempts):
             self.last_restart["attempts"].append(time.time())
             try:
-                self.restart_fn(why)
+                self.restart_fn()
                 ok = True
                 break
             except Exception as e:

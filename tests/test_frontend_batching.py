@@ -56,7 +56,6 @@ def service():
     assert svc.hello(sid, C.Hello()).ok
     slots = [g.slot for g in svc.acquire(sid, C.Acquire(n=8)).slots]
     yield svc, pair, sid, slots
-    svc.close()
 
 
 def _step(svc, sid, slot, deadline_ms=10_000.0):

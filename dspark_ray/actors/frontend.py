@@ -151,7 +151,7 @@ class PairManager:
                 pass
         self.ranks = []
 
-    def restart(self, why: str) -> None:
+    def restart(self) -> None:
         # The checkpoint's files back into the page cache now, while the new ranks' processes start (if the host
         # dropped them): their weights are read from memory (weights/staging.py).
         from ..weights.staging import prefetch
@@ -378,7 +378,6 @@ def frontend_actor_class():
         def shutdown(self) -> None:
             self.server.stop()
             self.metrics.stop()
-            self.service.close()
             self.manager.close()
             log.info("front-end %s stopped", self.name)
 

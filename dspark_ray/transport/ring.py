@@ -278,9 +278,6 @@ class _Layout:
     def reader_word(self, i: int, k: int) -> int:
         return (self.readers_at + i * _LINE) // 8 + k
 
-    def slot_at(self, seq: int, n_slots: int) -> int:
-        return self.slots_at + ((seq - 1) % n_slots) * self.slot_stride
-
     def comp_at(self, i: int) -> int:
         return self.comps_at + i * self.comp_stride
 

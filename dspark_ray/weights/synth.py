@@ -161,11 +161,6 @@ def draw_values(spec: TensorSpec, seed: int, start: int, count: int, device="cpu
     return v.to(spec.dtype)
 
 
-def synth_tensor(spec: TensorSpec, seed: int = 0, device="cpu") -> torch.Tensor:
-    """One whole tensor (for tests and small tools; `synthesize` streams in chunks instead)."""
-    return draw_values(spec, seed, 0, spec.numel, device).reshape(spec.shape)
-
-
 # ==== what is stored: plain tensors, or the EXL3 / FP8 forms of the Linears =========================================
 @dataclass(frozen=True)
 class StoredSpec:
