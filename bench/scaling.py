@@ -52,6 +52,14 @@ def plan(cards: int | None, workers: list[int] | None) -> list[tuple[str, int, i
 
 
 def plot(result: dict, png: str) -> None:
+    """The result's figure, written to `png`."""
+    import matplotlib.pyplot as plt
+    fig = figure(result)
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def figure(result: dict):
     """Requests/s and round p50 against live requests: one line per layout (pairs solid, one-card workers dashed)
     and worker count (one colour each)."""
     import matplotlib
@@ -79,8 +87,7 @@ def plot(result: dict, png: str) -> None:
     ax_rate.legend(fontsize=8)
     fig.suptitle(f"scaling, {result['config']['preset']} preset, {where} (commit {result['commit']})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def main() -> None:

@@ -310,17 +310,18 @@ def frontend_actor_class():
             return self.server.endpoint
 
         def _ports(self, port: int, reconstructed: bool) -> list[int]:
-            """The ports to try, in order: after Ray restarted this front-end on the node it served on, that
-            node's port (a fixed-endpoint client finds it again); else the port asked for (0: a free one)."""
-            if reconstructed:
-                try:
-                    last = self.directory.workers_by_name([self.name]).get(self.name) or {}
-                except ConnectionError as e:
-                    log.warning("front-end %s: the endpoint table does not answer: %s", self.name, e)
-                    last = {}
-                if last.get("node_id") == self.node_id and last.get("port"):
-                    return [last["port"], port]
-            return [port]
+            """The ports to try, in order: the port asked for (0: a free one). After Ray restarted this front-end,
+            first the port it served on if that was on this node (a fixed-endpoint client finds it again), and a
+            free one last: the deployment's table tells clients where it is."""
+            if not reconstructed:
+                return [port]
+            try:
+                last = self.directory.workers_by_name([self.name]).get(self.name) or {}
+            except ConnectionError as e:
+                log.warning("front-end %s: the endpoint table does not answer: %s", self.name, e)
+                last = {}
+            first = [last["port"]] if last.get("node_id") == self.node_id and last.get("port") else []
+            return list(dict.fromkeys(first + [port, 0]))
 
         def _publish(self, state: str) -> None:
             """This worker's entry in the endpoint table (endpoints.py): where it serves, or that it is starting."""
