@@ -28,6 +28,7 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(__file__))             # its sibling benches, also when imported (the figure's test)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      # support.workload
 
