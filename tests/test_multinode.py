@@ -151,13 +151,13 @@ def wait_for(what: str, cond, timeout_s: float, load: Load | None = None):
     return got
 
 
-def status_cli(address: str, name: str) -> tuple[int, dict, float]:
-    """`dspark-ray status --json` as a user runs it: (exit code, its JSON, seconds from start to exit)."""
+def status_cli(address: str, name: str, as_json: bool = True) -> tuple[int, dict | str, float]:
+    """`dspark-ray status [--json]` as a user runs it: (exit code, its JSON or text, seconds from start to exit)."""
     t = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "dspark_ray.cli", "status", "--address", address, "--name", name,
-                        "--json"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                        *(["--json"] if as_json else [])], capture_output=True, text=True, timeout=60, cwd=ROOT,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
-    return p.returncode, json.loads(p.stdout), time.monotonic() - t
+    return p.returncode, json.loads(p.stdout) if as_json else p.stdout, time.monotonic() - t
 
 
 def alive(pid: int) -> bool:
@@ -226,6 +226,13 @@ def test_a_deployment_rides_out_a_lost_node_and_grows_onto_nodes_that_join(clust
         print(f"status with a node dead: survey {survey_s:.2f} s, the command exit {rc} in {secs:.2f} s")
         assert survey_s < 3.0 and rc == 3 and "mn.1" in st["down"], (survey_s, st)
         assert rows["mn.1"]["state"] in ("node dead", "starting", "unreachable"), rows["mn.1"]
+        print(f"mn.1 then: {rows['mn.1']['state']} ({rows['mn.1']['why']})")
+        rc, text, _ = status_cli(cluster.address, "mn", as_json=False)      # the text says where each worker runs
+        lines = {ln.split(":")[0]: ln for ln in text.splitlines() if ln.startswith("mn.")}
+        assert rc == 3 and lines["mn.0"].startswith("mn.0: serving; node ") and "CPU ranks" in lines["mn.0"], text
+        # (mn.1 may have moved on from "node dead" to "starting" in the meantime: any state but serving)
+        assert any(lines["mn.1"].startswith(f"mn.1: {state.upper()}")
+                   for state in ("node dead", "starting", "unreachable", "unavailable")), text
         assert rows["mn.0"]["state"] == rows["mn.2"]["state"] == "serving"
         # Meanwhile the other pairs serve the requests that were on mn.1.
         wait_for("mn.1's requests served elsewhere", lambda: all(
