@@ -266,7 +266,6 @@ def frontend_actor_class():
             self.host, self.name = host, name
             self.directory = Directory(ray.get_runtime_context().gcs_address)
             reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
-            self.server = None
             for p in self._ports(port, reconstructed):
                 try:
                     self.server = TcpServer(self.service, host=host, port=p, spin_us=self.spec.spin_us,
@@ -285,7 +284,8 @@ def frontend_actor_class():
             self.metrics = Exporter(name, self.service, self.supervisor, self.server).start()
             if reconstructed:
                 # Ray restarted this front-end after it died: whatever is left of the old pair is killed (by
-                # name, in start) and a new pair is brought up on the same endpoint.
+                # name, in start) and a new pair is brought up: on the same endpoint on the node it served on, else
+                # where `_ports` found room (the endpoint table tells clients).
                 log.warning("front-end %s was restarted by Ray: recreating its pair", name)
                 # The old generation died with the old process; a clock-based one is still new to every client.
                 self.service.worker_generation = int(time.time())
