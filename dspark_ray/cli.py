@@ -4,6 +4,7 @@
                                             scripted client rounds, shut down
     dspark-ray serve [--detach] ...         deploy one pair on a Ray cluster (joined or embedded); --pairs N for N
     dspark-ray status | stop                inspect or remove a detached deployment (all of its workers)
+    dspark-ray endpoints [--address A]      a deployment's current STEP endpoints, read from the cluster's table
     dspark-ray step --endpoint HOST:PORT    the scripted demo client against a running endpoint (or several,
                                             comma-separated: one engine's slots spread over them)
     dspark-ray synth --preset tiny|full --out DIR
@@ -24,7 +25,6 @@ import threading
 import time
 from pathlib import Path
 
-from .comm.factory import BACKENDS
 from .transport.tcp import IDLE_TIMEOUT_S, MAX_CONNECTIONS
 
 log = logging.getLogger("dspark_ray")
@@ -223,20 +223,25 @@ def cmd_serve(a, *, then=None) -> int:
 def _serve(a, spec, backend: str, device: str, then) -> int:
     """`serve` from the deployment on (signals raise Stop meanwhile: `cmd_serve` tears down)."""
     from .actors.placement import deploy_workers
+    from .endpoints import worker_names
     t0 = time.monotonic()
     progress = LoadProgress(a.tp * a.pairs)
     try:
         workers = deploy_workers(spec, a.pairs, host=a.host, port=a.port, name=a.name, detach=a.detach,
-                                 on_progress=progress)
+                                 on_progress=progress, pending_ok=getattr(a, "pending", False))
     finally:
         progress.close()
-    endpoint = ",".join(ep for _, ep in workers)
+    endpoint = ",".join(ep for _, ep in workers if ep)
+    waiting = [w for w, (_, ep) in zip(worker_names(a.name, a.pairs), workers) if ep is None]
     if a.pairs == 1:
         print(f"dspark-ray {a.name}: tp {a.tp} ({backend} on {device}) ready in {time.monotonic() - t0:.1f} s; "
               f"STEP endpoint {endpoint}", flush=True)
     else:
-        print(f"dspark-ray {a.name}: {a.pairs} workers of tp {a.tp} ({backend} on {device}) ready in "
-              f"{time.monotonic() - t0:.1f} s; STEP endpoints {endpoint} (a DrafterPool spreads slots over them)",
+        print(f"dspark-ray {a.name}: {a.pairs - len(waiting)} workers of tp {a.tp} ({backend} on {device}) ready in "
+              f"{time.monotonic() - t0:.1f} s; STEP endpoints {endpoint} (a DrafterPool spreads slots over them; "
+              f"DrafterPool.from_deployment finds them by name)", flush=True)
+    if waiting:
+        print(f"waiting for room: {', '.join(waiting)} (each starts when a node with room joins the cluster)",
               flush=True)
     if getattr(a, "http_port", None) is not None:
         from .transport import http
@@ -274,36 +279,49 @@ def asleep(w: dict | None) -> str:
     return f"{w['after_sleep']} of {w['steps']} STEPs found it asleep (spin {w['spin_ms']:g} ms)"
 
 
+STATUS_TIMEOUT_S = 2.0      # how long `status` waits for the front-ends, all asked at once
+
+
 def cmd_status(a) -> int:
+    """Every worker of the deployment: where it runs (node, cards), whether it serves, and its front-end's account.
+    Exit 0 when every worker serves, 3 when one does not (waiting for room, restarting, its node dead, ...), 1 when
+    there is no such deployment."""
     import ray
-    from .actors.placement import find_workers
+    from .actors.survey import SERVING, survey
     print(connect_ray(a.address, False), file=sys.stderr)
-    workers = find_workers(a.name)
-    if not workers:
+    try:
+        rows = survey(a.name, timeout_s=STATUS_TIMEOUT_S)
+    finally:
+        ray.shutdown()          # (at exit Ray's own hook takes ~0.8 s longer to let go)
+    if rows is None:
         print(f"no deployment named {a.name!r}", file=sys.stderr)
         return 1
-    sts = []
-    for w, fe in workers:
-        try:
-            sts.append(ray.get(fe.status.remote(), timeout=30))
-        except Exception as e:           # a worker's front-end dead or restarting: say so, show the others
-            sts.append({"name": w, "error": f"{type(e).__name__}: {e}"})
+    down = [r["worker"] for r in rows if r["state"] != SERVING]
     if a.json:
-        print(json.dumps(sts[0] if len(sts) == 1 else {"workers": sts}, indent=1, default=str))
-        return 0
-    if len(sts) > 1:
-        print(f"{a.name}: {len(sts)} workers, STEP endpoints "
-              f"{','.join(str(st.get('endpoint')) for st in sts)}")
-    for st in sts:
-        _print_status(st)
-    return 0
+        print(json.dumps({"name": a.name, "workers": rows, "serving": len(rows) - len(down), "down": down},
+                         indent=1, default=str))
+    else:
+        print(f"{a.name}: {len(rows)} worker(s), {len(rows) - len(down)} serving"
+              + (f", down: {', '.join(down)}" if down else ""))
+        for r in rows:
+            print(f"{r['worker']}: {r['state'].upper() if r['state'] != SERVING else r['state']}"
+                  + (f" ({r['why']})" if r["why"] else "") + f"; {_where(r)}")
+            if "status" in r:
+                _print_status(r["status"])
+    return 3 if down else 0
+
+
+def _where(r: dict) -> str:
+    """A worker's node, cards and endpoint in a few words."""
+    node = (f"node {r['node_id'][:8]} ({r['node_ip']}{', dead' if r['node_alive'] is False else ''})"
+            if r["node_id"] else "no node yet")
+    cards = [str(c) for rank in r["cards"] or [] for c in rank]
+    cards = f"cards {','.join(cards)}" if cards else ("CPU ranks" if r["cards"] else "cards ?")
+    return f"{node}, {cards}, endpoint {r['endpoint'] or '-'}"
 
 
 def _print_status(st: dict) -> None:
-    if "error" in st:
-        print(f"{st['name']}: no answer from its front-end: {st['error']}")
-        return
-    print(f"{st['name']}: endpoint {st['endpoint']}, tp {st['tp']} ({st['backend']}), worker generation "
+    print(f"  {st['name']}: endpoint {st['endpoint']}, tp {st['tp']} ({st['backend']}), worker generation "
           f"{st['worker_generation']}, {'UNAVAILABLE: ' + st['unavailable'] if st['unavailable'] else 'serving'}")
     print(f"  slots {st['slots']['held']}/{st['slots']['capacity']} held, {st['sessions']} sessions; "
           f"steps {st['stats']['steps']}, batches {st['stats']['batches']} (up to {st.get('max_batch')} entries "
@@ -331,6 +349,19 @@ def _matmul(m: dict | None) -> str:
     if not m:
         return "matmul ?"
     return f"matmul {m['mode']}" + (f" (dense {m['dense']})" if m.get("dense") else "")
+
+
+def cmd_endpoints(a) -> int:
+    """The deployment's current STEP endpoints from the cluster's endpoint table (no Ray driver: only the GCS is
+    asked): comma-separated, "-" for a worker that does not serve now; --json: {worker: endpoint or null}."""
+    from .endpoints import Directory
+    try:
+        eps = Directory(a.address).endpoints(a.name)
+    except (LookupError, ConnectionError, ValueError) as e:
+        print(f"dspark-ray endpoints: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(eps) if a.json else ",".join(ep or "-" for ep in eps.values()))
+    return 0 if all(eps.values()) else 3
 
 
 def cmd_stop(a) -> int:
@@ -426,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
                              "pair rank of the full preset), all, off, or a row count (the lower ids)")
         sp.add_argument("--name", default="dspark")
         sp.add_argument("--device", choices=["cpu", "cuda"])
-        sp.add_argument("--backend", choices=list(BACKENDS))
+        # (checked by PairSpec against comm.factory.BACKENDS: importing that here would cost `status` torch's import)
+        sp.add_argument("--backend", help="the pair's collectives: gloo (CPU) or push (NVLink)")
         sp.add_argument("--collective-timeout", type=float, default=10.0)
         sp.add_argument("--rank-cpus", type=cpu_list, help="vCPUs for the ranks' step loops, one per rank: 9,12")
         sp.add_argument("--frontend-cpus", type=cpu_list, help="vCPUs for the front-end's endpoint threads")
@@ -446,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
                                                   "(transport/http.py; milliseconds a call: the convenience path)")
     sp.add_argument("--detach", action="store_true", help="leave detached actors behind (starts `ray start --head` "
                                                           "when no cluster runs)")
+    sp.add_argument("--pending", action="store_true",
+                    help="a worker that finds no room waits for it (Ray places it when a node with room joins, e.g. "
+                         "one the autoscaler adds) instead of failing the deployment")
     sp.set_defaults(fn=cmd_serve)
     sp.add_argument("--stop-timeout", type=float, default=60.0,
                     help="on SIGTERM or SIGINT: the longest the teardown may take (seconds) before serve gives up "
@@ -455,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--rounds", type=int, default=8)
     sp.add_argument("--requests", type=int, default=2)
     sp.set_defaults(fn=cmd_demo, detach=False, stop_timeout=60.0)
-    for name, fn in (("status", cmd_status), ("stop", cmd_stop)):
+    for name, fn in (("status", cmd_status), ("stop", cmd_stop), ("endpoints", cmd_endpoints)):
         sp = sub.add_parser(name)
         sp.add_argument("--address")
         sp.add_argument("--name", default="dspark")

@@ -15,6 +15,11 @@ tries it every `retry_s` until it serves again (a front-end that Ray restarted s
 `acquire` grants its slots again. Like client.py it needs the contract, the framing and numpy only, so an engine
 can vendor it.
 
+A pool built by naming the deployment (`DrafterPool.from_deployment(address, name)`) reads the workers' endpoints from
+the cluster's endpoint table (endpoints.py; only there is the `ray` package needed) and reads a down worker's again
+before each try: a worker that Ray re-placed on another node, at another host:port, is found there, and a worker
+that had no room when the deployment was served is used once a node with room has joined.
+
     with DrafterPool(["10.0.0.5:7001", "10.0.0.5:7002"]) as pool:
         pool.hello(config_digest=..., tp=2)
         grants = pool.acquire(8)                   # spread over the workers
@@ -39,7 +44,8 @@ log = logging.getLogger("dspark_ray.pool")
 
 @dataclass
 class _Worker:
-    endpoint: str
+    endpoint: str | None                             # None: not serving anywhere now (from_deployment only)
+    name: str | None = None                          # the worker's name in its deployment (from_deployment)
     client: DrafterClient | None = None
     hello: HelloReply | None = None
     held: set[int] = field(default_factory=set)     # the worker's own slot ids this pool holds
@@ -47,6 +53,10 @@ class _Worker:
     lost: str = ""                                   # why its last session ended
     session: int = -1                                # how many sessions it had before the current one
     reviver: threading.Thread | None = None          # tries it again while it is down
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.endpoint or 'not serving'})" if self.name else str(self.endpoint)
 
 
 class DrafterPool:
@@ -60,11 +70,31 @@ class DrafterPool:
             raise ValueError("a pool needs at least one endpoint")
         self.workers = [_Worker(e.strip()) for e in endpoints]
         self.timeout_s, self.spin_us, self.shm, self.retry_s = timeout_s, spin_us, shm, retry_s
+        self._resolve = None         # from_deployment: reads {worker name: endpoint or None} from the table
         self.stride = 0
         self.hello_reply: HelloReply | None = None
         self._identity: dict = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+
+    @classmethod
+    def from_deployment(cls, address: str | None = None, name: str = "dspark", *, resolve_timeout_s: float = 2.0,
+                        **kw) -> "DrafterPool":
+        """A pool over the workers of the deployment `name` (`dspark-ray serve --name`) on the Ray cluster whose GCS
+        is at `address` ("HEAD:6379", as `ray start --head` printed it; None: RAY_ADDRESS, or the cluster started
+        on this host). Their endpoints come from the cluster's endpoint table, and a down worker's endpoint is read
+        again before each try, so a worker that comes back elsewhere is found there; a worker not serving yet
+        (waiting for room, starting) is down until it serves. Needs the `ray` package, not a Ray driver: only the
+        GCS is asked, each read bounded by `resolve_timeout_s`. `kw`: as for the constructor. LookupError when
+        there is no such deployment, ConnectionError when the GCS does not answer."""
+        from .endpoints import Directory
+        directory = Directory(address, timeout_s=resolve_timeout_s)
+        found = directory.endpoints(name)
+        pool = cls(["-"] * len(found), **kw)
+        for w, (worker, ep) in zip(pool.workers, found.items()):
+            w.name, w.endpoint = worker, ep
+        pool._resolve = lambda: directory.endpoints(name)
+        return pool
 
     @property
     def limits(self) -> Limits:
@@ -112,6 +142,8 @@ class DrafterPool:
     def _open(self, w: _Worker) -> tuple[DrafterClient | None, object]:
         """A fresh connection to `w` with its HELLO: (client, reply), or (None, why) when it cannot be reached.
         A refusal raises ClientError. Takes no lock: it waits on the network."""
+        if w.endpoint is None:
+            return None, f"worker {w.name} does not serve now (waiting for room, starting, or its node lost)"
         try:
             c = DrafterClient(*_split(w.endpoint), timeout_s=self.timeout_s, spin_us=self.spin_us, shm=self.shm)
         except ClientError as e:
@@ -127,7 +159,7 @@ class DrafterPool:
     def _check_same_model(self, w: _Worker, c: DrafterClient, reply: HelloReply) -> None:
         first = self.hello_reply
         if (reply.model_digest, reply.config_digest) != (first.model_digest, first.config_digest):
-            raise ClientError(f"worker {w.endpoint} serves model {reply.model_digest} / config "
+            raise ClientError(f"worker {w.label} serves model {reply.model_digest} / config "
                               f"{reply.config_digest}, the pool's first worker {first.model_digest} / "
                               f"{first.config_digest}", Code.CONFIG_MISMATCH)
 
@@ -135,18 +167,18 @@ class DrafterPool:
         """`w` serves through `c` from now on, in a new session of the pool's (caller holds the lock)."""
         w.client, w.hello, w.down, w.session = c, reply, None, w.session + 1
         if w.session > 0:
-            log.info("pool: worker %s back (worker generation %d)", w.endpoint, reply.worker_generation)
+            log.info("pool: worker %s back (worker generation %d)", w.label, reply.worker_generation)
 
     def _mark_down(self, w: _Worker, why: str) -> None:
         """`w` stops serving: its slots are gone; a background thread tries it again every `retry_s` (caller
         holds the lock)."""
         if w.down is None:
-            log.warning("pool: worker %s down: %s", w.endpoint, why)
+            log.warning("pool: worker %s down: %s", w.label, why)
         if w.client is not None:
             w.client.close()
         w.client, w.held, w.down, w.lost = None, set(), why, why
         if w.reviver is None or not w.reviver.is_alive():
-            w.reviver = threading.Thread(target=self._revive, args=(w,), name=f"pool-revive:{w.endpoint}",
+            w.reviver = threading.Thread(target=self._revive, args=(w,), name=f"pool-revive:{w.label}",
                                          daemon=True)
             w.reviver.start()
 
@@ -154,6 +186,7 @@ class DrafterPool:
         """Try a down worker every `retry_s` until it serves again (or the pool closes), off the engine's path:
         a node that does not answer at all costs a connect timeout each try."""
         while not self._closed.wait(self.retry_s):
+            self._follow(w)
             try:
                 c, got = self._open(w)
             except ClientError as e:            # it refuses us now: stays down, with the reason
@@ -179,6 +212,21 @@ class DrafterPool:
                 self._install(w, c, got)
                 return
 
+    def _follow(self, w: _Worker) -> None:
+        """A down worker's endpoint read again from the deployment's table (from_deployment only): where Ray
+        placed it now, or None while it serves nowhere. A table that does not answer leaves the last one."""
+        if self._resolve is None:
+            return
+        try:
+            ep = self._resolve().get(w.name)
+        except (ConnectionError, LookupError) as e:
+            log.warning("pool: worker %s: endpoint table not read: %s", w.name, e)
+            return
+        if ep != w.endpoint:
+            log.info("pool: worker %s %s", w.name, f"serves at {ep} now (was {w.endpoint})" if ep
+                     else f"no longer at {w.endpoint}: waiting for it to serve again")
+            w.endpoint = ep
+
     def close(self) -> None:
         with self._lock:
             self._closed.set()
@@ -194,9 +242,10 @@ class DrafterPool:
         self.close()
 
     def status(self) -> list[dict]:
-        """Per worker: endpoint, slots held, and why it is down (None while it serves)."""
+        """Per worker: its name (from_deployment), endpoint, slots held, and why it is down (None while it serves)."""
         with self._lock:
-            return [{"endpoint": w.endpoint, "held": len(w.held), "down": w.down} for w in self.workers]
+            return [{"name": w.name, "endpoint": w.endpoint, "held": len(w.held), "down": w.down}
+                    for w in self.workers]
 
     # ---- slots -------------------------------------------------------------------------------------------------
     def acquire(self, n: int = 1) -> list[SlotGrant]:
@@ -327,7 +376,7 @@ class DrafterPool:
         session, i = divmod(q, len(self.workers)) if q >= 0 else (-1, -1)
         w = self.workers[i] if i >= 0 else None
         if w is not None and (session < w.session or (session == w.session and w.down is not None)):
-            return -1, -1, (Code.UNAVAILABLE, f"slot {slot}: lost with worker {w.endpoint} ({w.lost}): acquire "
+            return -1, -1, (Code.UNAVAILABLE, f"slot {slot}: lost with worker {w.label} ({w.lost}): acquire "
                                               f"a new slot and insert its context there")
         if w is None or session != w.session or own not in w.held:
             return -1, -1, (Code.BAD_ENTRY, f"slot {slot}: not held by this pool")
@@ -336,7 +385,7 @@ class DrafterPool:
     def _on(self, w: _Worker, call):
         """Run a request on a serving worker; a lost connection marks it down (ClientError raised either way)."""
         if w.client is None:
-            raise ClientError(f"worker {w.endpoint} is down: {w.down}")
+            raise ClientError(f"worker {w.label} is down: {w.down}")
         try:
             return call(w.client)
         except ClientError as e:

@@ -1,6 +1,7 @@
 """Shared fixtures: one tiny synthetic checkpoint per session, its full weights, and a CPU-friendly torch."""
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import shutil
@@ -107,9 +108,7 @@ def full_weights(ckpt):
     return {n: ckpt.read(n) for n in ckpt.names()}
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """One local Ray instance for every test that needs real actors (keeps the suite fast on 2 cores)."""
+def _start_local_ray() -> None:
     import logging
 
     import ray
@@ -117,8 +116,30 @@ def ray_cluster():
     cpus = 2 if PAIR_BACKEND == "gloo" else max(4, min(8, os.cpu_count() or 4))
     ray.init(num_cpus=cpus, include_dashboard=False, namespace="dspark", log_to_driver=False,
              logging_level=logging.WARNING)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance for every test that needs real actors (keeps the suite fast on 2 cores)."""
+    import ray
+    _start_local_ray()
     yield ray
     ray.shutdown()
+
+
+@contextlib.contextmanager
+def without_the_shared_ray():
+    """For a test that runs a Ray cluster of its own (a driver joins one cluster at a time): the shared local Ray
+    stops for it, and starts again after it if it ran."""
+    import ray
+    was = ray.is_initialized()
+    ray.shutdown()
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if was:
+            _start_local_ray()
 
 
 # DSPARK_TEST_PAIR=push (on a two-card GPU host) runs the Ray deployment tests on the real pair: one card per rank,

@@ -66,6 +66,37 @@ def test_the_examples_run_against_the_workers(two):
     assert p.stdout.count("drafts") == 5, p.stdout                 # client.py: one request, five rounds
 
 
+def test_the_deployment_is_found_by_name_and_status_bounds_a_frozen_front_end(two, ray_cluster, capsys):
+    """The endpoint table names both workers' endpoints (`dspark-ray endpoints`, DrafterPool.from_deployment); a
+    front-end frozen by SIGSTOP costs `status` its 2 s bound, not a hang: it says which worker did not answer and
+    exits 3, the other worker reported whole."""
+    import json
+    import os
+    import signal
+    import time
+    from dspark_ray.actors.survey import survey
+    from dspark_ray.cli import main
+    gcs = ray_cluster.get_runtime_context().gcs_address
+    assert main(["endpoints", "--address", gcs, "--name", "multi", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"multi.0": two[0][1], "multi.1": two[1][1]}
+    pool = DrafterPool.from_deployment(gcs, "multi")
+    assert [(w["name"], w["endpoint"]) for w in pool.status()] == [("multi.0", two[0][1]), ("multi.1", two[1][1])]
+    pool.close()
+    pid = ray_cluster.get(two[1][0].status.remote(), timeout=30)["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        rows = survey("multi", timeout_s=2.0)
+        took = time.monotonic() - t
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert took < 3.0, took
+    assert [(r["worker"], r["state"]) for r in rows] == [("multi.0", "serving"), ("multi.1", "unreachable")]
+    assert "did not answer within 2 s" in rows[1]["why"] and rows[1]["endpoint"] == two[1][1]
+    assert rows[1]["node_id"] == rows[0]["node_id"] == ray_cluster.get_runtime_context().get_node_id()
+    assert rows[0]["cards"] == [[], []] and rows[0]["status"]["ranks"][0]["pid"]
+
+
 def test_a_pool_over_two_pairs_answers_bit_for_bit_and_a_dead_worker_fails_alone(two, ray_cluster, cfg, ckpt):
     import ray
     endpoints = [ep for _, ep in two]

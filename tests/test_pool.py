@@ -200,3 +200,27 @@ def test_workers_serving_another_model_are_refused(workers, cfg, ckpt):
         time.sleep(0.05)
     assert not a.service.sessions and not b.service.sessions
     assert all(s["down"] for s in pool.status())
+
+
+def test_a_pool_with_fixed_endpoints_needs_no_ray():
+    """An engine that passes endpoints vendors the client and the pool alone: neither imports ray."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['ray'] = None\n"        # an import of ray now raises ImportError
+            "from dspark_ray.pool import DrafterPool\nfrom dspark_ray.client import DrafterClient\n"
+            "DrafterPool(['127.0.0.1:1']).close()\nprint('ok')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+def test_a_deployment_on_a_cluster_that_does_not_answer_is_refused_within_the_bound():
+    """from_deployment asks the cluster's GCS, bounded: no GCS at the address is a ConnectionError in about the
+    bound, not Ray's own ~12 s wait."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        nobody = f"127.0.0.1:{port}"
+    t = time.monotonic()
+    with pytest.raises(ConnectionError, match=rf"GCS at \S+:{port} does not answer"):      # (localhost resolved)
+        DrafterPool.from_deployment(nobody, "dspark", resolve_timeout_s=1.0)
+    assert time.monotonic() - t < 3.0

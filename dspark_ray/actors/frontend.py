@@ -18,6 +18,7 @@ from dataclasses import asdict
 
 from .. import records as M
 from ..contract import EntryResult
+from ..endpoints import Directory
 from ..frontend import PairFailure, PairLate, StepService
 from ..keep_warm import REHEARSAL_ENTRIES, KeepWarm
 from ..metrics import Exporter
@@ -57,6 +58,7 @@ class PairManager:
         self.ring = StepRing.create(f"dspark-{name}", n_readers=spec.tp, slot_bytes=slot_bytes, n_slots=4,
                                     spin_us=spec.spin_us)
         self.ranks: list = []
+        self.placement: list[dict] = []    # per rank: its node and cards (RankActor.placement)
         self.progress_cb = None
         self.stamps = Stamps()         # per batch: publish, posting (with the ring seq), completions seen
         self.last_seq: int | None = None
@@ -139,6 +141,7 @@ class PairManager:
             self.ring.reset_reader(r)
         ray.get([a.serve.remote(self.ring.handle) for a in self.ranks])
         stamp["serving"] = time.time()
+        self.placement = ray.get([a.placement.remote() for a in self.ranks], timeout=30)
         log.info("pair %s: %d ranks up in %.2f s (%s)", self.name, self.spec.tp, time.monotonic() - t0,
                  self.spec.backend if self.spec.tp == 2 else "tp1")
 
@@ -301,19 +304,32 @@ def frontend_actor_class():
             self.supervisor = Supervisor(self.service, self.manager.restart, threshold=restart_threshold)
             cpus = self.spec.frontend_cpus
             self.node_ip = ray.util.get_node_ip_address()
-            self.server = TcpServer(self.service, host=host, port=port, spin_us=self.spec.spin_us,
-                                    on_thread_start=lambda: pin_thread(cpus, f"front-end {name} endpoint"),
-                                    keep_warm=self.keep_warm, advertise=self.node_ip,
-                                    max_connections=self.spec.max_connections,
-                                    idle_timeout_s=self.spec.idle_timeout_s)
-            self.host, self.port, self.name = host, port, name
+            self.node_id = ray.get_runtime_context().get_node_id()
+            self.host, self.name = host, name
+            self.directory = Directory(ray.get_runtime_context().gcs_address)
+            reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
+            for p in self._ports(port, reconstructed):
+                try:
+                    self.server = TcpServer(self.service, host=host, port=p, spin_us=self.spec.spin_us,
+                                            on_thread_start=lambda: pin_thread(cpus, f"front-end {name} endpoint"),
+                                            keep_warm=self.keep_warm, advertise=self.node_ip,
+                                            max_connections=self.spec.max_connections,
+                                            idle_timeout_s=self.spec.idle_timeout_s)
+                    break
+                except OSError as e:
+                    if not reconstructed or p == 0:
+                        raise
+                    log.warning("front-end %s: port %d is taken on node %s (%s): serving on a free one; clients "
+                                "that named the deployment find it", name, p, self.node_ip, e)
+            self._publish("starting")
             self.started = False
             self.load_progress = []
             # Prometheus metrics, exported by a thread of their own every second (metrics.py).
             self.metrics = Exporter(name, self.service, self.supervisor, self.server).start()
-            if ray.get_runtime_context().was_current_actor_reconstructed:
+            if reconstructed:
                 # Ray restarted this front-end after it died: whatever is left of the old pair is killed (by
-                # name, in start) and a new pair is brought up on the same endpoint.
+                # name, in start) and a new pair is brought up: on the same endpoint on the node it served on, else
+                # where `_ports` found room (the endpoint table tells clients).
                 log.warning("front-end %s was restarted by Ray: recreating its pair", name)
                 # The old generation died with the old process; a clock-based one is still new to every client.
                 self.service.worker_generation = int(time.time())
@@ -332,9 +348,34 @@ def frontend_actor_class():
             raise_priority(f"front-end {self.name} endpoint")
             self.server.start()
             self.started = True
+            self._publish("serving")
             log.info("front-end %s serving STEP on %s (tp %d, %d slots, model %s)", self.name,
                      self.server.endpoint, self.spec.tp, self.spec.n_slots, self.identity.model_digest)
             return self.server.endpoint
+
+        def _ports(self, port: int, reconstructed: bool) -> list[int]:
+            """The ports to try, in order: the port asked for (0: a free one). After Ray restarted this front-end,
+            first the port it served on if that was on this node (a fixed-endpoint client finds it again), and a
+            free one last: the deployment's table tells clients where it is."""
+            if not reconstructed:
+                return [port]
+            try:
+                last = self.directory.workers_by_name([self.name]).get(self.name) or {}
+            except ConnectionError as e:
+                log.warning("front-end %s: the endpoint table does not answer: %s", self.name, e)
+                last = {}
+            first = [last["port"]] if last.get("node_id") == self.node_id and last.get("port") else []
+            return list(dict.fromkeys(first + [port, 0]))
+
+        def _publish(self, state: str) -> None:
+            """This worker's entry in the endpoint table (endpoints.py): where it serves, or that it is starting."""
+            try:
+                self.directory.publish_worker(
+                    self.name, state=state, endpoint=self.server.endpoint if state == "serving" else None,
+                    host=self.host, port=self.server.port, node_id=self.node_id, node_ip=self.node_ip,
+                    cards=[p["cards"] for p in self.manager.placement], tp=self.spec.tp, pid=os.getpid())
+            except ConnectionError as e:        # the table is for finding workers; serving goes on without it
+                log.warning("front-end %s: endpoint table not updated (%s): %s", self.name, state, e)
 
         def endpoint(self) -> str:
             return self.server.endpoint
@@ -349,6 +390,7 @@ def frontend_actor_class():
         def status(self) -> dict:
             return {"rss_bytes": _rss_bytes(), "process": process_facts(), "name": self.name,
                     "endpoint": self.server.endpoint if self.started else None, "node_ip": self.node_ip,
+                    "node_id": self.node_id, "cards": [p["cards"] for p in self.manager.placement],
                     "tp": self.spec.tp, "backend": self.spec.backend, "model_digest": self.identity.model_digest,
                     "max_batch": self.limits.max_entries_per_replay,
                     "pid": os.getpid(), "env": {k: os.environ.get(k) for k in SAFE_ENV},
@@ -376,6 +418,10 @@ def frontend_actor_class():
             return [s.get("pid") for s in self.manager.status()]
 
         def shutdown(self) -> None:
+            try:
+                self.directory.remove_worker(self.name)
+            except ConnectionError as e:
+                log.warning("front-end %s: its endpoint table entry stays: %s", self.name, e)
             self.server.stop()
             self.metrics.stop()
             self.manager.close()

@@ -1,16 +1,21 @@
 """Placing workers on a Ray cluster. A worker is one pair (or one card at tp 1): a STRICT_PACK placement group (one
 bundle per card plus one for the front-end, so a worker never spans nodes), the FrontEnd actor in the last bundle,
 the ranks in the others, and its own STEP endpoint. `deploy_workers` places N of them side by side (`dspark-ray
-serve --pairs N`); a client spreads its slots over them (pool.DrafterPool)."""
+serve --pairs N`); a client spreads its slots over them (pool.DrafterPool). The deployment's workers and where each
+serves are published in the cluster's endpoint table (endpoints.py): a worker that Ray re-places on another node
+serves at another host:port, and a client that named the deployment finds it there."""
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
+from ..endpoints import Directory, worker_names, worker_pattern
 from ..settings import current as settings
-from ..spec import SAFE_ENV, PairSpec
+
+if TYPE_CHECKING:
+    from ..spec import PairSpec
 
 log = logging.getLogger("dspark_ray.placement")
 
@@ -37,11 +42,6 @@ def bundles(tp: int, gpu: bool) -> tuple[list[dict], dict, dict]:
     return [{"CPU": 0.25}] * tp + [{"CPU": 0.25}], {"num_cpus": 0.25}, {"num_cpus": 0.25}
 
 
-def worker_names(name: str, n: int) -> list[str]:
-    """One worker keeps the deployment's name; several are NAME.0 .. NAME.(n-1)."""
-    return [name] if n == 1 else [f"{name}.{i}" for i in range(n)]
-
-
 def deploy(spec: PairSpec, *, host: str = "127.0.0.1", port: int = 0, name: str = "dspark", detach: bool = False,
            restart_threshold: int = 3, on_progress=None, timeout_s: float = 600.0):
     """Place and start one pair; returns (front-end actor handle, endpoint "host:port")."""
@@ -52,38 +52,52 @@ def deploy(spec: PairSpec, *, host: str = "127.0.0.1", port: int = 0, name: str 
 
 
 def deploy_workers(spec: PairSpec, n: int, *, host: str = "127.0.0.1", port: int = 0, name: str = "dspark",
-                   detach: bool = False, restart_threshold: int = 3, on_progress=None,
-                   timeout_s: float = 600.0) -> list[tuple[object, str]]:
-    """Place and start `n` workers of `spec` side by side (named by `worker_names`; `port` 0: free ports, else
-    port, port + 1, ...); returns [(front-end handle, endpoint "host:port")]. They load at the same time;
-    `on_progress` gets every rank's (tensors loaded, total) together. All or nothing: if one does not start, every
-    worker placed here is torn down and the error raised."""
+                   detach: bool = False, restart_threshold: int = 3, on_progress=None, timeout_s: float = 600.0,
+                   pending_ok: bool = False, place_timeout_s: float | None = None) -> list[tuple[object, str | None]]:
+    """Place and start `n` workers of `spec` side by side (named by `worker_names`; `port` 0: a free port on each
+    worker's node, else port, port + 1, ...); returns [(front-end handle, endpoint "host:port")], and publishes the
+    deployment in the cluster's endpoint table (endpoints.py). They load at the same time; `on_progress` gets every
+    rank's (tensors loaded, total) together. A worker whose placement group finds no room within `place_timeout_s`
+    (60 s; 10 s with `pending_ok`) fails the deployment, unless `pending_ok`: then it waits for room (Ray places it
+    when a node with room joins, and its front-end starts there and publishes its endpoint) and comes back with
+    endpoint None. All or nothing otherwise: if one does not start, every worker placed here is torn down and the
+    error raised."""
     import ray
     names = worker_names(name, n)
-    placed = []
+    if place_timeout_s is None:
+        place_timeout_s = 10.0 if pending_ok else 60.0
+    if find_workers(name):
+        raise RuntimeError(f"a deployment named {name!r} runs on this cluster: `dspark-ray stop --name {name}` "
+                           f"first, or serve under another --name")
+    directory = _directory()
+    directory.remove(name)          # what a deployment of that name left behind when its driver died with it
+    directory.publish_deployment(name, names, tp=spec.tp, device=spec.device)
     try:
-        for i, wname in enumerate(names):
-            placed.append(_place(spec, wname, host, port + i if port else 0, detach, restart_threshold))
-        starts = [fe.start.remote() for fe in placed]
-        t0 = time.monotonic()
-        while True:
-            done, _ = ray.wait(starts, num_returns=len(starts), timeout=0.25)
-            if on_progress:
-                try:
-                    on_progress([p for fe in placed for p in ray.get(fe.progress.remote(), timeout=1)])
-                except Exception:
-                    pass
-            if len(done) == len(starts):
-                break
-            if time.monotonic() - t0 > timeout_s:
-                raise TimeoutError(f"{', '.join(names)} did not start within {timeout_s} s")
-        endpoints = ray.get(starts)
+        pgs = [_placement_group(spec, w, detach) for w in names]
+        placed = _wait_placed(pgs, place_timeout_s)
+        if not all(placed) and not pending_ok:
+            w, pg = next((w, pg) for w, pg, ok in zip(names, pgs, placed) if not ok)
+            free = {k: v for k, v in ray.available_resources().items()
+                    if "_group_" not in k and not k.startswith("node:")}     # (not what placement groups hold)
+            raise RuntimeError(f"placement group {pg.bundle_specs} of {w} did not place within {place_timeout_s:g} s:"
+                               f" the cluster has {free} free (serve --pending lets a worker wait for a node with "
+                               f"room)")
+        fes = [_frontend(spec, w, pg, host, port + i if port else 0, detach, restart_threshold)
+               for i, (w, pg) in enumerate(zip(names, pgs))]
+        # A waiting worker's start runs once Ray has placed it; only the placed ones are waited for here.
+        starts = [fe.start.remote() for fe in fes]
+        _wait_started([s for s, ok in zip(starts, placed) if ok], [fe for fe, ok in zip(fes, placed) if ok],
+                      names, on_progress, timeout_s)
+        endpoints = [ray.get(s) if ok else None for s, ok in zip(starts, placed)]
     except BaseException:
-        for wname in names:
-            teardown(wname)
+        teardown(name)
         raise
     here = ray.util.get_node_ip_address()
-    for wname, fe, ep in zip(names, placed, endpoints):
+    for wname, fe, ep, pg in zip(names, fes, endpoints, pgs):
+        if ep is None:
+            log.warning("worker %s waits for room: no node has %s free; it starts when one joins", wname,
+                        pg.bundle_specs)
+            continue
         log.info("worker %s serving on %s", wname, ep)
         if ep.split(":")[0] not in ("127.0.0.1", "localhost"):
             continue
@@ -91,27 +105,49 @@ def deploy_workers(spec: PairSpec, n: int, *, host: str = "127.0.0.1", port: int
         if node != here:
             log.warning("worker %s runs on node %s but serves on %s: only clients on that node reach it "
                         "(serve with --host 0.0.0.0 to name each node's address)", wname, node, ep)
-    return list(zip(placed, endpoints))
+    return list(zip(fes, endpoints))
 
 
-def _place(spec: PairSpec, name: str, host: str, port: int, detach: bool, restart_threshold: int):
-    """One worker's placement group and front-end actor (not started yet)."""
+def _wait_placed(pgs: list, timeout_s: float) -> list[bool]:
+    """Which of `pgs` Ray placed within `timeout_s` (all waited for together)."""
     import ray
+    refs = [pg.ready() for pg in pgs]
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    done = set(done)
+    return [r in done for r in refs]
+
+
+def _wait_started(starts: list, fes: list, names: list[str], on_progress, timeout_s: float) -> None:
+    import ray
+    t0 = time.monotonic()
+    while starts:
+        done, _ = ray.wait(starts, num_returns=len(starts), timeout=0.25)
+        if on_progress:
+            try:
+                on_progress([p for fe in fes for p in ray.get(fe.progress.remote(), timeout=1)])
+            except Exception:
+                pass
+        if len(done) == len(starts):
+            return
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"{', '.join(names)} did not start within {timeout_s} s")
+
+
+def _placement_group(spec: PairSpec, name: str, detach: bool):
+    """One worker's placement group: STRICT_PACK, so the worker never spans nodes (not waited for here)."""
     from ray.util.placement_group import placement_group
+    bl, _, _ = bundles(spec.tp, spec.device.startswith("cuda"))
+    return placement_group(bl, strategy="STRICT_PACK", name=f"{name}-pg", lifetime="detached" if detach else None)
+
+
+def _frontend(spec: PairSpec, name: str, pg, host: str, port: int, detach: bool, restart_threshold: int):
+    """One worker's front-end actor in the last bundle of its placement group (not started yet). It binds its port
+    on the node Ray puts it on (port 0: a free one there)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from ..spec import SAFE_ENV
     from .frontend import frontend_actor_class
-    gpu = spec.device.startswith("cuda")
-    bl, rank_res, fe_res = bundles(spec.tp, gpu)
-    pg = placement_group(bl, strategy="STRICT_PACK", name=f"{name}-pg", lifetime="detached" if detach else None)
-    done, _ = ray.wait([pg.ready()], timeout=60)
-    if not done:
-        ray.util.remove_placement_group(pg)
-        raise RuntimeError(f"placement group {bl} of {name} did not place within 60 s: the cluster has "
-                           f"{ray.available_resources()}")
-    FrontEnd = frontend_actor_class()
-    if port == 0:
-        port = _free_port(host)     # a concrete port, so a front-end restarted by Ray serves the same endpoint
+    _, rank_res, fe_res = bundles(spec.tp, spec.device.startswith("cuda"))
     opts = dict(fe_res, name=f"{name}-frontend", namespace=NAMESPACE, max_restarts=3,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=spec.tp),
                 runtime_env={"env_vars": {**SAFE_ENV, **settings().as_env(), "OMP_NUM_THREADS": "1",
@@ -119,15 +155,14 @@ def _place(spec: PairSpec, name: str, host: str, port: int, detach: bool, restar
     if detach:
         opts["lifetime"] = "detached"
         logging.getLogger("ray.actor").addFilter(_SAFE_HERE)       # (idempotent)
-    return FrontEnd.options(**opts).remote(asdict(spec), host, port, name, pg, list(range(spec.tp)), rank_res,
-                                           restart_threshold)
+    return frontend_actor_class().options(**opts).remote(asdict(spec), host, port, name, pg, list(range(spec.tp)),
+                                                         rank_res, restart_threshold)
 
 
-def _free_port(host: str) -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def _directory():
+    """The cluster's endpoint table (endpoints.py), through the GCS this process is connected to."""
+    import ray
+    return Directory(ray.get_runtime_context().gcs_address)
 
 
 def find(name: str = "dspark"):
@@ -135,15 +170,11 @@ def find(name: str = "dspark"):
     return ray.get_actor(f"{name}-frontend", namespace=NAMESPACE)
 
 
-def _worker_pattern(name: str) -> re.Pattern:
-    return re.compile(rf"{re.escape(name)}(\.\d+)?")
-
-
 def find_workers(name: str = "dspark") -> list[tuple[str, object]]:
     """[(worker name, front-end handle)] of the deployment `name` whose front-ends are alive: the worker of that
     name, or NAME.0, NAME.1, ..."""
     import ray
-    pat = _worker_pattern(name)
+    pat = worker_pattern(name)
     found = [a["name"][:-len("-frontend")] for a in ray.util.list_named_actors(all_namespaces=True)
              if a.get("namespace") == NAMESPACE and a["name"].endswith("-frontend")
              and pat.fullmatch(a["name"][:-len("-frontend")])]
@@ -151,22 +182,33 @@ def find_workers(name: str = "dspark") -> list[tuple[str, object]]:
     return [(w, find(w)) for w in found]
 
 
-def teardown(name: str = "dspark") -> list[str]:
+def teardown(name: str = "dspark", timeout_s: float = 30.0) -> list[str]:
     """Remove the worker `name`, or every worker of the deployment `name` (NAME.0, NAME.1, ...): the front-ends
-    (which stop their ranks) and the placement groups, also those of workers whose front-end is dead already.
-    Returns what it removed (front-ends and placement groups, by name): empty when nothing was deployed."""
+    (which stop their ranks), the placement groups, also those of workers whose front-end is dead already or was
+    never placed, and their entries in the endpoint table. The running front-ends shut down together, within
+    `timeout_s`; one that never ran (still waiting for room) or whose node is dead is only killed. Returns what it
+    removed (front-ends and placement groups, by name): empty when nothing was deployed."""
     import ray
     from ray.util import placement_group_table
     from ray.util.placement_group import get_placement_group
+    directory = _directory()
+    try:
+        records = directory.workers(name)
+        alive = {n for n, info in directory.nodes().items() if info["alive"]}
+    except (LookupError, ConnectionError):
+        records, alive = {}, None
+    handles = find_workers(name)
+    running = [(w, fe) for w, fe in handles if w not in records
+               or (records[w] is not None and (alive is None or records[w].get("node_id") in alive))]
+    shutdowns = {fe.shutdown.remote(): w for w, fe in running}
+    done, late = ray.wait(list(shutdowns), num_returns=len(shutdowns), timeout=timeout_s) if shutdowns else ([], [])
+    for ref in late + [r for r in done if _failed(r)]:      # dead or hung: killing it below is all that is left
+        log.warning("worker %s did not shut down cleanly; killing it", shutdowns[ref])
     removed = []
-    for w, fe in find_workers(name):
-        try:
-            ray.get(fe.shutdown.remote(), timeout=30)
-        except Exception as e:          # dead or hung: killing it below is all that is left
-            log.warning("worker %s did not shut down cleanly (%s); killing it", w, e)
+    for w, fe in handles:
         ray.kill(fe)
         removed.append(f"{w}-frontend")
-    pat = _worker_pattern(name)
+    pat = worker_pattern(name)
     for pg in placement_group_table().values():
         pg_name = pg.get("name") or ""
         if pg.get("state") != "REMOVED" and pg_name.endswith("-pg") and pat.fullmatch(pg_name[:-len("-pg")]):
@@ -175,4 +217,17 @@ def teardown(name: str = "dspark") -> list[str]:
                 removed.append(pg_name)
             except Exception:
                 pass
+    try:
+        directory.remove(name)
+    except ConnectionError as e:
+        log.warning("deployment %s: its endpoint table entries stay: %s", name, e)
     return removed
+
+
+def _failed(ref) -> bool:
+    import ray
+    try:
+        ray.get(ref, timeout=0)
+        return False
+    except Exception:
+        return True

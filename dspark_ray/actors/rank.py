@@ -29,7 +29,12 @@ def rank_actor_class():
             return self.w.serve(ring_handle)
 
         def status(self):
-            return self.w.status()
+            return {**self.w.status(), **self.placement()}
+
+        def placement(self) -> dict:
+            """Where Ray put this rank: its node and its cards (the GPU ids Ray gave it; none on a CPU rank)."""
+            ctx = ray.get_runtime_context()
+            return {"node_id": ctx.get_node_id(), "cards": ctx.get_accelerator_ids().get("GPU", [])}
 
         def stamps(self):
             return self.w.stamps.recent()

@@ -1,0 +1,141 @@
+"""A deployment's endpoint table, published in the Ray cluster's key-value store (the GCS, namespace "dspark").
+
+A worker's front-end may come back on another node (Ray re-places a pair whose node died), and then at another
+host:port. So the deployment publishes where each worker serves, and an engine names the deployment (the cluster's
+address and the deployment's name) instead of host:port strings:
+
+    deployment/NAME   {"name", "workers": [worker names], "tp", "created"}          written by `serve` (placement)
+    worker/WORKER     {"worker", "state", "endpoint", "node_id", "node_ip", "cards", "pid", "updated"}
+                      written by the worker's front-end: "starting" (no endpoint yet) when its process starts,
+                      "serving" once its STEP endpoint listens; removed when it stops
+
+Reading it takes only the GCS's address: a `GcsClient`, the way `ray status` reads the cluster, not a Ray driver (no
+ray.init, no worker process, nothing that clashes with an engine's own Ray), each call bounded. An endpoint whose
+worker is not serving, or whose node Ray declared dead, reads as None: it is stale, and a client waits for the new
+one instead of connecting to the old.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import threading
+import time
+
+KV_NAMESPACE = b"dspark"
+
+
+def worker_names(name: str, n: int) -> list[str]:
+    """One worker keeps the deployment's name; several are NAME.0 .. NAME.(n-1)."""
+    return [name] if n == 1 else [f"{name}.{i}" for i in range(n)]
+
+
+def worker_pattern(name: str) -> re.Pattern:
+    """The worker names of the deployment `name`: NAME, or NAME.0, NAME.1, ..."""
+    return re.compile(rf"{re.escape(name)}(\.\d+)?")
+
+
+def gcs_address(address: str | None) -> str:
+    """The cluster's GCS "host:port": `address` as `ray start --head` printed it, or None: RAY_ADDRESS, else the
+    cluster `ray start` last started on this host."""
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    if address.startswith("ray://"):
+        raise ValueError(f"{address}: a Ray client address; name the cluster's GCS (HEAD:6379)")
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+    return canonicalize_bootstrap_address_or_die(address)
+
+
+class Directory:
+    """The endpoint table of a Ray cluster, read and written through its GCS; every call is bounded by
+    `timeout_s` and raises ConnectionError when the GCS does not answer in time."""
+
+    def __init__(self, address: str | None = None, timeout_s: float = 2.0):
+        self.address = gcs_address(address)
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._gcs = None
+
+    def _client(self):
+        with self._lock:
+            if self._gcs is None:
+                # A GcsClient waits ~12 s for a GCS that is not there, whatever its timeout: a plain connect first
+                # says so within the bound.
+                host, port = self.address.rsplit(":", 1)
+                try:
+                    socket.create_connection((host, int(port)), timeout=self.timeout_s).close()
+                except OSError as e:
+                    raise ConnectionError(f"the Ray cluster's GCS at {self.address} does not answer: {e}") from None
+                from ray._raylet import GcsClient
+                self._gcs = GcsClient(address=self.address)
+            return self._gcs
+
+    def _call(self, what: str, fn):
+        try:
+            return fn(self._client())
+        except ConnectionError:
+            raise
+        except Exception as e:          # ray.exceptions.RpcError and its kin: the GCS is slow or gone
+            raise ConnectionError(f"{what} from the GCS at {self.address}: {type(e).__name__}: {e}") from None
+
+    # ---- writing (the deployment) ------------------------------------------------------------------------------
+    def put(self, key: str, record: dict) -> None:
+        blob = json.dumps(record, default=str).encode()
+        self._call(f"writing {key}", lambda g: g.internal_kv_put(key.encode(), blob, True, KV_NAMESPACE,
+                                                                   timeout=self.timeout_s))
+
+    def publish_deployment(self, name: str, workers: list[str], **facts) -> None:
+        self.put(f"deployment/{name}", {"name": name, "workers": workers, "created": time.time(), **facts})
+
+    def publish_worker(self, worker: str, **record) -> None:
+        self.put(f"worker/{worker}", {"worker": worker, "updated": time.time(), **record})
+
+    def remove_worker(self, worker: str) -> None:
+        self._call(f"removing worker/{worker}", lambda g: g.internal_kv_del(f"worker/{worker}".encode(), False,
+                                                                           KV_NAMESPACE, timeout=self.timeout_s))
+
+    def remove(self, name: str) -> None:
+        """The deployment `name` and every record of its workers."""
+        pat = worker_pattern(name)
+        keys = self._call("listing workers", lambda g: g.internal_kv_keys(b"worker/", KV_NAMESPACE,
+                                                                            timeout=self.timeout_s))
+        for k in keys:
+            if pat.fullmatch(k.decode()[len("worker/"):]):
+                self._call(f"removing {k!r}", lambda g: g.internal_kv_del(k, False, KV_NAMESPACE,
+                                                                           timeout=self.timeout_s))
+        self._call(f"removing deployment/{name}", lambda g: g.internal_kv_del(
+            f"deployment/{name}".encode(), False, KV_NAMESPACE, timeout=self.timeout_s))
+
+    # ---- reading (engines, status) -----------------------------------------------------------------------------
+    def deployment(self, name: str) -> dict | None:
+        blob = self._call(f"reading deployment/{name}", lambda g: g.internal_kv_get(
+            f"deployment/{name}".encode(), KV_NAMESPACE, timeout=self.timeout_s))
+        return None if blob is None else json.loads(blob)
+
+    def workers(self, name: str) -> dict[str, dict | None]:
+        """{worker: its record, or None before its front-end ever ran} for every worker of the deployment `name`,
+        in the deployment's order; LookupError when there is no such deployment."""
+        dep = self.deployment(name)
+        if dep is None:
+            raise LookupError(f"no deployment named {name!r} on the Ray cluster at {self.address}")
+        return self.workers_by_name(dep["workers"])
+
+    def workers_by_name(self, workers: list[str]) -> dict[str, dict | None]:
+        """{worker: its record, or None when it has none}."""
+        keys = [f"worker/{w}".encode() for w in workers]
+        got = self._call("reading the workers", lambda g: g.internal_kv_multi_get(keys, KV_NAMESPACE,
+                                                                                   timeout=self.timeout_s))
+        return {w: (json.loads(got[k]) if got.get(k) is not None else None) for w, k in zip(workers, keys)}
+
+    def nodes(self) -> dict[str, dict]:
+        """{node id (hex): {"ip", "alive"}} of every node the cluster has known."""
+        info = self._call("reading the nodes", lambda g: g.get_all_node_info(timeout=self.timeout_s))
+        return {nid.hex(): {"ip": n.node_manager_address, "alive": n.state == 0} for nid, n in info.items()}
+
+    def endpoints(self, name: str) -> dict[str, str | None]:
+        """{worker: "host:port" where it serves now, or None (not placed yet, starting, or its node dead)}."""
+        workers = self.workers(name)
+        nodes = self.nodes()
+        return {w: rec["endpoint"] if rec and rec.get("state") == "serving" and rec.get("endpoint")
+                and nodes.get(rec.get("node_id"), {}).get("alive") else None
+                for w, rec in workers.items()}
