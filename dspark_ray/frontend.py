@@ -31,7 +31,7 @@ from typing import Callable, Protocol
 
 from . import contract as C
 from .records import RingBatch
-from .model.state import SlotCursor
+from .slot_cursor import SlotCursor
 from .stamps import Stamps, cpu_now, now
 
 log = logging.getLogger("dspark_ray.frontend")

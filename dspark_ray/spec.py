@@ -5,9 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .comm.factory import check_backend
-from .kernels.gemm import DENSE_KERNELS
-from .model.heads import markov_cache_rows
 from .transport.tcp import IDLE_TIMEOUT_S, MAX_CONNECTIONS
 
 # Every actor's environment: never let NCCL / symmetric memory / NVSHMEM build NVLink multicast objects (the
@@ -61,6 +58,11 @@ class PairSpec:
     idle_timeout_s: float | None = IDLE_TIMEOUT_S
 
     def __post_init__(self):
+        # The checks live with what they check (torch's side); importing them here, not at the top, keeps this
+        # module torch-free for the front-end's handle and `status`.
+        from .comm.factory import check_backend
+        from .kernels.gemm import DENSE_KERNELS
+        from .model.heads import markov_cache_rows
         check_backend(self.backend, self.tp, self.device)
         # A bad pinning is refused here, before any actor starts, not found later as a thread left unpinned.
         if self.rank_cpus is not None and len(self.rank_cpus) != self.tp:

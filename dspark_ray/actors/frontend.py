@@ -27,7 +27,6 @@ from ..settings import current as settings
 from ..spec import SAFE_ENV, PairSpec
 from ..stamps import Stamps, cpu_now, now
 from ..transport.ring import RingError, RingTimeout, StepRing, remove_orphans
-from .rank import rank_actor_class
 
 log = logging.getLogger("dspark_ray.frontend")
 
@@ -117,6 +116,7 @@ class PairManager:
         """Create, load, connect and serve the ranks. `first`: on a restart, the shapes of the last batches (a
         one-card rank captures their graphs first and serves, rank_worker.py)."""
         import ray
+        from .rank import rank_actor_class           # (a rank's code: torch, kept out of the front-end's imports)
         Rank = rank_actor_class()
         stamp = self.startup = {"begun": time.time()}
         self.kill_leftovers()

@@ -8,7 +8,7 @@ checks nothing (the contract's checks run in the front-end; these drivers hand i
 from __future__ import annotations
 
 from dspark_ray import contract as C
-from dspark_ray.model.state import SlotCursor
+from dspark_ray.slot_cursor import SlotCursor
 from dspark_ray.records import RingBatch
 
 
