@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from ..client import ClientError, RequestSlot
-from ..contract import Code, EntryResult
+from ..contract import Code, EntryResult, error_result
 from ..pool import DrafterPool
 
 __all__ = ["RemoteDrafter"]
@@ -231,7 +231,7 @@ class RemoteDrafter:
                 continue
             seq = self._sequence_at(block_table[i], start, new=prefill and start == 0)
             if seq is None:            # a prefill after prefix-cached pages: the rows before it never came
-                seq = self._new_sequence(block_table[i], start)
+                seq = self._sequence_at(block_table[i], start, new=True)
                 self.stats["partial_windows"] += 1
             keep = min(n, self._keep)  # a prefill chunk longer than that contributes its last rows only
             rows.append((i, seq, start + n - keep, n, self._token_ids(block_table[i], start + n - keep, keep)))
@@ -259,10 +259,10 @@ class RemoteDrafter:
         seeds = input_ids[:, -1].tolist()
         batch = []
         for i, p in enumerate(kv):
-            seq = self._sequence_at(block_table[i], p, new=p == 0 and not self._known(block_table[i], p))
-            if seq is None:                           # rows this drafter never saw: nothing to draft from
-                self.stats["unknown_rows"] += 1
-                seq = self._new_sequence(block_table[i], p)
+            seq = self._sequence_at(block_table[i], p, new=False)
+            if seq is None:            # a new sequence (a one-token prompt), or rows this drafter never saw
+                self.stats["unknown_rows"] += p > 0
+                seq = self._sequence_at(block_table[i], p, new=True)
             batch.append(seq)
         self._release_ended(batch)
         self._grant_slots(batch)
@@ -278,7 +278,8 @@ class RemoteDrafter:
                 entries.append(seq.slot.entry(w.ids, w.taps, seeds[i], first=w.first))
                 where.append(i)
             except ClientError as e:               # a swap for a fresh slot found none free
-                self._lose_slot(seq, e)
+                log.debug("slot swap failed: %s", e)
+                seq.slot = None
         results = self._step(entries)
         conf = 0
         self.last_codes = [None] * len(batch)
@@ -315,9 +316,6 @@ class RemoteDrafter:
         seqs = list(self._by_page.values())
         self._by_page.clear()
         self._give_back([s for s in seqs if s.slot is not None])
-
-    def _known(self, block_row, pos: int) -> bool:
-        return self._sequence_at(block_row, pos, new=False) is not None
 
     def _sequence_at(self, block_row, pos: int, new: bool) -> _Sequence | None:
         """The sequence whose window ends at `pos` on the row's page there; `new`: a fresh one (a prefill from 0),
@@ -413,17 +411,12 @@ class RemoteDrafter:
         for s, g in zip(need, grants):
             s.slot = RequestSlot(self.pool, self.block_size, self.deadline_ms, grant=g, want_margins=self.margins)
 
-    def _lose_slot(self, seq: _Sequence, e: ClientError) -> None:
-        log.debug("slot swap failed: %s", e)
-        seq.slot = None
-
     def _step(self, entries) -> list[EntryResult]:
         if not entries:
             return []
         try:
             return self.pool.step(entries, deadline_ms=self.deadline_ms)
         except ClientError as e:
-            from ..contract import error_result
             return [error_result(e.code or Code.UNAVAILABLE, str(e), en.generation) for en in entries]
 
 

@@ -34,8 +34,8 @@ import torch
 
 from ..config import DrafterConfig, preset
 from .inventory import TensorSpec, tensor_specs, _spec
-from .synth import (DEFAULT_SHARD_BYTES, Draw, StoredSpec, _fp8_parts, around, draw_for, draw_values, fan_in,
-                    hash32, uniform, write_checkpoint)
+from .synth import (DEFAULT_SHARD_BYTES, Draw, StoredSpec, _fp8_parts, draw_for, draw_values, fan_in, hash32,
+                    uniform, write_checkpoint)
 
 SPECIALS = ["<bos>", "<eos>", "<pad>", "<unk>"]     # ids 0..3
 TRUNK_GAIN = 0.02        # std of the trunk's output projections x sqrt(fan_in): small residual updates
@@ -44,22 +44,13 @@ MARKOV_GAIN = 40.0       # the Markov bias at the predicted id; every other id g
 DRAFT_NORM = 0.05        # the drafter's final norm weight: its own logits stay small beside the Markov bias
 CONFIDENCE_BIAS = 2.0    # sigmoid(2) = 0.88: every draft passes the 0.5 line
 
-# The trunk's tensors: first match wins, before synth.SCALES (which covers the drafter's names).
+# Where the trunk draws otherwise than a drafter block (first match wins): its output projections small. Every other
+# trunk tensor draws as synth.SCALES says for the same tensor of a drafter block (`_draw`).
 TRUNK_SCALES: list[tuple[str, Draw]] = [
-    ("layers.*.attn.attn_sink", around(0.0, 1.0)),
-    ("layers.*.hc_*_fn", fan_in(0.02)),
-    ("layers.*.hc_*_base", around(0.0, 0.5)),
-    ("layers.*.hc_*_scale", around(1.0, 0.5)),
-    ("hc_head_fn", fan_in(0.02)),
-    ("hc_head_base", around(0.0, 0.5)),
-    ("hc_head_scale", around(1.0, 0.5)),
-    ("layers.*.ffn.gate.bias", around(0.0, 0.3)),
     ("layers.*.attn.wo_b.weight", fan_in(TRUNK_GAIN)),
     ("layers.*.ffn.experts.*.w2.weight", fan_in(TRUNK_GAIN)),
     ("layers.*.ffn.shared_experts.w2.weight", fan_in(TRUNK_GAIN)),
     ("*.confidence_head.proj.weight", fan_in(0.01)),
-    ("*norm.weight", around(1.0, 0.1)),
-    ("layers.*.weight", fan_in(1.0)),
 ]
 
 
@@ -93,7 +84,12 @@ def _draw(spec: TensorSpec) -> Draw:
     for pattern, d in TRUNK_SCALES:
         if fnmatch.fnmatchcase(spec.name, pattern):
             return d
-    return draw_for(spec.name)
+    name = spec.name                    # a trunk layer's tensor, or the trunk's stream collapse, as a block's
+    if name.startswith("layers."):
+        name = "mtp.0." + name.split(".", 2)[2]
+    elif name.startswith("hc_head_"):
+        name = "mtp.0." + name
+    return draw_for(name)
 
 
 def _drawn(spec: TensorSpec) -> StoredSpec:
