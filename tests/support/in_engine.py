@@ -161,7 +161,8 @@ def generate(trunk: Trunk, prompt_ids: list[list[int]], *, mode: str, batch: int
         del draft_model.update_kv_from_target          # the instance's own method again
     if hasattr(draft_model, "stats"):
         run.drafter_stats = json.loads(json.dumps(draft_model.stats))
-    gen.close() if hasattr(gen, "close") else None
+    if hasattr(gen, "close"):
+        gen.close()
     return run
 
 
