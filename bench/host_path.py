@@ -28,7 +28,7 @@ from dspark_ray import records as M                                 # noqa: E402
 from dspark_ray.comm.local import LocalCollectives                         # noqa: E402
 from dspark_ray.config import full                                          # noqa: E402
 from dspark_ray.engine import entry_taps                                    # noqa: E402
-from dspark_ray.frontend import Identity, StepService                       # noqa: E402
+from dspark_ray.step_service import Identity, StepService                       # noqa: E402
 from dspark_ray.graphs import GraphSet                                      # noqa: E402
 from dspark_ray.model.state import SlotState                                # noqa: E402
 from dspark_ray.wire import HEADER_SIZE, FrameWriter, decode_payload        # noqa: E402

@@ -171,7 +171,7 @@ def _serve_service(conn, spin_us: float, ray_address: str | None = None, metrics
     `metrics`: and run the front-end's metrics exporter (dspark_ray/metrics.py) beside the service."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # (a spawned process starts bare)
     from dspark_ray.config import full
-    from dspark_ray.frontend import Identity, StepService
+    from dspark_ray.step_service import Identity, StepService
     from dspark_ray.transport.tcp import TcpServer
     from host_path import InstantPair
     if ray_address is not None:

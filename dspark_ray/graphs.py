@@ -67,6 +67,7 @@ import numpy as np
 import torch
 
 from .model import ops
+from .records import STEP_INSERT_ROWS
 from .model.drafter import DraftOut, Drafter
 from .model.state import SlotState
 from .settings import current as settings
@@ -81,9 +82,6 @@ INSERT_BUCKETS = (8, 16, 32, 64, 128)
 EXACT_REQUESTS = 4
 WIDE_BUCKETS = (6, 8, 12, 16)
 MAX_REQUESTS = 16
-# A step graph runs an insert of up to this many rows per request beside the draft (a decode round brings a request's
-# seed and accepted drafts: at most block_size + 1 rows).
-STEP_INSERT_ROWS = 8
 
 
 def step_graphs_enabled() -> bool:

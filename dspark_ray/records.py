@@ -19,6 +19,17 @@ STATUS_OK = 0
 STATUS_STEP_FAILED = 1      # the step failed, the pair is still in step (latch open)
 STATUS_BROKEN = 2           # the engine's health latch is closed: restart the rank
 
+# A decode round's entry carries its seed and accepted drafts: at most this many rows of taps (the ranks' graphs
+# size their insert buffers by it, the front-end its ring slots).
+STEP_INSERT_ROWS = 8
+
+
+def ring_slot_bytes(limits) -> int:
+    """A ring slot that holds a decode round of the widest batch in place; a larger batch spills to a segment of
+    its own, created and faulted in per message."""
+    round_bytes = limits.max_entries_per_replay * (STEP_INSERT_ROWS * (2 * limits.taps_width + 4) + 256)
+    return max(1 << 20, -(-(round_bytes + 4096) // 4096) * 4096)
+
 
 class RingBatch(msgspec.Struct, array_like=True, gc=False):
     resets: list[int]                   # slots whose context is forgotten before the entries run (acquire, resync)

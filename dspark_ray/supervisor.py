@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable
 
-from .frontend import PairFailure, StepService
+from .step_service import PairFailure, StepService
 
 log = logging.getLogger("dspark_ray.supervisor")
 

@@ -468,7 +468,7 @@ def test_the_doc_header_table_is_the_wire_header():
 
 def test_the_doc_quotes_the_codes_reasons():
     """The refusals the doc shows as examples are the code's, word for word."""
-    from dspark_ray.frontend import Identity, StepService
+    from dspark_ray.step_service import Identity, StepService
     text = DOC.read_text()
     lim16 = msgspec.structs.replace(LIMITS, slot_capacity=16)
     assert C.validate_acquire(C.Acquire(n=17), lim16) in text.replace("\n  ", " ")

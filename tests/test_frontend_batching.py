@@ -10,7 +10,7 @@ import pytest
 
 from dspark_ray import contract as C
 from dspark_ray.records import RingBatch
-from dspark_ray.frontend import Identity, PairLate, StepService
+from dspark_ray.step_service import Identity, PairLate, StepService
 
 WINDOW = 8
 
@@ -26,7 +26,7 @@ class _Pair:
         self.fail = False
         self.short = False          # answer one entry fewer than the batch holds
         self.resets: list[list[int]] = []
-        self.honour_deadline = False    # as PairManager: PairLate at the deadline, resume() waits for the gate
+        self.honour_deadline = False    # as RingDriver: PairLate at the deadline, resume() waits for the gate
 
     def run(self, batch: RingBatch, deadline_ns=None) -> list[C.EntryResult]:
         self.batches.append((threading.get_ident(), [e.slot for e in batch.entries]))

@@ -12,7 +12,7 @@ import pytest
 
 from dspark_ray import contract as C
 from dspark_ray.records import RingBatch
-from dspark_ray.frontend import Identity, PairFailure, StepService
+from dspark_ray.step_service import Identity, PairFailure, StepService
 from dspark_ray.metrics import ANSWER_CODES, Exporter
 from dspark_ray.wake_ups import WakeUps
 

@@ -14,7 +14,7 @@ from support import workload
 from dspark_ray.client import ClientError
 from dspark_ray.engine import RankEngine
 from support.batches import Driver
-from dspark_ray.frontend import Identity, StepService
+from dspark_ray.step_service import Identity, StepService
 from dspark_ray.modes import make_drafter
 from dspark_ray.pool import DrafterPool
 from dspark_ray.transport.tcp import TcpServer

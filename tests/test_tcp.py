@@ -427,7 +427,7 @@ def test_an_idle_connection_is_kept_with_its_slots(server, front):
 def test_an_acquire_that_can_never_be_granted_is_a_bad_request(n):
     """n < 1 or n > slot_capacity can never succeed: BAD_ENTRY naming n and the rule, not OVERLOADED (which says:
     try again later), and no slot is granted. Also at the ends of what a msgpack int holds (2**63, 2**64-1)."""
-    from dspark_ray.frontend import Identity, StepService
+    from dspark_ray.step_service import Identity, StepService
     svc = StepService(Identity(**SERVED), LIMITS, None, window=LIMITS.sliding_window)
     with TcpServer(svc, max_frame_bytes=LIMITS.max_frame_bytes).start() as srv:
         with connect(srv) as c:

@@ -1,261 +1,28 @@
 """The front-end actor: owns the step ring, the rank actors of its pair, the STEP endpoint and the supervisor.
 
-`RingPair` is the `Pair` the service drives: one publish into the ring, one wait for every rank's completion
-record (bounded: the watchdog), no Ray call. `PairManager` does the Ray part at the edges: create the rank actors
-in their placement-group bundles, load, connect, serve; on restart kill them and do it again.
+The step service drives the pair through a `RingDriver` (one publish, one wait for the completions, no Ray call);
+a `PairLauncher` does the Ray part at the edges (create, load, connect and serve the rank actors; restart them).
 """
 from __future__ import annotations
 
-import collections
-import contextlib
 import logging
 import os
-import socket
 import sys
-import threading
 import time
-from dataclasses import asdict
 
-from .. import records as M
-from ..contract import EntryResult
 from ..endpoints import Directory
-from ..frontend import PairFailure, PairLate, StepService
-from ..keep_warm import REHEARSAL_ENTRIES, KeepWarm
+from ..keep_warm import KeepWarm
 from ..metrics import Exporter
+from ..records import ring_slot_bytes
+from ..ring_driver import RingDriver
 from ..scheduling import pin_thread, process_facts, raise_priority
 from ..settings import current as settings
 from ..spec import SAFE_ENV, PairSpec
-from ..stamps import Stamps, cpu_now, now
-from ..transport.ring import RingError, RingTimeout, StepRing, remove_orphans
+from ..step_service import StepService
+from ..transport.ring import StepRing, remove_orphans
+from .pair import PairLauncher
 
 log = logging.getLogger("dspark_ray.frontend")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ring_slot_bytes(limits) -> int:
-    """A ring slot that holds a decode round of the widest batch in place (each entry's seed and accepted drafts:
-    up to graphs.STEP_INSERT_ROWS rows of taps): a larger batch spills to a segment of its own, created and
-    faulted in per message (~3 MB on the full preset at 16 entries)."""
-    from ..graphs import STEP_INSERT_ROWS
-    round_bytes = limits.max_entries_per_replay * (STEP_INSERT_ROWS * (2 * limits.taps_width + 4) + 256)
-    return max(1 << 20, -(-(round_bytes + 4096) // 4096) * 4096)
-
-
-class PairManager:
-    """The rank actors of one pair and the ring that feeds them."""
-
-    def __init__(self, spec: PairSpec, pg=None, rank_bundles: list[int] | None = None, rank_resources=None,
-                 name: str = "dspark", slot_bytes: int = 1 << 20):
-        self.spec, self.pg, self.name = spec, pg, name
-        self.rank_bundles = rank_bundles or list(range(spec.tp))
-        self.rank_resources = rank_resources or {"num_cpus": 0.5}
-        self.ring = StepRing.create(f"dspark-{name}", n_readers=spec.tp, slot_bytes=slot_bytes, n_slots=4,
-                                    spin_us=spec.spin_us)
-        self.ranks: list = []
-        self.placement: list[dict] = []    # per rank: its node and cards (RankActor.placement)
-        self.progress_cb = None
-        self.stamps = Stamps()         # per batch: publish, posting (with the ring seq), completions seen
-        self.last_seq: int | None = None
-        # Hung-step bound: a collective's own timeout plus slack, so a timed-out collective reports itself
-        # ("broken") before the watchdog calls the step hung.
-        self.step_bound_s = spec.step_timeout_s or spec.collective_timeout_s * 2 + 5.0
-        self.keep_warm = None          # a keep_warm.KeepWarm: the wait for completions rehearses the batch's coding
-        # The last batches' shapes (requests, n_out, margins): what a restarted one-card rank captures first.
-        self.shapes: collections.deque = collections.deque(maxlen=256)
-        # The last start-up's stamps (wall-clock seconds): begun, old ranks gone, actors asked for, loaded,
-        # connected, serving (bench/restart.py lays them out beside the ranks' own).
-        self.startup: dict[str, float] = {}
-        self.checkpoint_files: list[str] = []       # (read ahead on a restart; the front-end sets them)
-
-    def _actor_options(self, r: int) -> dict:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        opts = dict(self.rank_resources)
-        # The ranks read the front-end's settings (settings.py), whatever the node's environment says.
-        env = {**SAFE_ENV, **settings().as_env(), "OMP_NUM_THREADS": str(self.spec.torch_threads),
-               "PYTHONUNBUFFERED": "1"}
-        if self.spec.device.startswith("cuda"):
-            # Load every kernel at start-up: a lazy module load can synchronize the context and deadlock against
-            # a collective spinning on the same card (CUDA programming guide, lazy loading). Only where such a
-            # collective runs: eager loading makes every kernel of every CUDA library part of the context's
-            # creation, which a one-card rank's start-up (and its restart) need not wait for. Set either way: a
-            # worker would otherwise inherit whatever the node's environment says.
-            env["CUDA_MODULE_LOADING"] = "EAGER" if self.spec.backend == "push" else "LAZY"
-        opts["runtime_env"] = {"env_vars": env}
-        opts["max_restarts"] = 0         # the front-end restarts the pair as a whole, never one rank alone
-        opts["name"], opts["namespace"] = self.rank_name(r), "dspark"     # found again by a restarted front-end
-        if self.pg is not None:
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=self.rank_bundles[r])
-        return opts
-
-    def rank_name(self, r: int) -> str:
-        return f"{self.name}-rank{r}"
-
-    def kill_leftovers(self, timeout_s: float = 30.0) -> None:
-        """Kill rank actors of this pair that outlived their owner (a front-end that died and was restarted), and
-        wait until their names are free."""
-        import ray
-        deadline = time.monotonic() + timeout_s
-        for r in range(self.spec.tp):
-            while True:
-                try:
-                    a = ray.get_actor(self.rank_name(r), namespace="dspark")
-                except ValueError:
-                    break
-                ray.kill(a, no_restart=True)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank actor {self.rank_name(r)} still exists after {timeout_s} s")
-                time.sleep(0.1)
-
-    def start(self, first: list[tuple[int, int, bool]] | None = None) -> None:
-        """Create, load, connect and serve the ranks. `first`: on a restart, the shapes of the last batches (a
-        one-card rank captures their graphs first and serves, rank_worker.py)."""
-        import ray
-        from .rank import rank_actor_class           # (a rank's code: torch, kept out of the front-end's imports)
-        Rank = rank_actor_class()
-        stamp = self.startup = {"begun": time.time()}
-        self.kill_leftovers()
-        stamp["old_ranks_gone"] = time.time()
-        t0 = time.monotonic()
-        self.ranks = [Rank.options(**self._actor_options(r)).remote(asdict(self.spec), r)
-                      for r in range(self.spec.tp)]
-        stamp["actors_asked"] = time.time()
-        loads = [a.load.remote() for a in self.ranks]
-        while True:
-            done, _ = ray.wait(loads, num_returns=len(loads), timeout=0.25)
-            if self.progress_cb:
-                self.progress_cb(ray.get([a.progress.remote() for a in self.ranks]))
-            if len(done) == len(loads):
-                break
-        ray.get(loads)
-        stamp["loaded"] = time.time()
-        init = f"tcp://127.0.0.1:{_free_port()}" if self.spec.tp == 2 else None
-        ray.get([a.connect.remote(init, first) for a in self.ranks], timeout=120)
-        stamp["connected"] = time.time()
-        for r in range(self.spec.tp):
-            self.ring.reset_reader(r)
-        ray.get([a.serve.remote(self.ring.handle) for a in self.ranks])
-        stamp["serving"] = time.time()
-        self.placement = ray.get([a.placement.remote() for a in self.ranks], timeout=30)
-        log.info("pair %s: %d ranks up in %.2f s (%s)", self.name, self.spec.tp, time.monotonic() - t0,
-                 self.spec.backend if self.spec.tp == 2 else "tp1")
-
-    def kill(self) -> None:
-        import ray
-        for a in self.ranks:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:       # already dead
-                pass
-        self.ranks = []
-
-    def restart(self) -> None:
-        # The checkpoint's files back into the page cache now, while the new ranks' processes start (if the host
-        # dropped them): their weights are read from memory (weights/staging.py).
-        from ..weights.staging import prefetch
-        threading.Thread(target=prefetch, args=(self.checkpoint_files,), name="dspark-prefetch", daemon=True).start()
-        self.kill()
-        self.start(first=sorted(set(self.shapes)) or None)
-
-    def run(self, batch: M.RingBatch, deadline_ns: int | None = None) -> list[EntryResult]:
-        """One step through the ring. A missing completion within the bound is a hang (or a death): the ranks
-        are killed so nothing stale can answer later, and the supervisor restarts the pair. Still running at
-        `deadline_ns`: PairLate, whose resume() waits on (the same bound, counted from the publish)."""
-        # Stamps before each hand-off (a stamp taken after one can trail the reader's).
-        row = {"publish": now()}
-        with self._failing_closed("ring slot"):
-            payload = M.encode(batch)
-            row["posting"] = now()
-            seq = self.ring.publish(payload, timeout_s=self.step_bound_s)
-        row["seq"] = seq
-        self.shapes.append(batch_shape(batch))
-        bound = time.monotonic() + self.step_bound_s
-        return self._collect(batch, payload, row, bound, deadline_ns)
-
-    @contextlib.contextmanager
-    def _failing_closed(self, waited_for: str):
-        """The ring's errors as pair failures, the ranks killed first: a stuck rank must never answer later."""
-        try:
-            yield
-        except RingTimeout as e:
-            self.kill()
-            raise PairFailure("hung", f"no {waited_for} within the {self.step_bound_s:g} s watchdog: {e}") from None
-        except RingError as e:
-            self.kill()
-            raise PairFailure("broken", str(e)) from None
-
-    def _collect(self, batch: M.RingBatch, payload: bytes, row: dict, bound: float,
-                 deadline_ns: int | None, late: bool = False) -> list[EntryResult]:
-        seq = row["seq"]
-        # A batch past its deadline (the reaper's wait) is waited for asleep: spinning and rehearsing there would
-        # hold the GIL against the connection threads that answer the next STEPs by their deadlines.
-        wait = dict(spin_us=0.0, idle=None) if late else dict(idle=self.keep_warm)
-        with self._failing_closed("completion"):
-            while True:
-                # Slices of the bound, so a dead or failed rank is noticed within ~0.1 s instead of at the bound,
-                # and the caller gets its turn back at its deadline.
-                left = bound - time.monotonic()
-                if deadline_ns is not None:
-                    left = min(left, (deadline_ns - now()) / 1e9)
-                try:
-                    comps = self.ring.wait_completions(seq, timeout_s=min(0.1, max(0.0, left)), **wait)
-                    break
-                except RingTimeout:
-                    dead = self.ring.dead_readers()
-                    if dead:
-                        self.kill()
-                        raise PairFailure("dead", f"rank(s) {dead} died during step {seq}") from None
-                    broken = [r for r, st in self.ring.completed_so_far(seq).items() if st == M.STATUS_BROKEN]
-                    if broken:
-                        # A rank's latch closed (its collective timed out: the peer is gone, frozen or slow) while
-                        # the other is still on the step: the pair is known bad now, not at the watchdog. (A rank
-                        # that failed the step with its latch open is waited for: its peer fails alike.)
-                        self.kill()
-                        raise PairFailure("broken", f"rank(s) {broken} broke on step {seq} while the others "
-                                                    f"still ran it") from None
-                    if time.monotonic() >= bound:
-                        raise
-                    if deadline_ns is not None and now() >= deadline_ns:
-                        raise PairLate(lambda: self._collect(batch, payload, row, bound, None, late=True)) from None
-        statuses = [s for s, _ in comps]
-        if any(s == M.STATUS_BROKEN for s in statuses) or any(s == M.STATUS_STEP_FAILED for s in statuses):
-            kind = "broken" if M.STATUS_BROKEN in statuses else "step"
-            errs = "; ".join(f"rank {r}: {M.decode_reply(p).error}" for r, (s, p) in enumerate(comps) if s)
-            raise PairFailure(kind, errs)
-        row["completions"], row["cpu_completions"] = now(), cpu_now()
-        results = M.decode_reply(comps[0][1]).results
-        self.last_seq = seq
-        self.stamps.add(row)
-        if self.keep_warm is not None and self.keep_warm.wants_sample("batch", len(payload)):
-            sample = batch.head(REHEARSAL_ENTRIES)      # (keep_warm.py)
-            self.keep_warm.set("batch", lambda: M.encode(sample))
-            self.keep_warm.set("reply", lambda reply=comps[0][1]: M.decode_reply(reply))
-        return results
-
-    def status(self) -> list[dict]:
-        import ray
-        out = []
-        for r, a in enumerate(self.ranks):
-            try:
-                out.append(ray.get(a.status.remote(), timeout=2))
-            except Exception as e:
-                out.append({"rank": r, "error": f"{type(e).__name__}: {e}"})
-        return out
-
-    def close(self) -> None:
-        self.kill()
-        self.ring.unlink()
-
-
-def batch_shape(batch: M.RingBatch) -> tuple[int, int, bool]:
-    """A batch as the ranks' graphs key it: its requests, the widest n_out, whether any entry wants margins."""
-    es = batch.entries
-    return len(es), max((e.n_out for e in es), default=0), any(e.want_margins for e in es)
 
 
 def _rss_bytes() -> int:
@@ -268,7 +35,7 @@ def frontend_actor_class():
 
     @ray.remote(max_concurrency=8)
     class FrontEnd:
-        """A thin shell: a StepService + Supervisor fed by a PairManager, served over TCP."""
+        """A thin shell: a StepService + Supervisor driving a pair's ring, served over TCP."""
 
         def __init__(self, spec: dict, host: str = "127.0.0.1", port: int = 0, name: str = "dspark",
                      pg=None, rank_bundles=None, rank_resources=None, restart_threshold: int = 3):
@@ -279,7 +46,7 @@ def frontend_actor_class():
             import ray
             from ..config import load_config
             from ..contract import Limits
-            from ..frontend import Identity
+            from ..step_service import Identity
             from ..supervisor import Supervisor
             from ..transport.tcp import TcpServer
             from ..weights.loader import Checkpoint
@@ -294,14 +61,21 @@ def frontend_actor_class():
             self.identity = Identity(ck.identity_digest, cfg.digest(), self.spec.tp, cfg.max_model_len)
             self.limits = Limits.for_config(cfg, slot_capacity=self.spec.n_slots,
                                             max_entries_per_replay=self.spec.batch_limit(cfg))
-            self.manager = PairManager(self.spec, pg, rank_bundles, rank_resources, name,
-                                       slot_bytes=ring_slot_bytes(self.limits))
-            self.manager.checkpoint_files = ck.files()
+            self.ring = StepRing.create(f"dspark-{name}", n_readers=self.spec.tp,
+                                        slot_bytes=ring_slot_bytes(self.limits), n_slots=4, spin_us=self.spec.spin_us)
+            self.pair = PairLauncher(self.spec, self.ring, pg, rank_bundles, rank_resources, name)
+            self.pair.checkpoint_files = ck.files()
+            # Hung-step bound: a collective's own timeout plus slack, so a timed-out collective reports itself
+            # ("broken") before the watchdog calls the step hung.
+            step_bound_s = self.spec.step_timeout_s or self.spec.collective_timeout_s * 2 + 5.0
+            self.driver = RingDriver(self.ring, step_bound_s, on_fail=self.pair.kill)
             # The endpoint's threads rehearse the last STEP's host path while they wait (keep_warm.py).
             self.keep_warm = KeepWarm(f"front-end {name}")
-            self.manager.keep_warm = self.keep_warm if self.keep_warm.enabled else None
+            self.driver.keep_warm = self.keep_warm if self.keep_warm.enabled else None
             self.service = StepService(self.identity, self.limits, None, window=cfg.sliding_window)
-            self.supervisor = Supervisor(self.service, self.manager.restart, threshold=restart_threshold)
+            # A restarted one-card rank captures the graphs of the last batches' shapes first (rank_worker.py).
+            self.supervisor = Supervisor(self.service, lambda: self.pair.restart(self.driver.recent_shapes()),
+                                         threshold=restart_threshold)
             cpus = self.spec.frontend_cpus
             self.node_ip = ray.util.get_node_ip_address()
             self.node_id = ray.get_runtime_context().get_node_id()
@@ -340,9 +114,9 @@ def frontend_actor_class():
             """Bring the pair up and open the endpoint; returns "host:port"."""
             if self.started:
                 return self.server.endpoint
-            self.manager.progress_cb = lambda p: setattr(self, "load_progress", p)
-            self.manager.start()
-            self.service.pair = self.manager
+            self.pair.progress_cb = lambda p: setattr(self, "load_progress", p)
+            self.pair.start()
+            self.service.pair = self.driver
             self.service.unavailable = None
             # The accept thread starts from this one and its connection threads from it: they inherit niceness 0.
             raise_priority(f"front-end {self.name} endpoint")
@@ -373,7 +147,7 @@ def frontend_actor_class():
                 self.directory.publish_worker(
                     self.name, state=state, endpoint=self.server.endpoint if state == "serving" else None,
                     host=self.host, port=self.server.port, node_id=self.node_id, node_ip=self.node_ip,
-                    cards=[p["cards"] for p in self.manager.placement], tp=self.spec.tp, pid=os.getpid())
+                    cards=[p["cards"] for p in self.pair.placement], tp=self.spec.tp, pid=os.getpid())
             except ConnectionError as e:        # the table is for finding workers; serving goes on without it
                 log.warning("front-end %s: endpoint table not updated (%s): %s", self.name, state, e)
 
@@ -390,7 +164,7 @@ def frontend_actor_class():
         def status(self) -> dict:
             return {"rss_bytes": _rss_bytes(), "process": process_facts(), "name": self.name,
                     "endpoint": self.server.endpoint if self.started else None, "node_ip": self.node_ip,
-                    "node_id": self.node_id, "cards": [p["cards"] for p in self.manager.placement],
+                    "node_id": self.node_id, "cards": [p["cards"] for p in self.pair.placement],
                     "tp": self.spec.tp, "backend": self.spec.backend, "model_digest": self.identity.model_digest,
                     "max_batch": self.limits.max_entries_per_replay,
                     "pid": os.getpid(), "env": {k: os.environ.get(k) for k in SAFE_ENV},
@@ -398,12 +172,12 @@ def frontend_actor_class():
                     **self.service.status(), "supervisor": self.supervisor.status(),
                     "keep_warm": self.keep_warm.status(),
                     "wake_ups": self.server.wake_ups.status(),
-                    "startup": self.manager.startup,
-                    "ranks": self.manager.status()}
+                    "startup": self.pair.startup,
+                    "ranks": self.pair.status()}
 
         def set_fault(self, rank: int, kind: str | None, **params) -> str:
             import ray
-            msg = ray.get(self.manager.ranks[rank].set_fault.remote(kind, **params))
+            msg = ray.get(self.pair.ranks[rank].set_fault.remote(kind, **params))
             log.warning("fault injection: %s", msg)
             return msg
 
@@ -411,11 +185,11 @@ def frontend_actor_class():
             """Recent per-step stamps of every party behind this endpoint (bench/step_latency.py joins them)."""
             import ray
             return {"tcp": self.server.stamps.recent(), "service": self.service.stamps.recent(),
-                    "ring": self.manager.stamps.recent(),
-                    "ranks": ray.get([a.stamps.remote() for a in self.manager.ranks], timeout=10)}
+                    "ring": self.driver.stamps.recent(),
+                    "ranks": ray.get([a.stamps.remote() for a in self.pair.ranks], timeout=10)}
 
         def rank_pids(self) -> list[int]:
-            return [s.get("pid") for s in self.manager.status()]
+            return [s.get("pid") for s in self.pair.status()]
 
         def shutdown(self) -> None:
             try:
@@ -424,7 +198,8 @@ def frontend_actor_class():
                 log.warning("front-end %s: its endpoint table entry stays: %s", self.name, e)
             self.server.stop()
             self.metrics.stop()
-            self.manager.close()
+            self.pair.kill()
+            self.ring.unlink()
             log.info("front-end %s stopped", self.name)
 
     return FrontEnd

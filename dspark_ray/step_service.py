@@ -1,7 +1,7 @@
 """The front-end's logic as a plain class: sessions, slots, contract checks, batching, and the failure policy.
 
 `FrontEnd` (the Ray actor in `actors/frontend.py`) is a thin shell around `StepService`; the ranks sit behind a
-`Pair` (`actors.frontend.PairManager`: the step ring and the rank actors).
+`Pair` (`ring_driver.RingDriver`: the step ring the rank actors read).
 
 Per STEP, nothing reaches a rank before every field was checked: stateless rules (contract.validate_entries),
 then the slot's owner, generation and cursor (position gap, rollback depth, drafts below max_model_len) here. This
@@ -34,7 +34,7 @@ from .records import RingBatch
 from .slot_cursor import SlotCursor
 from .stamps import Stamps, cpu_now, now
 
-log = logging.getLogger("dspark_ray.frontend")
+log = logging.getLogger("dspark_ray.step_service")
 
 
 class PairFailure(RuntimeError):
