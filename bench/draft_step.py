@@ -111,6 +111,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     from dspark_ray.model.drafter import Drafter
     from dspark_ray.model.layout import Layout
     from dspark_ray.modes import read_rank
+    from dspark_ray.recorders import StepMarks
     from dspark_ray.stamps import now
     from dspark_ray.weights.loader import Checkpoint
     ck = Checkpoint(args.ckpt)
@@ -135,10 +136,11 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     log(f"{mode} rank {rank}: loaded {resident / 2**30:.2f} GiB in {time.time() - t0:.1f} s ({describe(d.kernels)}); "
         f"Markov bias rows cached: {d.markov_cache_bytes / 2**30:.2f} GiB in {t_cache:.2f} s")
     # Slots for the widest shape timed (4 at least: the step and insert rows use them) and one for the inserts.
+    marks = StepMarks()                 # the stamps of the call in hand
     if args.graph_set == "minimal":     # A/B of the time outside the kernels against the set's size (docs/engine.md)
-        gs = GraphSet(d, n_slots=5, max_requests=1, n_outs=(5,), insert_buckets=(8, 128))
+        gs = GraphSet(d, n_slots=5, max_requests=1, n_outs=(5,), insert_buckets=(8, 128), observer=marks)
     else:
-        gs = GraphSet(d, n_slots=n_req + 1, max_requests=n_req)
+        gs = GraphSet(d, n_slots=n_req + 1, max_requests=n_req, observer=marks)
     gs.capture(lambda k, n: log(f"{mode} rank {rank}: captured {k}/{n}") if k % 15 == 0 or k == n else None)
     log(f"{mode} rank {rank}: {gs.n_graphs} graphs in {gs.capture_seconds:.2f} s, {gs.graph_bytes / 2**20:.0f} MiB")
     states = _slots(gs, cfg, n_req if args.graph_set == "full" else 4, cfg.sliding_window + 32, args.start)
@@ -160,6 +162,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
         for i in range(args.warmup + n):
             if barrier:
                 barrier()
+            marks.row = {}
             ev[0].record()
             t0 = now()
             fn()
@@ -167,10 +170,10 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
             ev[1].synchronize()
             if i >= args.warmup:
                 times.append(ev[0].elapsed_time(ev[1]))
-                marks = {"start": t0, **gs.last_stamps}      # an insert alone has no launched / synced
+                row = {"start": t0, **marks.row}      # an insert alone has no launched / synced
                 for k, a, b in HOST_PIECES:
-                    if a in marks and b in marks:
-                        host.setdefault(k, []).append((marks[b] - marks[a]) / 1e3)
+                    if a in row and b in row:
+                        host.setdefault(k, []).append((row[b] - row[a]) / 1e3)
         return times
 
     def host_p50() -> dict:

@@ -26,6 +26,7 @@ from dspark_ray import records as M                 # noqa: E402
 from dspark_ray.config import tiny                          # noqa: E402
 from dspark_ray.engine import RankEngine                    # noqa: E402
 from dspark_ray.modes import make_drafter                   # noqa: E402
+from dspark_ray.recorders import StepMarks                  # noqa: E402
 from dspark_ray.weights.loader import Checkpoint            # noqa: E402
 from dspark_ray.weights.synth import synthesize             # noqa: E402
 from tcp_roundtrip import _commit, _device, emit             # noqa: E402
@@ -46,7 +47,8 @@ def main() -> None:
     cfg = tiny()
     with tempfile.TemporaryDirectory() as ckpt:
         synthesize(cfg, ckpt, progress=False)
-        eng = RankEngine(make_drafter(cfg, "tp1", ckpt=Checkpoint(ckpt)), 4, graphs=True)
+        marks = StepMarks()                             # the engine's and the graph set's stamps of a step
+        eng = RankEngine(make_drafter(cfg, "tp1", ckpt=Checkpoint(ckpt)), 4, graphs=True, observer=marks)
     gs, cached = eng.graphs, {}
     replay = gs._replay
 
@@ -70,8 +72,9 @@ def main() -> None:
         row = {"loop_got": time.monotonic_ns()}
         batch = M.decode_batch(view)                    # what RankWorker._loop does with a ring slot
         row["loop_decoded"] = time.monotonic_ns()
+        marks.row = {}
         results = eng.step(batch)
-        row.update(eng.last_stamps)
+        row.update(marks.row)
         M.encode(M.RingReply(results))
         row["loop_encoded"] = time.monotonic_ns()
         pos += a.rows

@@ -171,6 +171,7 @@ def _serve_service(conn, spin_us: float, ray_address: str | None = None, metrics
     `metrics`: and run the front-end's metrics exporter (dspark_ray/metrics.py) beside the service."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # (a spawned process starts bare)
     from dspark_ray.config import full
+    from dspark_ray.recorders import ServerRecorder, ServiceRecorder
     from dspark_ray.step_service import Identity, StepService
     from dspark_ray.transport.tcp import TcpServer
     from host_path import InstantPair
@@ -181,9 +182,11 @@ def _serve_service(conn, spin_us: float, ray_address: str | None = None, metrics
         ray.init(address=ray_address, log_to_driver=False, logging_level=logging.WARNING)
     cfg = full()
     limits = C.Limits.for_config(cfg, slot_capacity=16)
+    stamped = {"service": ServiceRecorder(), "tcp": ServerRecorder("bench", spin_us)}     # stamps, no rehearsals
     svc = StepService(Identity("bench", "bench", 2, cfg.max_model_len), limits, InstantPair(),
-                      window=cfg.sliding_window)
-    srv = TcpServer(svc, "127.0.0.1", 0, max_frame_bytes=limits.max_frame_bytes, spin_us=spin_us).start()
+                      window=cfg.sliding_window, observer=stamped["service"])
+    srv = TcpServer(svc, "127.0.0.1", 0, max_frame_bytes=limits.max_frame_bytes, spin_us=spin_us,
+                    observer=stamped["tcp"]).start()
     exporter = None
     if metrics:
         from dspark_ray.metrics import Exporter
@@ -195,9 +198,9 @@ def _serve_service(conn, spin_us: float, ray_address: str | None = None, metrics
         exporter.stop()
         exports = {"exports": exporter.exports, "steps": svc.stats["steps"],
                    "cpu_us_per_step": round(exporter.cpu_ns / 1e3 / max(1, svc.stats["steps"]), 2)}
-    by_recv = {r["recv"]: r for r in svc.stamps.recent()}
+    by_recv = {r["recv"]: r for r in stamped["service"].stamps.recent()}
     hops = {"frame_read": [], "checks": [], "batch_and_answers": [], "reply_send": []}
-    for t in srv.stamps.recent():
+    for t in stamped["tcp"].stamps.recent():
         v = by_recv[t["recv"]]
         for k, a, b in (("frame_read", t["recv"], t["read"]), ("checks", t["read"], v["admitted"]),
                         ("batch_and_answers", v["admitted"], v["reply"]), ("reply_send", v["reply"], t["sent"])):

@@ -23,8 +23,8 @@ from .contract import Entry, EntryResult
 from .graphs import MAX_REQUESTS, GraphSet, HostDraft
 from .model.drafter import Drafter
 from .model.state import SlotState
+from .observers import RankObserver
 from .records import RingBatch
-from .stamps import now
 
 log = logging.getLogger("dspark_ray.engine")
 
@@ -111,8 +111,11 @@ class RankEngine:
     slot appears at most once in a batch. One place checks, so the ranks cannot disagree about what to refuse."""
 
     def __init__(self, drafter: Drafter, n_slots: int, rank: int = 0, graphs: bool = False,
-                 progress=None, max_batch: int = MAX_REQUESTS, first: list[tuple[int, int, bool]] | None = None):
+                 progress=None, max_batch: int = MAX_REQUESTS, first: list[tuple[int, int, bool]] | None = None,
+                 observer: RankObserver | None = None):
+        """`observer`: the rank's (observers.RankObserver), told of the step's phases and handed to the graph set."""
         self.drafter, self.rank = drafter, rank
+        self.observer = observer or RankObserver()
         c = drafter.cfg
         self.width = c.n_taps * c.hidden_size
         self._no_taps = torch.zeros(0, self.width, dtype=torch.float16)
@@ -120,16 +123,13 @@ class RankEngine:
         drafter.use_collectives(self.coll)
         self.graphs = None
         if graphs:
-            self.graphs = GraphSet(drafter, n_slots, max_batch)
+            self.graphs = GraphSet(drafter, n_slots, max_batch, observer=self.observer)
             self.graphs.capture(progress, first=first)     # `first`: only what those batches need, the rest later
             self.slots: list[SlotState] = self.graphs.slots     # the rings live in the graph set's pool
         else:
             self.slots = [drafter.new_slot() for _ in range(n_slots)]
         self.broken: str | None = None
         self.steps = 0
-        # Where the last step's time went (stamps.now): entered, resets done, work done (placements, inserts, draft),
-        # finished (answers and the collectives' fail-closed check); with graphs also the graph set's own stamps.
-        self.last_stamps: dict[str, int] = {}
         self.failed_steps = 0
         self.last_error = ""
         self.fault_hook = None          # callable(phase: str) -> None, set by the fault injector (off by default)
@@ -149,17 +149,17 @@ class RankEngine:
         if self.broken:
             raise EngineBroken(f"rank {self.rank} refuses steps: {self.broken}")
         self.steps += 1
-        t0 = now()
+        self.observer.stamp("engine_in", cpu=True)
         self.coll.count = 0
         entries = batch.entries
         done = False       # every collective of the step has completed
         try:
             self._hook("start")
             self.reset_slots(batch.resets)
-            t1 = now()
+            self.observer.stamp("started")
             results = []
             res = self._run(batch) if entries else None
-            t2 = now()
+            self.observer.stamp("ran")
             if entries:
                 for j, e in enumerate(entries):
                     # the all-confident prefix of the first k of the batch's n_out drafts (the loop never looks
@@ -178,9 +178,7 @@ class RankEngine:
                 self.coll.check()
             done = True
             self._hook("end")
-            self.last_stamps = {"engine_in": t0, "started": t1, "ran": t2, "engine_out": now()}
-            if self.graphs is not None and entries:
-                self.last_stamps.update(self.graphs.last_stamps)
+            self.observer.stamp("engine_out", cpu=True)
         except Exception as e:
             self.failed_steps += 1
             self.last_error = f"{type(e).__name__}: {e}"

@@ -70,8 +70,8 @@ from .model import ops
 from .records import STEP_INSERT_ROWS
 from .model.drafter import DraftOut, Drafter
 from .model.state import SlotState
+from .observers import RankObserver
 from .settings import current as settings
-from .stamps import now
 
 INSERT_BUCKETS = (8, 16, 32, 64, 128)
 # Batches of 1-4 requests have a graph each for every (n_out, margins). A wider batch is padded to the next of these
@@ -226,8 +226,12 @@ class _Inputs:
 
 class GraphSet:
     def __init__(self, drafter: Drafter, n_slots: int = 16, max_requests: int = MAX_REQUESTS,
-                 n_outs: tuple[int, ...] | None = None, insert_buckets: tuple[int, ...] = INSERT_BUCKETS):
+                 n_outs: tuple[int, ...] | None = None, insert_buckets: tuple[int, ...] = INSERT_BUCKETS,
+                 observer: RankObserver | None = None):
+        """`observer`: the rank's (observers.RankObserver): a run's stamps, and its wait for the draft polls with the
+        observer's `idle` (the rank's rehearsals)."""
         self.d = drafter
+        self.observer = observer or RankObserver()
         self.coll = drafter.coll
         c = drafter.cfg
         dev = drafter.device
@@ -289,12 +293,6 @@ class GraphSet:
                                        pin_memory=self.cuda)
         self._status_np = self.status_host.numpy()       # what the fail-closed check reads, a view made once
         self._status_fresh = False
-        # The last run's stamps (stamps.now), in order: entered, the pinned buffer free, the first replay launched
-        # (after the inserts' staging), the insert replays launched, the draft's inputs staged, every replay
-        # launched, synced.
-        self.last_stamps: dict[str, int] = {}
-        # Runs while the host waits for the draft (`_unpack`): the engine's keep-warm rehearsals (keep_warm.py).
-        self.while_waiting: Callable[[Callable[[], bool]], None] | None = None
         self.draft_graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.insert_graphs: dict[int, _Graph] = {}
         # The step graphs: a draft key's draft with an insert of up to step_rows[requests] rows beside it.
@@ -574,14 +572,17 @@ class GraphSet:
             return self._run(inserts, states, seeds, n_out, want_margins, host)
 
     def _run(self, inserts, states, seeds, n_out, want_margins, host) -> DraftOut | HostDraft | None:
-        stamps = self.last_stamps = {"run_in": now()}
+        # The observer's stamps, in order: entered, the pinned buffer free, the first replay launched (after the
+        # inserts' staging), the insert replays launched, the draft's inputs staged, every replay launched, synced.
+        stamp = self.observer.stamp
+        stamp("run_in")
         inp = self.inp
         for s in states + [s for s, _, _ in inserts]:
             if s.index < 0 or self.slots[s.index] is not s:
                 raise ValueError("GraphSet.run takes the set's own slots (GraphSet.slots)")
         self._status_fresh = False
         inp.writable()
-        stamps["writable"] = now()
+        stamp("writable")
         chunks = list(self._chunks(inserts))
         for s, start, taps in inserts:        # the draft reads the slots as they stand after the inserts
             s.advance(start, taps.shape[0])
@@ -600,9 +601,9 @@ class GraphSet:
                 inp.writable()
             rows, bucket = self._stage_insert(chunk)
             self._upload(inp.insert_bytes(rows))
-            stamps.setdefault("first_launch", now())
+            self.observer.stamp_first("first_launch")
             self._replay(self.insert_graphs[bucket])
-            stamps["insert_launched"] = now()
+            stamp("insert_launched")
             inp.mark()
         if not states:
             return None
@@ -612,9 +613,9 @@ class GraphSet:
                 inp.writable()
             self._stage_insert(beside, beside_rows)
             self._stage_draft(states, seeds)
-            stamps["draft_staged"] = now()
+            stamp("draft_staged")
             for k in ("first_launch", "insert_launched"):
-                stamps.setdefault(k, stamps["draft_staged"])
+                self.observer.stamp_first(k, like="draft_staged")
             self._upload(inp.insert_bytes(beside_rows))
             packed = self._replay(self.step_graphs[key])
         else:
@@ -622,11 +623,11 @@ class GraphSet:
             # the draft's region too but never read it, so what they copy of it does not matter; the draft graph
             # uploads its own region when it starts, behind the inserts in stream order, after these writes.
             self._stage_draft(states, seeds)
-            stamps["draft_staged"] = now()
+            stamp("draft_staged")
             self._upload(inp.draft_bytes)
-            stamps.setdefault("first_launch", now())
+            self.observer.stamp_first("first_launch")
             packed = self._replay(self.draft_graphs[key])
-        stamps["launched"] = now()
+        stamp("launched")
         inp.mark()
         return self._unpack(packed, len(states), n_out, key[1], want_margins, host)
 
@@ -712,9 +713,9 @@ class GraphSet:
             self.out_host[:size].copy_(packed.reshape(-1), non_blocking=True)
             self.inp.mark()
         if self.cuda:
-            self.inp.synchronize(self.while_waiting)   # the event recorded behind the draft replay and its download
+            self.inp.synchronize(self.observer.idle)   # the event recorded behind the draft replay and its download
             self._status_fresh = self.status is not None
-        self.last_stamps["synced"] = now()
+        self.observer.stamp("synced")
         return self._read_outputs(size, n, n_out, drafted, want_margins, host_draft)
 
     def _read_outputs(self, size: int, n: int, n_out: int, drafted: int, want_margins: bool,

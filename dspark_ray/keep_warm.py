@@ -28,7 +28,10 @@ import threading
 import time
 from typing import Callable
 
+from . import records as M
+from .contract import MsgType, Step, StepReply
 from .settings import current as settings
+from .wire import FrameWriter, decode_payload, encode_payload
 
 log = logging.getLogger("dspark_ray.keep_warm")
 
@@ -142,3 +145,49 @@ class KeepWarm:
         return {"enabled": self.enabled, "every_us": self.every_ns / 1e3, "hold_us": self.hold_ns / 1e3,
                 "pieces": sorted(self.pieces), "runs": self.runs,
                 "dropped": dict(self.dropped)}                      # copies: status is read from other threads
+
+
+# -- what each party rehearses, from a sample of its last step (its recorder takes the samples: recorders.py) ---------
+def rehearse_frame(warm: KeepWarm, payload, reply: StepReply, checks: Callable[[Step], object] | None) -> None:
+    """A STEP server's connection threads: the STEP's decode, the service's checks (`checks`, its `rehearse`) and
+    the reply's encoding, from the frame's `payload` (the reader's buffer: its first entries are copied out). Three
+    pieces, so a frame that arrives during a rehearsal waits for one of them at most; the reply is encoded into a
+    writer of its own, since any connection's thread may run it."""
+    step = decode_payload(MsgType.STEP, payload)
+    sample = encode_payload(Step(entries=step.entries[:REHEARSAL_ENTRIES], deadline_ms=step.deadline_ms))
+    reply = StepReply(results=reply.results[:REHEARSAL_ENTRIES])
+    scratch = FrameWriter()
+    decoded = [decode_payload(MsgType.STEP, sample)]        # the checks' input, renewed by each decode piece
+
+    def decode():
+        decoded[0] = decode_payload(MsgType.STEP, sample)
+    warm.set("frame_decode", decode)
+    if checks is not None:
+        warm.set("frame_checks", lambda: checks(decoded[0]))
+    warm.set("frame_reply", lambda: scratch.pack(reply, 0))
+
+
+def rehearse_ring_coding(warm: KeepWarm, batch: M.RingBatch, reply: bytes) -> None:
+    """The front-end's ring driver: a batch's encoding and its reply's decoding."""
+    sample = batch.head(REHEARSAL_ENTRIES)
+    warm.set("batch", lambda: M.encode(sample))
+    warm.set("reply", lambda: M.decode_reply(reply))
+
+
+def rehearse_rank_step(warm: KeepWarm, engine, batch: M.RingBatch, results: list | None) -> None:
+    """A rank's step loop: the batch's decode, the engine's host work (`engine.rehearse`), a graph launch on a GPU
+    (at its own period, `launch_rehearsal_period_us`), and with `results` (rank 0's) the answer's encoding. From
+    the batch's first entries, encoded into bytes of their own (the decoded batch views the ring's slot, which is
+    the ring's again once the step is complete)."""
+    sample, decoded = M.encode(batch.head(REHEARSAL_ENTRIES)), []
+
+    def decode():
+        decoded[:] = [M.decode_batch(sample)]
+    warm.set("decode", decode)
+    warm.set("engine", lambda: decoded and engine.rehearse(decoded[0]))
+    launch_every = launch_rehearsal_period_us()
+    if engine.graphs is not None and engine.graphs.cuda and launch_every is not None:
+        warm.set("launch", engine.graphs.rehearse_launch, launch_every)
+    if results is not None:
+        results = results[:REHEARSAL_ENTRIES]
+        warm.set("reply", lambda: M.encode(M.RingReply(results)))

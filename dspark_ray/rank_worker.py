@@ -30,17 +30,17 @@ from . import records as M
 from .model import ops
 from .scheduling import pin_thread, process_facts, raise_priority
 from .engine import EngineBroken, RankEngine, StepFailed
-from .keep_warm import REHEARSAL_ENTRIES, KeepWarm, launch_rehearsal_period_us
+from .observers import RankObserver
 from .settings import current as settings
 from .spec import SAFE_ENV, PairSpec
-from .stamps import Stamps, cpu_now, now
-from .wake_ups import WakeUps
 
 log = logging.getLogger("dspark_ray.rank")
 
 
 class RankWorker:
-    def __init__(self, spec: PairSpec | dict, rank: int):
+    def __init__(self, spec: PairSpec | dict, rank: int, observer: RankObserver | None = None):
+        """`observer` (observers.RankObserver; the rank actor's records stamps, counts wake-ups and rehearses
+        between steps) sees every step of the loop, the engine and the graph set."""
         from .transport.ring import process_started_at
         now_s = time.time()
         self.spec = spec if isinstance(spec, PairSpec) else PairSpec(**spec)
@@ -59,9 +59,7 @@ class RankWorker:
         self._later = None               # a restart's work left for between steps (_after_serving)
         self._thread: threading.Thread | None = None
         self._stop = False
-        self.stamps = Stamps()           # per step: the ring's seq, got / the engine's phases / encoded
-        self.keep_warm = KeepWarm(f"rank {rank}")
-        self.wake_ups = WakeUps(f"rank {rank}", self.spec.spin_us)    # STEPs that found the step loop asleep
+        self.observer = observer or RankObserver()
 
     @contextlib.contextmanager
     def _phase(self, name: str):
@@ -147,7 +145,8 @@ class RankWorker:
         # The front-end checks every entry and places its slot before it publishes a batch: the engine checks nothing.
         with self._phase("graphs"):
             self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress,
-                                     max_batch=self.spec.batch_limit(cfg), first=first if later else None)
+                                     max_batch=self.spec.batch_limit(cfg), first=first if later else None,
+                                     observer=self.observer)
             if cuda:
                 torch.cuda.synchronize()
         self._later = self._after_serving(drafter, markov_rows, first) if later else None
@@ -196,11 +195,9 @@ class RankWorker:
         raise_priority(f"rank {self.rank} step loop")     # this thread only: loading and capture stay at Ray's 15
         if self.spec.rank_cpus:
             pin_thread([self.spec.rank_cpus[self.rank]], f"rank {self.rank} step loop")
-        # Between steps (the ring's wait, the GPU's) this thread rehearses the last step's host path (keep_warm.py).
-        warm = self.keep_warm
-        if self.engine.graphs is not None and warm.enabled:
-            self.engine.graphs.while_waiting = warm
-        spin_us, last_step, sleeps = self.spec.spin_us, time.monotonic(), self.reader.sleeps
+        observer = self.observer
+        observer.serving(self.engine)
+        spin_us, last_step = self.spec.spin_us, time.monotonic()
         while not self._stop:
             try:
                 if self._later is not None:  # work left from a restart: a look at the ring, else one more piece
@@ -208,24 +205,19 @@ class RankWorker:
                 else:
                     # The spin counts from the last step: an idle rank that wakes from a timeout sleeps again at once.
                     left_us = max(0.0, spin_us - (time.monotonic() - last_step) * 1e6)
-                    seq, view = self.reader.next(timeout_s=1.0, spin_us=left_us, idle=warm)
+                    seq, view = self.reader.next(timeout_s=1.0, spin_us=left_us, idle=observer.idle)
             except RingTimeout:
                 if self._later is not None:
                     self._work_later()
                 continue
             except RingClosed:
                 break
-            woke = self.reader.sleeps != sleeps       # any wait since the last step slept
-            row = {"seq": seq, "got": now(), "cpu_got": cpu_now()}
-            status, payload = M.STATUS_OK, b""
+            observer.got(seq, self.reader.sleeps)
+            status, payload, batch, results = M.STATUS_OK, b"", None, None
             try:
                 # The entries view the ring's slot (no copy): it stays ours until complete() below.
                 batch = M.decode_batch(view)
-                # this thread's CPU time at the engine's first and last stamps (stamps.CPU_HOPS)
-                row["cpu_engine_in"] = cpu_now()
                 results = self.engine.step(batch)
-                row["cpu_engine_out"] = cpu_now()
-                row.update(self.engine.last_stamps)
                 if self.rank == 0:
                     payload = M.encode(M.RingReply(results))
             except StepFailed as e:
@@ -235,15 +227,10 @@ class RankWorker:
             except Exception as e:               # decoding or anything unforeseen: latch, the pair may be split
                 self.engine.broken = f"{type(e).__name__}: {e}"
                 status, payload = M.STATUS_BROKEN, M.encode(M.RingReply([], self.engine.broken))
-            # stamped before the hand-off: the front-end may see the completion at once
-            row["encoded"], row["cpu_encoded"] = now(), cpu_now()
-            if status == M.STATUS_OK and warm.wants_sample("batch", len(view)):
-                self._rehearse_from(batch, results)
+            observer.answered(batch, results if status == M.STATUS_OK else None, len(view))
             self.reader.complete(seq, status, payload)
-            warm.ran()
-            last_step, sleeps = time.monotonic(), self.reader.sleeps
-            self.stamps.add(row)
-            self.wake_ups.add(woke)
+            observer.completed()
+            last_step = time.monotonic()
 
     def _work_later(self) -> None:
         """One piece of the work a restart left for between steps (`_after_serving`). A piece that fails closes the
@@ -257,32 +244,12 @@ class RankWorker:
             self.engine.broken = f"start-up work between steps failed: {type(e).__name__}: {e}"
             log.error("rank %d: %s", self.rank, self.engine.broken)
 
-    def _rehearse_from(self, batch, results) -> None:
-        """Rehearse this batch's decode and staging (and rank 0 its answer's encoding) between steps: its first
-        REHEARSAL_ENTRIES entries (keep_warm.py), encoded into bytes of their own (the decoded batch views the ring's
-        slot, which is the ring's again after complete())."""
-        engine, decoded = self.engine, []
-        batch = M.encode(batch.head(REHEARSAL_ENTRIES))
-        results = results[:REHEARSAL_ENTRIES]
-
-        def decode():
-            decoded[:] = [M.decode_batch(batch)]
-        self.keep_warm.set("decode", decode)
-        self.keep_warm.set("engine", lambda: decoded and engine.rehearse(decoded[0]))
-        launch_every = launch_rehearsal_period_us()
-        if engine.graphs is not None and engine.graphs.cuda and launch_every is not None:
-            self.keep_warm.set("launch", engine.graphs.rehearse_launch, launch_every)
-        if self.rank == 0:
-            self.keep_warm.set("reply", lambda: M.encode(M.RingReply(results)))
-
     def status(self) -> dict:
         st = self.engine.status() if self.engine else {"rank": self.rank, "loading": self.progress()}
         st["pid"] = os.getpid()
         st["matmul"] = matmul_status(self.engine.drafter.kernels if self.engine else self.kernels)
         if self.markov_cache is not None:
             st["markov_cache"] = self.markov_cache
-        st["keep_warm"] = self.keep_warm.status()
-        st["wake_ups"] = self.wake_ups.status()
         st["startup"] = self.startup
         st["work_left"] = self._later is not None     # a restart's Markov rows and graphs still being made
         st["process"] = process_facts()

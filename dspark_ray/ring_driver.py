@@ -11,10 +11,11 @@ from typing import Callable
 
 from . import records as M
 from .contract import EntryResult
-from .keep_warm import REHEARSAL_ENTRIES
-from .stamps import Stamps, cpu_now, now
+from .observers import DriverObserver
+from .stamps import now
 from .step_service import PairFailure, PairLate
 from .transport.ring import RingError, RingTimeout, StepRing
+
 
 def batch_shape(batch: M.RingBatch) -> tuple[int, int, bool]:
     """A batch as the ranks' graphs key it: its requests, the widest n_out, whether any entry wants margins."""
@@ -23,11 +24,13 @@ def batch_shape(batch: M.RingBatch) -> tuple[int, int, bool]:
 
 
 class RingDriver:
-    def __init__(self, ring: StepRing, step_bound_s: float, on_fail: Callable[[], None]):
+    def __init__(self, ring: StepRing, step_bound_s: float, on_fail: Callable[[], None],
+                 observer: DriverObserver | None = None):
+        """`observer` (observers.DriverObserver; the front-end's records stamps and rehearses the batch's coding
+        while it waits for the completions) sees every batch."""
         self.ring, self.step_bound_s, self.on_fail = ring, step_bound_s, on_fail
-        self.stamps = Stamps()         # per batch: publish, posting (with the ring seq), completions seen
+        self.observer = observer or DriverObserver()
         self.last_seq: int | None = None
-        self.keep_warm = None          # a keep_warm.KeepWarm: the wait for completions rehearses the batch's coding
         # The last batches' shapes: what a restarted one-card rank captures first.
         self.shapes: collections.deque = collections.deque(maxlen=256)
 
@@ -37,16 +40,16 @@ class RingDriver:
     def run(self, batch: M.RingBatch, deadline_ns: int | None = None) -> list[EntryResult]:
         """One step through the ring. Still running at `deadline_ns`: PairLate, whose resume() waits on (the same
         bound, counted from the publish)."""
-        # Stamps before each hand-off (a stamp taken after one can trail the reader's).
-        row = {"publish": now()}
+        # The observer is told before each hand-off (a stamp taken after one can trail the reader's).
+        self.observer.publishing()
         with self._failing_closed("ring slot"):
             payload = M.encode(batch)
-            row["posting"] = now()
+            self.observer.posting()
             seq = self.ring.publish(payload, timeout_s=self.step_bound_s)
-        row["seq"] = seq
+        self.observer.published(seq)
         self.shapes.append(batch_shape(batch))
         bound = time.monotonic() + self.step_bound_s
-        return self._collect(batch, payload, row, bound, deadline_ns)
+        return self._collect(batch, payload, seq, bound, deadline_ns)
 
     @contextlib.contextmanager
     def _failing_closed(self, waited_for: str):
@@ -59,12 +62,11 @@ class RingDriver:
             self.on_fail()
             raise PairFailure("broken", str(e)) from None
 
-    def _collect(self, batch: M.RingBatch, payload: bytes, row: dict, bound: float,
+    def _collect(self, batch: M.RingBatch, payload: bytes, seq: int, bound: float,
                  deadline_ns: int | None, late: bool = False) -> list[EntryResult]:
-        seq = row["seq"]
         # A batch past its deadline (the reaper's wait) is waited for asleep: spinning and rehearsing there would
         # hold the GIL against the connection threads that answer the next STEPs by their deadlines.
-        wait = dict(spin_us=0.0, idle=None) if late else dict(idle=self.keep_warm)
+        wait = dict(spin_us=0.0, idle=None) if late else dict(idle=self.observer.idle)
         with self._failing_closed("completion"):
             while True:
                 # Slices of the bound, so a dead or failed rank is noticed within ~0.1 s instead of at the bound,
@@ -91,18 +93,12 @@ class RingDriver:
                     if time.monotonic() >= bound:
                         raise
                     if deadline_ns is not None and now() >= deadline_ns:
-                        raise PairLate(lambda: self._collect(batch, payload, row, bound, None, late=True)) from None
+                        raise PairLate(lambda: self._collect(batch, payload, seq, bound, None, late=True)) from None
         statuses = [s for s, _ in comps]
         if any(s == M.STATUS_BROKEN for s in statuses) or any(s == M.STATUS_STEP_FAILED for s in statuses):
             kind = "broken" if M.STATUS_BROKEN in statuses else "step"
             errs = "; ".join(f"rank {r}: {M.decode_reply(p).error}" for r, (s, p) in enumerate(comps) if s)
             raise PairFailure(kind, errs)
-        row["completions"], row["cpu_completions"] = now(), cpu_now()
-        results = M.decode_reply(comps[0][1]).results
+        self.observer.collected(batch, payload, comps[0][1])
         self.last_seq = seq
-        self.stamps.add(row)
-        if self.keep_warm is not None and self.keep_warm.wants_sample("batch", len(payload)):
-            sample = batch.head(REHEARSAL_ENTRIES)      # (keep_warm.py)
-            self.keep_warm.set("batch", lambda: M.encode(sample))
-            self.keep_warm.set("reply", lambda reply=comps[0][1]: M.decode_reply(reply))
-        return results
+        return M.decode_reply(comps[0][1]).results

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from . import contract as C
+from .observers import ServiceObserver
 from .records import RingBatch
 from .slot_cursor import SlotCursor
-from .stamps import Stamps, cpu_now, now
+from .stamps import now
 
 log = logging.getLogger("dspark_ray.step_service")
 
@@ -92,8 +93,11 @@ class _Pending:
 
 class StepService(C.StepHandler):
     def __init__(self, identity: Identity, limits: C.Limits, pair: Pair | None, *, window: int,
-                 on_failure: Callable[[PairFailure, list[int]], None] | None = None):
+                 on_failure: Callable[[PairFailure, list[int]], None] | None = None,
+                 observer: ServiceObserver | None = None):
+        """`observer` (observers.ServiceObserver; the front-end's records stamps) sees every STEP."""
         self.identity, self.limits, self.pair = identity, limits, pair
+        self.observer = observer or ServiceObserver()
         self.slots = [_Slot(SlotCursor(window, limits.max_rows_per_entry)) for _ in range(limits.slot_capacity)]
         self.sessions: dict[int, dict] = {}
         self._ids = itertools.count(1)
@@ -116,9 +120,6 @@ class StepService(C.StepHandler):
         # metrics exporter into its histogram (popleft, so none is counted twice). The bound only bites when
         # nothing drains it: the exporter empties it every second, and a STEP takes ~80 us of one thread.
         self.step_ns: collections.deque[int] = collections.deque(maxlen=1 << 16)
-        # Per STEP: frame received, handler entered, entries admitted, reply built, and the ring seq its first
-        # entry ran in (the join key with the ring's and the ranks' stamps).
-        self.stamps = Stamps()
         self.last_errors: list[str] = []
 
     # -- sessions --------------------------------------------------------------------------------------------------
@@ -204,7 +205,7 @@ class StepService(C.StepHandler):
 
     # -- STEP ------------------------------------------------------------------------------------------------------
     def step(self, session: int, msg: C.Step, received_ns: int):
-        t_in = now()
+        observer = self.observer.step(received_ns)
         err = self._need_hello(session)
         if err:
             self.stats["bad_entry"] += 1
@@ -226,7 +227,7 @@ class StepService(C.StepHandler):
                 else:
                     self.slots[e.slot].busy = True
                     pend.append(_Pending(k, e, deadline, placed))
-        t_admitted, cpu_admitted = now(), cpu_now()
+        observer.admitted()
         with self._turn:
             # The pair idle and nobody queued: this STEP is the batch (no queue round trip).
             alone = 0 < len(pend) <= self.limits.max_entries_per_replay and not self._running and not self.queue
@@ -242,10 +243,8 @@ class StepService(C.StepHandler):
             self._drive(p)
             results[p.index] = p.result
         reply = C.StepReply(results=results)  # type: ignore[arg-type]
-        t_reply = now()
-        self.stamps.add({"recv": received_ns, "in": t_in, "admitted": t_admitted, "reply": t_reply,
-                         "cpu_admitted": cpu_admitted, "cpu_reply": cpu_now(), "seq": pend[0].seq if pend else None})
-        self.step_ns.append(t_reply - received_ns)
+        observer.replied(pend[0].seq if pend else None)
+        self.step_ns.append(now() - received_ns)        # the latency histogram's sample (metrics.py)
         return reply
 
     def rehearse(self, msg: C.Step) -> None:

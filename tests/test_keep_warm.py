@@ -18,7 +18,7 @@ from dspark_ray.keep_warm import KeepWarm, launch_rehearsal_period_us
 from dspark_ray.modes import make_drafter
 from dspark_ray.records import RingBatch
 from dspark_ray.wire import spinning_recv_into
-from dspark_ray import settings
+from dspark_ray import settings, wire
 
 from test_graph_set import N_SLOTS, _same_rings, _same_step
 
@@ -260,11 +260,9 @@ def test_a_wide_batch_is_rehearsed_by_its_first_entries(cfg):
     REHEARSAL_ENTRIES entries: a piece's cost stays bounded (a STEP arriving during it waits for it)."""
     from dspark_ray import contract as C
     from dspark_ray import records as M
-    from dspark_ray.spec import PairSpec
-    from dspark_ray.rank_worker import RankWorker
     from dspark_ray.keep_warm import REHEARSAL_ENTRIES
-    from dspark_ray.transport.tcp import TcpServer
-    from dspark_ray.wire import HEADER_SIZE, FrameWriter
+    from dspark_ray.recorders import RankRecorder, ServerRecorder
+    from dspark_ray.wire import FrameReader
     n = 9
     taps = workload.make_taps(cfg, 2, torch.Generator().manual_seed(1)).numpy()
     seen = []
@@ -274,25 +272,33 @@ def test_a_wide_batch_is_rehearsed_by_its_first_entries(cfg):
 
         def rehearse(self, batch):
             seen.append(("rank", [e.slot for e in batch.entries]))
-    w = RankWorker(PairSpec(checkpoint="x"), 0)
-    w.engine, w.keep_warm = Engine(), KeepWarm("rank", every_us=0, enabled=True)
+    rank = RankRecorder(0, 0.0, KeepWarm("rank", every_us=0, enabled=True))
+    rank.serving(Engine())
     batch = M.RingBatch([3], [C.make_entry(slot=s, generation=1, seed_token=5, token_ids=[1, 2], taps=taps)
                               for s in range(n)], [(0, 2)] * n)
     out = C.ok_result(generation=0, drafts=np.arange(5), confidences=np.full(5, 0.5), confident_len=2)
-    w._rehearse_from(M.decode_batch(M.encode(batch)), [out] * n)     # as the step loop decoded it
-    w.keep_warm()
+    wire_batch = M.encode(batch)
+    rank.got(1, 0)
+    rank.answered(M.decode_batch(wire_batch), [out] * n, len(wire_batch))     # as the step loop decoded it
+    rank.completed()
+    rank.idle()
     assert seen == [("rank", list(range(REHEARSAL_ENTRIES)))]
-    assert set(w.keep_warm.pieces) == {"decode", "engine", "reply"} and not w.keep_warm.dropped
+    assert set(rank.idle.pieces) == {"decode", "engine", "reply"} and not rank.idle.dropped
 
-    class Handler:
-        def rehearse(self, step):
-            seen.append(("server", [e.slot for e in step.entries]))
-    server = TcpServer(Handler(), keep_warm=KeepWarm("server", every_us=0, enabled=True))
     step = C.Step(entries=[C.make_entry(slot=s, generation=1, seed_token=5, token_ids=[1, 2], taps=taps)
                            for s in range(n)], deadline_ms=50.0)
-    writer = FrameWriter()
-    size = writer._encode(step, 0)
-    reply = C.StepReply(results=[C.EntryResult(generation=1) for _ in range(n)])
-    server._rehearse_from(bytes(writer._buf[HEADER_SIZE:size]), reply)
-    server.keep_warm()
-    assert seen[-1] == ("server", list(range(REHEARSAL_ENTRIES))) and not server.keep_warm.dropped
+    a, b = socket.socketpair()
+    with a, b:
+        b.sendall(wire.encode(step, 7))
+        recv = spinning_recv_into(a, 1_000.0)
+        reader = FrameReader(recv)
+        server = ServerRecorder("server", 1_000.0, KeepWarm("server", every_us=0, enabled=True),
+                                checks=lambda step: seen.append(("server", [e.slot for e in step.entries])))
+        session = server.session(recv, reader)
+        _, msg, received_ns = reader.read()
+        session.read(received_ns)
+        session.answered(msg, C.StepReply(results=[C.EntryResult(generation=1) for _ in range(n)]))
+    server.idle()
+    assert seen[-1] == ("server", list(range(REHEARSAL_ENTRIES))) and not server.idle.dropped
+    assert [r["recv"] for r in server.stamps.recent()] == [received_ns]
+    assert server.wake_ups.status()["steps"] == 1

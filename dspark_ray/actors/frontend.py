@@ -13,6 +13,7 @@ import time
 from ..endpoints import Directory
 from ..keep_warm import KeepWarm
 from ..metrics import Exporter
+from ..recorders import DriverRecorder, ServerRecorder, ServiceRecorder
 from ..records import ring_slot_bytes
 from ..ring_driver import RingDriver
 from ..scheduling import pin_thread, process_facts, raise_priority
@@ -68,11 +69,15 @@ def frontend_actor_class():
             # Hung-step bound: a collective's own timeout plus slack, so a timed-out collective reports itself
             # ("broken") before the watchdog calls the step hung.
             step_bound_s = self.spec.step_timeout_s or self.spec.collective_timeout_s * 2 + 5.0
-            self.driver = RingDriver(self.ring, step_bound_s, on_fail=self.pair.kill)
-            # The endpoint's threads rehearse the last STEP's host path while they wait (keep_warm.py).
+            # What the endpoint's parties show (recorders.py): their per-step stamps (`stamps`), the STEPs that found
+            # the endpoint asleep, and the rehearsals of the last STEP's host path while its threads wait.
             self.keep_warm = KeepWarm(f"front-end {name}")
-            self.driver.keep_warm = self.keep_warm if self.keep_warm.enabled else None
-            self.service = StepService(self.identity, self.limits, None, window=cfg.sliding_window)
+            self.recorders = {"service": ServiceRecorder(), "ring": DriverRecorder(self.keep_warm)}
+            self.driver = RingDriver(self.ring, step_bound_s, on_fail=self.pair.kill, observer=self.recorders["ring"])
+            self.service = StepService(self.identity, self.limits, None, window=cfg.sliding_window,
+                                       observer=self.recorders["service"])
+            self.recorders["tcp"] = ServerRecorder(f"front-end {name} endpoint", self.spec.spin_us, self.keep_warm,
+                                                   checks=self.service.rehearse)
             # A restarted one-card rank captures the graphs of the last batches' shapes first (rank_worker.py).
             self.supervisor = Supervisor(self.service, lambda: self.pair.restart(self.driver.recent_shapes()),
                                          threshold=restart_threshold)
@@ -86,7 +91,7 @@ def frontend_actor_class():
                 try:
                     self.server = TcpServer(self.service, host=host, port=p, spin_us=self.spec.spin_us,
                                             on_thread_start=lambda: pin_thread(cpus, f"front-end {name} endpoint"),
-                                            keep_warm=self.keep_warm, advertise=self.node_ip,
+                                            observer=self.recorders["tcp"], advertise=self.node_ip,
                                             max_connections=self.spec.max_connections,
                                             idle_timeout_s=self.spec.idle_timeout_s)
                     break
@@ -171,7 +176,7 @@ def frontend_actor_class():
                     "settings": settings().to_dict(),
                     **self.service.status(), "supervisor": self.supervisor.status(),
                     "keep_warm": self.keep_warm.status(),
-                    "wake_ups": self.server.wake_ups.status(),
+                    "wake_ups": self.recorders["tcp"].wake_ups.status(),
                     "startup": self.pair.startup,
                     "ranks": self.pair.status()}
 
@@ -184,8 +189,7 @@ def frontend_actor_class():
         def stamps(self) -> dict:
             """Recent per-step stamps of every party behind this endpoint (bench/step_latency.py joins them)."""
             import ray
-            return {"tcp": self.server.stamps.recent(), "service": self.service.stamps.recent(),
-                    "ring": self.driver.stamps.recent(),
+            return {**{party: r.stamps.recent() for party, r in self.recorders.items()},
                     "ranks": ray.get([a.stamps.remote() for a in self.pair.ranks], timeout=10)}
 
         def rank_pids(self) -> list[int]:

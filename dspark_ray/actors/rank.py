@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import logging
 
+from ..keep_warm import KeepWarm
 from ..rank_worker import RankWorker
+from ..recorders import RankRecorder
+from ..spec import PairSpec
 
 
 def rank_actor_class():
@@ -14,7 +17,11 @@ def rank_actor_class():
     class RankActor:
         def __init__(self, spec: dict, rank: int):
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-            self.w = RankWorker(spec, rank)
+            # What the rank shows (recorders.py): its per-step stamps, the steps that found it asleep, and the
+            # rehearsals of its last step's host path between steps.
+            spec = spec if isinstance(spec, PairSpec) else PairSpec(**spec)
+            self.recorder = RankRecorder(rank, spec.spin_us, KeepWarm(f"rank {rank}"))
+            self.w = RankWorker(spec, rank, observer=self.recorder)
 
         def load(self):
             return self.w.load()
@@ -29,7 +36,7 @@ def rank_actor_class():
             return self.w.serve(ring_handle)
 
         def status(self):
-            return {**self.w.status(), **self.placement()}
+            return {**self.w.status(), **self.recorder.status(), **self.placement()}
 
         def placement(self) -> dict:
             """Where Ray put this rank: its node and its cards (the GPU ids Ray gave it; none on a CPU rank)."""
@@ -37,7 +44,7 @@ def rank_actor_class():
             return {"node_id": ctx.get_node_id(), "cards": ctx.get_accelerator_ids().get("GPU", [])}
 
         def stamps(self):
-            return self.w.stamps.recent()
+            return self.recorder.stamps.recent()
 
         def set_fault(self, kind: str | None, **params):
             from ..faults import install

@@ -29,14 +29,11 @@ import socket
 import threading
 import time
 
-from ..contract import (MESSAGE_TYPES, Acquire, Code, ErrorReply, Hello, HelloReply, MsgType, Release, ShmAttach,
-                        ShmAttachReply, Step, StepHandler, StepReply)
-from ..keep_warm import REHEARSAL_ENTRIES
-from ..stamps import Stamps, cpu_now, now
-from ..wake_ups import WakeUps
-from ..wire import (DEFAULT_MAX_FRAME_BYTES, HEADER_SIZE, ConnectionClosed, FrameError, FrameReader, FrameWriter,
-                    IdleTimeout, PayloadError, VersionMismatch, bound_blocking_io, decode_payload,
-                    spinning_recv_into)
+from ..contract import (MESSAGE_TYPES, Acquire, Code, ErrorReply, Hello, HelloReply, MsgType, ShmAttach,
+                        ShmAttachReply, Step, StepHandler)
+from ..observers import ServerObserver
+from ..wire import (DEFAULT_MAX_FRAME_BYTES, ConnectionClosed, FrameError, FrameReader, FrameWriter, IdleTimeout,
+                    PayloadError, VersionMismatch, bound_blocking_io, spinning_recv_into)
 from .shm import attach_ring, serve_ring
 
 log = logging.getLogger(__name__)
@@ -104,22 +101,23 @@ class TcpServer:
 
     def __init__(self, handler: StepHandler, host: str = "127.0.0.1", port: int = 0,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_timeout_s: float = 5.0, spin_us: float = 0.0,
-                 max_pollers: int = 2, on_thread_start=None, keep_warm=None, advertise: str | None = None,
-                 max_connections: int = MAX_CONNECTIONS, idle_timeout_s: float | None = IDLE_TIMEOUT_S):
+                 max_pollers: int = 2, on_thread_start=None, observer: ServerObserver | None = None,
+                 advertise: str | None = None, max_connections: int = MAX_CONNECTIONS,
+                 idle_timeout_s: float | None = IDLE_TIMEOUT_S):
         """`spin_us`: how long a connection thread polls for the next frame before it blocks in recv (see
         wire.spinning_recv_into; the front-end passes the ring's spin: 100 ms on a GPU host, 50 us on a CPU). At most
         `max_pollers` threads poll at once, the others block at once: every poll takes the interpreter lock, and
         many polling threads would slow the one that has a STEP to run. `on_thread_start`: called first in the accept
         thread (the front-end pins it there to its vCPUs; the connection threads it starts inherit its affinity).
-        `keep_warm` (a keep_warm.KeepWarm): the polls for the next frame rehearse the last STEP's decode, checks
-        and reply encoding. `advertise`: the address `endpoint` names when `host` is a wildcard (0.0.0.0, ::),
+        `observer` (observers.ServerObserver; the front-end's is a recorders.ServerRecorder: stamps, wake-ups,
+        rehearsals while a connection polls for its next frame) sees every connection's frames. `advertise`: the address `endpoint` names when `host` is a wildcard (0.0.0.0, ::),
         which no client can connect to (the front-end passes its node's IP). `max_connections`, `idle_timeout_s`
         (None: none): the bounds per client (module docstring)."""
         if max_connections < 1:
             raise ValueError(f"max_connections {max_connections}: at least 1")
         self.max_connections, self.idle_timeout_s = max_connections, idle_timeout_s
         self._refusals_logged = (0.0, 0)           # (when, count then): refusals log at most every REFUSAL_LOG_S
-        self.keep_warm = keep_warm
+        self.observer = observer or ServerObserver()
         self.advertise = advertise if host in WILDCARD_HOSTS else None
         self.handler = handler
         self.spin_us = spin_us
@@ -137,11 +135,14 @@ class TcpServer:
         self._conns: set[_Conn] = set()
         self._lock = threading.Lock()
         self._accept_thread: threading.Thread | None = None
-        self.stamps = Stamps()      # per STEP: header received, frame read and decoded, reply sent
-        self.wake_ups = WakeUps(f"tcp server {host}:{self._port}", spin_us)   # STEPs whose read blocked
         # Counts that only grow (exported by metrics.py): connections accepted, those closed for a bad frame, those
         # refused at the connection limit, sessions closed idle.
         self.counts = {"connections": 0, "bad_frames": 0, "connections_refused": 0, "idle_sessions_closed": 0}
+
+    @property
+    def wake_ups(self):
+        """The observer's count of STEPs whose read slept (metrics.py exports it; a recorders.ServerRecorder's)."""
+        return self.observer.wake_ups
 
     @property
     def port(self) -> int:
@@ -235,25 +236,24 @@ class TcpServer:
 
     def _serve(self, conn: _Conn) -> None:
         sock = conn.sock
-        warm = self.keep_warm if self.keep_warm is not None and self.keep_warm.enabled else None
-        recv = spinning_recv_into(sock, self.spin_us, self._pollers, warm)
+        recv = spinning_recv_into(sock, self.spin_us, self._pollers, self.observer.idle)
         reader = FrameReader(recv, self.max_frame_bytes, wait_between_frames=True, idle_timeout_s=self.idle_timeout_s)
         writer = FrameWriter(self.max_frame_bytes)
+        observer = self.observer.session(recv, reader)
         why = "closed by peer"
         try:
             conn.session = self.handler.open_session(conn.peer)
             log.info("session %d open: %s", conn.session, conn.peer)
             greeted = False
             while True:
-                blocked = getattr(recv, "blocked", None)      # None: plain blocking reads (spin 0), not counted
                 try:
                     request_id, msg, received_ns = reader.read()
                 except PayloadError as e:
                     writer.send(sock.sendall, self._refused(conn, refuse_payload(e, greeted)), e.request_id)
                     continue
-                t_read, cpu_read = now(), cpu_now()
+                observer.read(received_ns)
                 if isinstance(msg, ShmAttach) and greeted:
-                    self._serve_shm(conn, msg, request_id, writer)     # returns only when the ring refused
+                    self._serve_shm(conn, msg, request_id, writer, observer)   # returns only when the ring refused
                     continue
                 reply = self._dispatch(conn, msg, received_ns, greeted)
                 if isinstance(reply, HelloReply):
@@ -263,14 +263,7 @@ class TcpServer:
                     writer.send(sock.sendall, reply, request_id)
                 except (FrameError, TypeError) as e:    # the front-end answered something unsendable: our bug
                     raise RuntimeError(f"cannot send the reply to {type(msg).__name__}: {e}") from e
-                if isinstance(msg, Step):
-                    self.stamps.add({"recv": received_ns, "read": t_read, "sent": now(), "cpu_read": cpu_read})
-                    if blocked is not None:
-                        self.wake_ups.add(recv.blocked != blocked)
-                    if warm is not None:
-                        warm.ran()
-                        if isinstance(reply, StepReply) and warm.wants_sample("frame", reader.last_length):
-                            self._rehearse_from(reader.last_payload(), reply)
+                observer.answered(msg, reply)
         except ConnectionClosed:
             if self._stopping.is_set():
                 why = "closed by server (stopping)"
@@ -306,7 +299,8 @@ class TcpServer:
                 self.counts["bad_frames"] += 1
             log.log(logging.WARNING if why.startswith("bad frame") else logging.INFO, "%s", conn.summary(why, freed))
 
-    def _serve_shm(self, conn: _Conn, msg: ShmAttach, request_id: int, writer: FrameWriter) -> None:
+    def _serve_shm(self, conn: _Conn, msg: ShmAttach, request_id: int, writer: FrameWriter,
+                   observer: ServerObserver) -> None:
         """SHM_ATTACH: attach to the client's ring and serve the session's requests through it (transport/shm.py)
         until the client closes it or the connection (ConnectionClosed) or sends a bad frame (FrameError). A ring
         that cannot be attached is refused with the reason, and the session goes on over TCP."""
@@ -318,38 +312,13 @@ class TcpServer:
             return
         writer.send(conn.sock.sendall, ShmAttachReply(ok=True), request_id)
         conn.transport = f"shared memory ({msg.name})"
-
-        def stamp(m, received_ns, reply):
-            if isinstance(m, Step):
-                self.stamps.add({"recv": received_ns, "read": received_ns, "sent": now(), "cpu_read": cpu_now()})
         try:
             serve_ring(ring, conn.sock, lambda m, t: self._dispatch(conn, m, t, True, ring=True),
-                       self.max_frame_bytes, self.spin_us, on_reply=stamp, gate=self._pollers,
+                       self.max_frame_bytes, self.spin_us, on_reply=observer.ring_answered, gate=self._pollers,
                        refuse=lambda e: self._refused(conn, refuse_payload(e, True, ring=True)),
                        idle_timeout_s=self.idle_timeout_s)
         finally:
             ring.close()
-
-    def _rehearse_from(self, payload: memoryview, reply: StepReply) -> None:
-        """Rehearse this STEP's decode, the handler's checks (its `rehearse`) and the reply's encoding between
-        frames (keep_warm.py); into a writer of its own, since any connection's thread may run it. Three pieces, so
-        a frame that arrives during a rehearsal waits for one of them at most (the poll's readiness check runs
-        between pieces)."""
-        handler_rehearse = getattr(self.handler, "rehearse", None)
-        scratch = FrameWriter(self.max_frame_bytes)
-        # Its first few entries (keep_warm.py), encoded into bytes of their own (the view is the reader's buffer).
-        step = decode_payload(MsgType.STEP, payload)
-        n = scratch._encode(Step(entries=step.entries[:REHEARSAL_ENTRIES], deadline_ms=step.deadline_ms), 0)
-        payload = bytes(scratch._buf[HEADER_SIZE:n])
-        reply = StepReply(results=reply.results[:REHEARSAL_ENTRIES])
-        decoded = [decode_payload(MsgType.STEP, payload)]    # the checks' input, renewed by each decode piece
-
-        def decode():
-            decoded[0] = decode_payload(MsgType.STEP, payload)
-        self.keep_warm.set("frame_decode", decode)
-        if handler_rehearse is not None:
-            self.keep_warm.set("frame_checks", lambda: handler_rehearse(decoded[0]))
-        self.keep_warm.set("frame_reply", lambda: scratch._encode(reply, 0))
 
     @staticmethod
     def _refused(conn: _Conn, reply: ErrorReply) -> ErrorReply:

@@ -1,0 +1,93 @@
+"""The named points at which each party of the step path lets an observer look in.
+
+Every party of a STEP is handed one observer and calls it at named points of its loop: the STEP server's
+connection threads (`ServerObserver`), the front-end's service (`ServiceObserver`) and ring driver
+(`DriverObserver`), a rank's step loop with its engine and graph set (`RankObserver`). The classes here are the
+null observers: each hook does nothing and `idle` is None (a wait then polls without a hook), so a party built
+without an observer runs its algorithm alone. The service's actors hand in the observers of `recorders.py`, which
+keep per-step stamps, count the STEPs that found a party asleep and keep its host path warm between steps.
+
+Concurrent callers (a server's connection threads, the service's STEPs) ask for a view of their own (`session`,
+`step`); a null observer is its own view.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+Idle = Callable[[Callable[[], bool]], None]      # idle(ready): runs between a wait's polls, asks ready() between pieces
+
+
+class ServerObserver:
+    """A STEP server's connection thread: a frame read, a request answered (over TCP or a client's ring)."""
+
+    idle: Idle | None = None
+
+    def session(self, recv, reader) -> "ServerObserver":
+        """The view of one connection, whose reads go through `recv` (wire.spinning_recv_into) into `reader`."""
+        return self
+
+    def read(self, received_ns: int) -> None:
+        """A frame has been read and decoded (its header arrived at `received_ns`)."""
+
+    def answered(self, msg: object, reply: object) -> None:
+        """The reply to `msg` has been sent."""
+
+    def ring_answered(self, msg: object, received_ns: int, reply: object) -> None:
+        """The reply to `msg`, taken from the client's ring at `received_ns`, has been completed."""
+
+
+class ServiceObserver:
+    """The front-end's step service: a STEP's admission and its reply."""
+
+    def step(self, received_ns: int) -> "ServiceObserver":
+        """The view of one STEP, whose frame arrived at `received_ns`, as the service takes it."""
+        return self
+
+    def admitted(self) -> None:
+        """The STEP's entries are checked and admitted."""
+
+    def replied(self, seq: int | None) -> None:
+        """The reply is built; its first entry ran in ring step `seq` (None: none ran)."""
+
+
+class DriverObserver:
+    """The front-end's ring driver: a batch published, its completions collected."""
+
+    idle: Idle | None = None
+
+    def publishing(self) -> None:
+        """A batch is handed to the ring: its encoding begins."""
+
+    def posting(self) -> None:
+        """The batch is encoded: its copy into the ring slot begins."""
+
+    def published(self, seq: int) -> None:
+        """The batch is in the ring as step `seq`."""
+
+    def collected(self, batch, payload: bytes, reply: bytes) -> None:
+        """Every rank completed the batch (encoded as `payload`); rank 0 answered `reply`."""
+
+
+class RankObserver:
+    """A rank's step loop, its engine and its graph set."""
+
+    idle: Idle | None = None
+
+    def serving(self, engine) -> None:
+        """The step loop starts serving `engine`."""
+
+    def got(self, seq: int, sleeps: int) -> None:
+        """Ring step `seq` has come; the ring's waits have slept `sleeps` times so far."""
+
+    def stamp(self, name: str, cpu: bool = False) -> None:
+        """The step has reached `name` (with `cpu`, also the thread's CPU time)."""
+
+    def stamp_first(self, name: str, like: str | None = None) -> None:
+        """`stamp(name)` unless the step has one by that name already; with `like`, the time of that stamp."""
+
+    def answered(self, batch, results, size: int) -> None:
+        """The step's answer is encoded (`results`: the engine's answers, None when the step failed); the batch,
+        `size` bytes in the ring, still views the ring's slot."""
+
+    def completed(self) -> None:
+        """The step's completion is posted."""
