@@ -79,6 +79,7 @@ def _slots(gs, cfg, n, rows, start):
     for i in range(n):
         st = gs.slots[i]
         g = torch.Generator().manual_seed(100 + i)
+        st.advance(start, rows)                         # (the graph set takes the slot where it stands)
         gs.run([(st, start, workload.make_taps(cfg, rows, g))], [], [], 1, False)
         out.append(st)
     return out
@@ -212,8 +213,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     for rows in STEP_ROWS:               # a STEP's engine work: the step graph (insert beside the draft), or both apart
         taps = workload.make_taps(cfg, rows, torch.Generator().manual_seed(rows))
 
-        def step():
-            states[0].rollback(top - rows)
+        def step():                  # the rows before `top` again, the draft at `top` (where the slot stands)
             gs.run([(states[0], top - rows, taps)], states[:1], [17], 5, False)
         res["step"][str(rows)] = stats(timed(step, args.replays)) | {"host_p50": host_p50()}
     res["step_batch"] = {}
@@ -222,8 +222,6 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
         tops, seeds = [s.position for s in states[:bsz]], [17 + 1000 * r for r in range(bsz)]
 
         def step_batch(bsz=bsz, taps=taps, tops=tops, seeds=seeds):
-            for s, top in zip(states, tops):
-                s.rollback(top - 3)
             gs.run([(s, top - 3, t) for s, top, t in zip(states, tops, taps)], states[:bsz], seeds, 5, False)
         res["step_batch"][f"{bsz},3"] = stats(timed(step_batch, args.replays // 2)) | {"host_p50": host_p50()}
         p50 = res["step_batch"][f"{bsz},3"]["p50_ms"]

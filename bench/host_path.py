@@ -27,7 +27,6 @@ from dspark_ray import contract as C                                        # no
 from dspark_ray import records as M                                 # noqa: E402
 from dspark_ray.comm.local import LocalCollectives                         # noqa: E402
 from dspark_ray.config import full                                          # noqa: E402
-from dspark_ray.engine import entry_taps                                    # noqa: E402
 from dspark_ray.step_service import Identity, StepService                       # noqa: E402
 from dspark_ray.graphs import GraphSet                                      # noqa: E402
 from dspark_ray.model.state import SlotState                                # noqa: E402
@@ -128,7 +127,7 @@ def measure(rows: int, n: int) -> dict:
     frame = writer.encode(step, 1)
     payload = memoryview(frame)[HEADER_SIZE:]
     msg = decode_payload(C.MsgType.STEP, payload)
-    batch = M.RingBatch([], [msg.entries[0]], [(0, rows)])
+    batch = M.RingBatch([], [M.RingEntry.of(msg.entries[0], (0, rows))])
     batch_bytes = M.encode(batch)
     ring_slot = np.zeros(max(1 << 20, len(batch_bytes)), np.uint8)     # (a larger batch spills on the ring)
     slot_view = memoryview(ring_slot)
@@ -168,7 +167,7 @@ def measure(rows: int, n: int) -> dict:
     gs.memcpy = lambda *a: None
     slot = gs.slots[0]
     slot.advance(0, 200)
-    inserts = [(slot, 200, entry_taps(M.decode_batch(in_slot).entries[0], width))]
+    inserts = [(slot, 200, M.decode_batch(in_slot).entries[0].taps_array(width))]
     packed = torch.zeros(1, 2 * 5 + 1, dtype=torch.float64)          # drafts, confidences, confident length
 
     def py_loop():
@@ -183,20 +182,20 @@ def measure(rows: int, n: int) -> dict:
     return {
         "yardstick_python_1000_adds": timed(py_loop, n),
         "yardstick_copy_taps": timed(copy_taps, n),
-        "client_encode_step": timed(lambda: writer._encode(step, 1), n),
+        "client_encode_step": timed(lambda: writer.pack(step, 1), n),
         "server_decode_step": timed(lambda: decode_payload(C.MsgType.STEP, payload), n),
         "frontend_validate": timed(lambda: (C.validate_step(msg, limits), C.validate_entries(msg, limits)), n),
         "frontend_step_instant_pair": timed(service_step, n),
         "frontend_batch_encode": timed(lambda: M.encode(batch), n),
         "ring_publish_copy": timed(lambda: slot_view.__setitem__(slice(0, len(batch_bytes)), batch_bytes), n),
         "rank_decode_batch": timed(lambda: M.decode_batch(in_slot), n),
-        "rank_decode_and_view_taps": timed(lambda: entry_taps(M.decode_batch(in_slot).entries[0], width), n),
+        "rank_decode_and_view_taps": timed(lambda: M.decode_batch(in_slot).entries[0].taps_array(width), n),
         "rank_stage_insert": timed(lambda: [gs._stage_insert(c) for c in gs._chunks(inserts)], n),
         "rank_stage_draft": timed(lambda: gs._stage_draft([slot], [5]), n),
         "rank_unpack": timed(lambda: gs._unpack(packed, 1, 5, 5, False, True), n),
         "rank_results_encode": timed(results_encode, n),
         "frontend_decode_reply": timed(lambda: M.decode_reply(reply), n),
-        "reply_encode": timed(lambda: writer._encode(C.StepReply(results=[C.EntryResult(
+        "reply_encode": timed(lambda: writer.pack(C.StepReply(results=[C.EntryResult(
             generation=1, drafts=results[0].drafts, confidences=results[0].confidences,
             confident_len=results[0].confident_len)]), 1), n),
     }

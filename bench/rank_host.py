@@ -68,7 +68,7 @@ def main() -> None:
         if pos + a.rows >= cfg.max_model_len // 2:
             resets, pos = [0], 0
         e = C.make_entry(slot=0, generation=1, seed_token=5, start_pos=pos, token_ids=ids, taps=taps)
-        view = memoryview(M.encode(M.RingBatch(resets, [e], [(0, pos + a.rows)]))).toreadonly()
+        view = memoryview(M.encode(M.RingBatch(resets, [M.RingEntry.of(e, (0, pos + a.rows))]))).toreadonly()
         row = {"loop_got": time.monotonic_ns()}
         batch = M.decode_batch(view)                    # what RankWorker._loop does with a ring slot
         row["loop_decoded"] = time.monotonic_ns()

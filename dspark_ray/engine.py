@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from .comm.base import CollectiveError, Collectives
-from .contract import Entry, EntryResult
+from .contract import EntryResult
 from .graphs import MAX_REQUESTS, GraphSet, HostDraft
 from .model.drafter import Drafter
 from .model.state import SlotState
 from .observers import RankObserver
-from .records import RingBatch
+from .records import RingBatch, RingEntry
 
 log = logging.getLogger("dspark_ray.engine")
 
@@ -37,9 +37,10 @@ class StepFailed(RuntimeError):
     """This step failed; the pair is still in step (the latch stays open)."""
 
 
-# An entry's taps are read in place, as a read-only view of the ring's slot (`_taps`); torch's warning about a
-# non-writable buffer is noise here. (A catch_warnings block per step would cost ~4 us.)
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+# An entry's taps are read in place, as a read-only numpy view of the ring's slot; the eager path's math reads them
+# as a tensor of that view, and torch's warning about a non-writable array is noise here (a catch_warnings block
+# per step would cost ~4 us).
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 
 class _CountingCollectives(Collectives):
@@ -108,7 +109,8 @@ class RankEngine:
 
     A step takes the batch as the front-end made it (`records.RingBatch`) and checks nothing: the front-end checked
     every entry (contract.validate_entry, then the slot's cursor) and placed each slot (`SlotCursor.after`), and a
-    slot appears at most once in a batch. One place checks, so the ranks cannot disagree about what to refuse."""
+    slot appears at most once in a batch. One place checks, so the ranks cannot disagree about what to refuse; one
+    account says where a slot stands, so they cannot disagree about that either."""
 
     def __init__(self, drafter: Drafter, n_slots: int, rank: int = 0, graphs: bool = False,
                  progress=None, max_batch: int = MAX_REQUESTS, first: list[tuple[int, int, bool]] | None = None,
@@ -118,7 +120,6 @@ class RankEngine:
         self.observer = observer or RankObserver()
         c = drafter.cfg
         self.width = c.n_taps * c.hidden_size
-        self._no_taps = torch.zeros(0, self.width, dtype=torch.float16)
         self.coll = _CountingCollectives(drafter.coll)
         drafter.use_collectives(self.coll)
         self.graphs = None
@@ -141,9 +142,6 @@ class RankEngine:
             self.slots[s].reset()
 
     # -- the step --------------------------------------------------------------------------------------------------
-    def _taps(self, e: Entry) -> torch.Tensor:
-        return entry_taps(e, self.width) if len(e.taps) else self._no_taps
-
     def step(self, batch: RingBatch) -> list[EntryResult]:
         """Run one batch: forget its reset slots, place each entry's slot, insert the rows, draft in one batch."""
         if self.broken:
@@ -199,7 +197,7 @@ class RankEngine:
         if self.broken or self.graphs is None or not batch.entries or len(batch.entries) > self.graphs.max_requests:
             return
         es = batch.entries
-        inserts = [(self.slots[e.slot], self.slots[e.slot].position, t) for e in es if (t := self._taps(e)).shape[0]]
+        inserts = [(self.slots[e.slot], self.slots[e.slot].position, t) for e in es if len(t := self._taps(e))]
         self.graphs.rehearse(inserts, [self.slots[e.slot] for e in es], *_draft_args(es))
 
     def _run(self, batch: RingBatch):
@@ -208,22 +206,29 @@ class RankEngine:
         wider than the graph set drafts eagerly over the same slots."""
         es = batch.entries
         states = [self.slots[e.slot] for e in es]
-        inserts = []
-        for e, st, (base, position) in zip(es, states, batch.placed):
+        for e, st in zip(es, states):
             # A rollback is the placement: rows past the new position are simply not read (and overwritten later).
-            st.place(base, position)
-            t = self._taps(e)
-            if t.shape[0]:
-                inserts.append((st, e.start_pos, t))
+            st.place(e.base, e.position)
+        inserts = [(st, e.start_pos, t) for e, st in zip(es, states) if len(t := self._taps(e))]
         seeds, n_out, margins = _draft_args(es)
         if self.graphs is None:
             for st, start, taps in inserts:
-                self.drafter.insert(st, start, taps)
+                self._insert(st, start, taps)
             return HostDraft.of(self.drafter.draft(states, seeds, n_out, margins))
         if len(es) <= self.graphs.max_requests:
             return self.graphs.run(inserts, states, seeds, n_out, margins, host=True)
         self.graphs.run(inserts, [], [], n_out, margins)
         return HostDraft.of(self.drafter.draft(states, seeds, n_out, margins))
+
+    def _taps(self, e: RingEntry) -> np.ndarray:
+        """The entry's taps (rows, width) fp16: a read-only view of the ring's slot, staged from there."""
+        return e.taps_array(self.width)
+
+    def _insert(self, st: SlotState, start: int, taps: np.ndarray) -> None:
+        """The eager insert: the rows' main-kv written into the slot's ring (the slot is placed already)."""
+        d = self.drafter
+        st.write_rows(start, d.context_rows(torch.from_numpy(taps).to(d.device),
+                                            torch.arange(start, start + len(taps), device=d.device)))
 
     def _hook(self, phase: str) -> None:
         if self.fault_hook is not None:
@@ -241,17 +246,10 @@ class RankEngine:
         return st
 
 
-def _draft_args(es: list[Entry]) -> tuple[list[int], int, bool]:
+def _draft_args(es: list[RingEntry]) -> tuple[list[int], int, bool]:
     """A batch's draft as the graph set and the drafter take it: the seeds, the batch's n_out, whether any entry
     wants margins."""
     return [e.seed_token for e in es], max(e.n_out for e in es), any(e.want_margins for e in es)
-
-
-def entry_taps(e: Entry, width: int) -> torch.Tensor:
-    """An entry's taps (rows, width) fp16: a read-only view of its buffer, no copy (the engine only reads them)."""
-    if not len(e.taps):
-        return torch.zeros(0, width, dtype=torch.float16)
-    return torch.frombuffer(e.taps, dtype=torch.float16).view(-1, width)
 
 
 def _le(a: np.ndarray, dtype: str) -> bytes:

@@ -560,11 +560,13 @@ class GraphSet:
             win_h[:, r] = self._ring_rows[s.index, :, first:first + W]
             self._valid_h[r] = self._valid_from[held:held + W]
 
-    def run(self, inserts: list[tuple[SlotState, int, torch.Tensor]], states: list[SlotState], seeds: list[int],
+    def run(self, inserts: list[tuple[SlotState, int, np.ndarray]], states: list[SlotState], seeds: list[int],
             n_out: int, want_margins: bool, host: bool = False) -> DraftOut | HostDraft | None:
-        """One step (inputs already checked, rollbacks applied): insert each (slot, start, taps (n, width) fp16)
-        into its slot, then draft for `states` (<= max_requests; none: inserts only). Returns the drafts on the
-        host: as the drafter's `DraftOut` (torch), or with `host` as a `HostDraft` (the engine's answers)."""
+        """One step (inputs already checked): insert each (slot, start, taps (n, width) fp16, a numpy array or a CPU
+        tensor) into its slot's ring, then draft for `states` (<= max_requests; none: inserts only). The slots
+        stand where the step leaves them (the caller placed them: `SlotState.place`, or `advance` by the rules), so
+        the draft reads each slot's window before its position. Returns the drafts on the host: as the drafter's
+        `DraftOut` (torch), or with `host` as a `HostDraft` (the engine's answers)."""
         if self.cuda:       # replays and numpy only: no torch op for inference mode to speed up (it costs ~5 us)
             return self._run(inserts, states, seeds, n_out, want_margins, host)
         # The uncaptured functions run the model's ops and the set's own, on the drafter's kernels (as `capture`)
@@ -584,8 +586,6 @@ class GraphSet:
         inp.writable()
         stamp("writable")
         chunks = list(self._chunks(inserts))
-        for s, start, taps in inserts:        # the draft reads the slots as they stand after the inserts
-            s.advance(start, taps.shape[0])
         # The last chunk runs in the draft's step graph when it fits there (a decode round's rows always do).
         beside_rows = self._beside_rows(chunks, len(states))
         beside = chunks.pop() if beside_rows else None
@@ -631,7 +631,7 @@ class GraphSet:
         inp.mark()
         return self._unpack(packed, len(states), n_out, key[1], want_margins, host)
 
-    def rehearse(self, inserts: list[tuple[SlotState, int, torch.Tensor]], states: list[SlotState],
+    def rehearse(self, inserts: list[tuple[SlotState, int, np.ndarray]], states: list[SlotState],
                  seeds: list[int], n_out: int, want_margins: bool) -> None:
         """What `run` does on the host for these arguments, without a replay, a stamp or a change to a slot: keeps
         that code warm between steps (keep_warm.py). The staging writes the pinned buffer only while no upload
@@ -677,7 +677,7 @@ class GraphSet:
         top = self.insert_buckets[-1]
         chunk, used = [], 0
         for s, start, taps in inserts:
-            t = taps.cpu().numpy()
+            t = np.asarray(taps)             # (a view: the ring's slot, or a CPU tensor's memory)
             i = 0
             while i < t.shape[0]:
                 k = min(t.shape[0] - i, top - used)

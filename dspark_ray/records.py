@@ -1,18 +1,21 @@
 """What travels through the shared-memory step ring: one batch to every rank, one reply back from each.
 
-The records are the contract's own: a batch carries the `contract.Entry`s the front-end checked and admitted, a
-reply the `contract.EntryResult`s, encoded as on the wire (msgspec msgpack, raw little-endian bytes for arrays). A
-rank decodes an entry's arrays as memoryviews of the ring's slot (msgspec decodes `bin` into a view of its input),
-so it reads the taps in place, valid until it completes the step.
+A batch carries what the ranks read of each entry the front-end checked and admitted (`RingEntry`: the contract's
+field names, no token ids, generation or rollback: the ranks never read them) and the slot's placement after it;
+a reply carries the contract's `EntryResult`s. Both are encoded as on the wire (msgspec msgpack, raw little-endian
+bytes for arrays). A rank decodes an entry's taps as a memoryview of the ring's slot (msgspec decodes `bin` into a
+view of its input), so it reads them in place, valid until it completes the step.
 
-The front-end is the one account of where each slot stands (`model.state.SlotCursor`): a batch hands the ranks
-each entry's placement, the slot's (base, position) once the entry has run, and they take it as given.
+The front-end's cursor is the one account of where each slot stands (`slot_cursor.SlotCursor`): an entry hands the
+ranks its slot's placement once the entry has run (base, position: `SlotCursor.after`), and a rank's slot takes it
+as given (`SlotState.place`).
 """
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
-from .contract import Entry, EntryResult
+from .contract import TAP_DTYPE, Entry, EntryResult
 
 # Completion status words (the ring's per-rank status).
 STATUS_OK = 0
@@ -27,18 +30,39 @@ STEP_INSERT_ROWS = 8
 def ring_slot_bytes(limits) -> int:
     """A ring slot that holds a decode round of the widest batch in place; a larger batch spills to a segment of
     its own, created and faulted in per message."""
-    round_bytes = limits.max_entries_per_replay * (STEP_INSERT_ROWS * (2 * limits.taps_width + 4) + 256)
+    round_bytes = limits.max_entries_per_replay * (STEP_INSERT_ROWS * 2 * limits.taps_width + 256)
     return max(1 << 20, -(-(round_bytes + 4096) // 4096) * 4096)
+
+
+class RingEntry(msgspec.Struct, array_like=True, gc=False):
+    """One entry as the ranks run it, checked by the front-end: insert the taps' rows at start_pos into the slot,
+    place the slot at (base, position), draft n_out from seed_token there."""
+    slot: int
+    seed_token: int
+    n_out: int
+    want_margins: bool
+    start_pos: int                      # position of the first inserted row
+    taps: memoryview                    # fp16 LE, rows x taps_width (a view of the ring's slot on a rank)
+    base: int                           # the slot's first position held after the entry (-1: fresh)
+    position: int                       # the slot's position after the entry: where the seed sits
+
+    @staticmethod
+    def of(e: Entry, placed: tuple[int, int]) -> "RingEntry":
+        """The ranks' part of a checked entry `e`, whose slot stands at `placed` (SlotCursor.after) once it ran."""
+        return RingEntry(e.slot, e.seed_token, e.n_out, e.want_margins, e.start_pos, e.taps, *placed)
+
+    def taps_array(self, taps_width: int) -> np.ndarray:
+        """The inserted taps, a zero-copy read-only fp16 view (rows, taps_width)."""
+        return np.frombuffer(self.taps, TAP_DTYPE).reshape(-1, taps_width)
 
 
 class RingBatch(msgspec.Struct, array_like=True, gc=False):
     resets: list[int]                   # slots whose context is forgotten before the entries run (acquire, resync)
-    entries: list[Entry]                # checked by the front-end: a rank runs them as they are
-    placed: list[tuple[int, int]]       # per entry: its slot's (base, position) after it (SlotCursor.after)
+    entries: list[RingEntry]            # a slot at most once
 
     def head(self, n: int) -> "RingBatch":
         """The batch's first n entries (keep_warm.py rehearses a sample)."""
-        return RingBatch(self.resets, self.entries[:n], self.placed[:n])
+        return RingBatch(self.resets, self.entries[:n])
 
 
 class RingReply(msgspec.Struct, array_like=True, gc=False):

@@ -6,8 +6,8 @@
 Per STEP, nothing reaches a rank before every field was checked: stateless rules (contract.validate_entries),
 then the slot's owner, generation and cursor (position gap, rollback depth, drafts below max_model_len) here. This
 is the only place that checks: the ranks run what the ring hands them. The front-end's cursors are the one account
-of where each slot stands; a batch hands the ranks each entry's placement (`SlotCursor.after`), and the cursor takes
-it when the entry answers OK.
+of where each slot stands: admission computes an entry's placement (`SlotCursor.after`) into the ranks' record of it
+(`records.RingEntry`), which the ranks take as given, and the cursor takes it when the entry answers OK.
 
 A STEP that finds the pair idle and nobody queued runs as the batch on its own thread (no queue, no thread hand-off:
 each hand-off costs a wake-up of tens of microseconds). Otherwise its valid entries join one queue: while a batch
@@ -31,7 +31,7 @@ from typing import Callable, Protocol
 
 from . import contract as C
 from .observers import ServiceObserver
-from .records import RingBatch
+from .records import RingBatch, RingEntry
 from .slot_cursor import SlotCursor
 from .stamps import now
 
@@ -82,7 +82,7 @@ class _Pending:
     index: int
     entry: C.Entry
     deadline_ns: int
-    placed: tuple[int, int]         # its slot's (base, position) once it ran (SlotCursor.after, at admission)
+    run: RingEntry                  # what the ranks run, with its slot's placement once it ran (at admission)
     # Set inside a batch only; a waiter wakes on the service's `_turn` condition, notified when a batch ends (a
     # plain flag: an Event per entry cost ~3 us of every STEP).
     done: bool = False
@@ -221,12 +221,12 @@ class StepService(C.StepHandler):
         reasons = C.validate_entries(msg, self.limits)
         with self.lock:
             for k, (e, why) in enumerate(zip(msg.entries, reasons)):
-                placed = self._admit(session, e, why)
-                if isinstance(placed, C.EntryResult):
-                    results[k] = placed
+                run = self._admit(session, e, why)
+                if isinstance(run, C.EntryResult):
+                    results[k] = run
                 else:
                     self.slots[e.slot].busy = True
-                    pend.append(_Pending(k, e, deadline, placed))
+                    pend.append(_Pending(k, e, deadline, run))
         observer.admitted()
         with self._turn:
             # The pair idle and nobody queued: this STEP is the batch (no queue round trip).
@@ -252,9 +252,9 @@ class StepService(C.StepHandler):
         C.validate_step(msg, self.limits)
         C.validate_entries(msg, self.limits)
 
-    def _admit(self, session: int, e: C.Entry, why: str | None) -> C.EntryResult | tuple[int, int]:
-        """The stateful checks (caller holds the lock): the entry's placement (its slot's (base, position) once it
-        ran) to run it, else its answer."""
+    def _admit(self, session: int, e: C.Entry, why: str | None) -> C.EntryResult | RingEntry:
+        """The stateful checks (caller holds the lock): the ranks' record of the entry with its placement (its
+        slot's (base, position) once it ran) to run it, else its answer."""
         if why:
             self.stats["bad_entry"] += 1
             known = 0 <= e.slot < len(self.slots)      # every answer for a real slot carries its generation
@@ -285,7 +285,7 @@ class StepService(C.StepHandler):
         if w:
             self.stats["bad_entry"] += 1
             return C.error_result(C.Code.BAD_ENTRY, w, gen)
-        return placed
+        return RingEntry.of(e, placed)
 
     # -- batches ---------------------------------------------------------------------------------------------------
     def _drive(self, p: _Pending) -> None:
@@ -372,7 +372,7 @@ class StepService(C.StepHandler):
                 return False
             resets = sorted(self.pending_resets)
             self.pending_resets.clear()
-        rb = RingBatch(resets, [p.entry for p in live], [p.placed for p in live])
+        rb = RingBatch(resets, [p.run for p in live])
         self.stats["batches"] += 1
         self.stats["entries"] += len(live)
         self.stats["batch_sizes"][len(live)] += 1
@@ -442,7 +442,7 @@ class StepService(C.StepHandler):
                 if self._resynced(p):      # released or resynced while it ran: the reset rides the next batch
                     continue
                 self.stats["ok"] += 1
-                slot.cursor.place(*p.placed)
+                slot.cursor.place(p.run.base, p.run.position)
                 r.generation = gen
                 p.result = r
                 p.seq = seq

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from support import workload
+from support.batches import placed
 from dspark_ray.graphs import GraphSet
 from dspark_ray.model import ops
 from dspark_ray.model.drafter import Drafter
@@ -88,7 +89,7 @@ def test_the_graph_set_runs_on_its_drafters_kernels(cfg, full_weights):
     gs = GraphSet(d, n_slots=2, max_requests=1, n_outs=(cfg.block_size,), insert_buckets=(16,))
     gs.capture()
     taps = workload.make_taps(cfg, 9, torch.Generator().manual_seed(0))
-    got = gs.run([(gs.slots[0], 0, taps)], [gs.slots[0]], [5], cfg.block_size, True)
+    got = gs.run(placed([(gs.slots[0], 0, taps)]), [gs.slots[0]], [5], cfg.block_size, True)
     assert calls and ops.active() is ops.EXACT
     plain = make_drafter(cfg, "tp1", full=full_weights)
     st = plain.new_slot()

@@ -13,6 +13,7 @@ import torch
 from conftest import assert_set_drafts_like_eager
 
 from support import workload
+from support.batches import placed
 from dspark_ray.kernels import exl3_gemm
 from dspark_ray.model.layout import Layout
 from dspark_ray.modes import make_drafter, read_rank
@@ -194,7 +195,7 @@ def test_drafter_on_the_kernels_matches_the_decoded_one_and_its_graphs(exl3_ckpt
     eager = []
     for r, n in enumerate(rows):
         taps = workload.make_taps(cfg, n, torch.Generator().manual_seed(11 + r))
-        assert gs.run([(gs.slots[r], 0, taps)], [], [], 1, False) is None
+        assert gs.run(placed([(gs.slots[r], 0, taps)]), [], [], 1, False) is None
         st = d.new_slot()
         d.insert(st, 0, taps)
         assert torch.equal(gs.slots[r].kv, st.kv), r

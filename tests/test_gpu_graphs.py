@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from support import workload
+from support.batches import placed
 from dspark_ray.modes import make_drafter
 from dspark_ray import settings
 
@@ -79,7 +80,7 @@ def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt, kernels):
     eager = _slots(d, cfg, rows, 11)
     for r, n in enumerate(rows):
         taps = workload.make_taps(cfg, n, torch.Generator().manual_seed(11 + r))
-        assert gs.run([(gs.slots[r], 0, taps)], [], [], 1, False) is None
+        assert gs.run(placed([(gs.slots[r], 0, taps)]), [], [], 1, False) is None
         assert torch.equal(gs.slots[r].kv, eager[r].kv), r
     pool = gs.slots[:4]
     alone = {}
@@ -112,7 +113,7 @@ def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt, kernels):
             d.insert(ref, 1000, taps)
             want.append(ref)
         gs.pool[4:6].zero_()
-        gs.run(inserts, [], [], 1, False)
+        gs.run(placed(inserts), [], [], 1, False)
         for k, ref in enumerate(want):
             assert torch.equal(gs.slots[4 + k].kv, ref.kv), n
             assert gs.slots[4 + k].position == ref.position
@@ -131,7 +132,8 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, kernels,
     rows = [6, 11, 3, 20, 9, 2, 14, 5]
     eager = _slots(d, cfg, rows, 31)
     for r, n in enumerate(rows):
-        gs.run([(gs.slots[r], 0, workload.make_taps(cfg, n, torch.Generator().manual_seed(31 + r)))], [], [], 1, False)
+        gs.run(placed([(gs.slots[r], 0, workload.make_taps(cfg, n, torch.Generator().manual_seed(31 + r)))]), [], [], 1,
+               False)
     g = torch.Generator().manual_seed(4)
     launches = 0
     assert len(gs.step_graphs) == 4 * cfg.block_size * 2 + 2 * 2          # 1-4 requests; the wide buckets 6 and 8
@@ -145,7 +147,7 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, kernels,
         seeds = [int(x) for x in torch.randint(0, cfg.vocab_size, (bsz,), generator=g)]
         launches += not gs.inp.in_use                # (the inserts-only runs above leave their upload in flight)
         gs.rehearse_launch()                         # keep_warm's launch between steps changes no bit
-        got = gs.run(inserts, gs.slots[:bsz], seeds, n_out, margins)
+        got = gs.run(placed(inserts), gs.slots[:bsz], seeds, n_out, margins)
         want = d.draft(eager[:bsz], seeds, n_out, margins)
         for k in ("drafts", "confidences", "confident_len") + (("margins",) if margins else ()):
             assert torch.equal(getattr(got, k), getattr(want, k).cpu()), (bsz, n_out, margins, k)
@@ -174,7 +176,8 @@ def test_wide_buckets_replay_the_eager_bits_for_every_width(cfg, ckpt, kernels):
     rows = [1 + (7 * r) % 23 for r in range(16)]
     eager = _slots(d, cfg, rows, 41)
     for r, n in enumerate(rows):
-        gs.run([(gs.slots[r], 0, workload.make_taps(cfg, n, torch.Generator().manual_seed(41 + r)))], [], [], 1, False)
+        gs.run(placed([(gs.slots[r], 0, workload.make_taps(cfg, n, torch.Generator().manual_seed(41 + r)))]), [], [], 1,
+               False)
     seeds = [int(x) for x in torch.randint(0, cfg.vocab_size, (16,), generator=torch.Generator().manual_seed(2))]
     alone = {m: [gs.run([], [gs.slots[r]], [seeds[r]], cfg.block_size, m) for r in range(16)] for m in (False, True)}
     for width in range(5, 17):

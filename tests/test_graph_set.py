@@ -13,7 +13,7 @@ from support import workload
 from support.batches import Driver, entry
 from dspark_ray import records as M
 from dspark_ray.contract import make_entry
-from dspark_ray.engine import RankEngine, entry_taps
+from dspark_ray.engine import RankEngine
 from dspark_ray.graphs import GraphSet, HostDraft
 from dspark_ray.model.heads import confident_prefix
 from dspark_ray.modes import make_drafter
@@ -217,23 +217,44 @@ def test_the_engines_answers_come_from_the_download_in_the_contracts_dtypes(cfg,
         assert not np.shares_memory(got.drafts, gs.out_host.numpy())
 
 
+def test_a_ranks_slot_stands_where_the_front_end_placed_it(cfg, ckpt):
+    """One account of where a slot stands: the engine takes each entry's placement as the ring hands it (the eager
+    and the graph engine alike), after its rows went in at start_pos, and draws its window there."""
+    eager, graph = _engines(cfg, ckpt)
+    taps = workload.make_taps(cfg, 6, torch.Generator().manual_seed(5)).numpy()
+    e = make_entry(slot=2, generation=0, seed_token=9, start_pos=40, token_ids=np.arange(6), taps=taps)
+    for engine in (eager.engine, graph.engine):
+        engine.step(M.RingBatch([], [M.RingEntry.of(e, (40, 46))]))
+        st = engine.slots[2]
+        assert (st.base, st.position) == (40, 46)
+        # rolled back to 43 (rows past it are not read): the placement alone moves the slot, no rows
+        engine.step(M.RingBatch([], [M.RingEntry.of(make_entry(slot=2, generation=0, seed_token=9, start_pos=43,
+                                                               rollback_to=43), (40, 43))]))
+        assert (st.base, st.position) == (40, 43)
+    assert torch.equal(eager.slots[2].kv, graph.slots[2].kv)
+
+
 def test_a_rank_reads_the_ring_slot_in_place():
-    """The ring carries the contract's records, and a rank's entries view the slot's bytes: its taps are read in
-    place (a byte written into the slot shows through), an entry without rows has empty taps of the right width."""
+    """The ring carries what the ranks read of each checked entry (no token ids, generation or rollback) with its
+    slot's placement, and a rank's entries view the slot's bytes: its taps are read in place (a byte written into
+    the slot shows through), an entry without rows has empty taps of the right width."""
     width = 12
     taps = np.arange(3 * width, dtype=np.float16).reshape(3, width)
-    slot = bytearray(M.encode(M.RingBatch([2], [
-        make_entry(slot=0, generation=3, seed_token=5, token_ids=np.arange(3), taps=taps),
-        make_entry(slot=1, generation=1, seed_token=6, start_pos=4, n_out=2, want_margins=True)], [(0, 3), (-1, 0)])))
+    a = make_entry(slot=0, generation=3, seed_token=5, token_ids=np.arange(3), taps=taps)
+    b = make_entry(slot=1, generation=1, seed_token=6, start_pos=4, n_out=2, want_margins=True, rollback_to=4)
+    slot = bytearray(M.encode(M.RingBatch([2], [M.RingEntry.of(a, (0, 3)), M.RingEntry.of(b, (-1, 0))])))
     batch = M.decode_batch(memoryview(slot).toreadonly())
-    a, b = batch.entries
-    assert batch.resets == [2] and batch.placed == [(0, 3), (-1, 0)]
-    assert (a.generation, a.seed_token, a.rows) == (3, 5, 3) and a.token_array().tolist() == [0, 1, 2]
-    t = entry_taps(a, width)
-    assert t.shape == (3, width) and torch.equal(t, torch.from_numpy(taps))
+    ra, rb = batch.entries
+    assert batch.resets == [2] and [(e.base, e.position) for e in batch.entries] == [(0, 3), (-1, 0)]
+    assert (ra.slot, ra.seed_token, ra.start_pos, ra.n_out, ra.want_margins) == (0, 5, 0, 5, False)
+    assert (rb.slot, rb.seed_token, rb.start_pos, rb.n_out, rb.want_margins) == (1, 6, 4, 2, True)
+    assert set(msgspec.structs.asdict(ra)) == {"slot", "seed_token", "n_out", "want_margins", "start_pos", "taps",
+                                               "base", "position"}
+    t = ra.taps_array(width)
+    assert t.shape == (3, width) and np.array_equal(t, taps)
     slot[slot.find(taps.tobytes()) + 1] ^= 0x40                                # the high byte of taps[0, 0]
-    assert t[0, 0] != 0 and torch.equal(t.flatten()[1:], torch.from_numpy(taps).flatten()[1:])
-    assert entry_taps(b, width).shape == (0, width) and b.want_margins and b.rows == 0
+    assert t[0, 0] != 0 and np.array_equal(t.flatten()[1:], taps.flatten()[1:])
+    assert rb.taps_array(width).shape == (0, width)
 
 
 def test_the_staged_pool_rows_are_the_ring_rows_of_every_position(cfg, ckpt):

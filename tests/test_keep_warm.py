@@ -16,7 +16,7 @@ from dspark_ray.transport.ring import RingTimeout, StepRing
 from dspark_ray.engine import RankEngine
 from dspark_ray.keep_warm import KeepWarm, launch_rehearsal_period_us
 from dspark_ray.modes import make_drafter
-from dspark_ray.records import RingBatch
+from dspark_ray.records import RingBatch, RingEntry
 from dspark_ray.wire import spinning_recv_into
 from dspark_ray import settings, wire
 
@@ -136,15 +136,16 @@ def test_a_rehearsing_graph_engine_answers_and_writes_the_bits_of_one_that_does_
     plain = Driver(RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True))
     warm = Driver(RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), N_SLOTS, graphs=True))
     staged = warm.graphs.inp.host_np
-    last = RingBatch([], [], [])
+    last = RingBatch([], [])
     n_staged = 0
     for batch in workload.rounds(cfg, n_requests=3, n_rounds=10, far_start=900_000):
-        for rehearsed in (last, RingBatch([], batch, [(-1, 0)] * len(batch))):   # (a rehearsal reads no placement)
+        unplaced = RingBatch([], [RingEntry.of(e, (-1, 0)) for e in batch])     # (a rehearsal reads no placement)
+        for rehearsed in (last, unplaced):
             before = staged.copy()
             warm.rehearse(rehearsed)
             n_staged += not np.array_equal(before, staged)
         _same_step(plain, warm, batch)
-        last = RingBatch([], batch, [(-1, 0)] * len(batch))
+        last = unplaced
     _same_rings(plain, warm)
     assert n_staged >= 10
     warm.graphs.inp.in_use = True                    # as while a GPU upload is in flight
@@ -274,8 +275,8 @@ def test_a_wide_batch_is_rehearsed_by_its_first_entries(cfg):
             seen.append(("rank", [e.slot for e in batch.entries]))
     rank = RankRecorder(0, 0.0, KeepWarm("rank", every_us=0, enabled=True))
     rank.serving(Engine())
-    batch = M.RingBatch([3], [C.make_entry(slot=s, generation=1, seed_token=5, token_ids=[1, 2], taps=taps)
-                              for s in range(n)], [(0, 2)] * n)
+    batch = M.RingBatch([3], [M.RingEntry.of(C.make_entry(slot=s, generation=1, seed_token=5, token_ids=[1, 2],
+                                                          taps=taps), (0, 2)) for s in range(n)])
     out = C.ok_result(generation=0, drafts=np.arange(5), confidences=np.full(5, 0.5), confident_len=2)
     wire_batch = M.encode(batch)
     rank.got(1, 0)

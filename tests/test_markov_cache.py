@@ -11,6 +11,7 @@ import torch
 from conftest import assert_set_drafts_like_eager
 
 from support import parity, workload
+from support.batches import placed
 from dspark_ray.model.heads import markov_cache_rows
 from dspark_ray.modes import make_drafter
 
@@ -88,7 +89,7 @@ def test_cached_rows_give_the_live_bits_on_the_card(cfg, ckpt):
     eager = []
     for r in range(4):
         taps = workload.make_taps(cfg, 6 + 5 * r, torch.Generator().manual_seed(40 + r))
-        gs.run([(gs.slots[r], 0, taps)], [], [], 1, False)
+        gs.run(placed([(gs.slots[r], 0, taps)]), [], [], 1, False)
         st = d.new_slot()
         d.insert(st, 0, taps)
         eager.append(st)

@@ -13,9 +13,10 @@ from ..slot_cursor import SlotCursor
 
 
 class SlotState(SlotCursor):
-    """A slot on a rank: the cursor plus the main-kv ring of every drafter block. `kv` may be handed in: the graph
-    engine keeps every slot's ring in one pool tensor (`graphs.GraphSet`), so a captured step can read and write
-    any slot by index; `index` is then the slot's row in that pool."""
+    """A slot on a rank: the cursor plus the main-kv ring of every drafter block. In the service the cursor is the
+    front-end's placement, taken as given (`place`): the rank never recomputes where a slot stands. `kv` may be
+    handed in: the graph engine keeps every slot's ring in one pool tensor (`graphs.GraphSet`), so a captured step
+    can read and write any slot by index; `index` is then the slot's row in that pool."""
 
     def __init__(self, n_blocks: int, window: int, max_rows: int, head_dim: int, device="cpu",
                  kv: torch.Tensor | None = None, index: int = -1):
@@ -37,11 +38,17 @@ class SlotState(SlotCursor):
         t = torch.arange(self.position - self.window, self.position, device=self.kv.device)
         return self.kv[block, t % self.capacity], self.window_valid(self.kv.device)
 
-    def write(self, start: int, rows_per_block: list[torch.Tensor]) -> None:
+    def write_rows(self, start: int, rows_per_block: list[torch.Tensor]) -> None:
+        """Write the main-kv rows of positions start .. start+n-1 into the ring; where the slot stands is the
+        caller's (a rank's slot is placed by the front-end's account: `place`)."""
         n = rows_per_block[0].shape[0]
         if n == 0:
             return
         idx = torch.arange(start, start + n, device=self.kv.device) % self.capacity
         for b, rows in enumerate(rows_per_block):
             self.kv[b, idx] = rows
-        self.advance(start, n)
+
+    def write(self, start: int, rows_per_block: list[torch.Tensor]) -> None:
+        """`write_rows`, and the slot advanced past them (the reference drafter applies the rules itself)."""
+        self.write_rows(start, rows_per_block)
+        self.advance(start, rows_per_block[0].shape[0])

@@ -1,15 +1,16 @@
 """The front-end's share of a step, for tests and benches that drive a `RankEngine` directly.
 
 In the service the front-end is the one account of where each slot stands: it checks an entry against its slot's
-cursor and hands the ranks the slot's placement after it (`records.RingBatch.placed`). `Batcher` keeps those cursors
-for a bare engine: it places each batch's entries and moves its cursors as the front-end does once a batch ran. It
-checks nothing (the contract's checks run in the front-end; these drivers hand it entries that pass them).
+cursor and hands the ranks the slot's placement after it (`records.RingEntry`'s base and position). `Batcher` keeps
+those cursors for a bare engine: it places each batch's entries and moves its cursors as the front-end does once a
+batch ran. It checks nothing (the contract's checks run in the front-end; these drivers hand it entries that pass
+them). `placed` does the same for a bare graph set's inserts.
 """
 from __future__ import annotations
 
 from dspark_ray import contract as C
+from dspark_ray.records import RingBatch, RingEntry
 from dspark_ray.slot_cursor import SlotCursor
-from dspark_ray.records import RingBatch
 
 
 def entry(*, slot: int, seed_token: int, n_out: int, **kw) -> C.Entry:
@@ -31,7 +32,7 @@ class Batcher:
         placed = [self.cursors[e.slot].after(e.start_pos, e.rows, e.rollback_to) for e in entries]
         for e, p in zip(entries, placed):
             self.cursors[e.slot].place(*p)
-        return RingBatch(list(resets), entries, placed)
+        return RingBatch(list(resets), [RingEntry.of(e, p) for e, p in zip(entries, placed)])
 
     def position(self, slot: int) -> int:
         return self.cursors[slot].position
@@ -49,3 +50,11 @@ class Driver:
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
+
+
+def placed(inserts):
+    """A bare graph set's inserts [(slot, start, taps)], each slot first advanced past its rows by the cursor's
+    rules (in the service the front-end's placement does that): `GraphSet.run` takes the slots where they stand."""
+    for st, start, taps in inserts:
+        st.advance(start, len(taps))
+    return inserts

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark_ray import contract as C
-from dspark_ray.engine import entry_taps
 from dspark_ray.model import ops
 from dspark_ray.model.drafter import Drafter
 
@@ -48,7 +47,7 @@ def replay(d: Drafter, rounds: list[list[C.Entry]]) -> list[list[EntryRecord]]:
         states = []
         for e in batch:
             st = slots.setdefault(e.slot, d.new_slot())
-            d.insert(st, e.start_pos, entry_taps(e, width), e.rollback_to)
+            d.insert(st, e.start_pos, torch.from_numpy(e.taps_array(width).copy()), e.rollback_to)
             states.append(st)
         n_out = max(e.n_out for e in batch)
         r = d.draft(states, [e.seed_token for e in batch], n_out, want_margins=True, debug=True)
