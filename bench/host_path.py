@@ -164,7 +164,7 @@ def measure(rows: int, n: int) -> dict:
     # draft's inputs into the pinned buffer, and reading the downloaded outputs. `memcpy` set: as on a GPU, where the
     # graphs copy their inputs and outputs themselves (no host copy is timed).
     gs = GraphSet(ShapesOnly(cfg), 16)
-    gs.memcpy = lambda *a: None
+    gs.copies.memcpy = lambda *a: None
     slot = gs.slots[0]
     slot.advance(0, 200)
     inserts = [(slot, 200, M.decode_batch(in_slot).entries[0].taps_array(width))]

@@ -263,7 +263,7 @@ def test_graph_set_gathers_the_windows_of_drafter_window_inputs_across_the_ring_
         a.position = pos
         gs._stage_draft([a, b], [1, 2])
         gs.inp.upload(gs.inp.off["taps"][0])
-        got, got_valid = gs._windows(2)
+        got, got_valid = gs.fns.windows(2)
         want, want_valid = tp1.window_inputs([a, b])
         assert torch.equal(got_valid, want_valid), pos
         for n in range(cfg.n_blocks):

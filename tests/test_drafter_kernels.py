@@ -26,7 +26,7 @@ def _counting(name: str, calls: list) -> ops.Kernels:
         calls.append((name, threading.get_ident()))
         return ops.linear_tree(x, w)
 
-    def pack_outputs(drafts, confidences, margins, confident_len):     # the reference packing (graphs.py)
+    def pack_outputs(drafts, confidences, margins, confident_len):     # the reference packing (graphs/step_functions.py)
         calls.append((name, threading.get_ident()))
         parts = [drafts, confidences] + ([margins] if margins is not None else []) + [confident_len[:, None]]
         return torch.cat([p.to(torch.float64) for p in parts], dim=1)

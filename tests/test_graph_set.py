@@ -137,7 +137,7 @@ def test_wide_batches_run_padded_in_their_bucket_with_the_eager_bits(cfg, ckpt):
     gs = graph.graphs
     assert gs.wide_buckets == (6, 8, 12, 16) and gs.max_requests == 16
     assert gs.n_graphs == 2 * (4 * cfg.block_size * 2 + 4 * 2) + 5
-    assert [gs._bucket[k] for k in range(1, 17)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16]
+    assert [gs.buckets.of_requests[k] for k in range(1, 17)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16]
     assert RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), 4, graphs=True).graphs.wide_buckets == ()
     assert GraphSet(make_drafter(cfg, "tp1", ckpt=ckpt), n, max_requests=10).wide_buckets == (6, 8, 10)
     log = _replays(graph)
@@ -174,7 +174,7 @@ def test_no_batch_is_wider_than_the_slots_or_one_collective(cfg, ckpt, monkeypat
     assert GraphSet(d, 5).max_requests == 5 and GraphSet(d, 5).wide_buckets == (5,)
     monkeypatch.setattr(d.coll, "max_rows", lambda width: 3 * cfg.block_size + 1, raising=False)
     capped = GraphSet(d, 16)
-    assert capped.max_requests == 3 and capped.wide_buckets == () and capped._bucket == [0, 1, 2, 3]
+    assert capped.max_requests == 3 and capped.wide_buckets == () and capped.buckets.of_requests == [0, 1, 2, 3]
     assert max_rows(5120) == 128
     push = PairSpec(checkpoint="x", backend="push", device="cuda")
     assert push.batch_limit(full()) == 16 and PairSpec(checkpoint="x").batch_limit(full()) == 16
@@ -214,7 +214,7 @@ def test_the_engines_answers_come_from_the_download_in_the_contracts_dtypes(cfg,
         assert (got.margins is None) == (not margins)
         if margins:
             assert np.array_equal(got.margins, want.margins)
-        assert not np.shares_memory(got.drafts, gs.out_host.numpy())
+        assert not np.shares_memory(got.drafts, gs.copies.out_host.numpy())
 
 
 def test_a_ranks_slot_stands_where_the_front_end_placed_it(cfg, ckpt):

@@ -196,9 +196,9 @@ def test_the_socket_waiters_readiness_check_sees_a_frame_that_came_during_a_rehe
 
 
 def test_the_gpu_wait_polls_its_event_and_runs_the_hook_with_the_events_own_check():
-    """`_Inputs.synchronize(idle)` (the rank's wait for the draft): polls the event, runs `idle(event.query)` until
-    it has completed, then synchronizes; a CPU stand-in for the CUDA event."""
-    from dspark_ray.graphs import _Inputs
+    """`StepInputs.synchronize(idle)` (the rank's wait for the draft): polls the event, runs `idle(event.query)`
+    until it has completed, then synchronizes; a CPU stand-in for the CUDA event."""
+    from dspark_ray.graphs.inputs import StepInputs
 
     class Event:
         def __init__(self):
@@ -210,7 +210,7 @@ def test_the_gpu_wait_polls_its_event_and_runs_the_hook_with_the_events_own_chec
 
         def synchronize(self):
             self.synced = True
-    inp = _Inputs(1, 4, 8, 1, 16, torch.device("cpu"))
+    inp = StepInputs(1, 4, 8, 1, 16, torch.device("cpu"))
     inp.uploaded, inp.in_use = Event(), True
     seen = []
     inp.synchronize(lambda ready: seen.append(ready.__self__ is inp.uploaded))
