@@ -38,8 +38,8 @@ class StepFailed(RuntimeError):
 
 
 # An entry's taps are read in place, as a read-only numpy view of the ring's slot; the eager path's math reads them
-# as a tensor of that view, and torch's warning about a non-writable array is noise here (a catch_warnings block
-# per step would cost ~4 us).
+# as a tensor of that view, and torch's warning about a non-writable array is noise here (filtered once: a
+# catch_warnings block would cost every step).
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 

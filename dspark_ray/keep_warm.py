@@ -1,10 +1,9 @@
 """Keeping a step path's host code warm while its thread waits.
 
 A STEP's host path is Python run once per ~1.2 ms round, and between two runs its thread spins (for the ring, the
-socket, the GPU). On the GPU host the same code runs 3-5x slower after a 1 ms spin than back to back (its
-instructions, branch history and data are gone from the core: `bench/host_path.py --between spin:1000`), and as
-fast again when it last ran 50 us before (`--between spin:1000+warm:50`). The service's hops read at the cold
-figures (a rank's decode 46 us against 7 hot, its insert staging 60 against 13).
+socket, the GPU). On the GPU host the same code runs several times slower after a 1 ms spin than back to back (its
+instructions, branch history and data are gone from the core), and as fast again when it last ran 50 us before
+(docs/engine.md, "Measurements behind the step path").
 
 So a party registers rehearsals of its next step's pieces, built from a recent step's inputs (`set(name, fn)`;
 `wants_sample` says when to take a new one), and its waiters call the `KeepWarm` on every poll: at most every
@@ -15,11 +14,13 @@ before it reads them and that nothing reads meanwhile). The first one that raise
 a rehearsal never fails a step.
 After a real step the first rehearsal waits longer (`DSPARK_KEEP_WARM_HOLD_US`, 250 us): the code is still warm,
 and with STEPs back to back the next one comes 100-200 us after a party's last step, often in the middle of a
-rehearsal that would have started at 100 us (a rank's ring hop read 37-45 us against 11 before keep-warm).
+rehearsal that would have started at 100 us and would delay it.
 A rehearsal takes at most the first REHEARSAL_ENTRIES entries of a batch: every entry runs the same code, so a few
-keep it warm, and a piece of a 16-entry batch (its checks, its staging: 0.2-0.4 ms on the GPU host) would hold a STEP
-that comes meanwhile for that long.
-`DSPARK_KEEP_WARM=0` turns it off, `DSPARK_KEEP_WARM_US` sets the period (`settings.py`).
+keep it warm, and a piece of a 16-entry batch (its checks, its staging) would hold a STEP that comes meanwhile for
+tenths of a ms.
+The rehearsals are an observer's (recorders.py): the service's actors hand them in, and each party's rehearsal is
+built below from a sample of its last step. `DSPARK_KEEP_WARM=0` turns it off, `DSPARK_KEEP_WARM_US` sets the
+period (`settings.py`).
 """
 from __future__ import annotations
 
@@ -52,9 +53,8 @@ def keep_warm_hold_us() -> float:
 
 def launch_rehearsal_period_us() -> float | None:
     """How often a GPU rank rehearses a graph launch between steps (`DSPARK_KEEP_WARM_LAUNCH_US`, default 1000;
-    0: never, None). At every rehearsal (100 us) the launches slowed every host hop of the
-    pair by 1.3-2x; every 1 ms they cut a cold step-graph launch from 136-176 to 33-53 us and the round trip of
-    STEPs 20 ms apart by ~0.1 ms (bench/results/gpu/keep_warm_launch_period_h200x2.json)."""
+    0: never, None). At every rehearsal (100 us) the launches slow every host hop of the pair; every 1 ms they keep a
+    step graph's launch warm (docs/engine.md, "Measurements behind the step path")."""
     us = settings().keep_warm_launch_us
     return us if us > 0 else None
 

@@ -155,9 +155,9 @@ class RankWorker:
         return coll.describe()
 
     def _after_serving(self, drafter, markov_rows: int, first):
-        """What a restarted one-card rank leaves for between steps, a piece each `next` (~0.15 s at most on one
-        H200): its Markov rows a chunk at a time, then every graph captured again on them (the live shapes first;
-        the graphs captured before serve until replaced), else the graphs not captured yet."""
+        """What a restarted one-card rank leaves for between steps, a piece each `next` (a fraction of a second:
+        docs/engine.md, "A restart"): its Markov rows a chunk at a time, then every graph captured again on them
+        (the live shapes first; the graphs captured before serve until replaced), else the graphs not captured yet."""
         t0 = time.time()
         graphs = self.engine.graphs
         if markov_rows:

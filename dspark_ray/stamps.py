@@ -4,7 +4,9 @@ Every party of a step (the client, the TCP connection thread, the front-end's se
 loop and engine) keeps the stamps of its recent steps. `time.monotonic_ns` reads CLOCK_MONOTONIC, one clock for every
 process of a host, so stamps taken in different processes line up and their differences are the hops between them
 (`bench/step_latency.py` joins them: by the ring's sequence number between the front-end and the ranks, by the
-frame's arrival time between the connection thread and the service). A stamp costs ~0.1 us; a step takes ~10.
+frame's arrival time between the connection thread and the service). A stamp costs a small share of a hop. The
+service's actors hand each party a recorder that keeps them (recorders.py); a party built without one stamps
+nothing.
 """
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ import time
 from .settings import current as settings
 
 now = time.monotonic_ns
-# Optional (DSPARK_STAMP_CPU=1, `settings.py`, in the parties' environment; the latency bench sets it): a party also stamps its
-# thread's CPU time at some of its stamps ("cpu_" + the stamp's name), so that a slow hop shows whether its thread
-# was working (CPU time ~ the hop) or off the CPU (preempted, or waiting for the interpreter lock). Off, it is 0.
+# Optional (DSPARK_STAMP_CPU=1, `settings.py`, in the parties' environment; the latency bench sets it): a party also
+# stamps its thread's CPU time at some of its stamps ("cpu_" + the stamp's name), so that a slow hop shows whether its
+# thread was working (CPU time ~ the hop) or off the CPU (preempted, or waiting for the interpreter lock). Off, 0.
 cpu_now = time.thread_time_ns if settings().stamp_cpu else int
 
 

@@ -84,7 +84,7 @@ class _Pending:
     deadline_ns: int
     run: RingEntry                  # what the ranks run, with its slot's placement once it ran (at admission)
     # Set inside a batch only; a waiter wakes on the service's `_turn` condition, notified when a batch ends (a
-    # plain flag: an Event per entry cost ~3 us of every STEP).
+    # plain flag: an Event per entry cost a few us of every STEP).
     done: bool = False
     result: C.EntryResult | None = None
     seq: int | None = None          # the pair's step (ring seq) it ran in
@@ -118,7 +118,7 @@ class StepService(C.StepHandler):
                       "batch_sizes": [0] * (limits.max_entries_per_replay + 1)}
         # Per STEP past the STEP-level checks: ns from its frame's arrival to its reply built, drained by the
         # metrics exporter into its histogram (popleft, so none is counted twice). The bound only bites when
-        # nothing drains it: the exporter empties it every second, and a STEP takes ~80 us of one thread.
+        # nothing drains it: the exporter empties it every second.
         self.step_ns: collections.deque[int] = collections.deque(maxlen=1 << 16)
         self.last_errors: list[str] = []
 

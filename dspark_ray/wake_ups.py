@@ -1,11 +1,11 @@
 """Counting the STEPs that found a party asleep.
 
 Between two STEPs the ranks and the front-end's connection threads spin for `PairSpec.spin_us` (100 ms on a GPU
-host), then sleep. A STEP that comes later than that pays a wake-up on every hop: on the H200 pair with 20 ms
-between STEPs, a 2 ms spin put 0.61-0.74 ms outside the ranks' work against 0.28-0.29 with 100 ms
-(`bench/results/gpu/step_gap_spin_h200x2.json`). Each party counts its STEPs and those whose wait slept, reports
-both in its status (the front-end's also as a Prometheus counter, metrics.py), and logs one line, at most every 10 minutes, when
-most recent STEPs found it asleep: the serving engine's rounds are further apart than the spin.
+host), then sleep. A STEP that comes later than that pays a wake-up on every hop, tenths of a ms in all on the H200
+pair (docs/engine.md, "Measurements behind the step path"). Each party (its recorder, recorders.py) counts its STEPs
+and those whose wait slept, reports both in its status (the front-end's also as a Prometheus counter, metrics.py),
+and logs one line, at most every 10 minutes, when most recent STEPs found it asleep: the serving engine's rounds are
+further apart than the spin.
 """
 from __future__ import annotations
 

@@ -68,8 +68,8 @@ class Frame(NamedTuple):
 
 
 # One decoder over the union of all messages: msgspec then requires the `type` tag (a decoder of one Struct type
-# would take a payload without it), and decode_payload checks that the tag names the header's type. Measured: the
-# same 0.8 us for a STEP of 4 entries as a decoder of Step alone.
+# would take a payload without it), and decode_payload checks that the tag names the header's type. It costs what a
+# decoder of Step alone costs (docs/engine.md).
 _DECODER = msgspec.msgpack.Decoder(Message)
 _PAYLOAD_ENCODER = msgspec.msgpack.Encoder()
 _TYPE_OF = {cls: t for t, cls in MESSAGE_TYPES.items()}
@@ -176,8 +176,9 @@ class FrameReader:
     TimeoutError, or BlockingIOError under SO_RCVTIMEO): mid-frame it is a FrameError, since the stream can no longer
     be trusted; between frames it is the caller's timeout, or, with `wait_between_frames`, nothing (an idle client
     is normal) and the reader keeps waiting, up to `idle_timeout_s` (then IdleTimeout; None: for ever). The server
-    arms SO_RCVTIMEO once per connection rather than switching the timeout per frame: that switch cost two fcntl
-    calls and a poll per frame, about 10 us of a ~40 us round trip; the idle bound is checked at those wake-ups.
+    arms SO_RCVTIMEO once per connection rather than switching the timeout per frame: that switch costs two fcntl
+    calls and a poll per frame (a quarter of a round trip, docs/engine.md); the idle bound is checked at those
+    wake-ups.
     """
 
     def __init__(self, recv_into: Callable[[memoryview], int], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
@@ -256,15 +257,16 @@ def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None,
                        idle: Callable[[Callable[[], bool]], None] | None = None) -> Callable[[memoryview], int]:
     """`sock.recv_into` that polls (non-blocking reads) for up to `spin_us` before it blocks; for a blocking socket
     (`bound_blocking_io`). `gate` (a semaphore, optional) bounds how many threads poll at once: a read that cannot
-    take it blocks at once. `idle(ready)` runs between the polls (a `keep_warm.KeepWarm`); `ready()` says whether
+    take it blocks at once. `idle(ready)` runs between the polls (an observer's: keep_warm.py); `ready()` says whether
     bytes (or the end of the stream) have come meanwhile, one zero-timeout poll(2), so a rehearsal stops between its
     pieces when a frame arrives.
 
     Why: a thread blocked in recv sleeps, and a core idle for the ~1.5 ms of a step goes into a deeper sleep state;
-    waking it cost 20-50 us per hop on the GPU host (and ~50 us on the 2-core VM, bench/tcp_roundtrip.py), against
-    ~1 us per poll. The ring's parties spin the same way. The spin counts from the last bytes received or the
-    last `recv.restart()` (FrameReader.read calls it as a frame's read begins), not from each call, so a reader
-    that wakes from a timeout between frames (an idle connection) blocks at once. 0: plain blocking reads."""
+    waking it costs tens of us per hop, a poll about one (docs/engine.md). The ring's parties spin the same way. The
+    spin counts from the last bytes received or the last `recv.restart()` (FrameReader.read calls it as a frame's
+    read begins), not from each call, so a reader that wakes from a timeout between frames (an idle connection)
+    blocks at once. 0: plain blocking reads. `recv.slept` says whether a read since the last restart blocked (the
+    frame's: a recorder counts the STEPs that found their thread asleep)."""
     if spin_us <= 0:
         return sock.recv_into
     spin_ns = int(spin_us * 1e3)

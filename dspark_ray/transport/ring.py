@@ -1,10 +1,10 @@
 """The shared-memory step ring: one writer (the front-end), N readers (the ranks), on one host.
 
-Why not Ray RPC: on the H200 pair a Ray actor call round trip measured 0.87 ms against a 1-2 ms step, while a
-shared-memory ping-pong between two Python processes measured 1.5 us. The pattern is vLLM's `shm_broadcast`
-(MessageQueue). The writer and the readers are Ray actors, i.e. processes not related by fork, so everything is
-found by name: the segment by its shared-memory name, the doorbells by their FIFO paths, both carried by a
-picklable `RingHandle`.
+Why not Ray RPC: an actor call's round trip is most of a step, a shared-memory ping-pong between two Python
+processes a microsecond or two (docs/engine.md, "Measurements behind the step path"). The pattern is vLLM's
+`shm_broadcast` (MessageQueue). The writer and the readers are Ray actors, i.e. processes not related by fork, so
+everything is found by name: the segment by its shared-memory name, the doorbells by their FIFO paths, both carried
+by a picklable `RingHandle`.
 
 One segment holds (64-byte lines, all header words uint64, read and written through one word view, `_words`):
 
@@ -106,8 +106,8 @@ _COMP_HDR = 64
 _NAME_PREFIX_MAX = 40             # keeps "<prefix>-<pid>-<hex>-x<seq>" inside the 104-byte spill-name field
 
 # Any locked instruction is a full barrier on x86 (it drains the store buffer). CPython's Lock acquire/release
-# runs one (glibc sem_wait / sem_post fast paths: lock cmpxchg / lock xadd), ~0.1 us for the pair, and it is the
-# only full fence pure Python can reach. Not sufficient on ARM, where the lock's acquire/release ordering does not
+# runs one (glibc sem_wait / sem_post fast paths: lock cmpxchg / lock xadd), cheaply, and it is the only full fence
+# pure Python can reach. Not sufficient on ARM, where the lock's acquire/release ordering does not
 # order an earlier store against a later load of another address: see the module docstring.
 _FENCE_LOCK = threading.Lock()
 
@@ -118,15 +118,16 @@ def _full_fence() -> None:
 
 
 def _words(buf) -> memoryview:
-    """The uint64 word view of a segment. A memoryview cast to "Q" rather than a numpy array: on the CPU machine
-    an item load costs 40 ns against numpy's 92 ns (236 ns with the int() a comparison needs) and a store 47 ns
-    against 85 ns, and the hot path makes ~15 of them per step. Both are one aligned 8-byte load or store:
+    """The uint64 word view of a segment. A memoryview cast to "Q" rather than a numpy array: its item loads and
+    stores cost about half of numpy's (docs/engine.md), and the hot path makes ~15 of them per step. Both are one
+    aligned 8-byte load or store:
     CPython packs "Q" items with an 8-byte memcpy into the aligned slot, which compilers emit as a single mov."""
     return memoryview(buf).cast("B").cast("Q")
 
 
 def _as_bytes(payload) -> tuple[bytes | memoryview, int]:
-    """(a flat byte buffer, its length). bytes go through as they are (a memoryview costs 0.3 us here)."""
+    """(a flat byte buffer, its length). bytes go through as they are (a memoryview of them would cost more than
+    the check)."""
     if type(payload) is bytes:
         return payload, len(payload)
     mv = memoryview(payload)

@@ -1,11 +1,9 @@
 """STEP over TCP: one accept thread, one thread per connection, blocking sockets.
 
-Why threads and blocking sockets: on the 2-core CPU machine a blocking TCP round trip between two processes measured
-23 us (256 B), while the same through one asyncio loop cost 98 us (DESIGN.md, host-path figures); the per-step budget
-for the whole host path is 0.1 ms. A connection thread blocks in recv_into on buffers it reuses, calls the handler
-(which blocks for the step and is called concurrently from all connection threads), and sends the reply in one call.
-Measured with an instant fake front-end (bench/tcp_roundtrip.py, 1 entry x 6 rows of tiny taps, 9.4 KB request):
-a STEP round trip p50 32 us against 12 us for a raw ping-pong of the same bytes, client and server on one core.
+Why threads and blocking sockets: a blocking round trip between two processes costs a fraction of the same through
+an asyncio loop, and the whole host path has about 0.1 ms per step (docs/engine.md, "Measurements behind the step
+path"). A connection thread blocks in recv_into on buffers it reuses, calls the handler (which blocks for the step
+and is called concurrently from all connection threads), and sends the reply in one call.
 
 A connection is a session. Before an accepted HELLO only HELLO is valid; afterwards ACQUIRE, RELEASE and STEP, and
 SHM_ATTACH, after which the session's requests come through the client's shared-memory ring (transport/shm.py).
@@ -110,9 +108,10 @@ class TcpServer:
         many polling threads would slow the one that has a STEP to run. `on_thread_start`: called first in the accept
         thread (the front-end pins it there to its vCPUs; the connection threads it starts inherit its affinity).
         `observer` (observers.ServerObserver; the front-end's is a recorders.ServerRecorder: stamps, wake-ups,
-        rehearsals while a connection polls for its next frame) sees every connection's frames. `advertise`: the address `endpoint` names when `host` is a wildcard (0.0.0.0, ::),
-        which no client can connect to (the front-end passes its node's IP). `max_connections`, `idle_timeout_s`
-        (None: none): the bounds per client (module docstring)."""
+        rehearsals while a connection polls for its next frame) sees every connection's frames. `advertise`: the
+        address `endpoint` names when `host` is a wildcard (0.0.0.0, ::), which no client can connect to (the
+        front-end passes its node's IP). `max_connections`, `idle_timeout_s` (None: none): the bounds per client
+        (module docstring)."""
         if max_connections < 1:
             raise ValueError(f"max_connections {max_connections}: at least 1")
         self.max_connections, self.idle_timeout_s = max_connections, idle_timeout_s
