@@ -150,7 +150,7 @@ def shut_down(name: str, why: str, bound_s: float) -> int:
     """Remove the deployment `name` (its HTTP app, workers, rings) within `bound_s` seconds, further signals
     ignored meanwhile: 0 when it is gone, 1 when the bound ran out first (what was left is named)."""
     from .actors.placement import teardown
-    from .transport import http
+    from . import http_gateway as http
     from .transport.ring import remove_orphans
     said = []
 
@@ -204,7 +204,7 @@ def cmd_serve(a, *, then=None) -> int:
         return 2
     print(connect_ray(a.address, a.detach), flush=True)
     if getattr(a, "http_port", None) is not None:
-        from .transport import http
+        from . import http_gateway as http
         try:                     # before the pair is placed: a refusal leaves the cluster as it was
             http.check_address(a.host, a.http_port)
         except http.ProxyElsewhere as e:
@@ -244,7 +244,7 @@ def _serve(a, spec, backend: str, device: str, then) -> int:
         print(f"waiting for room: {', '.join(waiting)} (each starts when a node with room joins the cluster)",
               flush=True)
     if getattr(a, "http_port", None) is not None:
-        from .transport import http
+        from . import http_gateway as http
         quiet_serve_logs()
         print(f"STEP over HTTP (Ray Serve): {http.start(a.name, endpoint, a.host, a.http_port)}", flush=True)
     if then is not None:
@@ -366,7 +366,7 @@ def cmd_endpoints(a) -> int:
 
 def cmd_stop(a) -> int:
     from .actors.placement import find_workers, teardown
-    from .transport import http
+    from . import http_gateway as http
     from .transport.ring import remove_orphans
     print(connect_ray(a.address, False), file=sys.stderr)
     quiet_serve_logs()
@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     sp = sub.add_parser("serve", help="deploy one pair (or --pairs N) and serve STEP")
     serve_args(sp)
     sp.add_argument("--http-port", type=int, help="also serve STEP as JSON over HTTP through Ray Serve on this port "
-                                                  "(transport/http.py; milliseconds a call: the convenience path)")
+                                                  "(http_gateway.py; milliseconds a call: the convenience path)")
     sp.add_argument("--detach", action="store_true", help="leave detached actors behind (starts `ray start --head` "
                                                           "when no cluster runs)")
     sp.add_argument("--pending", action="store_true",
