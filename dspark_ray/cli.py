@@ -197,7 +197,7 @@ def cmd_serve(a, *, then=None) -> int:
                         collective_timeout_s=a.collective_timeout, rank_cpus=a.rank_cpus,
                         frontend_cpus=a.frontend_cpus, max_batch=a.max_batch, dense=a.dense,
                         markov_cache=a.markov_cache, max_connections=a.max_connections,
-                        idle_timeout_s=a.idle_timeout or None,
+                        idle_timeout_s=a.idle_timeout or None, spare_ranks=a.spare_ranks,
                         ring_spin_us=None if a.spin_ms is None else a.spin_ms * 1e3)
     except ValueError as e:
         print(f"dspark-ray serve: {e}", file=sys.stderr)
@@ -468,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S,
                         help="seconds a session may go without a request before it is closed and its slots freed "
                              "(0: never)")
+        sp.add_argument("--spare-ranks", type=int,
+                        help="spare rank processes kept per rank, started ahead so a restart skips the process "
+                             "start, the imports and the CUDA context (default 2 on a GPU, 0 on a CPU; each costs a "
+                             "process with torch loaded and, on a GPU, a CUDA context)")
         sp.add_argument("--spin-ms", type=float,
                         help="how long the ranks and the front-end poll for the next STEP before they sleep "
                              "(default 100 on a GPU host: longer than a trunk's forward; 0.05 on a CPU)")

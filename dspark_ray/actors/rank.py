@@ -16,6 +16,9 @@ def rank_actor_class():
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
             self.w = RankWorker(spec, rank)
 
+        def prepare(self):
+            return self.w.prepare()
+
         def load(self):
             return self.w.load()
 
