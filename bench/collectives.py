@@ -1,8 +1,8 @@
 """Collectives on the NVLink pair, all inside CUDA graphs: push (the whole safety protocol on) vs NCCL
-(torch.distributed) vs torch symmetric-memory one-shot vs the no-safety probe kernel of
-shared/probes/p2p_bench2.py, plus the (max, index) and top-2 exchanges.
+(torch.distributed) vs torch symmetric-memory one-shot vs a no-safety probe kernel (`PROBE_SRC`: the floor of a flag
+protocol), plus the (max, index) and top-2 exchanges.
 
-Method (same as the probe, so figures compare): each op captured 20 times back to back in one graph; a replay is
+Method: each op captured 20 times back to back in one graph; a replay is
 timed with CUDA events around g.replay(); per-op time = replay time / 20; p50 / p99 / min over --replays replays,
 after 5 warm-up replays. Two processes, one card each (CUDA_VISIBLE_DEVICES isolation, as the service's rank actors
 run). Every push result is checked bit for bit against P0 + P1 computed locally (both ranks know both seeds).
@@ -28,8 +28,8 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 H = 5120
 SIZES = [(1, 2), (5, H), (10, H), (15, H), (20, H), (64, H)]
 
-# The no-safety floor: the anchor probe's kernel (shared/probes/p2p_bench2.py, push_ar4), unchanged: float4 push,
-# per-block flags, device-side epoch; no timeouts, no error word, no acks, no parity check of the shape.
+# The no-safety floor, the design's first probe kernel (push_ar4): float4 push, per-block flags, device-side epoch;
+# no timeouts, no error word, no acks, no parity check of the shape.
 PROBE_SRC = r'''
 extern "C" __global__ void push_ar4(const float4* __restrict__ x, float4* __restrict__ out,
                                     float4* peer_recv, unsigned* peer_flag,

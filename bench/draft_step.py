@@ -2,8 +2,7 @@
 
 One command gives every figure (GPU only; two cards for tp2):
 
-    python bench/draft_step.py --preset full --ckpt /tmp/full --out bench/results/draft_step_h200x2.json \
-        --md bench/results/draft_step_h200x2.md
+    python bench/draft_step.py --preset full --ckpt /tmp/full --out draft_step.json --md draft_step.md
 
 It synthesizes the checkpoint on the device when `--ckpt` does not hold one, then per mode captures the rank's
 CUDA graph set (`graphs.GraphSet`, batch-invariant kernels of `kernels/gemm.py`) and times graph replays: p50 / p99

@@ -5,9 +5,9 @@ processes, sockets and waits around it, so two hosts (or two commits) compare pi
 host's own speed come with it: a pure-Python loop and a numpy copy of one STEP's taps.
 Full preset shapes (1 entry, `--rows` rows of 3 x 5120 fp16 taps, n_out 5); no GPU, no checkpoint needed.
 
-    .venv/bin/python bench/host_path.py [--rows 3] [--out bench/results/host_path_cpu.json]
-    .venv/bin/python bench/host_path.py --between spin:1000          # each piece after a 1 ms wait: cold
-    .venv/bin/python bench/host_path.py --between spin:1000+warm:50  # ... having run 50 us before: warm
+    python bench/host_path.py [--rows 3] [--out FILE]
+    python bench/host_path.py --between spin:1000          # each piece after a 1 ms wait: cold
+    python bench/host_path.py --between spin:1000+warm:50  # ... having run 50 us before: warm
 """
 from __future__ import annotations
 

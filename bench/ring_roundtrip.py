@@ -15,7 +15,7 @@ Cases:
                              (spin + sched_yield): the floor of a shared-memory hand-off
 
 Prints one JSON object per line: {name, p50_us, p99_us, min_us, n, config, device, commit}.
-Usage: .venv/bin/python bench/ring_roundtrip.py [--n 5000] [--out bench/results/ring_roundtrip_cpu.jsonl]
+Usage: python bench/ring_roundtrip.py [--n 5000] [--out FILE]
 """
 from __future__ import annotations
 

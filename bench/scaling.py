@@ -11,7 +11,7 @@ and draft tokens per second at the p50. The figure beside the JSON (same name, .
 against R, one line per layout and worker count.
 
     python bench/scaling.py --out bench/results/scaling_tiny_cpu.json           # tiny, CPU ranks, 1-4 workers
-    python bench/scaling.py --preset full --ckpt /tmp/full --out bench/results/gpu/scaling_full_h200x2.json
+    python bench/scaling.py --preset full --ckpt /tmp/full --cards 2 --out scaling_h200x2.json
     python bench/scaling.py --plot bench/results/scaling_tiny_cpu.json          # redraw a result's figure
 
 On a GPU host the worker counts default to every count the cards hold (pairs: 1..cards/2, one-card: 1..cards). On a

@@ -9,7 +9,7 @@ engine time per step from the deployment: the service's overhead is the TCP roun
 stamps each step (`dspark_ray/stamps.py`); the JSON's "timeline" gives each hop of the round trip.
 Prints one JSON object (p50 / p99 / min in ms, config, device, commit).
 
-    .venv/bin/python bench/step_latency.py [--rounds 60] [--out bench/results/step_latency_cpu.json]
+    python bench/step_latency.py [--rounds 60] [--out FILE]
     python bench/step_latency.py --preset full --ckpt /tmp/full --rounds 2000 --repeats 3 --pin-ab \
         --rank-cpus 2,3 --frontend-cpus 5 --client-cpu 7        # fresh pairs, alternating, medians of each
     python bench/step_latency.py --preset full --ckpt /tmp/full --rounds 400 --warmup-rounds 200 --gap-us 20000

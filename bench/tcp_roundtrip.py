@@ -8,7 +8,7 @@ Placement decides the figure on the 2-core VM: client and server on one core mea
 on two cores ~60 us (waking an idle vCPU costs ~50 us there), and an unpinned run lands on either. So both are
 measured, each pinned: `same_core` (the headline figures) and `split_cores`.
 
-    .venv/bin/python bench/tcp_roundtrip.py [--iters 3000] [--rows 6] [--out bench/results/tcp_roundtrip.json]
+    python bench/tcp_roundtrip.py [--iters 3000] [--rows 6] [--out FILE]
 
 `--service` instead measures the real front-end logic over the same transport: `StepService` (checks, slots,
 batching, answers) in front of an instant pair, full-preset taps (`--rows` rows of 3 x 5120 fp16), client and
@@ -17,14 +17,14 @@ server-side hops of bench/step_latency.py's timeline. Beside a deployed run it s
 `--shm` it also runs the same client through a shared-memory ring instead of the socket (transport/shm.py),
 alternating the two, each in a fresh server process:
 
-    .venv/bin/python bench/tcp_roundtrip.py --service --shm --rows 3 --iters 2000 --repeats 3
+    python bench/tcp_roundtrip.py --service --shm --rows 3 --iters 2000 --repeats 3
 
 `--service --metrics` asks what the front-end's metrics exporter (dspark_ray/metrics.py) costs the step path: every
 server process joins one local Ray (as the front-end actor's process is a Ray worker), and each repeat runs one server
 with the exporter exporting every second through Ray's metrics agent and one without, alternating which goes first:
 
-    .venv/bin/python bench/tcp_roundtrip.py --service --metrics --rows 3 --iters 20000 --repeats 8
-    .venv/bin/python bench/tcp_roundtrip.py --service --metrics --rows 3 --iters 5000 --repeats 8 --gap-us 1000
+    python bench/tcp_roundtrip.py --service --metrics --rows 3 --iters 20000 --repeats 8
+    python bench/tcp_roundtrip.py --service --metrics --rows 3 --iters 5000 --repeats 8 --gap-us 1000
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ For each base vCPU: a 1,000-add Python loop pinned there, timed alone (p50 of 30
 spins on each other vCPU in turn; the ratio is the slowdown. The step path's threads spin between steps
 (`PairSpec.rank_cpus` / `frontend_cpus` pin them), so this says which vCPUs to keep apart.
 
-    python bench/vcpu_siblings.py [--base 2,3,5,7] [--out bench/results/gpu/vcpu_sibling_probe_h200x2.json]
+    python bench/vcpu_siblings.py [--base 2,3,5,7] [--out FILE]
 """
 from __future__ import annotations
 
