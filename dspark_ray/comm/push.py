@@ -6,7 +6,7 @@ exchanges nothing itself but takes the peer's `PeerHandle` (carried by Ray / glo
 handshake that stores through the IPC mapping arrive. After that `all_reduce`, `max_exchange` and `top2_exchange`
 launch one kernel each on torch's current stream, eagerly or inside a CUDA graph capture.
 
-Wiring in a rank process (the lead's RankActor), once at start-up, before any graph capture:
+Wiring in a rank process (the rank actor), once at start-up, before any graph capture:
 
     pc = PushCollectives(rank, max_words=64 * 5120, peer_id_range=(peer_lo, peer_hi))   # compiles, preloads
     handles = all_gather(pc.export_handle().to_dict())        # Ray / gloo all_gather_object: plain picklable data
