@@ -20,7 +20,6 @@ median: the time outside the kernels differs from one process to the next.
 from __future__ import annotations
 
 import argparse
-import importlib
 import multiprocessing as mp
 import os
 import socket

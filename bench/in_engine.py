@@ -22,8 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 # The worker shares the engine's card here: its ranks' rehearsed graph launches between steps (a kernel every 1 ms,
 # for a card of their own) would time-slice the card against the trunk's forward. Off, before dspark_ray is read.
 os.environ.setdefault("DSPARK_KEEP_WARM_LAUNCH_US", "0")
