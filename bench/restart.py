@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT / "tests"))          # support.workload
 import msgspec                                                   # noqa: E402
 import numpy as np                                               # noqa: E402
 
-from bench.tcp_roundtrip import _commit, _device                # noqa: E402
+from bench.report import commit as _commit, cpu as _device      # noqa: E402
 from dspark_ray.client import ClientError, DrafterClient         # noqa: E402
 from dspark_ray.contract import Code, Entry, EntryResult, make_entry   # noqa: E402
 

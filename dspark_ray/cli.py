@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     sp = sub.add_parser("serve", help="deploy one pair (or --pairs N) and serve STEP")
     serve_args(sp)
     sp.add_argument("--http-port", type=int, help="also serve STEP as JSON over HTTP through Ray Serve on this port "
-                                                  "(http_gateway.py; milliseconds a call: the convenience path)")
+                                                  "(milliseconds a call: the convenience path)")
     sp.add_argument("--detach", action="store_true", help="leave detached actors behind (starts `ray start --head` "
                                                           "when no cluster runs)")
     sp.add_argument("--pending", action="store_true",
