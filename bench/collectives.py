@@ -1,8 +1,8 @@
 """Collectives on the NVLink pair, all inside CUDA graphs: push (the whole safety protocol on) vs NCCL
-(torch.distributed) vs torch symmetric-memory one-shot vs the no-safety probe kernel of
-shared/probes/p2p_bench2.py, plus the (max, index) and top-2 exchanges.
+(torch.distributed) vs torch symmetric-memory one-shot vs a no-safety probe kernel (`PROBE_SRC`: the floor of a flag
+protocol), plus the (max, index) and top-2 exchanges.
 
-Method (same as the probe, so figures compare): each op captured 20 times back to back in one graph; a replay is
+Method: each op captured 20 times back to back in one graph; a replay is
 timed with CUDA events around g.replay(); per-op time = replay time / 20; p50 / p99 / min over --replays replays,
 after 5 warm-up replays. Two processes, one card each (CUDA_VISIBLE_DEVICES isolation, as the service's rank actors
 run). Every push result is checked bit for bit against P0 + P1 computed locally (both ranks know both seeds).
@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench import report  # noqa: E402
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)      # NVLink multicast stays off (it can take the host's GPUs down)
@@ -27,8 +28,8 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 H = 5120
 SIZES = [(1, 2), (5, H), (10, H), (15, H), (20, H), (64, H)]
 
-# The no-safety floor: the anchor probe's kernel (shared/probes/p2p_bench2.py, push_ar4), unchanged: float4 push,
-# per-block flags, device-side epoch; no timeouts, no error word, no acks, no parity check of the shape.
+# The no-safety floor, the design's first probe kernel (push_ar4): float4 push, per-block flags, device-side epoch;
+# no timeouts, no error word, no acks, no parity check of the shape.
 PROBE_SRC = r'''
 extern "C" __global__ void push_ar4(const float4* __restrict__ x, float4* __restrict__ out,
                                     float4* peer_recv, unsigned* peer_flag,
@@ -65,12 +66,6 @@ extern "C" __global__ void push_ar4(const float4* __restrict__ x, float4* __rest
   }
 }
 '''
-
-
-def stats(ts):
-    ts = sorted(ts)
-    return {"p50": round(statistics.median(ts), 3), "p99": round(ts[min(len(ts) - 1, int(0.99 * len(ts)))], 3),
-            "min": round(ts[0], 3)}
 
 
 def symm_worker(rank, port, q, cfg):
@@ -133,7 +128,7 @@ def _graph_time(fn, cfg, dist):
         e.synchronize()
         ts.append(s.elapsed_time(e) * 1000 / cfg["per"])
     dist.barrier()
-    return stats(ts)
+    return report.percentiles(ts, None)
 
 
 def _spawn_pair(target, cfg, isolate):
@@ -228,7 +223,7 @@ def worker(rank, port, q, cfg):
         if pc is not None:
             pc.check_error()
         del g
-        return stats(ts)
+        return report.percentiles(ts, None)
 
     def connect(pc):
         hs = [None, None]
@@ -403,7 +398,7 @@ def main():
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--per", type=int, default=20)
     ap.add_argument("--blocks", default="1,2,4,8,16,32,64,128")
-    ap.add_argument("--commit", default=os.environ.get("DSPARK_COMMIT", "unknown"))
+    ap.add_argument("--commit", default=report.commit())
     args = ap.parse_args()
     cfg = {"replays": args.replays, "per": args.per, "blocks": [int(b) for b in args.blocks.split(",")]}
     t0 = time.time()

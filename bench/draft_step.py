@@ -2,8 +2,7 @@
 
 One command gives every figure (GPU only; two cards for tp2):
 
-    python bench/draft_step.py --preset full --ckpt /tmp/full --out bench/results/draft_step_h200x2.json \
-        --md bench/results/draft_step_h200x2.md
+    python bench/draft_step.py --preset full --ckpt /tmp/full --out draft_step.json --md draft_step.md
 
 It synthesizes the checkpoint on the device when `--ckpt` does not hold one, then per mode captures the rank's
 CUDA graph set (`graphs.GraphSet`, batch-invariant kernels of `kernels/gemm.py`) and times graph replays: p50 / p99
@@ -21,10 +20,14 @@ median: the time outside the kernels differs from one process to the next.
 from __future__ import annotations
 
 import argparse
-import json
+import multiprocessing as mp
+import os
+import socket
 import statistics
 import sys
 import time
+import traceback
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import torch
@@ -33,9 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))          # support.workload
 
-from bench import card_procs  # noqa: E402
-from bench.card_procs import pinned, run_alone  # noqa: E402
-from bench.tcp_roundtrip import _commit  # noqa: E402
+from bench import report  # noqa: E402
 from dspark_ray.graphs import step_graphs_enabled      # noqa: E402
 from dspark_ray.kernels.fused_ops import pdl_capable  # noqa: E402
 
@@ -46,7 +47,7 @@ STEP_ROWS = (1, 3, 6)                  # a STEP at 1 request, n_out 5: these row
 HOST_PIECES = (("enter_us", "start", "run_in"), ("writable_us", "run_in", "writable"),
                ("stage_us", "writable", "first_launch"), ("launch_insert_us", "first_launch", "insert_launched"),
                ("launch_us", "first_launch", "launched"), ("wait_us", "launched", "synced"))
-HBM_TBPS = 4.2         # what cuBLAS reached on these shapes (../shared/probes/gemm_bw.py)
+HBM_TBPS = 4.2         # what cuBLAS reached on these shapes on an H200
 
 
 def log(msg: str) -> None:
@@ -54,9 +55,7 @@ def log(msg: str) -> None:
 
 
 def stats(ms: list[float]) -> dict:
-    s = sorted(ms)
-    return {"p50_ms": round(statistics.median(s), 4), "p99_ms": round(s[min(len(s) - 1, int(0.99 * len(s)))], 4),
-            "min_ms": round(s[0], 4), "n": len(s)}
+    return report.percentiles(ms, "ms", digits=4)
 
 
 def ensure_checkpoint(preset: str, path: str) -> None:
@@ -283,13 +282,78 @@ def graph_kernels(gs, states, barrier=None, n: int = 10, top: int = 15) -> dict:
             "top": [{"kernel": k[:90], "us": round(t, 1), "count": round(c, 1)} for k, t, c in rows[:top]]}
 
 
+# --- fresh processes, one card each, as the service's rank actors run ---------------------------------------------
+# Every run starts from a fresh process and allocator, whatever ran before it. The body returns a dict; an exception
+# in it comes back with its traceback and is raised here, naming the process. One torch thread per process (two
+# processes with all-core OpenMP pools stall each other), each optionally pinned to one vCPU.
+
+def free_port() -> int:
+    """A free TCP port on the loopback for the pair's gloo rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(key: str, card: int, cpu: int | None, fn, fn_args: tuple, q) -> None:
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(card)        # before anything initializes CUDA in this process
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    torch.set_num_threads(1)
+    try:
+        q.put((key, fn(*fn_args)))
+    except BaseException as e:       # noqa: BLE001 - reported to the parent
+        q.put((key, {"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()[-4000:]}))
+
+
+def _gather(procs: list, q, timeout_s: float) -> dict:
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=timeout_s) for _ in procs)
+    for p in procs:
+        p.join(60)
+    for key, res in got.items():
+        if isinstance(res, dict) and "error" in res:
+            raise RuntimeError(f"{key}: {res['error']}\n{res['tb']}")
+    return got
+
+
+def run_alone(fn, *fn_args, cpu: int | None = None, timeout_s: float = 600) -> dict:
+    """fn(*fn_args) in a process of its own that sees card 0 alone."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    return _gather([ctx.Process(target=_child, args=("one card", 0, cpu, fn, fn_args, q))], q, timeout_s)["one card"]
+
+
+def run_ranks(fn, *fn_args, cpus=(None, None), timeout_s: float = 600) -> tuple[dict, dict]:
+    """fn(rank, port, barrier_name, *fn_args) for rank 0 on card 0 and rank 1 on card 1, at once; their results.
+    The ranks get a free loopback port for their gloo rendezvous and a zeroed 16-byte shared-memory block for
+    `SpinBarrier`."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    shm = shared_memory.SharedMemory(create=True, size=16)
+    shm.buf[:16] = bytes(16)
+    try:
+        procs = [ctx.Process(target=_child, args=(f"pair rank {r}", r, cpus[r], fn, (r, port, shm.name, *fn_args), q))
+                 for r in (0, 1)]
+        got = _gather(procs, q, timeout_s)
+    finally:
+        shm.close()
+        shm.unlink()
+    return got["pair rank 0"], got["pair rank 1"]
+
+
+def pinned(cpus: str, index: int) -> int | None:
+    """Entry `index` of a "--pin-cpus 2,3" list, or None when the list is empty."""
+    from dspark_ray.cli import cpu_list
+    return cpu_list(cpus)[index] if cpus else None
+
+
 # --- the pair: two processes, one card each ---------------------------------------------------------------------
 
 class SpinBarrier:
-    """The pair's barrier before each timed call: both ranks spin on two counters in shared memory. Behind a
-    blocking barrier (gloo) the woken ranks staged and launched their step in 24 + 27 us, behind this one in 19 + 24
-    (one card's rank in its tight loop: 14 + 11), and the pair's step read 1.011 against 0.991 ms (H200 pair, one
-    device call: bench/results/gpu/draft_step_1x5_host_share_h200x2.json). The service's rank loop spins too."""
+    """The pair's barrier before each timed call: both ranks spin on two counters in shared memory, as the
+    service's rank loop spins. Ranks woken from a blocking barrier (gloo) stage and launch their step slower."""
 
     def __init__(self, name: str, rank: int):
         from multiprocessing import shared_memory
@@ -327,7 +391,7 @@ def connect_pair_rank(rank: int, port: int, ckpt: str, push: bool = True):
 
 
 def _pair_rank(rank: int, port: int, shm_name: str, args) -> dict:
-    """One rank of the pair, in its own process (card_procs.run_pair)."""
+    """One rank of the pair, in its own process (`run_ranks`)."""
     import torch.distributed as dist
     gloo, pc = connect_pair_rank(rank, port, args.ckpt)
 
@@ -349,8 +413,8 @@ def run_one_card(mode: str, args) -> dict:
 
 
 def run_pair(args) -> dict:
-    r0, r1 = card_procs.run_pair(_pair_rank, args, cpus=(pinned(args.pin_cpus, 0), pinned(args.pin_cpus, 1)),
-                                 timeout_s=args.pair_timeout)
+    r0, r1 = run_ranks(_pair_rank, args, cpus=(pinned(args.pin_cpus, 0), pinned(args.pin_cpus, 1)),
+                       timeout_s=args.pair_timeout)
     return {"rank0": r0, "rank1": r1}
 
 
@@ -502,9 +566,8 @@ def main(argv=None) -> int:
         return 2
     torch.set_num_threads(1)
     ensure_checkpoint(args.preset, args.ckpt)
-    out = {"bench": "draft_step", "preset": args.preset, "device": torch.cuda.get_device_name(0),
-           "cards": torch.cuda.device_count(), "commit": _commit(), "replays": args.replays,
-           "command": "python bench/draft_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    out = {**report.header(__file__, argv, gpu=True), "preset": args.preset,
+           "cards": torch.cuda.device_count(), "replays": args.replays,
            "torch": torch.__version__, "start": args.start, "pdl": pdl_capable(),
            "step_graphs": step_graphs_enabled()}
     from dspark_ray.weights.loader import Checkpoint
@@ -529,16 +592,11 @@ def main(argv=None) -> int:
             for k, v in draft.items():
                 first.setdefault("repeat_p50_ms", {}).setdefault(k, []).append(v["p50_ms"])
             out["summary"] = summary(out)
-            write(out, args)                # after every run: a run cut short still leaves what it measured
-    print(json.dumps(out, indent=1))
+            report.save(out, args.out)      # after every run: a run cut short still leaves what it measured
+            if args.md:
+                Path(args.md).write_text(markdown(out))
+    report.write(out)
     return 0
-
-
-def write(out: dict, args) -> None:
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    if args.md:
-        Path(args.md).write_text(markdown(out))
 
 
 if __name__ == "__main__":

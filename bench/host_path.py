@@ -5,16 +5,14 @@ processes, sockets and waits around it, so two hosts (or two commits) compare pi
 host's own speed come with it: a pure-Python loop and a numpy copy of one STEP's taps.
 Full preset shapes (1 entry, `--rows` rows of 3 x 5120 fp16 taps, n_out 5); no GPU, no checkpoint needed.
 
-    .venv/bin/python bench/host_path.py [--rows 3] [--out bench/results/host_path_cpu.json]
-    .venv/bin/python bench/host_path.py --between spin:1000          # each piece after a 1 ms wait: cold
-    .venv/bin/python bench/host_path.py --between spin:1000+warm:50  # ... having run 50 us before: warm
+    python bench/host_path.py [--rows 3] [--out FILE]
+    python bench/host_path.py --between spin:1000          # each piece after a 1 ms wait: cold
+    python bench/host_path.py --between spin:1000+warm:50  # ... having run 50 us before: warm
 """
 from __future__ import annotations
 
 import argparse
 import os
-import platform
-import statistics
 import sys
 import time
 
@@ -22,7 +20,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      # support.instant_pair
 
+from bench import report                                                    # noqa: E402
 from dspark_ray import contract as C                                        # noqa: E402
 from dspark_ray import records as M                                 # noqa: E402
 from dspark_ray.comm.local import LocalCollectives                         # noqa: E402
@@ -31,7 +31,7 @@ from dspark_ray.step_service import Identity, StepService                       
 from dspark_ray.graphs import GraphSet                                      # noqa: E402
 from dspark_ray.model.state import SlotState                                # noqa: E402
 from dspark_ray.wire import HEADER_SIZE, FrameWriter, decode_payload        # noqa: E402
-from tcp_roundtrip import _commit, emit                                      # noqa: E402
+from support.instant_pair import InstantPair                                # noqa: E402
 
 
 def between_calls(kind: str):
@@ -80,22 +80,7 @@ def timed(fn, n: int) -> dict:
         t0 = time.perf_counter_ns()
         fn()
         ts.append(time.perf_counter_ns() - t0)
-    ts.sort()
-    return {"p50_us": round(statistics.median(ts) / 1e3, 2), "p99_us": round(ts[int(0.99 * (n - 1))] / 1e3, 2),
-            "min_us": round(ts[0] / 1e3, 2), "n": n}
-
-
-class InstantPair:
-    """Answers a batch at once with fixed results: StepService's own cost, without the ring."""
-
-    def __init__(self):
-        self.last_seq = 0
-
-    def run(self, batch, deadline_ns=None):
-        self.last_seq += 1
-        r = C.EntryResult(drafts=np.arange(5, dtype="<i4").tobytes(), confidences=np.full(5, 0.75, "<f4").tobytes(),
-                          confident_len=5)
-        return [r for _ in batch.entries]
+    return report.percentiles(ts, "us", digits=2, scale=1e-3)
 
 
 class ShapesOnly:
@@ -205,12 +190,12 @@ def measure_in_actor(rows: int, n: int) -> dict:
     """The same pieces inside a Ray actor (a local Ray): does the actor's process slow them down?"""
     import ray
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {"PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {"PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")])}
 
     @ray.remote(num_cpus=1, runtime_env={"env_vars": env})
     def run():
-        import host_path
+        from bench import host_path
         return host_path.measure(rows, n)
     try:
         return ray.get(run.remote())
@@ -230,15 +215,13 @@ def main() -> None:
     global BETWEEN
     BETWEEN = between_calls(a.between)
     pieces = measure(a.rows, a.n)
-    res = {"bench": "host_path", "command": "python bench/host_path.py " + " ".join(sys.argv[1:]),
+    res = {**report.header(__file__),
            "config": {"preset": "full", "rows": a.rows, "between": a.between,
                       "taps_bytes": a.rows * full().n_taps * full().hidden_size * 2, "n_out": 5},
-           "device": platform.processor() or platform.machine(), "host_cpus": os.cpu_count(),
-           "python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
-           "commit": _commit(), "pieces": pieces}
+           "numpy": np.__version__, "torch": torch.__version__, "pieces": pieces}
     if a.in_actor:
         res["pieces_in_ray_worker"] = measure_in_actor(a.rows, a.n)
-    emit(res, a.out, indent=1)
+    report.write(res, a.out, indent=1)
 
 
 if __name__ == "__main__":

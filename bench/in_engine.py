@@ -16,14 +16,11 @@ each mode's median run (by tokens/s). Prints JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 # The worker shares the engine's card here: its ranks' rehearsed graph launches between steps (a kernel every 1 ms,
 # for a card of their own) would time-slice the card against the trunk's forward. Off, before dspark_ray is read.
@@ -33,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench import report  # noqa: E402
 from support import in_engine as E  # noqa: E402
 
 PRODUCTION_VERIFY_MS = 43.68        # seed 000: REMOTE_ROUND_MS at depth 5 (its trunk's verify forward)
@@ -40,13 +38,6 @@ PRODUCTION_VERIFY_MS = 43.68        # seed 000: REMOTE_ROUND_MS at depth 5 (its 
 
 def log(msg: str) -> None:
     print(f"[in_engine {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _commit() -> str:
-    if os.environ.get("DSPARK_COMMIT"):
-        return os.environ["DSPARK_COMMIT"]
-    from bench.tcp_roundtrip import _commit as git_commit
-    return git_commit()
 
 
 def projection(summary: dict) -> dict:
@@ -92,8 +83,7 @@ def main() -> None:
              logging_level=logging.WARNING, namespace="dspark")
     prompts = E.prompts(a.prompts)
     batches = [int(b) for b in a.batches.split(",")]
-    out = {"bench": "in_engine", "command": "python bench/in_engine.py " + " ".join(sys.argv[1:]),
-           "commit": _commit(), "device": torch.cuda.get_device_name(0), "preset": a.preset,
+    out = {**report.header(__file__, gpu=True), "preset": a.preset,
            "config": {"prompts": len(prompts), "prompt_lengths": [len(p) for p in prompts], "new_tokens": a.new,
                       "batches": batches, "deadline_ms": a.deadline_ms, "greedy": True,
                       "engine": "exllamav3 1.6.5 Generator", "dspark": "tp1 worker on the same card, TCP",
@@ -102,9 +92,7 @@ def main() -> None:
            "runs": [], "lossless": {}, "projection_at_seed000_round": {}}
     def save() -> None:
         out["wall_s"] = round(time.time() - t_start, 1)
-        if a.out:
-            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.out).write_text(json.dumps(out, indent=1, default=str) + "\n")
+        report.save(out, a.out)
 
     try:
         t0 = time.time()               # before the worker: its Markov cache is sized by the memory left then
@@ -149,8 +137,8 @@ def main() -> None:
     finally:
         teardown("in-engine")
         ray.shutdown()
-    save()
-    print(json.dumps(out, indent=1, default=str))
+    out["wall_s"] = round(time.time() - t_start, 1)
+    report.write(out, a.out)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))          # support.parity
 
-from bench.tcp_roundtrip import _commit  # noqa: E402
+from bench import report  # noqa: E402
 from support.parity import fp16_step  # noqa: E402
 
 PAGE = 256
@@ -310,9 +309,7 @@ def time_theirs(theirs: Theirs, cfg, args) -> dict:
             _, _, tok = theirs.draft(seeds, rows)
             tok.cpu()
             ms.append((time.perf_counter() - t0) * 1000)
-        ms.sort()
-        out[str(bsz)] = {"p50_ms": round(statistics.median(ms), 3), "p99_ms": round(ms[int(0.99 * (len(ms) - 1))], 3),
-                         "min_ms": round(ms[0], 3), "n": len(ms)}
+        out[str(bsz)] = report.percentiles(ms)
         log(f"exllamav3 step at {bsz} requests: p50 {out[str(bsz)]['p50_ms']} ms")
     return out
 
@@ -335,13 +332,11 @@ def main(argv=None) -> int:
         print("bench/parity_exl3.py needs CUDA and exllamav3", file=sys.stderr)
         return 2
     torch.set_num_threads(8)
-    out = {"bench": "parity_exl3", "preset": a.preset, "device": torch.cuda.get_device_name(0), "commit": _commit(),
-           "command": "python bench/parity_exl3.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    out = {**report.header(__file__, argv, gpu=True), "preset": a.preset,
            "seeds": a.seeds, "rounds": a.rounds, "batch": a.batch, "formats": {}}
     for fmt in a.formats.split(","):
         out["formats"][fmt] = run_format(a.preset, fmt, a, Path(a.root))
-        if a.out:
-            Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+        report.save(out, a.out)
     print(json.dumps({f: {k: v for k, v in r.items() if k != "seeds"} for f, r in out["formats"].items()}, indent=1))
     return 0
 

@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT / "tests"))          # support.workload
 import msgspec                                                   # noqa: E402
 import numpy as np                                               # noqa: E402
 
-from bench.tcp_roundtrip import _commit, _device                # noqa: E402
+from bench.report import commit as _commit, cpu as _device      # noqa: E402
 from dspark_ray.client import ClientError, DrafterClient         # noqa: E402
 from dspark_ray.contract import Code, Entry, EntryResult, make_entry   # noqa: E402
 
@@ -213,6 +213,15 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
     reqs = [Request(cfg.sliding_window, limits_rows) for _ in range(requests)]
     sess = Session(endpoint, reqs, timeout_s=max(120.0, 4 * deadline_ms / 1e3))
     sess.open(time.monotonic() + 120)
+    # The first kill, as every later one (settle), finds the worker at rest: its spare ranks ready.
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < restart_timeout_s:
+        st = ray.get(fe.status.remote(), timeout=30)
+        if st.get("spares_ready", 0) >= st.get("spares", 0):
+            break
+        time.sleep(0.5)
+    if st.get("spares"):
+        log(f"{st['spares_ready']} of {st['spares']} spare rank sets ready after {time.monotonic() - t0:.1f} s")
     steps: list[dict] = []          # per STEP: t_send, t_recv, codes (one per entry, or a request's error)
     checks: list[dict] = []         # per STEP with OK answers: t_send, [(request, entry, fresh insert, answer)]
     done: list[dict] = []           # the kills, as they happened
@@ -245,8 +254,8 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
 
     def settle(k: dict) -> bool:
         """Whether the restart after kill `k` has finished the work it left for between steps (its Markov rows,
-        the rest of its graphs; looked at every 0.5 s, bounded by the restart timeout): then the ranks' stamps of
-        it are recorded and the next kill may come."""
+        the rest of its graphs) and its spare ranks are ready again: the worker at rest (looked at every 0.5 s,
+        bounded by the restart timeout). Then the ranks' stamps of it are recorded and the next kill may come."""
         if "settled" in k or "t_ok" not in k:
             return True
         if time.monotonic() < k.get("next_look", 0.0):
@@ -254,9 +263,14 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
         k["next_look"] = time.monotonic() + 0.5
         st = ray.get(fe.status.remote(), timeout=30)
         left = any(r.get("work_left") for r in st["ranks"])
-        if left and time.monotonic() - k["t_ok"] < restart_timeout_s:
+        if not left:
+            k.setdefault("work_done_wall", time.time())
+        spares_pending = st.get("spares_ready", 0) < st.get("spares", 0)
+        if (left or spares_pending) and time.monotonic() - k["t_ok"] < restart_timeout_s:
             return False
-        k["settled"] = {"wall": time.time(), "work_left": left, "ranks": [r.get("startup") or {} for r in st["ranks"]],
+        k["settled"] = {"wall": k.get("work_done_wall", time.time()), "work_left": left,
+                        "spares_ready_wall": None if spares_pending else time.time(),
+                        "ranks": [r.get("startup") or {} for r in st["ranks"]],
                         "graphs": [r.get("graphs") for r in st["ranks"]],
                         "markov_cache": [r.get("markov_cache") for r in st["ranks"]]}
         return True
@@ -375,7 +389,9 @@ def settling(steps: list[dict], k: dict) -> dict | None:
         spans = [r[name] for r in st["ranks"] if name in r]
         return [round(min(b for b, _ in spans) - t_wall, 3), round(max(e for _, e in spans) - t_wall, 3)] \
             if spans else None
+    ready = st.get("spares_ready_wall")
     return {"done_by_s": round(st["wall"] - t_wall, 3), "work_left": st["work_left"],
+            "spares_ready_by_s": round(ready - t_wall, 3) if ready else None,
             "markov_rows_later_s": rel("markov_rows_later"), "graphs_later_s": rel("graphs_later"),
             "graphs": st["graphs"], "markov_cache": st["markov_cache"],
             "step_ms_meanwhile": summary(later_step_ms(steps, k), "ms")}
@@ -433,6 +449,7 @@ def kill_report(steps: list[dict], k: dict) -> dict:
         "during_restart": k["during_restart"],
         "second_kill": k.get("second"),
         "phases_s": restart_phases(k),
+        "from_spares": ((k.get("stamps") or {}).get("front_end") or {}).get("from_spares"),
         "after_first_ok": settling(steps, k),
         "graphs_at_first_ok": k.get("graphs_at_first_ok"),
         "stamps": k.get("stamps"),            # the raw stamps (wall-clock s); the kill at kill_wall
@@ -625,6 +642,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--dense", choices=["auto", "triton", "cublas"], default="auto", help="serve --dense")
     ap.add_argument("--markov-cache", default="auto", help="serve --markov-cache")
+    ap.add_argument("--spare-ranks", type=int, help="serve --spare-ranks (default 2 on a GPU, 0 on a CPU)")
     ap.add_argument("--requests", type=int, default=2, help="live requests, one entry each a STEP")
     ap.add_argument("--rounds", type=int, default=20, help="rounds before the first kill and after each recovery")
     ap.add_argument("--kills", type=int, default=3)
@@ -654,7 +672,7 @@ def main() -> None:
     with contextlib.redirect_stdout(sys.stderr):         # (its "synthesizing ..." line: stdout is the JSON's)
         ckpt = os.path.abspath(resolve_checkpoint(a.preset or "tiny", a.checkpoint, device=device))
     spec = PairSpec(checkpoint=ckpt, tp=a.tp, n_slots=a.slots, backend=backend, device=device, dense=a.dense,
-                    markov_cache=a.markov_cache)
+                    markov_cache=a.markov_cache, spare_ranks=a.spare_ranks)
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING, namespace="dspark")
     try:

@@ -12,10 +12,10 @@ Cases:
   ring_2readers_1KB_woken    the writer idles `--idle-ms` between steps, so both readers are asleep on their
                              doorbells (FIFO + select) when the step arrives: the blocked-then-woken path
   raw_shm_pingpong           baseline without the ring: two processes flip one uint64 in shared memory
-                             (spin + sched_yield), the figure DESIGN.md quotes (1.5 us)
+                             (spin + sched_yield): the floor of a shared-memory hand-off
 
 Prints one JSON object per line: {name, p50_us, p99_us, min_us, n, config, device, commit}.
-Usage: .venv/bin/python bench/ring_roundtrip.py [--n 5000] [--out bench/results/ring_roundtrip_cpu.jsonl]
+Usage: python bench/ring_roundtrip.py [--n 5000] [--out FILE]
 """
 from __future__ import annotations
 
@@ -23,12 +23,16 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import sys
 import time
 from multiprocessing import shared_memory
 
 import numpy as np
 
-from dspark_ray.transport.ring import RingClosed, StepRing
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench import report                                       # noqa: E402
+from dspark_ray.transport.ring import RingClosed, StepRing     # noqa: E402
 
 CTX = mp.get_context("spawn")
 OUT_BYTES = 256                                 # rank 0's outputs per step (drafts, confidences, margins)
@@ -72,10 +76,7 @@ def _raw_peer(name, n):
 
 
 def _stats(name, ns, config, meta):
-    us = np.asarray(ns, dtype=np.float64) / 1e3
-    return {"name": name, "p50_us": round(float(np.percentile(us, 50)), 2),
-            "p99_us": round(float(np.percentile(us, 99)), 2), "min_us": round(float(us.min()), 2),
-            "n": len(ns), "config": config, **meta}
+    return {"name": name, **report.percentiles(ns, "us", digits=2, scale=1e-3), "config": config, **meta}
 
 
 def ring_case(name, n_readers, payload_bytes, n, warmup, idle_s, meta, spin_us, work_us=0.0):
@@ -140,15 +141,6 @@ def raw_case(n, warmup, meta):
     return _stats("raw_shm_pingpong", ns, {"peers": 2, "wait": "spin+sched_yield", "warmup": warmup}, meta)
 
 
-def _device():
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = "unknown cpu"
-    return f"{model} x{os.cpu_count()} logical cores"
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=5000)
@@ -157,9 +149,8 @@ def main():
     ap.add_argument("--spin-us", type=float, default=50.0)
     ap.add_argument("--out", help="also append the JSON lines to this file")
     args = ap.parse_args()
-    from tcp_roundtrip import _commit     # here, not at the top: the spawned readers re-import this module
     # The CPU machine is shared: the 1-minute load average says how much the figures were disturbed.
-    meta = {"device": _device(), "commit": _commit(), "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
+    meta = {"device": report.cpu(), "commit": report.commit(), "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
     warm = 200
     rows = [
         ring_case("ring_2readers_1KB", 2, 1 << 10, args.n, warm, 0.0, meta, args.spin_us),

@@ -1,4 +1,4 @@
-"""The scaling experiment (DESIGN.md, "Scaling"): N tp2 pairs against one-card workers, for 1..N workers each.
+"""Pairs against one-card workers (docs/performance.md, "Pairs or one-card workers"), for 1..N workers each.
 
 A pair drafts one request faster (each card reads half the weights); two one-card workers draft twice as many
 requests side by side (no replicated work, no collectives). Which wins depends on how many requests a serving engine
@@ -11,7 +11,7 @@ and draft tokens per second at the p50. The figure beside the JSON (same name, .
 against R, one line per layout and worker count.
 
     python bench/scaling.py --out bench/results/scaling_tiny_cpu.json           # tiny, CPU ranks, 1-4 workers
-    python bench/scaling.py --preset full --ckpt /tmp/full --out bench/results/gpu/scaling_full_h200x2.json
+    python bench/scaling.py --preset full --ckpt /tmp/full --cards 2 --out scaling_h200x2.json
     python bench/scaling.py --plot bench/results/scaling_tiny_cpu.json          # redraw a result's figure
 
 On a GPU host the worker counts default to every count the cards hold (pairs: 1..cards/2, one-card: 1..cards). On a
@@ -28,12 +28,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))             # its sibling benches, also when imported (the figure's test)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      # support.workload
 
-from step_latency import summary                            # noqa: E402
-from tcp_roundtrip import _commit, _device, emit              # noqa: E402
+from bench import report                                    # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -142,8 +140,7 @@ def main() -> None:
     # thread right before each STEP would cool its caches and cost the round trip more than the pool does.
     first_taps = workload.make_taps(cfg, 8, g).numpy()
     bank = [workload.make_taps(cfg, a.rows, g).numpy() for _ in range(16)]
-    out = {"bench": "scaling", "device": torch.cuda.get_device_name(0) if gpu else _device(),
-           "cpu_figures": not gpu, "commit": _commit(), "command": "python " + " ".join(sys.argv),
+    out = {**report.header(__file__, gpu=gpu), "cpu_figures": not gpu,
            "config": {"preset": a.preset, "cards": cards, "workers": sorted({n for _, _, n in runs}),
                       "requests": requests, "rounds": a.rounds, "warmup_rounds": warm, "rows_per_round": a.rows,
                       "n_out": 5, "slots_per_worker": a.slots, "dense": a.dense},
@@ -188,7 +185,7 @@ def main() -> None:
                     where = [pool.worker_of(gr.slot) for gr in grants]
                     per_worker = [where.count(ep) for _, ep in deployed]
                     pool.release([gr.slot for gr in grants])
-                s = summary(lat)
+                s = report.percentiles(lat)
                 row = {"requests": r, "round": s, "requests_per_s": round(r / s["p50_ms"] * 1e3, 1),
                        "drafts_per_s": round(5 * r / s["p50_ms"] * 1e3, 1),
                        "per_worker": per_worker}
@@ -204,7 +201,7 @@ def main() -> None:
         n: {r: round(by["one_card", n][r] / by["pairs", n][r], 3) for r in requests
             if r in by.get(("pairs", n), {}) and r in by.get(("one_card", n), {})}
         for n in sorted({n for _, _, n in runs}) if ("pairs", n) in by and ("one_card", n) in by}
-    emit(out, a.out, 1)
+    report.write(out, a.out)
     if a.out:
         plot(out, os.path.splitext(a.out)[0] + ".png")
 

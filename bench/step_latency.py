@@ -9,7 +9,7 @@ engine time per step from the deployment: the service's overhead is the TCP roun
 stamps each step (`dspark_ray/stamps.py`); the JSON's "timeline" gives each hop of the round trip.
 Prints one JSON object (p50 / p99 / min in ms, config, device, commit).
 
-    .venv/bin/python bench/step_latency.py [--rounds 60] [--out bench/results/step_latency_cpu.json]
+    python bench/step_latency.py [--rounds 60] [--out FILE]
     python bench/step_latency.py --preset full --ckpt /tmp/full --rounds 2000 --repeats 3 --pin-ab \
         --rank-cpus 2,3 --frontend-cpus 5 --client-cpu 7        # fresh pairs, alternating, medians of each
     python bench/step_latency.py --preset full --ckpt /tmp/full --rounds 400 --warmup-rounds 200 --gap-us 20000
@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -31,21 +30,11 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      # support.workload
 
-from tcp_roundtrip import _commit                             # noqa: E402
-
+from bench import report                                     # noqa: E402
 from dspark_ray.cli import cpu_list                          # noqa: E402
 from dspark_ray.graphs import step_graphs_enabled              # noqa: E402
 from dspark_ray.keep_warm import keep_warm_enabled, keep_warm_period_us   # noqa: E402
 
-
-def pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
-def summary(xs):
-    return {"p50_ms": round(statistics.median(xs), 3), "p99_ms": round(pct(xs, 0.99), 3),
-            "min_ms": round(min(xs), 3), "n": len(xs)}
 
 
 def log(msg: str) -> None:
@@ -212,25 +201,25 @@ def main() -> None:
             # (scheduling.py).
             "processes": {"frontend": status.get("process"), "ranks": [r.get("process") for r in status["ranks"]]},
             "markov_cache": [r.get("markov_cache") for r in status["ranks"]],
-            "rank0_engine_step": summary(rank_ms),
-            "tcp_step": summary(tcp),
+            "rank0_engine_step": report.percentiles(rank_ms),
+            "tcp_step": report.percentiles(tcp),
             # The client's own part of client_to_server: encoding the STEP and the send call (on loopback the send
             # call also runs the receiving side's TCP processing).
-            "client_encode_and_send": summary([x / 1e6 for x in run["sent"]]),
+            "client_encode_and_send": report.percentiles([x / 1e6 for x in run["sent"]]),
             # What the service adds around the ranks' own step: front-end checks, batching, ring, TCP, client.
             "overhead_p50_ms": round(statistics.median(tcp) - statistics.median(rank_ms), 3),
             # Where a round trip goes, hop by hop (p50 of each hop over the rounds; the hops of one round add up to
             # its round trip). The rank hops are the rank that completed last (the critical path); its peer's are
             # under "ranks".
-            "timeline": {name: summary([(s[b] - s[a]) / 1e6 for s in steps]) for name, a, b in HOPS
+            "timeline": {name: report.percentiles([(s[b] - s[a]) / 1e6 for s in steps]) for name, a, b in HOPS
                          if all(a in s and b in s for s in steps)},        # (an eager engine has no graph stamps)
-            "ranks": {f"rank{r}_{k}": summary([(s[f"r{r}_{b}"] - s[f"r{r}_{a}"]) / 1e6 for s in steps])
+            "ranks": {f"rank{r}_{k}": report.percentiles([(s[f"r{r}_{b}"] - s[f"r{r}_{a}"]) / 1e6 for s in steps])
                       for r in range(base.tp) for k, a, b in RANK_PHASES},
             # Hops run by one thread: the CPU time its thread used in them against their wall time (p50 each). CPU
             # ~ wall: the code is slow; CPU << wall: the thread was off the CPU (preempted, or waiting for the GIL).
-            "cpu_in_hops": {name: {"wall_p50_ms": summary([(s[b] - s[a]) / 1e6 for s in steps])["p50_ms"],
-                                   "cpu_p50_ms": summary([(s[cpu_key(b)] - s[cpu_key(a)]) / 1e6
-                                                          for s in steps])["p50_ms"]}
+            "cpu_in_hops": {name: {"wall_p50_ms": report.percentiles([(s[b] - s[a]) / 1e6 for s in steps])["p50_ms"],
+                                   "cpu_p50_ms": report.percentiles([(s[cpu_key(b)] - s[cpu_key(a)]) / 1e6
+                                                                     for s in steps])["p50_ms"]}
                             for name, a, b in CPU_HOPS if all(cpu_key(a) in s and cpu_key(b) in s for s in steps)},
             # Per thread over the timed rounds: CPU used, time waited runnable for a core, preemptions.
             "threads_over_the_rounds": {
@@ -265,8 +254,7 @@ def main() -> None:
     ring_rows = [json.loads(line) for line in ring.stdout.splitlines() if line.startswith("{")]
     first = runs[0]
     out = {
-        "bench": "step_latency",
-        "command": "python bench/step_latency.py " + " ".join(sys.argv[1:]),
+        **report.header(__file__, gpu=gpu),
         "config": {"preset": a.preset, "tp": base.tp, "backend": base.backend if base.tp == 2 else None,
                    "requests": R, "rows_per_round": a.rows,
                    "n_out": 5, "rounds": a.rounds, "warmup_rounds": warm, "repeats": a.repeats,
@@ -275,10 +263,8 @@ def main() -> None:
                    "pinned_vcpus": pinning, "step_graphs": step_graphs_enabled(),
                    "keep_warm_us": keep_warm_period_us() if keep_warm_enabled() else None,
                    "transport": "shm" if a.shm else "tcp"},
-        "device": torch.cuda.get_device_name(0) if gpu else platform.processor() or platform.machine(),
         "host_cpus": os.cpu_count(),
-        "commit": _commit(),
-        "in_process_emulated_pair": summary(inproc[warm:]) if inproc else None,
+        "in_process_emulated_pair": report.percentiles(inproc[warm:]) if inproc else None,
         # every figure below is the first run's; "runs" and "medians" hold each run's headline
         **{k: v for k, v in first.items() if k not in ("variant", "pinned_vcpus")},
         "ring_roundtrip": ring_rows,
@@ -291,10 +277,7 @@ def main() -> None:
         mine = [r for r in out["runs"] if r["variant"] == name]
         out["medians"][name] = {k: round(statistics.median(r[k] for r in mine), 3)
                                 for k in ("round_trip_p50_ms", "pair_work_p50_ms", "outside_the_work_ms")}
-    print(json.dumps(out, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+    report.write(out, a.out)
     del np
 
 

@@ -3,13 +3,12 @@
 The server runs in a second process (as a serving engine and the drafter would), with a fake front-end that answers
 at once, so the figure is the transport's own cost: framing, msgpack, the connection thread and two socket hops.
 The raw ping-pong sends the very same request / reply byte counts with bare send / recv_into: the floor for TCP here.
-Budget (DESIGN.md, the 2-core CPU machine): 23 us for a 256 B blocking round trip, 51 us for 64 KB.
 
 Placement decides the figure on the 2-core VM: client and server on one core measured ~10 us for the raw ping-pong,
 on two cores ~60 us (waking an idle vCPU costs ~50 us there), and an unpinned run lands on either. So both are
 measured, each pinned: `same_core` (the headline figures) and `split_cores`.
 
-    .venv/bin/python bench/tcp_roundtrip.py [--iters 3000] [--rows 6] [--out bench/results/tcp_roundtrip.json]
+    python bench/tcp_roundtrip.py [--iters 3000] [--rows 6] [--out FILE]
 
 `--service` instead measures the real front-end logic over the same transport: `StepService` (checks, slots,
 batching, answers) in front of an instant pair, full-preset taps (`--rows` rows of 3 x 5120 fp16), client and
@@ -18,14 +17,14 @@ server-side hops of bench/step_latency.py's timeline. Beside a deployed run it s
 `--shm` it also runs the same client through a shared-memory ring instead of the socket (transport/shm.py),
 alternating the two, each in a fresh server process:
 
-    .venv/bin/python bench/tcp_roundtrip.py --service --shm --rows 3 --iters 2000 --repeats 3
+    python bench/tcp_roundtrip.py --service --shm --rows 3 --iters 2000 --repeats 3
 
 `--service --metrics` asks what the front-end's metrics exporter (dspark_ray/metrics.py) costs the step path: every
 server process joins one local Ray (as the front-end actor's process is a Ray worker), and each repeat runs one server
 with the exporter exporting every second through Ray's metrics agent and one without, alternating which goes first:
 
-    .venv/bin/python bench/tcp_roundtrip.py --service --metrics --rows 3 --iters 20000 --repeats 8
-    .venv/bin/python bench/tcp_roundtrip.py --service --metrics --rows 3 --iters 5000 --repeats 8 --gap-us 1000
+    python bench/tcp_roundtrip.py --service --metrics --rows 3 --iters 20000 --repeats 8
+    python bench/tcp_roundtrip.py --service --metrics --rows 3 --iters 5000 --repeats 8 --gap-us 1000
 """
 from __future__ import annotations
 
@@ -33,10 +32,8 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import socket
 import statistics
-import subprocess
 import sys
 import time
 import timeit
@@ -44,7 +41,9 @@ import timeit
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      # support.instant_pair
 
+from bench import report                            # noqa: E402
 from dspark_ray import contract as C                 # noqa: E402
 from dspark_ray import wire                         # noqa: E402
 from dspark_ray.client import DrafterClient         # noqa: E402
@@ -121,10 +120,8 @@ def _serve_raw(conn, req_bytes: int, rep_bytes: int, cpu) -> None:
 
 
 def _stats(ns: list[int]) -> dict:
-    us = np.array(ns) / 1e3
     # p90 beside p99: on the 2-core VM a few 1-5 ms host hiccups per second land in p99 of any loop this long.
-    return {"p50_us": round(float(np.percentile(us, 50)), 1), "p90_us": round(float(np.percentile(us, 90)), 1),
-            "p99_us": round(float(np.percentile(us, 99)), 1), "min_us": round(float(us.min()), 1)}
+    return report.percentiles(ns, "us", digits=1, scale=1e-3)
 
 
 def bench_step(entries, iters: int, warmup: int, cpu) -> dict:
@@ -169,12 +166,11 @@ def bench_raw(req_bytes: int, rep_bytes: int, iters: int, warmup: int, cpu) -> d
 def _serve_service(conn, spin_us: float, ray_address: str | None = None, metrics: bool = False) -> None:
     """`ray_address`: join that Ray cluster first (a driver: a core worker in this process, as in an actor's);
     `metrics`: and run the front-end's metrics exporter (dspark_ray/metrics.py) beside the service."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))     # (a spawned process starts bare)
     from dspark_ray.config import full
     from dspark_ray.recorders import ServerRecorder, ServiceRecorder
     from dspark_ray.step_service import Identity, StepService
     from dspark_ray.transport.tcp import TcpServer
-    from host_path import InstantPair
+    from support.instant_pair import InstantPair
     if ray_address is not None:
         import logging
 
@@ -240,7 +236,7 @@ def bench_service(rows: int, iters: int, warmup: int, spin_us: float, shm: bool 
     p.join(10)
     return {"round_trip": _stats(times), "server_hops": hops,
             "config": {"preset": "full", "rows": rows, "taps_bytes": taps.nbytes, "spin_us": spin_us,
-                       "iters": iters, "pair": "instant (bench/host_path.py InstantPair)",
+                       "iters": iters, "pair": "instant (tests/support/instant_pair.py)",
                        "transport": "shm" if shm else "tcp", "gap_us": gap_us,
                        "server": "no Ray" if ray_address is None else
                        f"in a Ray driver, metrics exporter {'on' if metrics else 'off'}", "exporter": exports}}
@@ -263,8 +259,7 @@ def bench_metrics(a) -> dict:
                 print(json.dumps(runs[-1]), file=sys.stderr)
     finally:
         ray.shutdown()
-    out = {"bench": "tcp_roundtrip --service --metrics", "command": "python bench/tcp_roundtrip.py " +
-           " ".join(sys.argv[1:]),
+    out = {**report.header(__file__), "bench": "tcp_roundtrip --service --metrics",
            "config": {**r["config"], "server": "in a Ray driver (one local Ray), exporter on / off alternating",
                       "exporter": "per run: its exports (one a second, one at the end), the STEPs, its CPU per STEP"},
            "runs": runs}
@@ -272,35 +267,7 @@ def bench_metrics(a) -> dict:
         out[f"{q}_median"] = {m: statistics.median(r[q] for r in runs if r["metrics"] == m) for m in ("off", "on")}
     out["exporter_cpu_us_per_step_median"] = statistics.median(r["exporter"]["cpu_us_per_step"] for r in runs
                                                                if r["metrics"] == "on")
-    return {**out, "device": _device(), "commit": _commit()}
-
-
-def emit(result: dict, out: str | None, indent: int) -> None:
-    """Print a bench's JSON, and write it to `out` too when given (bench/host_path.py uses it as well)."""
-    print(json.dumps(result, indent=indent))
-    if out:
-        with open(out, "w") as f:
-            json.dump(result, f, indent=indent)
-
-
-def _device() -> str:
-    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-                 platform.processor())
-    return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}"
-
-
-def _commit() -> str:
-    """This checkout's commit (+dirty), wherever the bench is started from (bench/host_path.py and
-    bench/rank_host.py use it as well)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=here).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True,
-                               cwd=here).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return out
 
 
 def main() -> None:
@@ -323,19 +290,18 @@ def main() -> None:
     ap.add_argument("--out", help="also write the JSON here")
     a = ap.parse_args()
     if a.service and a.metrics:
-        emit(bench_metrics(a), a.out, indent=2)
+        report.write(bench_metrics(a), a.out, indent=2)
         return
     if a.service:
         runs = [bench_service(a.rows, a.iters, a.warmup, a.spin_us, shm, gap_us=a.gap_us)
                 for _ in range(a.repeats) for shm in ((False, True) if a.shm else (False,))]
-        result = {"bench": "tcp_roundtrip --service", "command": "python bench/tcp_roundtrip.py " +
-                  " ".join(sys.argv[1:]), **runs[0], "device": _device(), "commit": _commit()}
+        result = {**report.header(__file__), "bench": "tcp_roundtrip --service", **runs[0]}
         if len(runs) > 1:
             result["runs"] = [{"transport": r["config"]["transport"], **r["round_trip"]} for r in runs]
             result["p50_us_median"] = {t: statistics.median(r["round_trip"]["p50_us"] for r in runs
                                                             if r["config"]["transport"] == t)
                                        for t in dict.fromkeys(r["config"]["transport"] for r in runs)}
-        emit(result, a.out, indent=2)
+        report.write(result, a.out, indent=2)
         return
 
     rng = np.random.default_rng(0)
@@ -361,6 +327,7 @@ def main() -> None:
     same = both(0, 0)
     split = both(0, 1) if os.cpu_count() > 1 else None
     result = {
+        **report.header(__file__),
         **same["step"],
         "raw_socket": same["raw_socket"],
         "split_cores": split,
@@ -369,10 +336,8 @@ def main() -> None:
                    "request_frame_bytes": req, "reply_frame_bytes": rep, "iters": a.iters,
                    "transport": "tcp loopback, two processes, blocking sockets, TCP_NODELAY",
                    "placement": "headline and raw_socket: client and server pinned to CPU 0; split_cores: 0 and 1"},
-        "device": _device(),
-        "commit": _commit(),
     }
-    emit(result, a.out, indent=2)
+    report.write(result, a.out, indent=2)
 
 
 if __name__ == "__main__":

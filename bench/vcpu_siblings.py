@@ -5,7 +5,7 @@ For each base vCPU: a 1,000-add Python loop pinned there, timed alone (p50 of 30
 spins on each other vCPU in turn; the ratio is the slowdown. The step path's threads spin between steps
 (`PairSpec.rank_cpus` / `frontend_cpus` pin them), so this says which vCPUs to keep apart.
 
-    python bench/vcpu_siblings.py [--base 2,3,5,7] [--out bench/results/gpu/vcpu_sibling_probe_h200x2.json]
+    python bench/vcpu_siblings.py [--base 2,3,5,7] [--out FILE]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.tcp_roundtrip import _commit, _device, emit          # noqa: E402
+from bench import report                                # noqa: E402
 from dspark_ray.cli import cpu_list                     # noqa: E402
 
 SUSPECT = 1.15          # a slowdown past this marks a vCPU that shares the base's core
@@ -72,9 +72,8 @@ def main(argv=None) -> int:
         out[str(b)] = probe(b, cpus)
         print(f"[vcpu_siblings] vCPU {b}: alone {out[str(b)]['alone_us']} us, suspects {out[str(b)]['suspects']}",
               file=sys.stderr, flush=True)
-    emit({"bench": "vcpu_siblings", "command": "python bench/vcpu_siblings.py " + " ".join(sys.argv[1:]),
-          "config": {"base": a.base, "vcpus": len(cpus), "suspect_above": SUSPECT}, "device": _device(),
-          "commit": _commit(), "by_base_vcpu": out}, a.out, 1)
+    report.write({**report.header(__file__, argv), "config": {"base": a.base, "vcpus": len(cpus),
+                                                              "suspect_above": SUSPECT}, "by_base_vcpu": out}, a.out)
     return 0
 
 

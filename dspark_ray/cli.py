@@ -150,7 +150,7 @@ def shut_down(name: str, why: str, bound_s: float) -> int:
     """Remove the deployment `name` (its HTTP app, workers, rings) within `bound_s` seconds, further signals
     ignored meanwhile: 0 when it is gone, 1 when the bound ran out first (what was left is named)."""
     from .actors.placement import teardown
-    from .transport import http
+    from . import http_gateway as http
     from .transport.ring import remove_orphans
     said = []
 
@@ -197,14 +197,14 @@ def cmd_serve(a, *, then=None) -> int:
                         collective_timeout_s=a.collective_timeout, rank_cpus=a.rank_cpus,
                         frontend_cpus=a.frontend_cpus, max_batch=a.max_batch, dense=a.dense,
                         markov_cache=a.markov_cache, max_connections=a.max_connections,
-                        idle_timeout_s=a.idle_timeout or None,
+                        idle_timeout_s=a.idle_timeout or None, spare_ranks=a.spare_ranks,
                         ring_spin_us=None if a.spin_ms is None else a.spin_ms * 1e3)
     except ValueError as e:
         print(f"dspark-ray serve: {e}", file=sys.stderr)
         return 2
     print(connect_ray(a.address, a.detach), flush=True)
     if getattr(a, "http_port", None) is not None:
-        from .transport import http
+        from . import http_gateway as http
         try:                     # before the pair is placed: a refusal leaves the cluster as it was
             http.check_address(a.host, a.http_port)
         except http.ProxyElsewhere as e:
@@ -244,7 +244,7 @@ def _serve(a, spec, backend: str, device: str, then) -> int:
         print(f"waiting for room: {', '.join(waiting)} (each starts when a node with room joins the cluster)",
               flush=True)
     if getattr(a, "http_port", None) is not None:
-        from .transport import http
+        from . import http_gateway as http
         quiet_serve_logs()
         print(f"STEP over HTTP (Ray Serve): {http.start(a.name, endpoint, a.host, a.http_port)}", flush=True)
     if then is not None:
@@ -366,7 +366,7 @@ def cmd_endpoints(a) -> int:
 
 def cmd_stop(a) -> int:
     from .actors.placement import find_workers, teardown
-    from .transport import http
+    from . import http_gateway as http
     from .transport.ring import remove_orphans
     print(connect_ray(a.address, False), file=sys.stderr)
     quiet_serve_logs()
@@ -468,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S,
                         help="seconds a session may go without a request before it is closed and its slots freed "
                              "(0: never)")
+        sp.add_argument("--spare-ranks", type=int,
+                        help="spare rank processes kept per rank, started ahead so a restart skips the process "
+                             "start, the imports and the CUDA context (default 2 on a GPU, 0 on a CPU; each costs a "
+                             "process with torch loaded and, on a GPU, a CUDA context)")
         sp.add_argument("--spin-ms", type=float,
                         help="how long the ranks and the front-end poll for the next STEP before they sleep "
                              "(default 100 on a GPU host: longer than a trunk's forward; 0.05 on a CPU)")
@@ -475,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     sp = sub.add_parser("serve", help="deploy one pair (or --pairs N) and serve STEP")
     serve_args(sp)
     sp.add_argument("--http-port", type=int, help="also serve STEP as JSON over HTTP through Ray Serve on this port "
-                                                  "(transport/http.py; milliseconds a call: the convenience path)")
+                                                  "(milliseconds a call: the convenience path)")
     sp.add_argument("--detach", action="store_true", help="leave detached actors behind (starts `ray start --head` "
                                                           "when no cluster runs)")
     sp.add_argument("--pending", action="store_true",

@@ -301,8 +301,8 @@ _NATIVE_U32 = sys.byteorder == "little" and memoryview(b"\0" * 4).cast("I").item
 
 
 def _max_u32(buf) -> int:
-    """The largest little-endian uint32 in buf. Up to 64 of them a Python max over a memoryview (0.5 us for 3 on
-    the CPU VM) beats numpy's reduction (4.8 us: its fixed cost); beyond, numpy."""
+    """The largest little-endian uint32 in buf. Up to 64 of them a Python max over a memoryview beats numpy's
+    reduction (its fixed cost: docs/engine.md, "The host path"); beyond, numpy."""
     if _NATIVE_U32 and len(buf) <= 64 * 4:
         return max(memoryview(buf).cast("B").cast("I"))
     return int(np.frombuffer(buf, np.dtype("<u4")).max())

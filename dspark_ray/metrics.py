@@ -1,8 +1,7 @@
 """The front-end's Prometheus metrics, exported through Ray's metrics agent off the step path.
 
-A `ray.util.metrics` call costs microseconds in a Ray worker (the 2-core CPU machine: Counter.inc with a tag 2.1 us,
-Histogram.observe 1.5 us, Gauge.set 1.2 us, against 0.02 us for a plain int bump), and a STEP's host path is ~80 us
-(bench/results/tcp_service_cpu.json): a few calls per STEP would be a few per cent of it. So the step path only bumps
+A `ray.util.metrics` call costs microseconds in a Ray worker, so a few calls per STEP would be a few per cent of a
+STEP's host path (docs/operations.md, "How they are kept, and what it costs"). So the step path only bumps
 plain ints (`StepService.stats`, `TcpServer.counts`) and appends its latency to a deque (`StepService.step_ns`);
 `Exporter`, a daemon thread of the front-end actor, wakes every second and turns what changed into Counter.inc(delta),
 one Histogram.observe per STEP drained from the deque, and Gauge.set. No `status` call is needed for any of it.

@@ -20,6 +20,7 @@ import time
 
 IMPORTS_BEGAN = time.time()          # (before torch and the rest: the start-up's "imports" phase)
 
+import importlib  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import threading  # noqa: E402
@@ -52,6 +53,8 @@ class RankWorker:
         self.loaded = 0
         self.total = 0
         self.weights = None
+        self.ckpt = None                 # the checkpoint's description, once prepared
+        self._prepare_lock = threading.Lock()
         self.engine: RankEngine | None = None
         self.markov_cache: dict | None = None      # {"rows", "bytes"} once connected
         self.kernels = ops.EXACT                   # the drafter's (load() picks them by the spec)
@@ -68,27 +71,40 @@ class RankWorker:
         self.startup[name] = [t0, time.time()]
 
     # -- start-up --------------------------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """What a start-up does before the weights, which a spare rank (actors/pair.py) does ahead of a restart: the
+        modules the start-up uses, the CUDA context, the checkpoint's description, the matmul kernels."""
+        with self._prepare_lock:
+            if self.ckpt is not None:
+                return
+            for module in ("comm.factory", "model.drafter", "model.layout", "modes", "weights.staging"):
+                importlib.import_module(f"{__package__}.{module}")
+            from .weights.loader import Checkpoint
+            cuda = self.spec.device.startswith("cuda")
+            if cuda:
+                with self._phase("cuda_context"):
+                    torch.cuda.init()
+                    torch.empty(1, device=self.spec.device)
+                    torch.cuda.synchronize()
+            ck = Checkpoint(self.spec.checkpoint)
+            if cuda or self.spec.matmul != "auto":
+                from .kernels.gemm import dense_for, describe, kernels_for
+                with self._phase("kernels"):
+                    cfg = ck.config
+                    self.kernels = kernels_for(self.spec.matmul,
+                                               dense_for(self.spec.batch_limit(cfg) * cfg.block_size,
+                                                         self.spec.dense))
+                log.info("rank %d: matmul %s", self.rank, describe(self.kernels))
+            self.ckpt = ck
+
     def load(self) -> dict:
         from .model.layout import Layout
         from .modes import read_rank
-        from .weights.loader import Checkpoint
         from .weights.staging import Staging
+        self.prepare()
         cuda = self.spec.device.startswith("cuda")
-        if cuda:
-            with self._phase("cuda_context"):
-                torch.cuda.init()
-                torch.empty(1, device=self.spec.device)
-                torch.cuda.synchronize()
         t0 = time.time()
-        ck = Checkpoint(self.spec.checkpoint)
-        if cuda or self.spec.matmul != "auto":
-            from .kernels.gemm import dense_for, describe, kernels_for
-            with self._phase("kernels"):
-                cfg = ck.config
-                self.kernels = kernels_for(self.spec.matmul,
-                                           dense_for(self.spec.batch_limit(cfg) * cfg.block_size, self.spec.dense))
-            log.info("rank %d: matmul %s", self.rank, describe(self.kernels))
-        self.ckpt = ck
+        ck = self.ckpt
         self.total = len(ck.names())
         layout = Layout(ck.config, self.spec.tp)
 

@@ -2,13 +2,13 @@
 priority, and the facts about threads and cores that the latency bench records.
 
 Ray's raylet starts every worker process at niceness 15 (its `worker_niceness` setting), so that a busy worker
-never starves the raylet. The threads that carry every STEP lose the CPU at 15 to any nice-0 work on their core:
-the ranks' host hops measured up to 2x slower on the GPU host than at 0 (bench/step_latency.py's timeline). Linux
+never starves the raylet. The threads that carry every STEP lose the CPU at 15 to any nice-0 work on their core,
+which slows their hops (docs/performance.md, `RAY_worker_niceness`). Linux
 keeps a niceness per thread (setpriority on PRIO_PROCESS 0 changes the calling thread; a new thread inherits its
 creator's), so the step path's threads ask for 0 when they start: each rank's step loop, and the front-end's accept
 thread, whose connection threads inherit it. Loading, capture and restarts keep Ray's 15 and leave the CPU to the
-threads that answer (on the 2-core CI machine, a restarting pair at 0 slowed the front-end's UNAVAILABLE answers
-past 5 ms). Lowering a niceness needs CAP_SYS_NICE (root has it); without it the thread logs how to get it: start
+threads that answer (a restarting pair at 0 slowed the front-end's UNAVAILABLE answers on a 2-core machine).
+Lowering a niceness needs CAP_SYS_NICE (root has it); without it the thread logs how to get it: start
 Ray with `RAY_worker_niceness=0` (cluster/dspark.env sets it).
 
 The same threads can also be pinned, each to vCPUs of its own (`PairSpec.rank_cpus` / `frontend_cpus`, `dspark

@@ -56,6 +56,10 @@ class PairSpec:
     # session may go without a request before it is closed and its slots freed (None: for ever).
     max_connections: int = MAX_CONNECTIONS
     idle_timeout_s: float | None = IDLE_TIMEOUT_S
+    # Spare rank processes kept per rank, started ahead (imports, CUDA context, kernels done) so a restart after a
+    # rank's death skips those (actors/pair.py). Two, so a kill during a restart finds one more. None: 2 on a GPU,
+    # 0 on a CPU.
+    spare_ranks: int | None = None
 
     def __post_init__(self):
         # The checks live with what they check (torch's side); importing them here, not at the top, keeps this
@@ -80,6 +84,8 @@ class PairSpec:
             raise ValueError(f"ring_spin_us {self.ring_spin_us}: a spin of 0 us or more")
         if self.max_connections < 1:
             raise ValueError(f"max_connections {self.max_connections}: at least 1")
+        if self.spare_ranks is not None and not 0 <= self.spare_ranks <= 4:
+            raise ValueError(f"spare_ranks {self.spare_ranks}: 0 to 4 spare processes per rank")
         if self.idle_timeout_s is not None and not self.idle_timeout_s > 0:
             raise ValueError(f"idle_timeout_s {self.idle_timeout_s}: more than 0 s (or None: no limit)")
 
@@ -91,6 +97,12 @@ class PairSpec:
             from .comm.push import max_rows
             n = min(n, max_rows(cfg.hidden_size) // cfg.block_size)
         return max(1, n)
+
+    @property
+    def spares(self) -> int:
+        if self.spare_ranks is not None:
+            return self.spare_ranks
+        return 2 if self.device.startswith("cuda") else 0
 
     @property
     def spin_us(self) -> float:

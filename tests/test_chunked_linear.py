@@ -91,12 +91,18 @@ def test_chunked_linear_interpreter_cpu():
     assert rule == {"wq_a": [64, 8], "wq_b pair": [64, 1], "wq_a 114 SMs": [64, 8]}
 
 
+def split_fits(steps: int, split: int) -> bool:
+    """A K split of `steps` BK steps into `split` ranges of ceil(steps / split) steps: each at least two, none
+    empty (the kernel's KS is a whole number of BK steps)."""
+    ks = -(-steps // split)
+    return split == 1 or (ks >= 2 and steps - (split - 1) * ks >= 1)
+
+
 def test_measured_tiles_fit_the_kernel():
     """Every measured (bn, split) is one the kernel can run: whole BK steps per K range, none empty, and column
-    blocks that do not straddle a group (a bad entry would fail only on the card): the sweep's own rule."""
+    blocks that do not straddle a group (a bad entry would fail only on the card): the tile sweep's own rule."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    from bench.chunked_linear import split_fits
     from dspark_ray.kernels import chunked_linear as ck
     assert ck.MEASURED_TILES[132]
     for sms, table in ck.MEASURED_TILES.items():

@@ -484,7 +484,7 @@ def test_every_party_stamps_a_step_and_the_hops_join_in_path_order(pair, cfg, ra
 
 
 def test_step_over_http_through_ray_serve_equals_the_reference(pair, cfg, ckpt, ray_cluster):
-    """The Serve HTTP app (transport/http.py) in front of the pair: a JSON session acquires slots, steps rounds whose
+    """The Serve HTTP app (http_gateway.py) in front of the pair: a JSON session acquires slots, steps rounds whose
     answers are the in-process reference's bit for bit, gets clear refusals ({code, reason}: 409 with the contract's
     code, 422 for a malformed body, 404 for an unknown session), and frees its slots when deleted."""
     import json
@@ -493,7 +493,7 @@ def test_step_over_http_through_ray_serve_equals_the_reference(pair, cfg, ckpt, 
 
     from ray import serve
 
-    from dspark_ray.transport import http
+    from dspark_ray import http_gateway as http
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

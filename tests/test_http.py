@@ -1,4 +1,4 @@
-"""The HTTP endpoint's bounds and refusals (transport/http.py, issue 51 item 2): a body over the TCP frame limit is
+"""The HTTP endpoint's bounds and refusals (http_gateway.py, issue 51 item 2): a body over the TCP frame limit is
 refused 413 before it is read, a stalled body 408, every refusal is {code, reason}, and a bad STEP is refused over
 HTTP exactly as over TCP. The middleware alone (no Ray), then the app on Ray Serve in front of a tiny tp1 worker."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from dspark_ray import contract as C
 from dspark_ray import wire
-from dspark_ray.transport import http
+from dspark_ray import http_gateway as http
 from dspark_ray.wire import DEFAULT_MAX_FRAME_BYTES
 
 STALL_S = 1.0

@@ -177,7 +177,8 @@ def frontend_actor_class():
                     **self.service.status(), "supervisor": self.supervisor.status(),
                     "keep_warm": self.keep_warm.status(),
                     "wake_ups": self.recorders["tcp"].wake_ups.status(),
-                    "startup": self.pair.startup,
+                    "startup": self.pair.startup, "spares": len(self.pair.spares),
+                    "spares_ready": self.pair.spares_ready(),
                     "ranks": self.pair.status()}
 
         def set_fault(self, rank: int, kind: str | None, **params) -> str:
@@ -202,7 +203,7 @@ def frontend_actor_class():
                 log.warning("front-end %s: its endpoint table entry stays: %s", self.name, e)
             self.server.stop()
             self.metrics.stop()
-            self.pair.kill()
+            self.pair.close()
             self.ring.unlink()
             log.info("front-end %s stopped", self.name)
 

@@ -5,10 +5,11 @@ that is `ring_driver.RingDriver`.
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from ..settings import current as settings
 from ..spec import SAFE_ENV, PairSpec
@@ -38,10 +39,15 @@ class PairLauncher:
         # connected, serving (bench/restart.py lays them out beside the ranks' own).
         self.startup: dict[str, float] = {}
         self.checkpoint_files: list[str] = []       # (read ahead on a restart; the front-end sets them)
+        self.spares: list[_Spares] = []    # sets of spare rank actors (one per rank), oldest first
+        self._spare_seq = 0
+        self._lock = threading.Lock()
 
-    def _actor_options(self, r: int) -> dict:
+    def _actor_options(self, r: int, name: str) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        opts = dict(self.rank_resources)
+        # A rank and its spares share the rank's bundle (its card), in equal parts.
+        share = 1 + self.spec.spares
+        opts = {k: v / share for k, v in self.rank_resources.items()}
         # The ranks read the front-end's settings (settings.py), whatever the node's environment says.
         env = {**SAFE_ENV, **settings().as_env(), "OMP_NUM_THREADS": str(self.spec.torch_threads),
                "PYTHONUNBUFFERED": "1"}
@@ -54,7 +60,7 @@ class PairLauncher:
             env["CUDA_MODULE_LOADING"] = "EAGER" if self.spec.backend == "push" else "LAZY"
         opts["runtime_env"] = {"env_vars": env}
         opts["max_restarts"] = 0         # the front-end restarts the pair as a whole, never one rank alone
-        opts["name"], opts["namespace"] = self.rank_name(r), "dspark"     # found again by a restarted front-end
+        opts["name"], opts["namespace"] = name, "dspark"     # found again by a restarted front-end
         if self.pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=self.rank_bundles[r])
@@ -63,34 +69,46 @@ class PairLauncher:
     def rank_name(self, r: int) -> str:
         return f"{self.name}-rank{r}"
 
-    def kill_leftovers(self, timeout_s: float = 30.0) -> None:
-        """Kill rank actors of this pair that outlived their owner (a front-end that died and was restarted), and
-        wait until their names are free."""
-        import ray
-        deadline = time.monotonic() + timeout_s
-        for r in range(self.spec.tp):
-            while True:
-                try:
-                    a = ray.get_actor(self.rank_name(r), namespace="dspark")
-                except ValueError:
-                    break
-                ray.kill(a, no_restart=True)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank actor {self.rank_name(r)} still exists after {timeout_s} s")
-                time.sleep(0.1)
-
-    def start(self, first: list[tuple[int, int, bool]] | None = None) -> None:
-        """Create, load, connect and serve the ranks. `first`: on a restart, the shapes of the last batches (a
-        one-card rank captures their graphs first and serves, rank_worker.py)."""
-        import ray
+    def _new_ranks(self, suffix: str = "") -> list:
         from .rank import rank_actor_class           # (a rank's code: torch, kept out of the front-end's imports)
         Rank = rank_actor_class()
-        stamp = self.startup = {"begun": time.time()}
-        self.kill_leftovers()
+        return [Rank.options(**self._actor_options(r, self.rank_name(r) + suffix)).remote(asdict(self.spec), r)
+                for r in range(self.spec.tp)]
+
+    def kill_leftovers(self, timeout_s: float = 30.0) -> None:
+        """Kill rank actors of this pair (spares included) that outlived their owner (a front-end that died and was
+        restarted), and wait until their names are free."""
+        import ray
+        from ray.util import list_named_actors
+        own = re.compile(rf"{re.escape(self.name)}-rank\d+(\.spare\d+)?")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = [a["name"] for a in list_named_actors(all_namespaces=True)
+                    if a["namespace"] == "dspark" and own.fullmatch(a["name"])]
+            if not left:
+                return
+            for n in left:
+                try:
+                    ray.kill(ray.get_actor(n, namespace="dspark"), no_restart=True)
+                except ValueError:       # gone meanwhile
+                    pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank actors {left} still exist after {timeout_s} s")
+            time.sleep(0.1)
+
+    def start(self, first: list[tuple[int, int, bool]] | None = None, spares: list | None = None) -> None:
+        """Load, connect and serve the ranks: `spares` (a restart: a set of spare ranks, one per rank, started
+        ahead) or new ones. `first`: on a restart, the shapes of the last batches (a one-card rank captures their
+        graphs first and serves, rank_worker.py)."""
+        import ray
+        stamp = self.startup = {"begun": time.time(), "from_spares": spares is not None}
+        if spares is None:
+            self.kill_leftovers()
+            with self._lock:
+                self.spares = []
         stamp["old_ranks_gone"] = time.time()
         t0 = time.monotonic()
-        self.ranks = [Rank.options(**self._actor_options(r)).remote(asdict(self.spec), r)
-                      for r in range(self.spec.tp)]
+        self.ranks = spares.ranks if spares is not None else self._new_ranks()
         stamp["actors_asked"] = time.time()
         loads = [a.load.remote() for a in self.ranks]
         while True:
@@ -109,25 +127,58 @@ class PairLauncher:
         ray.get([a.serve.remote(self.ring.handle) for a in self.ranks])
         stamp["serving"] = time.time()
         self.placement = ray.get([a.placement.remote() for a in self.ranks], timeout=30)
-        log.info("pair %s: %d ranks up in %.2f s (%s)", self.name, self.spec.tp, time.monotonic() - t0,
-                 self.spec.backend if self.spec.tp == 2 else "tp1")
+        # The spares used up are made again once serving, not during the start-up they would slow down (a kill
+        # during it finds the next of the ones left).
+        self._refill_spares()
+        log.info("pair %s: %d ranks up in %.2f s (%s%s)", self.name, self.spec.tp, time.monotonic() - t0,
+                 self.spec.backend if self.spec.tp == 2 else "tp1", ", from spares" if spares is not None else "")
+
+    def _refill_spares(self) -> None:
+        """Start spare ranks until the spec's count is there: each imports, makes its CUDA context and picks its
+        kernels (RankWorker.prepare), then waits to be promoted."""
+        with self._lock:
+            while len(self.spares) < self.spec.spares:
+                self._spare_seq += 1
+                ranks = self._new_ranks(f".spare{self._spare_seq}")
+                self.spares.append(_Spares(ranks, [a.prepare.remote() for a in ranks]))
+
+    def spares_ready(self) -> int:
+        """Sets of spare ranks whose preparation is done."""
+        import ray
+        with self._lock:
+            spares = list(self.spares)
+        return sum(len(ray.wait(s.prepared, num_returns=len(s.prepared), timeout=0)[0]) == len(s.prepared)
+                   for s in spares)
 
     def kill(self) -> None:
-        import ray
-        for a in self.ranks:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:       # already dead
-                pass
+        _kill(self.ranks)
         self.ranks = []
 
     def restart(self, first: list[tuple[int, int, bool]] | None = None) -> None:
-        # The checkpoint's files back into the page cache now, while the new ranks' processes start (if the host
-        # dropped them): their weights are read from memory (weights/staging.py).
+        # The checkpoint's files back into the page cache now, while the new ranks start (if the host dropped
+        # them): their weights are read from memory (weights/staging.py).
         from ..weights.staging import prefetch
         threading.Thread(target=prefetch, args=(self.checkpoint_files,), name="dspark-prefetch", daemon=True).start()
         self.kill()
-        self.start(first)
+        while True:
+            with self._lock:
+                spares = self.spares.pop(0) if self.spares else None
+            if spares is None:
+                return self.start(first)
+            try:
+                return self.start(first, spares)
+            except Exception as e:      # a spare died (or was killed while promoted): the next, else new ranks
+                log.warning("pair %s: spare ranks failed to start (%s: %s): trying %s", self.name,
+                            type(e).__name__, e, "the next spares" if self.spares else "new ranks")
+                self.kill()
+
+    def close(self) -> None:
+        """The ranks and the spares killed."""
+        self.kill()
+        with self._lock:
+            spares, self.spares = self.spares, []
+        for s in spares:
+            _kill(s.ranks)
 
     def status(self) -> list[dict]:
         import ray
@@ -138,3 +189,18 @@ class PairLauncher:
             except Exception as e:
                 out.append({"rank": r, "error": f"{type(e).__name__}: {e}"})
         return out
+
+
+@dataclass
+class _Spares:
+    ranks: list            # one actor per rank
+    prepared: list         # their prepare() calls' refs
+
+
+def _kill(actors: list) -> None:
+    import ray
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:       # already dead
+            pass

@@ -23,6 +23,9 @@ def rank_actor_class():
             self.recorder = RankRecorder(rank, spec.spin_us, KeepWarm(f"rank {rank}"))
             self.w = RankWorker(spec, rank, observer=self.recorder)
 
+        def prepare(self):
+            return self.w.prepare()
+
         def load(self):
             return self.w.load()
 

@@ -6,7 +6,7 @@ exchanges nothing itself but takes the peer's `PeerHandle` (carried by Ray / glo
 handshake that stores through the IPC mapping arrive. After that `all_reduce`, `max_exchange` and `top2_exchange`
 launch one kernel each on torch's current stream, eagerly or inside a CUDA graph capture.
 
-Wiring in a rank process (the lead's RankActor), once at start-up, before any graph capture:
+Wiring in a rank process (the rank actor), once at start-up, before any graph capture:
 
     pc = PushCollectives(rank, max_words=64 * 5120, peer_id_range=(peer_lo, peer_hi))   # compiles, preloads
     handles = all_gather(pc.export_handle().to_dict())        # Ray / gloo all_gather_object: plain picklable data
@@ -100,10 +100,9 @@ def torch_nan_rule(device) -> int:
 
 def ar_launch_config(n_words: int, maxb: int = MAXB, variant: str = "flag") -> tuple[int, int]:
     """(blocks, threads) of an all-reduce of n_words fp32. Small payloads take one block (one flag round trip);
-    larger ones spread the NVLink stores over up to 32 blocks, about one float4 per thread. From the H200 pair
-    sweeps (bench/results/collectives_h200x2.json, docs/collectives.md): the flag protocol runs 5 rows of 5120 best at
-    16-25 blocks and 10-64 rows at 25-64 x 256-512 (within ~0.3 us of each other, run to run); the Lamport variant
-    prefers 32 x 256 up to 10 rows. More blocks add flag / ack traffic without adding bandwidth."""
+    larger ones spread the NVLink stores over up to 32 blocks, about one float4 per thread; the Lamport variant
+    prefers 32 x 256 up to 10 rows. More blocks add flag / ack traffic without adding bandwidth (the H200 pair's
+    sweeps: docs/collectives.md, "Launch shape")."""
     n4 = (n_words + 3) // 4
     if n4 <= 256:
         return 1, max(32, (n4 + 31) // 32 * 32)
@@ -511,7 +510,7 @@ class PushCollectives(Collectives):
     def _await(self, ev, deadline: float, why: str) -> None:
         """Poll a CuPy event until it has run; past `deadline` (time.monotonic) the rank is poisoned with `why`.
         Spin for the first 2 ms: an event just recorded on an idle stream completes within microseconds, and a
-        sleep between polls costs ~0.15 ms (measured: the engine's per-step check took 0.17-0.2 ms)."""
+        sleep between polls would cost a step far more than that."""
         spin_until = time.monotonic() + 0.002
         while not ev.done:
             now = time.monotonic()
@@ -603,8 +602,8 @@ def connect_over(group, rank: int, peer_id_range: tuple[int, int], timeout_s: fl
     """One rank of a pair in its own process: build (compiles and preloads every kernel), swap CUDA IPC handles
     with the peer over an existing torch.distributed group (gloo: start-up only, never per-step data), map the
     peer's state and prove the mapping with the nonce handshake. The service runs the Lamport all-reduce (the
-    payload marks its own arrival): 4.5 / 5.8 us at 100 / 400 KB against the flag protocol's 6.0 / 6.8 us
-    (bench/results/collectives_h200x2.json), with the same safety protocol around it."""
+    payload marks its own arrival), faster than the flag protocol with the same safety protocol around it
+    (docs/collectives.md)."""
     import torch.distributed as dist
     pc = PushCollectives(rank, timeout_s=min(timeout_s, 2.0), peer_id_range=peer_id_range, allreduce=allreduce)
     handles: list = [None, None]

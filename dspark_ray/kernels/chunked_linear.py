@@ -1,18 +1,13 @@
 """The fast path's dense linears on a GPU: one Triton launch that reads each weight tile once for every 32-row chunk.
 
-Why not cuBLAS: batch invariance needs one fixed GEMM shape, so `gemm.padded_linear` used to call cuBLAS once per
-chunk of PAD_ROWS (32) rows, and 16 requests (80 rows, 3 chunks) read every dense weight three times: 1.2 ms of a
-5.3 ms draft step on one H200. Here a program keeps a (BK, BN) weight tile for each of its chunks' own 32-row
-`tl.dot`, each chunk its own accumulator, so a chunk's bits are those of the same chunk alone, whatever the chunk
-count and whichever program holds it (`bench/chunked_linear.py` checks every tiling bit for bit on the GPU). Measured
-behind a latency-bound kernel as in the step (`bench/results/gpu/chunked_linear_h200.json`): 0.92-1.17x cuBLAS at
-one chunk, 0.39-0.93x at two and three. In the step it is 1-2 % slower at 1-4 requests and 9-16 % faster at 8-16 on
-one card, so a deployment takes it only where a batch can span two chunks (`gemm.dense_for`, `serve --dense`).
+Why not cuBLAS: batch invariance needs one fixed GEMM shape, so `gemm.padded_linear` calls cuBLAS once per chunk
+of PAD_ROWS (32) rows and reads the whole weight for each chunk. Here a program keeps a (BK, BN) weight tile for each
+of its chunks' own 32-row `tl.dot`, each chunk its own accumulator, so a chunk's bits are those of the same chunk
+alone, whatever the chunk count and whichever program holds it. A deployment takes it where a batch can span two
+chunks (`gemm.dense_for`, `serve --dense`); docs/engine.md, "Dense GEMMs", has the measurements.
 
 Under PDL (the graphs) a program lets the next kernel's programs be scheduled at its start, as the fused kernels do
-(`pdl_enter`). Letting them in only after the K loop (so that, waiting, they hold no SM slots the GEMM could use)
-was slower, and so was launching without PDL (`gpu/draft_step_trigger_*_h200.json`, one card at 1 request 1.366 /
-1.354 ms against 1.310).
+(`pdl_enter`): letting them in only after the K loop, or launching without PDL, was slower.
 
 Launch: program (r, n, s) takes chunks [r * ch, (r + 1) * ch), columns [n * BN, (n + 1) * BN) and the K range
 [s * KS, (s + 1) * KS). r varies fastest, so programs sharing a weight tile run side by side and all but the first
@@ -162,13 +157,9 @@ def sm_count(index: int) -> int:
 
 
 # (bn, split) measured per weight (N, K, groups) on the H200 (132 SMs; an H100 SXM, also 132, takes them unmeasured)
-# where the fastest tiling differs from `rule_tiles`: every (bn, split 1-8) at one chunk behind a latency-bound
-# kernel (`bench/chunked_linear.py --sweep --chunks 1`, bench/results/gpu/chunked_linear_sweep_1chunk_h200.json),
-# taken into the step through `bench/dense_variants.py sweep:<that file>` and kept for what it did there, alternated
-# with the rule in one call (gpu/draft_step_dense_variants_s26_h200.json): the GPU's part at 16 requests 4249 -> 4177
-# us on one card and 2590 -> 2509 on a pair rank, at 1 request 1255 -> 1249 and 802 -> 794. Non-power-of-two splits
-# (3, 5) spread the busiest SM's share of BK steps better. Like the rule, a property of the weight and the card:
-# both ranks of a pair and the emulated pair read the same entry, and no batch size changes it.
+# where the fastest tiling differs from `rule_tiles` (docs/engine.md, "Dense GEMMs"). Non-power-of-two splits (3, 5)
+# spread the busiest SM's share of BK steps better. Like the rule, a property of the weight and the card: both
+# ranks of a pair and the emulated pair read the same entry, and no batch size changes it.
 MEASURED_TILES = {132: {
     (1792, 5120, 1): (64, 4),       # wq_a | wkv (one card and a pair rank)
     (32768, 1280, 1): (128, 1),     # one card's wq_b
@@ -195,7 +186,7 @@ def rule_tiles(n: int, k: int, groups: int, sms: int) -> tuple[int, int]:
     """(bn, split) for a weight no measurement covers. They fix the bits and depend on the weight and the card only:
     128 columns a program when that still gives a program per SM (the head, one card's wq_b), else 64; then the
     fewest K splits (powers of two, at least two BK steps each) that give a program per SM (wq_a | wkv 8, wo_b 2, a
-    pair rank's shared w1 | w3 4). Measured per shape in `bench/chunked_linear.py`."""
+    pair rank's shared w1 | w3 4)."""
     width = n // groups
     bn = 128 if n // 128 >= sms and (groups == 1 or width % 128 == 0) else 64
     if groups > 1 and (width % bn or n % groups):

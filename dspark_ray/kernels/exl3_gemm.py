@@ -20,9 +20,8 @@ Batch invariance: a forced `exl3_gemm`'s grid depends on (k, n) alone, and its r
 1..4) or 16 / 32 / 48 / 64 rows (`ROW_TILES`: shapes 2, 5, 6, 7, one tile of TILESIZE_K 32 and TILESIZE_N 128 over
 more rows, so each decoded weight fragment serves all the rows of a tile). A tile of fewer rows than its height takes
 another reduction path, so calls are padded to whole tiles; and the four shapes of the family give a row the same
-bits (tools/exl3_tile_probe.py on the H200), so a row's bits never depend on the other rows of the call. With 16-row
-tiles alone every 16 rows decode the whole weight again (20 rows: twice the time of 5); the family decodes it once
-up to 64 rows. `exl3_mgemm` sizes its grid by the number of slots (rows x top-k), so an expert's bits through it
+bits (docs/exl3.md), so a row's bits never depend on the other rows of the call. With 16-row tiles alone every 16
+rows decode the whole weight again; the family decodes it once up to 64 rows. `exl3_mgemm` sizes its grid by the number of slots (rows x top-k), so an expert's bits through it
 depend on the call's slot count; the routed experts therefore run the fused MoE kernel (`Exl3Experts`, below),
 whose rows are batch invariant, wherever it takes the banks.
 
@@ -48,9 +47,9 @@ log = logging.getLogger(__name__)
 TABLE_PATH = Path(__file__).with_name("exl3_shapes.json")
 SHAPES = (1, 2, 3, 4)           # exllamav3's 16-row tile shapes (tile n 128, 128, 256, 512); 5..7 are 32..64-row
 _TILE_N = {1: 128, 2: 128, 3: 256, 4: 512}
-# exl3_gemm runs its rows in tiles, and a tile of fewer rows takes another reduction path (measured on the H200: a
-# row's bits equal at 1 and 2 rows, differ at 8 and 16; tools/exl3_invariance_probe.py). Every call is padded to
-# whole tiles, so every row runs the full-tile path whatever the batch.
+# exl3_gemm runs its rows in tiles, and a tile of fewer rows takes another reduction path (a row's bits differ
+# between 2 and 8 rows: docs/exl3.md). Every call is padded to whole tiles, so every row runs the full-tile path
+# whatever the batch.
 SLAB = 16
 # The row-tile family: rows per tile -> exllamav3 shape (TILESIZE_K 32, TILESIZE_N 128 each; equal bits a row).
 ROW_TILES = {16: 2, 32: 5, 48: 6, 64: 7}

@@ -2,8 +2,8 @@
 
 Why: in the reference form (`model/*`), the mHC mixes, the 20 Sinkhorn rounds, every norm, RoPE, the attention
 softmax and SwiGLU are chains of small torch ops, and every tree-sum level is a kernel of its own. The full drafter
-ran ~3,300 kernels per step, so a graph replay took 9 ms on one card against a 0.9 ms byte bound. Each kernel
-here does one chain in a single launch (170-180 launches per step remain, GEMMs included).
+ran ~3,300 kernels per step, bound by their count (docs/engine.md, "Fused kernels and the chain"). Each kernel
+here does one chain in a single launch.
 
 What they keep and what they change, against the reference:
 * Every rounding point stays where the reference has it: fp16 rounding of the mixing rows, of c, of the norm

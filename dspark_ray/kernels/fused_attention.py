@@ -2,9 +2,8 @@
 window and block rows (`model/attention.py`) in two kernels (`attend`: the scores, then softmax + PV).
 
 Why two: at one request the step has only cdiv(B*H, 16) blocks of query rows; one program per block reading the
-whole window twice (QK, then PV) ran ~20 us a call on the H200 at the full size, latency bound. Spreading the
-keys (scores) and then the output columns (PV) over programs runs 7.5 us at 1 request (78 us at 64, where the
-one-pass kernel ran 79)."""
+whole window twice (QK, then PV) is latency bound. Spreading the keys (scores) and then the output columns (PV)
+over programs fills the card (docs/engine.md, "Fused kernels and the chain")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -174,8 +173,8 @@ def _attend_pv_kernel(s_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_
 class AttendTiling:
     """The two attention kernels' launch shapes. scores: BM query rows x BN keys a program, the dot over D in BD
     chunks; pv: BM query rows x BD output columns a program. Fixed, like every launch shape: some change the bits
-    (on the H200 the scores' BD and warps keep them; its BN 32, the PV's warps or BM change them), and none ran more
-    than 0.25 us faster than this one (`bench/attend_tiles.py`, `bench/results/gpu/attend_tiles_h200.json`)."""
+    (on the H200 the scores' BD and warps keep them; its BN 32, the PV's warps or BM change them), and no other
+    tiling tried was measurably faster (docs/engine.md)."""
     s_bm: int = 16
     s_bn: int = 16
     s_bd: int = 64

@@ -167,10 +167,8 @@ def _markov_top_kernel(part_ptr, top1_ptr, top2_ptr, idx_ptr, NB, start, NBP: tl
     tl.store(idx_ptr + b, tl.sum(tl.where(k == win, i1, 0.0), axis=0).to(tl.int64) + start)
 
 
-# (rows per tile, tiles per program, warps). 128-row tiles of 8 warps held one 64 KB tile per SM at a time and read
-# markov_w2 at 2.7 TB/s; 32-row tiles, two per 4-warp program, took the 5-step loop from 152 to 108-127 us on one
-# H200 (66 MB), from 72 to 53-63 us on a pair rank's shard (three runs), with the same bits (`bench/markov_step.py`,
-# bench/results/gpu/markov_step_h200.json).
+# (rows per tile, tiles per program, warps): small tiles, several per SM, keep more of markov_w2 in flight than
+# one 64 KB tile per SM did; every tiling gives the same bits (docs/engine.md, "The Markov head").
 MARKOV_TILING = (32, 2, 4)
 # (vocab rows per program, warps) of a step that reads every row from the cache (`_markov_table_kernel`): no weight
 # tile to hold, so wide tiles and few partials for the top kernel to merge.

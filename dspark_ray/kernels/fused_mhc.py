@@ -20,8 +20,8 @@ COMBINE_WARPS = 8        # as before the split; more warps would spread the 4x4 
 def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, L, N_OUT, NCH, CHUNK: tl.constexpr, OUT: tl.constexpr, PDL: tl.constexpr):
     """Program (chunk, row): over columns [chunk * CHUNK, +CHUNK) of X_row (the row's M*h streams), the partial dots
     with every fn16 row (o < N_OUT) and the partial sum of squares (o == N_OUT), to part[row, chunk, o]. The
-    combine sums the chunks in order. (One program per (row, output) over all of X_row was 6 us a site at 5 rows:
-    25 programs a row, each a serial loop.)"""
+    combine sums the chunks in order. (One program per (row, output) over all of X_row was slower: 25 programs a
+    row, each a serial loop.)"""
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -39,7 +39,7 @@ def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, L, N_OUT, NCH, CHUNK: tl.constexpr,
 def _row_logits(part_ptr, v_ptr, r, L, N_OUT, NCH, norm_eps, NCH_P: tl.constexpr, OUT: tl.constexpr):
     """Row r: the mix's chunk sums, chunks in order, into the program's scratch row v_ptr; returns rho. The logits
     are read back from there, so the Sinkhorn works in the small layout of a plain load (reducing straight out of
-    the (chunks, 4, 4) tile left it in a layout spread over every warp, and cost 6 us a site)."""
+    the (chunks, 4, 4) tile left it in a layout spread over every warp, which was slower)."""
     ch = tl.arange(0, NCH_P)
     o = tl.arange(0, OUT)
     t = tl.load(part_ptr + (r * NCH + ch[:, None]) * OUT + o[None, :], mask=ch[:, None] < NCH, other=0.0)
@@ -85,7 +85,7 @@ def _collapse_norm(x_ptr, w_ptr, w_one, norm_out_ptr, pre_out_ptr, pre_ptr, r, H
                    BLOCK: tl.constexpr):
     """Row r: c = sum_k pre_k X_k (pre read from pre_ptr), then the RMS norm of c. HEAD: c is also written out
     (the head's pre-norm state). When one BLOCK covers h, c stays in registers (one pass, one round of loads: the
-    looped form's six dependent rounds were most of a site's 10 us); else pass 2 recomputes c (same ops, same
+    looped form's six dependent rounds were most of a site's time); else pass 2 recomputes c (same ops, same
     bits) rather than re-reading it, so no program reads what another thread of it wrote. w_one: the norm weight
     over the one BLOCK, loaded by the caller (before its PDL wait)."""
     xr = x_ptr + r * 4 * H
@@ -121,9 +121,9 @@ def _mhc_combine_kernel(x_ptr, part_ptr, v_ptr, base_ptr, scale_ptr, w_ptr, norm
                         BLOCK: tl.constexpr, NCH_P: tl.constexpr, OUT: tl.constexpr, PDL: tl.constexpr):
     """Program (row, half). Both halves sum the row's logits (same code, same data, same bits). Half 0: pre, the
     collapse and its RMS norm; half 1 (not at the HEAD): post and the 20 Sinkhorn rounds, which only the expand
-    after the sublayer needs, so they run beside the collapse instead of before it (the rounds are ~3.5 us of
+    after the sublayer needs, so they run beside the collapse instead of before it (the rounds are a chain of
     dependent 4x4 reductions). (The logits and Sinkhorn in a one-warp launch of their own, where the 4x4
-    reductions are warp shuffles, measured slower on the H200: 13.1 against 12.6 us a site at 5 rows.)"""
+    reductions are warp shuffles, were slower: docs/engine.md, "Fused kernels and the chain".)"""
     r = tl.program_id(0).to(tl.int64)
     half = tl.program_id(1)
     offs = tl.arange(0, BLOCK)

@@ -98,8 +98,7 @@ def _grouped_expert_kernel(x_ptr, w1_ptr, w3_ptr, idx_ptr, out_ptr, P, N, K, X_D
     x W3^T) fp16, else out[t] = x W1^T fp32.
 
     Why gathered: an expert's pairs lie anywhere among the P pairs (ordered by row). Taking them chunk by chunk of
-    the pair list read the weights once per chunk holding one of them, up to P / BM times: on one H200 a 16-request
-    draft (240 pairs a block) spent 6.4 ms against 2.3 to read its bytes once.
+    the pair list read the weights once per chunk holding one of them, up to P / BM times.
 
     Each pair's row is its own row of a tl.dot: the products and the accumulation order of an output element
     depend only on that row and the weights, not on which other pairs share the tile or where in the tile it
@@ -196,25 +195,17 @@ class ExpertTiles(NamedTuple):
 
 # The grouped kernel's tiles, gated (w1 | w3 + SwiGLU) and plain (w2). Fixed, like every kernel here, per kind of
 # call and output width N (a property of the weights: both ranks of a pair, and the emulated pair, run the same
-# tiles); the fastest of `bench/expert_tiles.py` on the H200, cold weights, 6 distinct experts
-# (bench/results/gpu/expert_tiles_h200.json, nineteenth session): gated 39.8 us on a pair rank's N = 1152; one
-# card's N = 2304 71.3 with BLOCK_K 64 against 77.3 with these; plain 21.5 / 38.4 us (a pair rank / one card)
-# against 22.9 / 39.8 with (64, 128, 4, 3). Every setting tried gave the same bits.
+# tiles); the fastest measured on the H200 with cold weights (docs/engine.md, "Routed experts"). Every setting
+# tried gave the same bits.
 GROUPED_TILES = {True: ExpertTiles(64, 128, 4, 4), False: ExpertTiles(128, 64, 4, 4)}
 GROUPED_TILES_BY_SHAPE = {(True, 2304, 5120): ExpertTiles(64, 64, 4, 4)}       # (gated, N, K)
 
 # Calls of few pairs (one to four requests' draft blocks: R x 5 rows x top-3 = 15 R pairs) have one or two pairs
 # an expert, and a 64-pair pass is mostly masked rows: they take 16-pair passes. FEW_PAIR_TIERS: (most pairs,
 # tiles by (gated, N, K)); a call takes the first tier its pair count fits that holds its shape, else the batch's
-# tiles above. Picked in the step, the GPU's part alternated in one call (one card / a pair rank, us):
-# * 16-pair passes up to 16 pairs (gpu/draft_step_expert_tiles_s26_h200.json): 1 request 1255 -> 1239 / 804 -> 786;
-#   at 8-16 requests slower (+6-11 %), hence the tiers;
-# * up to 60 (gpu/draft_step_few_pairs_s27_h200.json): 2 requests 1489 -> 1418 / 958 -> 907, 3 requests
-#   1660 -> 1631 / 1077 -> 1044, 4 requests 1895 -> 1894 / 1205 -> 1169;
-# * one card's own at 17-60 pairs, the best of `bench/expert_tiles.py --requests 2 / 4`
-#   (gpu/draft_step_expert_tiles_mid_s27_h200.json): 2 requests 1393 -> 1377, 4 requests 1858 -> 1827; a pair
-#   rank's best there ran slower in the step (4 requests 1150 -> 1172) and is not taken.
-# Every tile setting gives the same bits (class docstring; test_few_pair_expert_tiles_same_bits_gpu).
+# tiles above. Picked in the step, where they shortened the GPU's part at 1-4 requests and 16-pair passes slowed
+# 8-16 requests, hence the tiers (docs/engine.md, "Routed experts"). Every tile setting gives the same bits (class
+# docstring; test_few_pair_expert_tiles_same_bits_gpu).
 FEW_PAIR_TIERS = (
     (16, {(True, 2304, 5120): ExpertTiles(64, 128, 4, 4, 16),        # one card's gate / up, one request
           (False, 5120, 2304): ExpertTiles(128, 64, 4, 4, 16)}),     # one card's w2, one request
@@ -259,7 +250,7 @@ def _fit_card(tiles: ExpertTiles, gated: bool, device_index: int | None) -> Expe
 
 def grouped_launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, experts: torch.Tensor,
                    out: torch.Tensor, x_div: int, limit: float, tiles: ExpertTiles) -> torch.Tensor:
-    """One grouped call with the given tiles (`_grouped` takes the deployment's; `bench/expert_tiles.py` others)."""
+    """One grouped call with the given tiles (`_grouped` takes the deployment's)."""
     gated = w3 is not None
     _grouped_expert_kernel[(experts.numel(), triton.cdiv(w1.shape[1], tiles.bn))](
         x, w1, w3 if gated else w1, experts, out, experts.numel(), w1.shape[1], w1.shape[2], x_div, float(limit),
@@ -330,17 +321,16 @@ def _router_logits_kernel(f_ptr, w_ptr, out_ptr, n, E, K: tl.constexpr, RB: tl.c
     tl.store(out_ptr + rows.to(tl.int64) * E + e, tl.sum(acc, axis=1).to(tl.float16), mask=r_ok)
 
 
-# (rows per program, K chunk, warps): a fixed choice (no autotune: it would change the bits per process). From
-# `bench/router_overlap.py --tilings` on the H200 (PDL graphs, us a call at 5 / 20 rows): (4, 1024, 4) 2.71 / 4.30,
-# (1, 1024, 4) 2.45 / 5.19, (8, 1024, 4) 2.96 / 5.04, (16, 512, 4) 6.49 / 8.20.
+# (rows per program, K chunk, warps): a fixed choice (no autotune: it would change the bits per process), the
+# best at 5 and 20 rows of those timed on the H200 (docs/engine.md, "Fused kernels and the chain").
 ROUTER_TILING = (4, 1024, 4)
 
 
 def router_logits(f: torch.Tensor, gate: torch.Tensor, tiling: tuple[int, int, int] | None = None) -> torch.Tensor:
     """fp16 (n, E) = f16(f @ gate.T): the router's GEMM as a GEMV over (expert, row block) programs. (The padded
-    cuBLAS GEMM ran 5 us plus a 2 us split-K reduce at the full size: E = 128 outputs are too few to fill the card
-    without splitting K. A program per (row, 2 experts) with all of K in one tile held one program per SM and read
-    the gate once per row.)"""
+    cuBLAS GEMM needed a split-K reduce after it: E = 128 outputs are too few to fill the card without splitting K.
+    A program per (row, 2 experts) with all of K in one tile held one program per SM and read the gate once per
+    row.)"""
     n, k = f.shape
     E = gate.shape[0]
     rb, bk, warps = tiling or ROUTER_TILING
@@ -389,7 +379,7 @@ def _route_kernel(lg_ptr, bsel_ptr, experts_ptr, weights_ptr, E, scaling,
 
 
 # Warps of the top-k program. Its reductions are maxes, mins and one-hot sums, so any count gives the same bits.
-# One warp's reductions are shuffles only: 2.87 us a call at 5 rows on the H200 against 3.06 with four.
+# One warp's reductions are shuffles only, which made it the faster on the H200.
 ROUTE_WARPS = 1
 
 

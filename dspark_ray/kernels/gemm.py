@@ -38,10 +38,8 @@ from ..model import ops
 from .rows import BLOCK_K, BLOCK_N, NUM_WARPS, PAD_ROWS, grouped_rows_empty, rows_empty  # noqa: F401
 
 # Weights up to this size go through `fused.rows_linear` on a GPU (one launch, the input read in place) instead of
-# cuBLAS on padded chunks. A property of the weight, never of the batch. Off (0): measured on the H200 pair with
-# 32 MiB (every linear of a block but wq_b / wo_a / wo_b), the kernel's fixed 16-wide output tiles ran 12.5 us a call
-# and the step was no faster (pair 1.43 ms, one card 1.93 ms against 1.81; bench/results/gpu/README.md). Kept, and
-# tested on both paths, for tuning.
+# cuBLAS on padded chunks. A property of the weight, never of the batch. Off (0): the step was no faster with it
+# (docs/engine.md, "Tried and removed"). Kept, and tested on both paths, for tuning.
 SMALL_WEIGHT_BYTES = 0
 # The dense linears on a GPU (`kernels_for(..., dense=)`, bound into the kernels it builds): "triton"
 # (`chunked_linear`, one weight read for every chunk) or "cublas" (a padded cuBLAS GEMM per chunk). A start-up
@@ -126,10 +124,8 @@ def _small(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def dense_for(rows: int, choice: str = "auto") -> str:
     """The dense kernel for a deployment whose widest draft batch has `rows` rows. "auto": "triton" when that batch
-    spans more than one chunk, else "cublas". On one H200, full preset, one card's draft step
-    (`bench/results/gpu/draft_step_dense_{auto,cublas}_h200.json`): cuBLAS 1-2 % faster at 1-4 requests (one
-    chunk), the Triton kernel 9-16 % faster at 8-16 (two to three chunks, each weight read once, not once a chunk);
-    served, 5-7 % at 1 request and 10-17 % at 16 (`gpu/scaling_h200_one_card_dense_*.json`)."""
+    spans more than one chunk, else "cublas": at one chunk cuBLAS is a little faster, at two or more the Triton
+    kernel reads each weight once, not once a chunk (docs/performance.md, `serve --dense`)."""
     if choice == "auto":
         return "triton" if rows > PAD_ROWS else "cublas"
     if choice not in DENSE_KERNELS:
@@ -201,7 +197,7 @@ def padded_grouped_linear(x: torch.Tensor, w: torch.Tensor, dense: str = "triton
     xp, chunks = _padded_rows(x.transpose(0, 1), (g,))
     # Each chunk's GEMM writes its (G, PAD_ROWS, R) result straight into the row-major (rows, G * R) layout wo_b
     # reads in place: as a strided batch (row stride G * R, group stride R), which cuBLAS takes as its output
-    # without a copy. (Written group-major, it took a transposing copy kernel of ~2.5 us a block.)
+    # without a copy. (Written group-major, it took a transposing copy kernel.)
     res = rows_empty(n, g * r, torch.float16, x.device)
     if _chunked(x, dense):
         from .chunked_linear import chunked_linear

@@ -1,13 +1,11 @@
 """Copies between pinned host memory and the device as one kernel: the graph set's captured upload and download.
 
-In a CUDA graph a memcpy node waits for a copy engine. In the kernel timeline of a pair rank's draft graph (H200),
-the download of the packed outputs began 7-9 us after the last kernel had ended, and the copy of the collectives'
-control words 2 us after that: ~15 us from the last result to the last byte for ~1 KB. Under unified addressing
-a pinned host buffer's address is valid on the device, so a kernel reads or writes it directly; in the graphs it
-launches behind the kernel before it with programmatic dependent launch and moves a step's bytes at once (every
-segment of a copy in the same launch). Byte for byte, no arithmetic: the bits cannot change. Where Triton is
-missing the graph set takes memcpy nodes instead (`graphs.py`); the same GPU time in two A/B runs, and a graph
-launch call of 5-8 us with the kernel against 13-26 us with memcpy nodes on one card.
+In a CUDA graph a memcpy node waits for a copy engine, microseconds after the kernel before it has ended. Under
+unified addressing a pinned host buffer's address is valid on the device, so a kernel reads or writes it directly;
+in the graphs it launches behind the kernel before it with programmatic dependent launch and moves a step's bytes
+at once (every segment of a copy in the same launch). Byte for byte, no arithmetic: the bits cannot change. Where
+Triton is missing the graph set takes memcpy nodes instead (`graphs.py`), whose graphs take longer to launch
+(docs/engine.md, "CUDA graphs").
 """
 from __future__ import annotations
 

@@ -81,8 +81,8 @@ class _Block:
             x = HcSite.expand(x, y, post, comb)
             f, post, comb = self.hc_ffn.collapse_norm(x, self.ffn_norm)
         with stage("dspark.routing"):
-            # The shared expert needs no routing: a branch beside the router (H200, one card: beside the routed
-            # experts' first kernel instead, it slowed that kernel by more than it hid, 1383 against 1340 us a step)
+            # The shared expert needs no routing: a branch beside the router (beside the routed experts' first kernel
+            # instead, it slowed that kernel by more than it hid: docs/engine.md, "Tried and removed")
             shared = [ops.branch(ex.shared, f) for ex in self.experts]
             experts, weights = self.router(f)
         with stage("dspark.experts"):
@@ -142,7 +142,7 @@ class Drafter:
     def cache_markov(self, rows: int) -> int:
         """Cache the Markov bias rows of the ids [0, rows) (a BPE vocabulary's lower ids are its earlier, more
         frequent merges; all of them: every step reads a row, never markov_w2): the same drafts, less read and
-        computed per step; made in 2.4 s on one H200, 0.8 s on a pair rank. Returns the bytes the rows take."""
+        computed per step. Returns the bytes the rows take."""
         if rows <= 0:
             self.head.drop_markov_rows()
             self.markov_cache_bytes = 0
@@ -168,8 +168,8 @@ class Drafter:
 
     def cache_markov_in_steps(self, rows: int) -> Iterator[None]:
         """`cache_markov(rows)` one chunk of rows at each `next` (on this drafter's kernels, finished on the device
-        before it returns: a caller between two steps is back for the next step in ~0.15 s on one H200); the rows
-        serve once every chunk is made, the same drafts before as after."""
+        before it returns: a caller between two steps waits for one chunk); the rows serve once every chunk is made,
+        the same drafts before as after."""
         if rows <= 0:
             self.cache_markov(0)
             return

@@ -8,8 +8,8 @@ share the call, the thread count or the device, so
 * a request's drafts do not depend on which other requests share its batch (batch invariance),
 * the CPU suite, a CPU rank in a Ray actor (one thread) and an in-process reference (two threads) agree bit for bit.
 
-A library GEMM (MKL, cuBLAS) chooses its blocking by the row count and thread count and so breaks both (measured
-on this CPU with torch 2.13: `x @ W.T` for 20 rows differs from the same rows one at a time). The GPU engine runs
+A library GEMM (MKL, cuBLAS) chooses its blocking by the row count and thread count and so breaks both (on a CPU,
+`x @ W.T` for 20 rows differs from the same rows one at a time). The GPU engine runs
 `linear` on a batch-invariant kernel of its own: each drafter is handed its `Kernels` at start-up (`EXACT`, these
 ops, by default), and the ops run on those of the drafter whose entry point is running (`using`).
 """

@@ -355,7 +355,7 @@ def write_checkpoint(specs: list[StoredSpec], config: dict, config_digest: str, 
     total = sum(s.nbytes for s in specs)
     dev = torch.device(device)
     # Chunks big enough to keep a GPU busy (each int64 temporary of 64M elements is 512 MB); on a CPU, small enough
-    # that the hash's int64 temporaries stay in cache (2 MB each: measured 3-6x faster than 4M-element chunks).
+    # that the hash's int64 temporaries stay in cache (2 MB each: several times faster than 4M-element chunks).
     chunk = (1 << 26) if dev.type == "cuda" else (1 << 18)
     bar = None
     if progress or (progress is None and total > 1 << 30 and sys.stderr.isatty()):   # a bar on a terminal only

@@ -4,7 +4,7 @@ A Serve deployment (FastAPI ingress) in front of a deployment's STEP endpoints (
 is one `DrafterPool` of the replica's (its own TCP session with each worker's front-end), so each front-end batches
 concurrent HTTP sessions as it batches TCP ones, a session's slots belong to it alone, and with several workers
 (`serve --pairs N`) its slots are spread over them. An HTTP round trip through Serve costs
-milliseconds (DESIGN.md measured ~10 ms for an echo): use the TCP or shared-memory client for the per-round path.
+milliseconds (~10 ms for an echo): use the TCP or shared-memory client for the per-round path.
 
     POST   /v1/sessions                   {model_digest?, config_digest?, tp?, max_model_len?, client?}
                                           -> {session, limits, worker_generation, model_digest, ...}
@@ -45,10 +45,10 @@ import time
 import msgspec
 import numpy as np
 
-from ..client import ClientError
-from ..contract import Code, Step, make_entry, validate_step
-from ..pool import DrafterPool
-from ..wire import DEFAULT_MAX_FRAME_BYTES
+from .client import ClientError
+from .contract import Code, Step, make_entry, validate_step
+from .pool import DrafterPool
+from .wire import DEFAULT_MAX_FRAME_BYTES
 
 ROUTE = "/dspark"
 SESSION_TTL_S = 300.0
