@@ -4,7 +4,7 @@ In a CUDA graph a memcpy node waits for a copy engine, microseconds after the ke
 unified addressing a pinned host buffer's address is valid on the device, so a kernel reads or writes it directly;
 in the graphs it launches behind the kernel before it with programmatic dependent launch and moves a step's bytes
 at once (every segment of a copy in the same launch). Byte for byte, no arithmetic: the bits cannot change. Where
-Triton is missing the graph set takes memcpy nodes instead (`graphs.py`), whose graphs take longer to launch
+Triton is missing the graph set takes memcpy nodes instead (`graphs/copies.py`), whose graphs take longer to launch
 (docs/engine.md, "CUDA graphs").
 """
 from __future__ import annotations
