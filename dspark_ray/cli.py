@@ -327,6 +327,8 @@ def _print_status(st: dict) -> None:
           f"steps {st['stats']['steps']}, batches {st['stats']['batches']} (up to {st.get('max_batch')} entries "
           f"each), entries {st['stats']['entries']}")
     print(f"  supervisor: {st['supervisor']}")
+    if st.get("spares"):
+        print(f"  spare ranks: {st.get('spares_ready', 0)} of {st['spares']} sets ready (a restart takes one)")
     if st.get("settings"):
         print("  settings: " + ", ".join(f"{k}={v}" for k, v in st["settings"].items()))
     print(f"  endpoint threads: {step_threads(st.get('process'), 'tcp-')}; {asleep(st.get('wake_ups'))}")

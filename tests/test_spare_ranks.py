@@ -37,7 +37,7 @@ def test_a_killed_rank_is_replaced_by_a_spare(ray_cluster, tiny_ckpt):
     assert _rank_actors(ray_cluster, "spare-test") == []
 
 
-def test_spares_are_made_again_after_a_restart(ray_cluster, tiny_ckpt):
+def test_spares_are_made_again_after_a_restart(ray_cluster, tiny_ckpt, capsys):
     import os
     import signal
     import time
@@ -61,6 +61,9 @@ def test_spares_are_made_again_after_a_restart(ray_cluster, tiny_ckpt):
             assert time.monotonic() < deadline, st["supervisor"]
             time.sleep(0.2)
         assert st["startup"]["from_spares"] and st["spares"] == 1
+        from dspark_ray.cli import _print_status
+        _print_status(st)                                   # what `dspark-ray status` shows of them
+        assert "spare ranks: " in capsys.readouterr().out
         assert _rank_actors(ray_cluster, "spare-refill") == ["spare-refill-rank0.spare1", "spare-refill-rank0.spare2"]
     finally:
         teardown("spare-refill")
