@@ -22,12 +22,9 @@ class PairSpec:
     collective_timeout_s: float = 10.0
     step_timeout_s: float | None = None    # the watchdog's bound on one step; None: 2 x collective timeout + 5 s
     torch_threads: int = 1
-    # How long a ring party (and the front-end's socket threads) spins before it sleeps. A sleeping party costs a
-    # wake-up (~0.3 ms measured on the 2-core CPU machine, bench/ring_roundtrip.py). A GPU host has cores to
-    # spare, so its ranks and front-end spin through the gap between two STEPs, which in serving is the trunk's
-    # forward (~10-50 ms): on the H200 pair with 20 ms between STEPs, a 2 ms spin cost 0.61-0.74 ms outside the
-    # ranks' work against 0.28-0.29 with 100 ms (bench/results/gpu/step_gap_spin_h200x2.json). After 100 ms
-    # without a STEP the parties sleep and cost nothing. None: 50 us on CPU, 100 ms on GPU.
+    # How long a ring party (and the front-end's socket threads) spins before it sleeps: a sleeping party costs a
+    # wake-up on every hop. A GPU host has cores to spare, so its parties spin through the trunk's forward between
+    # two STEPs (docs/performance.md, the knobs). None: 50 us on CPU, 100 ms on GPU.
     ring_spin_us: float | None = None
     # The step engine: the graph set's static-buffer step (None / True: on; captured as CUDA graphs on a GPU, run
     # uncaptured on a CPU: the same host path and the same bits; False: the eager per-entry path) and the matmul
@@ -37,7 +34,7 @@ class PairSpec:
     matmul: str = "auto"
     # The fast path's dense kernel on a GPU (`gemm.dense_for`): "auto" (Triton's one-read-for-every-chunk kernel
     # when the widest batch spans more than one 32-row chunk, i.e. max_batch >= 7 on the 5-row blocks; cuBLAS up
-    # to that, 2-7 % faster at 1 request), "triton" or "cublas".
+    # to that, faster at 1 request), "triton" or "cublas".
     dense: str = "auto"
     # vCPUs for the per-step threads (scheduling.pin_thread): rank r's step loop on rank_cpus[r], the front-end's
     # endpoint threads on frontend_cpus. None: wherever the kernel puts them.
@@ -47,10 +44,8 @@ class PairSpec:
     # and the ranks' widest graph bucket (graphs.WIDE_BUCKETS); never more than n_slots.
     max_batch: int = 16
     # Cached Markov bias rows (`Drafter.cache_markov`; `markov_cache_rows` reads the choice): "auto" caches every
-    # token's row on a GPU when they take at most half the memory left after the weights (a pair rank of the full
-    # preset: 15.6 GiB of an H200's 139), "all", "off" or a row count. The same drafts; on one H200 the draft step's
-    # GPU part 7 % shorter on one card at 1 request (1213 -> 1130 us), 4 % on a pair rank (766 -> 735), 11 % and
-    # 8.5 % at 4 requests (bench/results/gpu/markov_cache_ab_h200.json).
+    # token's row on a GPU when they take at most half the memory left after the weights, "all", "off" or a row
+    # count. The same drafts, less read per step (docs/performance.md).
     markov_cache: str = "auto"
     # The STEP endpoint's bounds per client (transport/tcp.py): connections at once (one thread each), and how long a
     # session may go without a request before it is closed and its slots freed (None: for ever).
