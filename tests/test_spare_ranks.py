@@ -65,6 +65,15 @@ def test_spares_are_made_again_after_a_restart(ray_cluster, tiny_ckpt, capsys):
         _print_status(st)                                   # what `dspark-ray status` shows of them
         assert "spare ranks: " in capsys.readouterr().out
         assert _rank_actors(ray_cluster, "spare-refill") == ["spare-refill-rank0.spare1", "spare-refill-rank0.spare2"]
+        # a spare that dies before use is noticed (status) and made again
+        os.kill(ray_cluster.get(ray_cluster.get_actor("spare-refill-rank0.spare2", namespace="dspark")
+                                .status.remote())["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while _rank_actors(ray_cluster, "spare-refill") != ["spare-refill-rank0.spare1", "spare-refill-rank0.spare3"]:
+            ray_cluster.get(fe.status.remote())
+            assert time.monotonic() < deadline
+        st = ray_cluster.get(fe.status.remote())
+        assert st["spares"] == 1
     finally:
         teardown("spare-refill")
     assert _rank_actors(ray_cluster, "spare-refill") == []

@@ -143,12 +143,29 @@ class PairLauncher:
                 self.spares.append(_Spares(ranks, [a.prepare.remote() for a in ranks]))
 
     def spares_ready(self) -> int:
-        """Sets of spare ranks whose preparation is done."""
+        """Sets of spare ranks whose preparation is done. A set one of whose processes died (its prepare() failed)
+        is dropped and made again."""
         import ray
         with self._lock:
             spares = list(self.spares)
-        return sum(len(ray.wait(s.prepared, num_returns=len(s.prepared), timeout=0)[0]) == len(s.prepared)
-                   for s in spares)
+        ready, dead = 0, []
+        for s in spares:
+            done, _ = ray.wait(s.prepared, num_returns=len(s.prepared), timeout=0)
+            try:
+                ray.get(done, timeout=0)
+            except Exception as e:
+                log.warning("pair %s: a spare rank died before use (%s): making another", self.name,
+                            type(e).__name__)
+                dead.append(s)
+                continue
+            ready += len(done) == len(s.prepared)
+        if dead:
+            with self._lock:
+                self.spares = [s for s in self.spares if s not in dead]
+            for s in dead:
+                _kill(s.ranks)
+            self._refill_spares()
+        return ready
 
     def kill(self) -> None:
         _kill(self.ranks)
@@ -191,7 +208,7 @@ class PairLauncher:
         return out
 
 
-@dataclass
+@dataclass(eq=False)        # (a set is itself: compared by identity)
 class _Spares:
     ranks: list            # one actor per rank
     prepared: list         # their prepare() calls' refs

@@ -1,0 +1,79 @@
+"""A/B of the step path between two trees of the code, alternated in one call on one GPU host: the draft step
+(bench/draft_step.py, one card, 1 and 4 requests) and the STEP round trip (bench/step_latency.py, one card, 1 and 4
+requests), BEFORE then AFTER, `--rounds` times. Prints one JSON object: each figure's median over the rounds per
+tree and the ratio after / before (within noise: 0.97-1.03).
+
+    git archive <before-commit> | tar -x -C /tmp/before      # the tree before the change
+    python scripts/ab_step_path.py --before /tmp/before --ckpt /tmp/full --out ab.json
+
+Each tree runs its own benches with PYTHONPATH set to itself; run from the AFTER tree (default: this checkout).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+
+
+def run(tree: Path, args: list[str], out: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, *args, "--out", str(out)]
+    print(f"[ab] {tree.name}: {' '.join(args)}", file=sys.stderr, flush=True)
+    subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def figures(tree: Path, a, scratch: Path, tag: str) -> dict:
+    out: dict[str, float] = {}
+    if "draft" in a.parts:        # (GPU only)
+        d = run(tree, ["bench/draft_step.py", "--preset", a.preset, "--ckpt", a.ckpt, "--modes", "tp1", "--shapes",
+                       "1,5 4,5", "--start", "900000", "--replays", str(a.replays)], scratch / f"draft_{tag}.json")
+        for shape in ("1,5", "4,5"):
+            out[f"draft_{shape}_p50_ms"] = d["tp1"]["draft"][shape]["p50_ms"]
+    for n in (1, 4) if "step" in a.parts else ():
+        d = run(tree, ["bench/step_latency.py", "--preset", a.preset, "--ckpt", a.ckpt, "--tp", "1", "--requests",
+                       str(n), "--rounds", str(a.step_rounds)], scratch / f"step{n}_{tag}.json")
+        out[f"step_R{n}_round_trip_p50_ms"] = d["target"]["round_trip_p50_ms"]
+        out[f"step_R{n}_work_p50_ms"] = d["target"]["pair_work_p50_ms"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", required=True, type=Path)
+    ap.add_argument("--after", type=Path, default=HERE)
+    ap.add_argument("--preset", default="full")
+    ap.add_argument("--ckpt", default="/tmp/full")
+    ap.add_argument("--rounds", type=int, default=3, help="before / after alternations")
+    ap.add_argument("--replays", type=int, default=300, help="draft_step's timed replays a shape")
+    ap.add_argument("--step-rounds", type=int, default=2000, help="step_latency's STEPs a run")
+    ap.add_argument("--parts", default="draft,step", help="draft (GPU only), step, or both")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory(prefix="dspark-ab-") as tmp:
+        for i in range(a.rounds):
+            for side in ("before", "after"):
+                tree = (a.before if side == "before" else a.after).resolve()
+                runs[side].append(figures(tree, a, Path(tmp), f"{side}{i}"))
+    med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+           for side, rs in runs.items()}
+    res = {"bench": "ab_step_path", "before": str(a.before), "after": str(a.after), "rounds": a.rounds,
+           "commit": os.environ.get("DSPARK_COMMIT"), "medians": med,
+           "ratio_after_over_before": {k: round(med["after"][k] / med["before"][k], 3) for k in med["before"]
+                                       if med["before"][k]},
+           "runs": runs}
+    print(json.dumps(res, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
