@@ -200,6 +200,11 @@ class Session:
 
 
 # ---- the load and the kills ---------------------------------------------------------------------------------------
+def spares_pending(st: dict) -> bool:
+    """Whether a worker's spare rank sets (its FrontEnd.status() `st`) are still being made."""
+    return st.get("spares_ready", 0) < st.get("spares", 0)
+
+
 def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: int, kills: int, kill_rank: int,
           gap_ms: float, deadline_ms: float, seed: int, restart_timeout_s: float, kills_during_restart: int = 0,
           second_kill_at: float = 0.5) -> dict:
@@ -217,7 +222,7 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
     t0 = time.monotonic()
     while time.monotonic() - t0 < restart_timeout_s:
         st = ray.get(fe.status.remote(), timeout=30)
-        if st.get("spares_ready", 0) >= st.get("spares", 0):
+        if not spares_pending(st):
             break
         time.sleep(0.5)
     if st.get("spares"):
@@ -265,11 +270,11 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
         left = any(r.get("work_left") for r in st["ranks"])
         if not left:
             k.setdefault("work_done_wall", time.time())
-        spares_pending = st.get("spares_ready", 0) < st.get("spares", 0)
-        if (left or spares_pending) and time.monotonic() - k["t_ok"] < restart_timeout_s:
+        pending = spares_pending(st)
+        if (left or pending) and time.monotonic() - k["t_ok"] < restart_timeout_s:
             return False
         k["settled"] = {"wall": k.get("work_done_wall", time.time()), "work_left": left,
-                        "spares_ready_wall": None if spares_pending else time.time(),
+                        "spares_ready_wall": None if pending else time.time(),
                         "ranks": [r.get("startup") or {} for r in st["ranks"]],
                         "graphs": [r.get("graphs") for r in st["ranks"]],
                         "markov_cache": [r.get("markov_cache") for r in st["ranks"]]}

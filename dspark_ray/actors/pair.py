@@ -96,7 +96,7 @@ class PairLauncher:
                 raise TimeoutError(f"rank actors {left} still exist after {timeout_s} s")
             time.sleep(0.1)
 
-    def start(self, first: list[tuple[int, int, bool]] | None = None, spares: list | None = None) -> None:
+    def start(self, first: list[tuple[int, int, bool]] | None = None, spares: "_Spares | None" = None) -> None:
         """Load, connect and serve the ranks: `spares` (a restart: a set of spare ranks, one per rank, started
         ahead) or new ones. `first`: on a restart, the shapes of the last batches (a one-card rank captures their
         graphs first and serves, rank_worker.py)."""
