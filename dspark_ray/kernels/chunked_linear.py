@@ -1,23 +1,7 @@
-"""The fast path's dense linears on a GPU: one Triton launch that reads each weight tile once for every 32-row chunk.
-
-Why not cuBLAS: batch invariance needs one fixed GEMM shape, so `gemm.padded_linear` calls cuBLAS once per chunk
-of PAD_ROWS (32) rows and reads the whole weight for each chunk. Here a program keeps a (BK, BN) weight tile for each
-of its chunks' own 32-row `tl.dot`, each chunk its own accumulator, so a chunk's bits are those of the same chunk
-alone, whatever the chunk count and whichever program holds it. A deployment takes it where a batch can span two
-chunks (`gemm.dense_for`, `serve --dense`); docs/engine.md, "Dense GEMMs", has the measurements.
-
-Under PDL (the graphs) a program lets the next kernel's programs be scheduled at its start, as the fused kernels do
-(`pdl_enter`): letting them in only after the K loop, or launching without PDL, was slower.
-
-Launch: program (r, n, s) takes chunks [r * ch, (r + 1) * ch), columns [n * BN, (n + 1) * BN) and the K range
-[s * KS, (s + 1) * KS). r varies fastest, so programs sharing a weight tile run side by side and all but the first
-read it from L2. With a K split each program writes its fp32 partials and takes a ticket on its (r, n) counter; the
-one taking the last ticket sums the partials in split order (partial 0 first, whichever program it is) and resets
-the counter, so counters are zero between calls.
-
-What fixes the bits: (BN, BK, split) come from (N, K, group width, the card's SM count) alone (`tiles`), never from
-the row count or a timing; the chunks per program (ch) only decide which program computes a chunk, not how. Grouped
-(the attention's wo_a): columns [g * R, (g + 1) * R) of the output from group g of x, one launch for every group.
+"""The dense linears on a GPU in one Triton launch: each (BK, BN) weight tile is read once and fed to every 32-row
+chunk's own fixed-shape `tl.dot` and accumulator, so a chunk's bits are those of the chunk alone. Tiles depend on
+the weight's shape and the card's SM count only (`tiles`). Programs of one tile run side by side (r fastest) and
+share it through L2 (docs/engine.md, "Dense GEMMs: the chunked Triton linear").
 """
 from __future__ import annotations
 
@@ -34,20 +18,20 @@ ROWS = 32                      # a chunk: gemm.PAD_ROWS
 BK = 128
 WARPS = 4
 MAX_CH = 4                     # chunks one program may hold (one accumulator each)
-COUNTER_POOL = 1 << 21         # split-K tickets for captured calls, per card (8 MiB)
-_SMEM = 227 * 1024             # shared memory per program on an H100 / H200: bounds the pipeline stages
+COUNTER_POOL = 1 << 21         # split-K tickets for captured calls, per card
+_SMEM = 227 * 1024             # shared memory per program on an H100 / H200
 
 
 @triton.jit
 def _fence_gpu():
-    """fence.acq_rel.gpu in every thread (the split partials' stores ordered before the block's ticket)."""
+    """Orders every thread's partial stores before the block's ticket."""
     tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r,r", [tl.zeros((1,), tl.int32)],
                               dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def _chunk_dot(x_at, chunk, sxm, M, kk, k_ok, wt, acc):
-    """One chunk's 32 rows against the weight tile: the same 32 x BK x BN dot for every chunk."""
+    """The same 32 x BK x BN dot for every chunk, into the chunk's own accumulator."""
     rows = chunk * 32 + tl.arange(0, 32)
     xt = tl.load(x_at + rows.to(tl.int64)[:, None] * sxm + kk[None, :], mask=(rows < M)[:, None] & k_ok[None, :],
                  other=0.0)
@@ -67,15 +51,13 @@ def _store_rows(out_ptr, acc, chunk, cols, c_ok, M, N, OUT_F16: tl.constexpr):
 
 @triton.jit
 def _partial(part_ptr, slot, BN: tl.constexpr):
-    """The (32, BN) fp32 partial at `slot` of the partials buffer: pointers."""
     return part_ptr + slot.to(tl.int64) * 32 * BN + tl.arange(0, 32)[:, None] * BN + tl.arange(0, BN)[None, :]
 
 
 @triton.jit
 def _finish(out_ptr, part_ptr, acc, chunk, slot, cols, c_ok, M, N, last, SPLIT: tl.constexpr, OUT_F16: tl.constexpr,
             BN: tl.constexpr):
-    """Chunk `chunk`'s result: stored (no split), or, in the program holding the last ticket, its SPLIT partials
-    (at slot .. slot + SPLIT - 1) summed in split order and stored."""
+    """Store the chunk; with a K split, the last ticket's program sums the partials in split order (0 first)."""
     if SPLIT > 1:
         if last:
             tot = tl.load(_partial(part_ptr, slot, BN), cache_modifier=".cg")
@@ -116,9 +98,9 @@ def _chunked_linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, ctr_ptr, M, N, K, R,
             acc2 = _chunk_dot(x_at, c0 + 2, sxm, M, kk, k_ok, wt, acc2)
         if CH > 3:
             acc3 = _chunk_dot(x_at, c0 + 3, sxm, M, kk, k_ok, wt, acc3)
-    base = (r * tl.num_programs(1) + pid_n) * CH * SPLIT       # chunk c of this program: slots base + c * SPLIT ..
+    base = (r * tl.num_programs(1) + pid_n) * CH * SPLIT
     ctr = ctr_ptr + r * tl.num_programs(1) + pid_n
-    last = s < 0                                                 # a tensor False; the ticket's answer when split
+    last = s < 0                                                 # a tensor False
     if SPLIT > 1:
         tl.store(_partial(part_ptr, base + s, BN), acc0)
         if CH > 1:
@@ -127,7 +109,7 @@ def _chunked_linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, ctr_ptr, M, N, K, R,
             tl.store(_partial(part_ptr, base + 2 * SPLIT + s, BN), acc2)
         if CH > 3:
             tl.store(_partial(part_ptr, base + 3 * SPLIT + s, BN), acc3)
-        _fence_gpu()                           # every thread's partials visible at L2 before the ticket is taken
+        _fence_gpu()
         tl.debug_barrier()
         last = tl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
     _finish(out_ptr, part_ptr, acc0, c0, base, cols, c_ok, M, N, last, SPLIT, OUT_F16, BN)
@@ -144,7 +126,7 @@ def _chunked_linear_kernel(x_ptr, w_ptr, out_ptr, part_ptr, ctr_ptr, M, N, K, R,
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """One launch: output columns per program (bn), K splits, chunks per program (ch), pipeline stages."""
+    """Output columns per program (bn), K splits, chunks per program (ch), pipeline stages."""
     bn: int
     split: int
     ch: int
@@ -156,37 +138,32 @@ def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# (bn, split) measured per weight (N, K, groups) on the H200 (132 SMs; an H100 SXM, also 132, takes them unmeasured)
-# where the fastest tiling differs from `rule_tiles` (docs/engine.md, "Dense GEMMs"). Non-power-of-two splits (3, 5)
-# spread the busiest SM's share of BK steps better. Like the rule, a property of the weight and the card: both
-# ranks of a pair and the emulated pair read the same entry, and no batch size changes it.
+# (bn, split) per weight (N, K, groups) by SM count, measured on the H200 (docs/engine.md, "Dense GEMMs"): the full
+# preset's wq_a | wkv, then wq_b, wo_a, wo_b, shared w1 | w3 and w2, each for one card and for a pair rank.
 MEASURED_TILES = {132: {
-    (1792, 5120, 1): (64, 4),       # wq_a | wkv (one card and a pair rank)
-    (32768, 1280, 1): (128, 1),     # one card's wq_b
-    (16384, 1280, 1): (128, 1),     # a pair rank's wq_b
-    (8192, 4096, 8): (64, 1),       # one card's wo_a (8 groups)
-    (4096, 4096, 4): (64, 4),       # a pair rank's wo_a (4 groups)
-    (5120, 8192, 1): (64, 3),       # one card's wo_b
-    (5120, 4096, 1): (64, 3),       # a pair rank's wo_b
-    (4608, 5120, 1): (128, 3),      # one card's shared w1 | w3
-    (2304, 5120, 1): (128, 5),      # a pair rank's shared w1 | w3
-    (5120, 2304, 1): (64, 3),       # one card's shared w2
-    (5120, 1152, 1): (64, 1),       # a pair rank's shared w2
+    (1792, 5120, 1): (64, 4),
+    (32768, 1280, 1): (128, 1),
+    (16384, 1280, 1): (128, 1),
+    (8192, 4096, 8): (64, 1),
+    (4096, 4096, 4): (64, 4),
+    (5120, 8192, 1): (64, 3),
+    (5120, 4096, 1): (64, 3),
+    (4608, 5120, 1): (128, 3),
+    (2304, 5120, 1): (128, 5),
+    (5120, 2304, 1): (64, 3),
+    (5120, 1152, 1): (64, 1),
 }}
 
 
 def tiles(n: int, k: int, groups: int, chunks: int, sms: int) -> Tiles:
-    """The launch for an (N, K) weight (in `groups` column groups) on `chunks` chunks, on a card of `sms` SMs:
-    (bn, split) from MEASURED_TILES for this card, else `rule_tiles`; the chunks per program from `with_split`."""
+    """The launch for an (N, K) weight in `groups` column groups on `chunks` chunks, on a card of `sms` SMs."""
     bn, split = MEASURED_TILES.get(sms, {}).get((n, k, groups)) or rule_tiles(n, k, groups, sms)
     return with_split(n, bn, split, chunks, sms)
 
 
 def rule_tiles(n: int, k: int, groups: int, sms: int) -> tuple[int, int]:
-    """(bn, split) for a weight no measurement covers. They fix the bits and depend on the weight and the card only:
-    128 columns a program when that still gives a program per SM (the head, one card's wq_b), else 64; then the
-    fewest K splits (powers of two, at least two BK steps each) that give a program per SM (wq_a | wkv 8, wo_b 2, a
-    pair rank's shared w1 | w3 4)."""
+    """(bn, split) for an unmeasured weight: 128 columns while that gives a program per SM, else 64; then the fewest
+    power-of-two K splits (two BK steps each at least) that give a program per SM."""
     width = n // groups
     bn = 128 if n // 128 >= sms and (groups == 1 or width % 128 == 0) else 64
     if groups > 1 and (width % bn or n % groups):
@@ -199,15 +176,13 @@ def rule_tiles(n: int, k: int, groups: int, sms: int) -> tuple[int, int]:
 
 
 def with_split(n: int, bn: int, split: int, chunks: int, sms: int) -> Tiles:
-    """The launch for given (bn, split): a program per chunk while that stays within two programs per SM, else
-    every chunk (at most MAX_CH) in one program; the stages that fit. Neither changes a bit."""
+    """A program per chunk within two programs per SM, else up to MAX_CH chunks a program (no bit changes)."""
     ch = 1 if -(-n // bn) * split * chunks <= 2 * sms else min(chunks, MAX_CH)
     return Tiles(bn=bn, split=split, ch=ch, stages=pipeline_stages(ch, bn))
 
 
 def pipeline_stages(ch: int, bn: int) -> int:
-    """Pipeline stages for ch chunks a program and bn columns: up to 4, while each stage's x and weight tiles fit
-    the shared memory (a speed choice: stages never change a bit)."""
+    """Up to 4 stages while their x and weight tiles fit the shared memory."""
     stages = 4
     while stages > 2 and stages * (ch * ROWS * BK + BK * bn) * 2 > _SMEM:
         stages -= 1
@@ -215,13 +190,9 @@ def pipeline_stages(ch: int, bn: int) -> int:
 
 
 class Counters:
-    """Split-K tickets, zero between calls (the last program of a block resets its own).
-
-    Eager calls take one slice per (card, stream), reused call after call: calls on a stream run one after the
-    other (under PDL a program waits for the kernel before it first), and calls on other streams (the shared
-    expert's branch) hold other slices. A call captured into a CUDA graph takes a slice of its own for the graph's
-    life from a pool made, zeroed, by the first eager call on the card (the graph set's warm-up): a memset inside
-    a graph would run at every replay."""
+    """Split-K tickets, zero between calls. Eager calls reuse one slice per (card, stream), as a stream's calls
+    run in order; a captured call keeps a slice of a pool zeroed by the first eager call (a memset in a graph
+    would run at every replay)."""
 
     def __init__(self, pool: int = COUNTER_POOL):
         self.pool_size = pool
@@ -230,7 +201,7 @@ class Counters:
 
     def take(self, device: torch.device, count: int) -> torch.Tensor:
         if device.type != "cuda":
-            key = (device.type, None)                # the Triton interpreter (CPU tests): one slice
+            key = (device.type, None)                # the Triton interpreter (CPU tests)
         else:
             index = device.index if device.index is not None else torch.cuda.current_device()
             if torch.cuda.is_current_stream_capturing():
@@ -255,12 +226,10 @@ class Counters:
         return entry[0][entry[1] - count:entry[1]]
 
     def captured(self) -> int:
-        """Counters held by captured calls, all cards."""
         return sum(e[1] for e in self.pools.values())
 
     def release(self) -> None:
-        """Hand the captured calls' counters out again: only once every graph holding such a call is gone (the
-        benches, between timings)."""
+        """Hand the captured counters out again; only once every graph holding them is gone."""
         for e in self.pools.values():
             e[1] = 0
 
@@ -270,9 +239,8 @@ COUNTERS = Counters()
 
 def chunked_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, groups: int = 1,
                    tiles_override: Tiles | None = None) -> torch.Tensor:
-    """out (chunks * 32, N) = x @ w.T, out fp16 or fp32 (written in place, returned). x: (chunks * 32, K) fp16
-    row-contiguous, or grouped (G, chunks * 32, K) contiguous, group g giving columns [g * R, (g + 1) * R) of out.
-    w (N, K) fp16 contiguous."""
+    """out (chunks * 32, N) fp16 / fp32 = x @ w.T, in place. x (chunks * 32, K) fp16, or (G, chunks * 32, K) with
+    group g giving columns [g * R, (g + 1) * R) of out; w (N, K) fp16."""
     if groups > 1:
         g, m, k = x.shape
         assert g == groups and x.is_contiguous()

@@ -1,34 +1,7 @@
-"""EXL3 Linears and expert banks multiplied on exllamav3 1.6.5's own kernels (`exl3_gemm`, `exl3_mgemm`, the fused
-MoE kernel `exl3_moe`), with the kernel fixed per shape from a committed table (seed 000, "forced kernels").
-
-A GPU rank that loads an EXL3 checkpoint keeps each EXL3 Linear as stored (trellis, suh, svh, codebook: about a
-third of the bf16 bytes at seed 000's mix) instead of decoding it to fp16, and the model's `ops.linear` /
-`ops.linear_indexed` hand the product to the weight (`Exl3Weight.matmul`, `Exl3Bank.matmul_indexed`). The model
-stays quantization-unaware: these objects answer the few tensor calls the model makes on a weight (`.shape`, a row
-slice, `torch.cat` of row blocks, `torch.stack` of experts) and nothing else.
-
-Why the table and not exllamav3's defaults: with `force_shape_idx <= 0` exllamav3 picks a GEMV by a heuristic or
-times candidate kernels in the process (`CoopKernelAutotuner`) and keeps the fastest. Timings differ between
-processes and cards, so two ranks (or two restarts of one) could run different kernels for one shape and round
-differently. `exl3_shapes.json` (made once per card kind by `tools/exl3_kernel_table.py`, committed) names one
-tile shape per (op, compute capability, bitrate, codebook, k, n), or the row-tile family `ROWS` for a gemm; the
-launch then depends on the shape and the row count alone: the same kernels on both ranks and in every process, and
-capturable in our CUDA graphs (no timing, no host sync). A shape the table lacks takes a fixed rule (the row-tile
-family where it fits, else the widest compatible 16-row tile) and says so once in the log.
-
-Batch invariance: a forced `exl3_gemm`'s grid depends on (k, n) alone, and its rows run in tiles of 16 rows (shapes
-1..4) or 16 / 32 / 48 / 64 rows (`ROW_TILES`: shapes 2, 5, 6, 7, one tile of TILESIZE_K 32 and TILESIZE_N 128 over
-more rows, so each decoded weight fragment serves all the rows of a tile). A tile of fewer rows than its height takes
-another reduction path, so calls are padded to whole tiles; and the four shapes of the family give a row the same
-bits (docs/exl3.md), so a row's bits never depend on the other rows of the call. With 16-row tiles alone every 16
-rows decode the whole weight again; the family decodes it once up to 64 rows. `exl3_mgemm` sizes its grid by the number of slots (rows x top-k), so an expert's bits through it
-depend on the call's slot count; the routed experts therefore run the fused MoE kernel (`Exl3Experts`, below),
-whose rows are batch invariant, wherever it takes the banks.
-
-exllamav3's kernels share one lock array per card for their split-K reduction: two of them in flight at once on
-two streams could corrupt each other's partial sums. An `Exl3Weight` says so (`serial_launches`), and a drafter
-holding one runs `ops.branch` in line (`model.drafter.Drafter` drops the branch kernels from its kernels), so every
-EXL3 launch is on the one stream.
+"""EXL3 Linears and expert banks multiplied on exllamav3 1.6.5's own kernels (`exl3_gemm`, `exl3_mgemm`,
+`exl3_moe`), each kernel fixed per shape by the committed `exl3_shapes.json` (never by exllamav3's timing), calls
+padded to whole row tiles, so a row's bits never depend on the batch or the process. The model stays
+quantization-unaware: these objects answer the few tensor calls it makes on a weight. Design: docs/exl3.md.
 """
 from __future__ import annotations
 
@@ -45,25 +18,21 @@ from ..weights.exl3 import HAD, TILE, Exl3Linear, bits_of
 log = logging.getLogger(__name__)
 
 TABLE_PATH = Path(__file__).with_name("exl3_shapes.json")
-SHAPES = (1, 2, 3, 4)           # exllamav3's 16-row tile shapes (tile n 128, 128, 256, 512); 5..7 are 32..64-row
+SHAPES = (1, 2, 3, 4)           # exllamav3's 16-row tile shapes
 _TILE_N = {1: 128, 2: 128, 3: 256, 4: 512}
-# exl3_gemm runs its rows in tiles, and a tile of fewer rows takes another reduction path (a row's bits differ
-# between 2 and 8 rows: docs/exl3.md). Every call is padded to whole tiles, so every row runs the full-tile path
-# whatever the batch.
+# A part-filled tile takes another reduction path, so calls are padded to whole tiles (docs/exl3.md).
 SLAB = 16
-# The row-tile family: rows per tile -> exllamav3 shape (TILESIZE_K 32, TILESIZE_N 128 each; equal bits a row).
+# The row-tile family: rows per tile -> exllamav3 shape; all four give a row the same bits.
 ROW_TILES = {16: 2, 32: 5, 48: 6, 64: 7}
 ROWS = "rows"                   # the table's name for "pick the family's tile by the row count"
 
 
 def ext():
-    """exllamav3's compiled extension (import on first use: the CPU path never needs it)."""
     from exllamav3.ext import exllamav3_ext
     return exllamav3_ext
 
 
 def available() -> bool:
-    """True when this process can run the EXL3 kernels: CUDA and exllamav3 with its extension."""
     if not torch.cuda.is_available():
         return False
     try:
@@ -74,8 +43,7 @@ def available() -> bool:
 
 
 def on_kernels(ckpt, name: str) -> bool:
-    """Whether a GPU rank multiplies tensor `name` of `ckpt` on these kernels: every EXL3 Linear but wo_a (its
-    group slices are decoded to fp16 for the grouped output GEMM)."""
+    """Every EXL3 Linear but wo_a, whose group slices are decoded for the grouped output GEMM."""
     return ckpt.storage(name) == "exl3" and not name.endswith(".wo_a.weight")
 
 
@@ -97,14 +65,13 @@ def _cc(device: torch.device) -> str:
 
 
 def compatible(K, k: int, n: int, device: torch.device) -> list[int]:
-    """The 16-row shapes exllamav3 accepts for (K, k, n) on this card (tile divides k and n, shared memory fits)."""
+    """The 16-row shapes exllamav3 accepts for (K, k, n) on this card."""
     bits, half = int(K), not float(K).is_integer()
     with torch.cuda.device(device):
         return [s for s in SHAPES if ext().exl3_gemm_shape_compat(s, 16, k, n, bits, half)]
 
 
 def rows_compatible(K, k: int, n: int, device: torch.device) -> bool:
-    """Whether every shape of the row-tile family fits (K, k, n) on this card."""
     bits, half = int(K), not float(K).is_integer()
     with torch.cuda.device(device):
         return all(ext().exl3_gemm_shape_compat(s, m, k, n, bits, half) for m, s in ROW_TILES.items())
@@ -124,8 +91,7 @@ _warned: set[str] = set()
 
 
 def forced_shape(op: str, K, codebook: str, k: int, n: int, device: torch.device) -> int | str:
-    """The tile shape `op` ("gemm" | "mgemm") runs for this weight shape: the committed table's, else (logged once
-    per shape) for a gemm the row-tile family where it fits, and otherwise the widest compatible 16-row tile."""
+    """The tile shape `op` ("gemm" | "mgemm") runs: the committed table's, else a fixed rule, logged once."""
     key = shape_key(op, _cc(device), K, codebook, k, n)
     shape = _table().get(key)
     if shape is not None:
@@ -148,7 +114,7 @@ def forced_shape(op: str, K, codebook: str, k: int, n: int, device: torch.device
 class Exl3Weight:
     """An EXL3 Linear on the GPU, shaped like the (out, in) weight it stands for; `matmul` runs `exl3_gemm`."""
 
-    serial_launches = True          # no two of its kernels in flight at once (one lock array per card: see above)
+    serial_launches = True          # exllamav3's split-K shares one lock array per card: one stream only
 
     def __init__(self, rec: Exl3Linear):
         t = rec.trellis
@@ -162,16 +128,14 @@ class Exl3Weight:
 
     @cached_property
     def shape_idx(self) -> int | str:
-        """The committed tile shape, looked up on first use: an expert's weight is stacked into a bank (mgemm /
-        the fused MoE kernel) and never runs this gemm, so it must not ask the table for one."""
+        """Looked up on first use: an expert stacked into a bank never runs this gemm and has no table entry."""
         return forced_shape("gemm", self.K, self.codebook, self.k, self.n, self.device)
 
-    # -- what the model asks of a weight ---------------------------------------------------------------------------
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.n, self.k))
 
-    dtype = torch.float16           # what it multiplies like (fp16 operands, fp32 accumulation)
+    dtype = torch.float16           # what it multiplies like
 
     @property
     def nbytes(self) -> int:
@@ -181,7 +145,7 @@ class Exl3Weight:
         return self
 
     def __getitem__(self, rows) -> "Exl3Weight":
-        """Output features [start, stop) (multiples of 128: the output Hadamard's block), as a weight of its own."""
+        """Output features [start, stop) on the output Hadamard's 128-blocks, as a weight of its own."""
         start, stop = _rows(rows, self.n)
         if start == 0 and stop == self.n:
             return self
@@ -194,21 +158,20 @@ class Exl3Weight:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _torch_function(func, args, kwargs or {})
 
-    # -- the product -----------------------------------------------------------------------------------------------
     def matmul(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """x (..., k) fp16 -> x @ W.T (..., n) in out_dtype (fp16 or fp32), fp32 accumulation."""
+        """x (..., k) fp16 -> x @ W.T (..., n) in out_dtype, fp32 accumulation."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.k).to(torch.float16)
         m = x2.shape[0]
         mp, shape = tile_for(self.shape_idx, m)
-        if mp != m:                 # whole tiles: a row's bits then never depend on the call's row count
+        if mp != m:                 # whole tiles: a row's bits never depend on the call's row count
             xp = torch.zeros((mp, self.k), dtype=torch.float16, device=x.device)
             xp[:m] = x2
             x2 = xp
         else:
             x2 = x2.contiguous()
         c = torch.empty((mp, self.n), dtype=out_dtype, device=x.device)
-        a_had = torch.empty_like(x2)        # the input Hadamard's scratch (the kernel writes it first)
+        a_had = torch.empty_like(x2)        # the input Hadamard's scratch
         ext().exl3_gemm(x2, self.trellis, c, self.suh, a_had, self.svh, shape, self.mcg, self.mul1, 0)
         return c[:m].reshape(*lead, self.n)
 
@@ -225,8 +188,7 @@ def _rows(rows, n: int) -> tuple[int, int]:
 
 # ==== row blocks of different Linears (wq_a ; wkv, shared w1 ; w3) =====================================================
 class RowBlocks:
-    """torch.cat of weights along their rows: one product per block, outputs side by side. EXL3 Linears have their
-    own input sign vector each, so two of them are never one trellis; a plain block runs the installed matmul."""
+    """torch.cat of weights along their rows: one product per block (each EXL3 Linear has its own input signs)."""
 
     def __init__(self, parts: list):
         self.parts = list(parts)
@@ -268,15 +230,14 @@ class RowBlocks:
 
 # ==== a bank of routed experts =======================================================================================
 class Exl3Bank:
-    """torch.stack of one block's E experts (each an Exl3Weight of one shape and bitrate): (E, n, k). The indexed
-    product runs one `exl3_mgemm` over pointer tables, every (row, expert) pair its own slot; a block's three banks
-    together run the fused MoE kernel instead (`swiglu_experts`)."""
+    """torch.stack of one block's E experts: (E, n, k). `exl3_mgemm`'s bits depend on the slot count, so a block's
+    three banks run the fused MoE kernel where it takes them (`swiglu_experts`)."""
 
     def __init__(self, experts: list[Exl3Weight]):
         e0 = experts[0]
         if any((e.k, e.n, e.K, e.codebook) != (e0.k, e0.n, e0.K, e0.codebook) for e in experts):
             raise ValueError("an EXL3 expert bank needs one shape, bitrate and codebook for every expert")
-        self.experts = experts                # keeps the tensors the pointer tables address alive
+        self.experts = experts                # keeps the pointer tables' tensors alive
         dev = e0.device
         self.ptr_trellis, self.ptr_suh, self.ptr_svh = (
             torch.tensor([getattr(e, a).data_ptr() for e in experts], dtype=torch.int64, device=dev)
@@ -294,16 +255,15 @@ class Exl3Bank:
         return sum(e.nbytes for e in self.experts) + 3 * self.ptr_svh.nbytes
 
     def swiglu_experts(self, up: "Exl3Bank", down: "Exl3Bank", limit: float) -> "Exl3Experts | None":
-        """This bank as the gate of a block's clamped SwiGLU experts on the fused MoE kernel (`Exl3Experts`), or None
-        where that kernel does not take the three banks (then each product runs `matmul_indexed`)."""
+        """This bank as the gate of the block's experts on the fused MoE kernel, or None where it does not fit."""
         return Exl3Experts(self, up, down, limit) if fused_moe_takes(self, up, down) else None
 
     def matmul_indexed(self, x: torch.Tensor, idx: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """x (P, k) fp16, idx (P,) int64: out[p] = x[p] @ W[idx[p]].T (P, n) in out_dtype."""
+        """out[p] = x[p] @ W[idx[p]].T (P, n) in out_dtype."""
         p = x.shape[0]
         a = x.to(torch.float16).reshape(p, 1, self.k).contiguous()
         c = torch.empty((p, 1, self.n), dtype=out_dtype, device=x.device)
-        a_had = torch.empty_like(a)          # one Hadamard slab per slot
+        a_had = torch.empty_like(a)
         ext().exl3_mgemm(a, self.ptr_trellis, c, self.ptr_suh, a_had, self.ptr_svh,
                          idx.to(torch.int64).reshape(1, p).contiguous(), None, float(self.K), self.shape_idx,
                          self.mcg, self.mul1, -1, -1, 0, 1, None, None, None, None, 0)
@@ -316,16 +276,14 @@ M_TILE = 16
 
 
 def fused_moe_takes(w1: Exl3Bank, w3: Exl3Bank, w2: Exl3Bank) -> bool:
-    """Whether `exl3_moe` takes these banks: one codebook for the three (mcg or mul1), dims multiples of 128."""
     books = {w1.codebook, w3.codebook, w2.codebook}
     return (len(books) == 1 and books <= {"mcg", "mul1"} and w1.n == w3.n == w2.k and w1.k == w3.k == w2.n
             and w1.k % 128 == 0 and w1.n % 128 == 0)
 
 
 class _Temps:
-    """The kernel's per-group staging buffers (groups, rows, hidden / intermediate) fp16, shared by every block of a
-    card (one stream runs them in turn). They grow to the largest row count seen; the old ones stay alive, since a
-    captured graph keeps their addresses."""
+    """The kernel's staging buffers, shared by a card's blocks (one stream). Outgrown ones stay alive: a captured
+    graph keeps their addresses."""
 
     def __init__(self):
         self.sets: dict[tuple, list] = {}
@@ -356,22 +314,21 @@ class Exl3Experts:
 
     def __call__(self, f: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                  init: torch.Tensor) -> torch.Tensor:
-        """f (n, h) fp16, experts (n, k) int64 and weights (n, k) fp16 in selection order, init (n, h) fp32 (the
-        shared expert's output) -> init + sum_k w_k d_{e_k}, fp32 (n, h). Device work only (no host sync)."""
+        """f (n, h) fp16, experts / weights (n, k) in selection order, init (n, h) fp32 (the shared expert's
+        output) -> init + sum_k w_k d_{e_k}, fp32 (n, h). No host sync."""
         n, k = experts.shape
         dev = f.device
         order = torch.argsort(experts, dim=1, stable=True)                     # ascending expert id per row
-        flat_e = torch.gather(experts, 1, order).flatten()                     # assignment a = row * k + j
+        flat_e = torch.gather(experts, 1, order).flatten()
         flat_w = torch.gather(weights, 1, order).to(torch.float16).flatten()
         rows = torch.arange(n, device=dev).repeat_interleave(k)
         by_expert = torch.argsort(flat_e, stable=True)
         token_sorted, weight_sorted = rows[by_expert], flat_w[by_expert]
-        # bincount would read its max back to the host (not capturable): a scatter-add instead. E + 1 bins: the
-        # kernel reads the last as "assignments outside this bank" (none here).
+        # Not bincount (a host sync). The kernel reads bin E as "outside this bank" (none here).
         count = torch.zeros(self.E + 1, dtype=torch.int64, device=dev).scatter_add_(0, flat_e, torch.ones_like(flat_e))
         start = torch.cumsum(count, 0) - count
         inv_order = torch.empty_like(by_expert).scatter_(0, by_expert, torch.arange(n * k, device=dev))
-        kind = (count > 0).to(torch.int64)                                      # 1: slots hold weighted outputs
+        kind = (count > 0).to(torch.int64)
         scratch = torch.empty((n * k, self.h), dtype=torch.float32, device=dev)
         out = init.to(torch.float32).contiguous().clone()
         tg, tu, ig, iu = _temps.get(dev, n, self.h, self.i)
@@ -404,5 +361,4 @@ def _torch_function(func, args, kwargs):
 
 
 def load(rec: Exl3Linear) -> Exl3Weight:
-    """The loader's entry: one EXL3 record on a CUDA device -> the weight the model multiplies by."""
     return Exl3Weight(rec)

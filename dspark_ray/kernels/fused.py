@@ -1,28 +1,7 @@
-"""Fused Triton kernels for the draft step's chains of small ops (the fast path, `kernels.gemm.kernels_for("fast")`).
-
-Why: in the reference form (`model/*`), the mHC mixes, the 20 Sinkhorn rounds, every norm, RoPE, the attention
-softmax and SwiGLU are chains of small torch ops, and every tree-sum level is a kernel of its own. The full drafter
-ran ~3,300 kernels per step, bound by their count (docs/engine.md, "Fused kernels and the chain"). Each kernel
-here does one chain in a single launch.
-
-What they keep and what they change, against the reference:
-* Every rounding point stays where the reference has it: fp16 rounding of the mixing rows, of c, of the norm
-  outputs, of the exponentials before PV, of each SwiGLU step. Transcendentals run in fp64 and are rounded once
-  to fp32. Divisions are IEEE (`div_rn`). Kernels launch with `enable_fp_fusion=False`, so a * b + c is never
-  contracted into an FMA.
-* Reductions (RMS means, mixing dots, Sinkhorn sums, attention dots) use the kernel's own fixed order (`tl.sum`
-  over fixed blocks, `tl.dot`), not the reference's pairwise tree. So the fast path is close to the exact path,
-  not bit-equal to it, as for the cuBLAS matmuls. Kernels with no reduction of their own (`mhc_expand`, `swiglu`,
-  `route`) give the reference's exact bits.
-* Batch invariance: one program per row (or per (row, block)), and no program reads another row's data; where rows
-  share a program (the grouped experts, `rows_linear`), each is its own row of a `tl.dot` of a fixed tile shape,
-  whose sums for one row never involve another. A request's bits never depend on its neighbours (tested: each
-  row alone equals its batched bits).
-* No autotune, fixed num_warps: the compiled code, and so the bits, are the same in every process on a card
-  kind.
-
-The kernels live beside the model module whose chains they replace (`fused_mhc`, `fused_attention`, `fused_moe`,
-`fused_head`, `fused_ops`); `TABLE` maps the names that `model.ops.fused` looks up to them.
+"""Fused Triton kernels for the draft step's chains of small ops; `TABLE` maps `model.ops.fused`'s names to them.
+Every rounding point stays where the reference has it, reductions run in each kernel's own fixed order (close to
+the exact path, not bit-equal; kernels without a reduction, e.g. mhc_expand, swiglu, route, are bit-equal), and no
+program's row reads another's (docs/engine.md, "Same bits everywhere" and "Fused kernels and the chain").
 """
 from __future__ import annotations
 

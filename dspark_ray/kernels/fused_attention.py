@@ -1,9 +1,6 @@
-"""Fused attention kernels: head norm + RoPE of the q heads and the kv row, and the sink attention over the
-window and block rows (`model/attention.py`) in two kernels (`attend`: the scores, then softmax + PV).
-
-Why two: at one request the step has only cdiv(B*H, 16) blocks of query rows; one program per block reading the
-whole window twice (QK, then PV) is latency bound. Spreading the keys (scores) and then the output columns (PV)
-over programs fills the card (docs/engine.md, "Fused kernels and the chain")."""
+"""Fused attention: head norm + RoPE of the q heads and the kv row, and the sink attention in two kernels (scores
+over key chunks, then softmax + PV over output columns), which fill the card at one request where one kernel is
+latency bound (docs/engine.md, "Fused kernels and the chain")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,9 +16,7 @@ from .rows import grouped_rows_empty
 @triton.jit
 def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, out_ptr, NH, SX, eps,
                            D: tl.constexpr, RD: tl.constexpr, W_MODE: tl.constexpr, PDL: tl.constexpr):
-    """One program per (row, head): `ops.head_norm` over D, then RoPE on the last RD dims (interleaved pairs)
-    at the row's position, as `Attention._rope_tail` does (rotate the fp16 values in fp32, round once). Input
-    rows are SX elements apart (the kv row is a column slice of the wq_a | wkv GEMM output)."""
+    """Per (row, head): `ops.head_norm`, then RoPE on the last RD dims as `Attention._rope_tail` (fp32, round once)."""
     pdl_enter(PDL)
     pid = tl.program_id(0).to(tl.int64)
     row = pid // NH
@@ -55,7 +50,6 @@ def _head_norm_rope_kernel(x_ptr, w_ptr, pos_ptr, inv_freq_ptr, out_ptr, NH, SX,
 
 def head_norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, pos: torch.Tensor,
                    inv_freq: torch.Tensor, rope_dim: int) -> torch.Tensor:
-    """x (n, ..., D) fp16 heads (or the kv row) -> head_norm, then RoPE on the last rope_dim dims at pos (n,)."""
     n, D = x.shape[0], x.shape[-1]
     x3 = x.reshape(n, -1, D)
     nh = x3.shape[1]
@@ -70,14 +64,11 @@ def head_norm_rope(x: torch.Tensor, w: torch.Tensor | None, eps: float, pos: tor
     return out.reshape(x.shape)
 
 
-# --------------------------------------------------------------------------------------- two-kernel attention
-
 @triton.jit
 def _scores_tile(q_rows, row_ok, k_rows, k_ok, s_cols, scale, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  BD: tl.constexpr):
-    """Scores of BM query rows x BN key rows, times scale, -inf where the key is masked, stored at s_cols."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for d0 in range(0, D, BD):             # a runtime loop: Triton pipelines its loads (num_stages)
+    for d0 in range(0, D, BD):             # a runtime loop, so Triton pipelines its loads
         dd = d0 + tl.arange(0, BD)
         qt = tl.load(q_rows[:, None] + dd[None, :], mask=row_ok[:, None], other=0.0)
         kt = tl.load(k_rows[:, None] + dd[None, :], mask=k_ok[:, None], other=0.0)    # a masked row reads 0, no NaN
@@ -89,12 +80,9 @@ def _scores_tile(q_rows, row_ok, k_rows, k_ok, s_cols, scale, D: tl.constexpr, B
 def _attend_scores_kernel(q_ptr, win_ptr, valid_ptr, kv_ptr, s_ptr, scale, NH, BLK, W,
                           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BW: tl.constexpr, BB: tl.constexpr,
                           BD: tl.constexpr, PDL: tl.constexpr):
-    """Program (request b, BM query rows of the request's B*H (row j, head h) pairs, BN keys of its [BW window ;
-    BB block] key columns; V = K): fp32 scores through tl.dot (fp16 x fp16, fp32 sums over D in BD chunks), times
-    scale, -inf where the key is masked (window row not held, padding), stored to the scratch s (bsz, B*H,
-    BW + BB). BN divides BW, so a chunk is all window or all block rows; each branch runs the whole tile on
-    pointers of its own (one key pointer chosen by the branch and loaded after it gave other last bits on the
-    H200: the operands reached the MMA another way)."""
+    """Program (request, BM query rows, BN key columns of [window ; block]) -> fp32 scores (-inf where masked).
+    Each branch runs the whole tile on its own pointers: one key pointer picked by the branch gave other last bits
+    on the H200 (the operands reached the MMA another way)."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
@@ -116,13 +104,9 @@ def _attend_pv_kernel(s_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_
                       NH, BLK, W, HPG, GS, RS,
                       D: tl.constexpr, RD: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr, BB: tl.constexpr,
                       BD: tl.constexpr, PDL: tl.constexpr):
-    """Program (request b, BM query rows, one chunk of output columns: BD of the D - RD plain dims, or, for the
-    last program of the row, the RD RoPE tail): the sink softmax over the rows' whole score rows (every column
-    chunk recomputes it: a few exponentials against a second read of the window) with fp64 exponentials, rounded
-    to fp16 for PV; PV for its columns through tl.dot; IEEE division by den; for the tail, the de-rotation of the
-    RoPE pairs. den is summed in the register layout of the loaded scores: forcing another layout (a dot of zeros)
-    cost more than the split saved. Head h of row n is stored at (h // HPG) * GS + n * RS + (h % HPG) * D: the
-    plain (rows, heads, D) layout, or the grouped output GEMM's (groups, padded rows, HPG * D) input."""
+    """Program (request, BM query rows, BD output columns or the RD RoPE tail): the sink softmax (recomputed per
+    column chunk), exponentials rounded to fp16 for PV, den fp32 from the unrounded ones, IEEE division, and the
+    tail's de-rotation. Head h of row n goes to (h // HPG) * GS + n * RS + (h % HPG) * D (plain or grouped)."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
@@ -136,7 +120,7 @@ def _attend_pv_kernel(s_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_
     win_rows = win_ptr + (b * W + kw) * D
     blk_rows = kv_ptr + (b * BLK + kb) * D
     s_rows = s_ptr + (b * BLK * NH + rows.to(tl.int64)) * (BW + BB)
-    # masked keys already hold -inf; rows past B*H read -inf everywhere (mu = their sink: finite, never stored)
+    # rows past B*H read -inf everywhere: mu is their sink, finite (never stored)
     sw = tl.load(s_rows[:, None] + kw[None, :], mask=row_ok[:, None], other=float("-inf"))
     sb = tl.load(s_rows[:, None] + (BW + kb)[None, :], mask=row_ok[:, None], other=float("-inf"))
     sink = tl.load(sink_ptr + hd, mask=row_ok, other=0.0)
@@ -171,10 +155,8 @@ def _attend_pv_kernel(s_ptr, win_ptr, valid_ptr, kv_ptr, sink_ptr, pos_ptr, inv_
 
 @dataclass(frozen=True)
 class AttendTiling:
-    """The two attention kernels' launch shapes. scores: BM query rows x BN keys a program, the dot over D in BD
-    chunks; pv: BM query rows x BD output columns a program. Fixed, like every launch shape: some change the bits
-    (on the H200 the scores' BD and warps keep them; its BN 32, the PV's warps or BM change them), and no other
-    tiling tried was measurably faster (docs/engine.md)."""
+    """The two kernels' launch shapes, fixed: some change the bits (on the H200 the scores' BN 32, the PV's warps
+    or BM do), and no other tiling was measurably faster (docs/engine.md)."""
     s_bm: int = 16
     s_bn: int = 16
     s_bd: int = 64
@@ -192,16 +174,9 @@ TILING = AttendTiling()
 def attend(q: torch.Tensor, window: torch.Tensor, valid: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor,
            scale: float, pos: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int,
            groups: int | None = None, tiling: AttendTiling = TILING) -> torch.Tensor:
-    """`Attention._attend` on the unconcatenated keys: q (bsz, B, H, D) fp16, window (bsz, W, D) fp16 with valid
-    (bsz, W), kv (bsz, B, D) fp16 the block's own rows, pos (bsz*B,) -> o (bsz, B, H, D) fp16. With `groups`:
-    o as the grouped output projection's input u (bsz*B, groups, H/groups * D), written straight into the padded
-    group-major buffer that `gemm.padded_grouped_linear` reads in place (`gemm.grouped_rows_empty`; saves its copy).
-
-    Two kernels, for latency at few requests: the scores (programs over request x query rows x key chunks) to an
-    fp32 scratch, then softmax + PV (programs over request x query rows x output-column chunks). A request's
-    programs read only its own rows, so a request alone gives its bits in any batch. The scratch is a plain
-    allocation (fine under CUDA-graph capture: the graph's pool keeps it). num_warps 2 / 8 were the fastest of
-    those tried on the H200 at 1-16 requests (full model shapes)."""
+    """`Attention._attend` on the unconcatenated keys: q (bsz, B, H, D), window (bsz, W, D) with valid (bsz, W), kv
+    (bsz, B, D) the block's rows, pos (bsz*B,) -> o (bsz, B, H, D) fp16, or with `groups` the grouped output
+    GEMM's in-place input (bsz*B, groups, H/groups * D). A request's programs read only its own rows."""
     bsz, blk, nh, D = q.shape
     W = window.shape[1]
     if groups:
@@ -216,10 +191,9 @@ def attend(q: torch.Tensor, window: torch.Tensor, valid: torch.Tensor, kv: torch
     if (D - rope_dim) % t.p_bd or D % t.s_bd:
         raise ValueError(f"attend: head_dim - rope_dim = {D - rope_dim} must be a multiple of {t.p_bd}, head_dim "
                          f"{D} of {t.s_bd}")
-    # the window and block key columns, each padded to a power of two (tl.dot sizes); both multiples of bn
+    # key columns padded to powers of two (tl.dot sizes), both multiples of bn
     bw, bb = max(bn, triton.next_power_of_2(W)), max(bn, triton.next_power_of_2(blk))
     scores = torch.empty((bsz, blk * nh, bw + bb), dtype=torch.float32, device=q.device)
-    # bool -> uint8 is a view (no kernel)
     vb = valid.contiguous().view(torch.uint8) if valid.dtype == torch.bool else valid.to(torch.uint8).contiguous()
     qc, wc, kc = q.contiguous(), window.contiguous(), kv.contiguous()
     _attend_scores_kernel[(bsz, triton.cdiv(blk * nh, t.s_bm), (bw + bb) // bn)](

@@ -1,5 +1,5 @@
-"""Fused head kernels: one step of the Markov loop on a vocabulary shard, and the confidence head
-(`model/heads.py`)."""
+"""Fused head kernels (`model/heads.py`): one Markov step on a vocabulary shard, its cached bias rows, the
+confidence head, the output packing."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +11,6 @@ from .fused_ops import F16, F32, launch_opts, pdl_enter, sigmoid64
 
 @triton.jit
 def _markov_weights(w2_ptr, b2_ptr, v0, V, R: tl.constexpr, BV: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """markov_w2 rows [v0, v0 + BV) as fp32, and their bias (zeros without one)."""
     r = tl.arange(0, R)
     v = v0 + tl.arange(0, BV)
     ok = v < V
@@ -25,9 +24,8 @@ def _markov_weights(w2_ptr, b2_ptr, v0, V, R: tl.constexpr, BV: tl.constexpr, HA
 
 @triton.jit
 def _markov_bias(w2, b2, me, HAS_BIAS: tl.constexpr):
-    """f16(markov_w2 me + b2) of a (BV, R) weight tile, as fp32. A row's dot product is one row of the tile summed
-    along R, its order fixed by R and the layout along R (a warp's 32 lanes, 8 elements each), never by BV or the
-    grid: the cached rows (`markov_rows`) come from this same sum, so they hold the live step's bits."""
+    """f16(markov_w2 me + b2), as fp32. The sum's order is fixed by R and the layout along R, never by BV or the
+    grid, and the cached rows (`markov_rows`) come from this same sum: they hold the live step's bits."""
     y = tl.sum(w2 * me.to(tl.float32)[None, :], axis=1)
     if HAS_BIAS:
         y = y + b2
@@ -36,8 +34,7 @@ def _markov_bias(w2, b2, me, HAS_BIAS: tl.constexpr):
 
 @triton.jit
 def _markov_tile(lg_ptr, lg_row, logits_ptr, b, bias, v0, V, BV: tl.constexpr, KEEP: tl.constexpr):
-    """Vocab rows [v0, v0 + BV) of one Markov step (their Markov bias given): l = lg[b, step] + bias, NaN -> -inf;
-    the tile's (max, first argmax, runner-up)."""
+    """l = lg[b, step] + bias on a tile, NaN -> -inf: (max, first argmax, runner-up)."""
     v = v0 + tl.arange(0, BV)
     ok = v < V
     l = tl.load(lg_ptr + b * lg_row + v, mask=ok, other=0.0).to(tl.float32) + bias
@@ -53,7 +50,6 @@ def _markov_tile(lg_ptr, lg_row, logits_ptr, b, bias, v0, V, BV: tl.constexpr, K
 @triton.jit
 def _markov_tile_bias(w2_ptr, b2_ptr, cache_ptr, row, me, v0, V, R: tl.constexpr, BV: tl.constexpr,
                       HAS_BIAS: tl.constexpr):
-    """The Markov bias of vocab rows [v0, v0 + BV): the cached row's (row >= 0), else computed from markov_w2."""
     v = v0 + tl.arange(0, BV)
     if row >= 0:
         bias = tl.load(cache_ptr + row * V + v, mask=v < V, other=0.0).to(tl.float32)
@@ -67,15 +63,13 @@ def _markov_tile_bias(w2_ptr, b2_ptr, cache_ptr, row, me, v0, V, R: tl.constexpr
 def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, map_ptr, cache_ptr, me_ptr, me_row,
                            logits_ptr, part_ptr, V, NB, R: tl.constexpr, BV: tl.constexpr, SUB: tl.constexpr,
                            HAS_BIAS: tl.constexpr, CACHED: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr):
-    """Program (request b, SUB consecutive tiles of BV vocab rows) of one Markov step: me = f16(markov_w1[prev[b]])
-    and the tiles' (max, first argmax, runner-up), merged in vocabulary order (exact: a merge only compares). With
-    CACHED, a previous token that has a cached bias row (map[prev] >= 0) reads it instead of markov_w2."""
+    """Program (request, SUB tiles of BV vocab rows): me = f16(markov_w1[prev]) and the tiles' (max, first argmax,
+    runner-up), merged in vocabulary order (exact: a merge only compares). CACHED: map[prev] >= 0 reads that row."""
     b = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     v0 = nb * (SUB * BV)
     if not CACHED:
-        # The first tile's weights before the wait: they are weights, so they may be read while the kernel before
-        # this one drains. (With a cache the token decides whether they are read at all.)
+        # weights: read before the PDL wait
         w2, b2 = _markov_weights(w2_ptr, b2_ptr, v0, V, R, BV, HAS_BIAS)
     pdl_enter(PDL)
     r = tl.arange(0, R)
@@ -96,8 +90,7 @@ def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, map
             w2, b2 = _markov_weights(w2_ptr, b2_ptr, v0 + k * BV, V, R, BV, HAS_BIAS)
             bias = _markov_bias(w2, b2, me, HAS_BIAS)
         n1, j1, n2 = _markov_tile(lg_ptr, lg_row, logits_ptr, b, bias, v0 + k * BV, V, BV, KEEP)
-        # the lower rows (m) win a tie: the first argmax; the runner-up is the larger of the loser's max and the
-        # winner's own runner-up
+        # the lower rows win a tie (the first argmax)
         lo = m1 >= n1
         m2 = tl.where(lo, tl.maximum(m2, n1), tl.maximum(m1, n2))
         i1 = tl.where(lo, i1, j1)
@@ -111,9 +104,7 @@ def _markov_partial_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, w2_ptr, b2_ptr, map
 @triton.jit
 def _markov_table_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, table_ptr, me_ptr, me_row, logits_ptr, part_ptr, V, NB,
                          R: tl.constexpr, BV: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr):
-    """Program (request b, BV vocab rows) of one Markov step when every token's bias row is cached (row t holds
-    token t's): the row's tile added to the logits, the tile's (max, first argmax, runner-up). No weight is read,
-    so a program takes a wide tile (the partials merge exactly whatever their width)."""
+    """The Markov step when every token's bias row is cached (row t token t's): no weight read, so wide tiles."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
@@ -134,8 +125,7 @@ def _markov_table_kernel(lg_ptr, lg_row, prev_ptr, w1_ptr, table_ptr, me_ptr, me
 @triton.jit
 def _markov_rows_kernel(tok_ptr, w1_ptr, w2_ptr, b2_ptr, out_ptr, V, T, TG: tl.constexpr, R: tl.constexpr,
                         BV: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Program (TG tokens, BV vocab rows): the tokens' Markov bias rows f16(markov_w2 f16(markov_w1[t]) + b2) on
-    these vocab rows, the weight tile read once for its TG tokens; the sum is the live step's (`_markov_bias`)."""
+    """Program (TG tokens, BV vocab rows): their bias rows in the live step's sum, the weight tile read once."""
     t0 = tl.program_id(0) * TG
     v0 = tl.program_id(1) * BV
     v = v0 + tl.arange(0, BV)
@@ -150,8 +140,7 @@ def _markov_rows_kernel(tok_ptr, w1_ptr, w2_ptr, b2_ptr, out_ptr, V, T, TG: tl.c
 
 @triton.jit
 def _markov_top_kernel(part_ptr, top1_ptr, top2_ptr, idx_ptr, NB, start, NBP: tl.constexpr, PDL: tl.constexpr):
-    """Per request: the programs' partials -> (max, first argmax + start, runner-up). Partials are in vocabulary
-    order, so the lowest one holding the max holds the first argmax."""
+    """Per request: the partials, in vocabulary order, -> (max, first argmax + start, runner-up)."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     k = tl.arange(0, NBP)
@@ -167,29 +156,22 @@ def _markov_top_kernel(part_ptr, top1_ptr, top2_ptr, idx_ptr, NB, start, NBP: tl
     tl.store(idx_ptr + b, tl.sum(tl.where(k == win, i1, 0.0), axis=0).to(tl.int64) + start)
 
 
-# (rows per tile, tiles per program, warps): small tiles, several per SM, keep more of markov_w2 in flight than
-# one 64 KB tile per SM did; every tiling gives the same bits (docs/engine.md, "The Markov head").
+# (rows per tile, tiles per program, warps); every tiling gives the same bits (docs/engine.md, "The Markov head").
 MARKOV_TILING = (32, 2, 4)
-# (vocab rows per program, warps) of a step that reads every row from the cache (`_markov_table_kernel`): no weight
-# tile to hold, so wide tiles and few partials for the top kernel to merge.
 MARKOV_TABLE_TILING = (1024, 4)
 
 
 def markov_step(lg: torch.Tensor, step: int, prev: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                 b2: torch.Tensor | None, start: int, keep_logits: bool, tiling: tuple[int, int, int] | None = None,
                 me_out: torch.Tensor | None = None, cache: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """One step of the Markov loop on one vocabulary shard: lg (bsz, n_out, V) fp16 / fp32 trunk logits,
-    prev (bsz,) the previous tokens -> (me (bsz, r) fp16, top1 (bsz,) fp32, top2 (bsz,) fp32, global argmax
-    (bsz,) int64, logits (bsz, V) fp32 or None). Ties go to the lower id; a NaN logit never wins. Every tiling
-    gives the same bits (a row's sum does not depend on it; the merges only compare). me_out: where me goes (a
-    (bsz, r) view with unit stride along r, e.g. one column of the loop's (bsz, n_out, r) embeddings, so the loop
-    needs no stack of them); a fresh tensor without it. cache: (map (V_all,) int32, rows (n, V) fp16), the bias
-    rows `markov_rows` made for the tokens t with map[t] >= 0 (row map[t]); the same bits as without it. With a row
-    for every token (n == V_all) row t must be token t's (`DraftHead.cache_markov_rows` orders them so)."""
+    """One Markov step on a vocabulary shard: lg (bsz, n_out, V) trunk logits, prev (bsz,) -> (me (bsz, r) fp16,
+    top1, top2, global argmax (bsz,) int64, logits (bsz, V) fp32 or None). Ties go to the lower id; a NaN never
+    wins. me_out: a (bsz, r) view to write me into. cache: (map (V_all,) int32, rows (n, V) fp16) from
+    `markov_rows`, same bits; with n == V_all row t must be token t's."""
     bsz, _, V = lg.shape
     R = w2.shape[1]
     dev = lg.device
-    table = cache is not None and cache[1].shape[0] == w1.shape[0]      # every token's row, row t token t's
+    table = cache is not None and cache[1].shape[0] == w1.shape[0]
     bv, sub, warps = (MARKOV_TABLE_TILING[0], 1, MARKOV_TABLE_TILING[1]) if table else (tiling or MARKOV_TILING)
     nb = triton.cdiv(V, bv * sub)
     me = torch.empty((bsz, R), dtype=F16, device=dev) if me_out is None else me_out
@@ -217,16 +199,15 @@ def markov_step(lg: torch.Tensor, step: int, prev: torch.Tensor, w1: torch.Tenso
     return me, top1, top2, idx, (logits if keep_logits else None)
 
 
-MARKOV_ROWS_TOKENS = 64         # tokens a program of `markov_rows` makes rows for, reading its weight tile once
+MARKOV_ROWS_TOKENS = 64         # tokens a program makes rows for
 
 
 def markov_rows(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor | None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """The Markov bias rows of `tokens` (T,) on this shard: (T, V) fp16, row j = f16(markov_w2 f16(markov_w1[t_j])
-    + b2), in the live step's sum (`markov_step` reads them back with its `cache`). Into `out` when given."""
+    """(T, V) fp16 Markov bias rows of `tokens` on this shard, in the live step's sum (`markov_step`'s cache)."""
     V, R = w2.shape
     T = tokens.shape[0]
-    bv, _, warps = MARKOV_TILING        # the step's tile and warps: the same layout along R, so the same sums
+    bv, _, warps = MARKOV_TILING        # the step's layout along R, so the step's sums
     out = torch.empty((T, V), dtype=F16, device=w2.device) if out is None else out
     assert out.shape == (T, V) and out.is_contiguous()
     grid = (triton.cdiv(T, MARKOV_ROWS_TOKENS), triton.cdiv(V, bv))
@@ -239,10 +220,8 @@ def markov_rows(tokens: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, b2: to
 @triton.jit
 def _confidence_prenorm_kernel(pre_ptr, pre_row, w_ptr, part_ptr, H, N_OUT, BLOCK: tl.constexpr, NP: tl.constexpr,
                                PDL: tl.constexpr):
-    """The prenorm half of the confidence head, one program per request: part[b, i] = f16(prenorm_i) . w[:h] in
-    fp32 for its drafted rows. The rows form one (NP, BLOCK) tile per step over h, NP fixed by the block size (never
-    by n_out), so a row's sum, and its bits, are the same for every n_out. It needs nothing from the Markov loop,
-    so the head runs it beside the head GEMM; the loop's tail keeps only the Markov half (`_confidence_kernel`)."""
+    """part[b, i] = f16(prenorm_i) . w[:h] in fp32. The (NP, BLOCK) tile's NP is fixed by the block size, never
+    n_out, so a row's bits are the same for every n_out. Runs beside the head GEMM."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
@@ -260,9 +239,8 @@ def _confidence_prenorm_kernel(pre_ptr, pre_row, w_ptr, part_ptr, H, N_OUT, BLOC
 @triton.jit
 def _confidence_kernel(part_ptr, me_ptr, w_ptr, b_ptr, conf_ptr, len_ptr, H, R, N_OUT, threshold,
                        HAS_BIAS: tl.constexpr, RB: tl.constexpr, NP: tl.constexpr, PDL: tl.constexpr):
-    """One program per request, all its drafted rows at once: for row i, c = f16(part_i + me_i . w[h:] + b) (part:
-    `_confidence_prenorm_kernel`'s fp32 sum, so the sum is the one the single kernel of before made), the sigmoid
-    score of c (fp64, rounded once), and the length of the all-confident prefix (`heads.confident_prefix`)."""
+    """Per request: c_i = f16(part_i + me_i . w[h:] + b), its sigmoid (fp64, rounded once), and the all-confident
+    prefix (`heads.confident_prefix`; a NaN score is not confident)."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, NP)
@@ -276,15 +254,12 @@ def _confidence_kernel(part_ptr, me_ptr, w_ptr, b_ptr, conf_ptr, len_ptr, H, R, 
         y = y + tl.load(b_ptr).to(tl.float32)
     c = sigmoid64(y.to(tl.float16).to(tl.float32))
     tl.store(conf_ptr + b * N_OUT + i, c, mask=row_ok)
-    # the all-confident prefix: the first drafted row not at or above the threshold (a NaN score is not), N_OUT if
-    # there is none
     n_conf = tl.min(tl.where(row_ok, tl.where(c >= threshold, N_OUT, i), N_OUT), axis=0)
     tl.store(len_ptr + b, n_conf.to(tl.int64))
 
 
 def confidence_prenorm(prenorm: torch.Tensor, w: torch.Tensor, n_out: int) -> torch.Tensor:
-    """The prenorm half of the confidence head's dot products: prenorm (bsz, B, h) fp32 (rows < n_out read), w
-    (1, h + r) fp16 -> (bsz, B) fp32 partial sums (rows past n_out hold 0), for `confidence`."""
+    """The confidence head's prenorm half: prenorm (bsz, B, h) fp32 -> (bsz, NP) fp32 partial sums."""
     bsz, block, h = prenorm.shape
     prenorm = prenorm if prenorm.stride(-1) == 1 and prenorm.stride(1) == h else prenorm.contiguous()
     np_ = triton.next_power_of_2(block)
@@ -296,10 +271,7 @@ def confidence_prenorm(prenorm: torch.Tensor, w: torch.Tensor, n_out: int) -> to
 
 def confidence(part: torch.Tensor, me: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The confidence head's scores and prefixes (was ~12 launches: the fp16 cast, the concatenation, the GEMV and
-    its split-K reduce, the sigmoid, the prefix's compare / cumprod / sum): part (bsz, NP) from
-    `confidence_prenorm`, me (bsz, n_out, r) fp16 Markov embeddings, w (1, h + r) fp16, b (1,) or None ->
-    (scores (bsz, n_out) fp32, confident prefix lengths (bsz,) int64)."""
+    """part from `confidence_prenorm`, me (bsz, n_out, r) fp16 -> (scores (bsz, n_out) fp32, prefix lengths)."""
     bsz, n_out, r = me.shape
     h = w.shape[-1] - r
     me = me.contiguous()
@@ -314,7 +286,7 @@ def confidence(part: torch.Tensor, me: torch.Tensor, w: torch.Tensor, b: torch.T
 @triton.jit
 def _pack_kernel(d_ptr, c_ptr, m_ptr, l_ptr, out_ptr, N, WIDTH, HAS_M: tl.constexpr, NB: tl.constexpr,
                  PDL: tl.constexpr):
-    """Row b of the packed outputs: [drafts | scores | margins | confident length] as fp64 (exact for all four)."""
+    """Row b: [drafts | scores | margins | confident length] as fp64 (exact for all four)."""
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, NB)
@@ -331,8 +303,7 @@ def _pack_kernel(d_ptr, c_ptr, m_ptr, l_ptr, out_ptr, N, WIDTH, HAS_M: tl.conste
 
 def pack_outputs(drafts: torch.Tensor, conf: torch.Tensor, margins: torch.Tensor | None,
                  lens: torch.Tensor) -> torch.Tensor:
-    """drafts (bsz, n) int64, scores (bsz, n) fp32, margins (bsz, n) fp32 or None, lengths (bsz,) int64 ->
-    (bsz, n * (2 or 3) + 1) fp64 in one launch (the graph set's download; a cat of four casts took five)."""
+    """The graph set's download in one launch: (bsz, n * (2 or 3) + 1) fp64."""
     bsz, n = drafts.shape
     width = n * (3 if margins is not None else 2) + 1
     out = torch.empty((bsz, width), dtype=torch.float64, device=drafts.device)

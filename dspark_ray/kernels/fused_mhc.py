@@ -1,5 +1,4 @@
-"""Fused mHC kernels: the mix dots, the collapse (pre / post / Sinkhorn / c) with the sublayer's RMS norm, the
-HyperHead, the expand (`model/mhc.py`)."""
+"""Fused mHC kernels (`model/mhc.py`): the mix, the collapse with Sinkhorn and norm, the HyperHead, the expand."""
 from __future__ import annotations
 
 import torch
@@ -11,24 +10,22 @@ from .rows import rows_empty
 
 
 MIX_CHUNK = 512          # columns of X_row per mix program
-MIX_OUT = 32             # the N_OUT = 24 mixing rows and the sum of squares, padded to a power of two
-COLLAPSE_BLOCK = 8192    # a row of h up to this wide is collapsed and normed in one pass from registers
-COMBINE_WARPS = 8        # as before the split; more warps would spread the 4x4 Sinkhorn sums wider (not tried)
+MIX_OUT = 32             # the 24 mixing rows and the sum of squares, padded to a power of two
+COLLAPSE_BLOCK = 8192    # h up to this is collapsed and normed in one pass from registers
+COMBINE_WARPS = 8
 
 
 @triton.jit
 def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, L, N_OUT, NCH, CHUNK: tl.constexpr, OUT: tl.constexpr, PDL: tl.constexpr):
-    """Program (chunk, row): over columns [chunk * CHUNK, +CHUNK) of X_row (the row's M*h streams), the partial dots
-    with every fn16 row (o < N_OUT) and the partial sum of squares (o == N_OUT), to part[row, chunk, o]. The
-    combine sums the chunks in order. (One program per (row, output) over all of X_row was slower: 25 programs a
-    row, each a serial loop.)"""
+    """Program (chunk, row): partial dots of X_row with every fn16 row and its partial sum of squares (o == N_OUT);
+    the combine sums the chunks in order."""
     c = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     m = offs < L
     o = tl.arange(0, OUT)
     f = tl.load(fn_ptr + o[:, None].to(tl.int64) * L + offs[None, :], mask=(o[:, None] < N_OUT) & m[None, :],
-                other=0.0).to(tl.float32)     # the fn16 rows (made before capture): read before the wait
+                other=0.0).to(tl.float32)     # made before capture: read before the wait
     pdl_enter(PDL)
     x = tl.load(x_ptr + r * L + offs, mask=m, other=0.0)
     f = tl.where(o[:, None] == N_OUT, x[None, :], f)
@@ -37,9 +34,7 @@ def _mhc_mix_kernel(x_ptr, fn_ptr, part_ptr, L, N_OUT, NCH, CHUNK: tl.constexpr,
 
 @triton.jit
 def _row_logits(part_ptr, v_ptr, r, L, N_OUT, NCH, norm_eps, NCH_P: tl.constexpr, OUT: tl.constexpr):
-    """Row r: the mix's chunk sums, chunks in order, into the program's scratch row v_ptr; returns rho. The logits
-    are read back from there, so the Sinkhorn works in the small layout of a plain load (reducing straight out of
-    the (chunks, 4, 4) tile left it in a layout spread over every warp, which was slower)."""
+    """Row r's chunk sums, in order, into scratch row v_ptr (read back in a plain load's small layout); rho."""
     ch = tl.arange(0, NCH_P)
     o = tl.arange(0, OUT)
     t = tl.load(part_ptr + (r * NCH + ch[:, None]) * OUT + o[None, :], mask=ch[:, None] < NCH, other=0.0)
@@ -50,7 +45,6 @@ def _row_logits(part_ptr, v_ptr, r, L, N_OUT, NCH, norm_eps, NCH_P: tl.constexpr
 
 @triton.jit
 def _sinkhorn(v_ptr, rho, base_ptr, scale_ptr, post_ptr, comb_ptr, r, hc_eps, iters):
-    """Row r's post weights and its Sinkhorn comb matrix from the logits at v_ptr."""
     i4 = tl.arange(0, 4)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
@@ -69,8 +63,7 @@ def _sinkhorn(v_ptr, rho, base_ptr, scale_ptr, post_ptr, comb_ptr, r, hc_eps, it
 
 @triton.jit
 def _collapse_chunk(xr, H, offs, m, pre_ptr, r, HEAD: tl.constexpr):
-    """c = sum_k pre_k X_k on one chunk of h, k in order, no FMA (`mhc._weighted_streams`); fp16-rounded unless
-    HEAD (the head's pre-norm state stays fp32)."""
+    """c = sum_k pre_k X_k, k in order, no FMA (`mhc._weighted_streams`); fp16-rounded unless HEAD (fp32 prenorm)."""
     c = tl.load(pre_ptr + r * 4) * tl.load(xr + offs, mask=m, other=0.0)
     c = c + tl.load(pre_ptr + r * 4 + 1) * tl.load(xr + H + offs, mask=m, other=0.0)
     c = c + tl.load(pre_ptr + r * 4 + 2) * tl.load(xr + 2 * H + offs, mask=m, other=0.0)
@@ -83,11 +76,8 @@ def _collapse_chunk(xr, H, offs, m, pre_ptr, r, HEAD: tl.constexpr):
 @triton.jit
 def _collapse_norm(x_ptr, w_ptr, w_one, norm_out_ptr, pre_out_ptr, pre_ptr, r, H, norm_eps, HEAD: tl.constexpr,
                    BLOCK: tl.constexpr):
-    """Row r: c = sum_k pre_k X_k (pre read from pre_ptr), then the RMS norm of c. HEAD: c is also written out
-    (the head's pre-norm state). When one BLOCK covers h, c stays in registers (one pass, one round of loads: the
-    looped form's six dependent rounds were most of a site's time); else pass 2 recomputes c (same ops, same
-    bits) rather than re-reading it, so no program reads what another thread of it wrote. w_one: the norm weight
-    over the one BLOCK, loaded by the caller (before its PDL wait)."""
+    """Row r: c, then its RMS norm (HEAD: c written out too). Wider than BLOCK, pass 2 recomputes c (same bits)
+    rather than reading what another thread wrote. w_one: the one-BLOCK norm weight, loaded before the PDL wait."""
     xr = x_ptr + r * 4 * H
     if BLOCK >= H:
         offs = tl.arange(0, BLOCK)
@@ -119,15 +109,11 @@ def _collapse_norm(x_ptr, w_ptr, w_one, norm_out_ptr, pre_out_ptr, pre_ptr, r, H
 def _mhc_combine_kernel(x_ptr, part_ptr, v_ptr, base_ptr, scale_ptr, w_ptr, norm_out_ptr, pre_out_ptr, pre_ptr,
                         post_ptr, comb_ptr, H, L, N_OUT, NCH, hc_eps, norm_eps, iters, HEAD: tl.constexpr,
                         BLOCK: tl.constexpr, NCH_P: tl.constexpr, OUT: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, half). Both halves sum the row's logits (same code, same data, same bits). Half 0: pre, the
-    collapse and its RMS norm; half 1 (not at the HEAD): post and the 20 Sinkhorn rounds, which only the expand
-    after the sublayer needs, so they run beside the collapse instead of before it (the rounds are a chain of
-    dependent 4x4 reductions). (The logits and Sinkhorn in a one-warp launch of their own, where the 4x4
-    reductions are warp shuffles, were slower: docs/engine.md, "Fused kernels and the chain".)"""
+    """Program (row, half); both halves sum the row's logits (same bits). Half 0: pre, collapse, norm; half 1: post
+    and Sinkhorn, needed only by the expand, beside it (docs/engine.md, "Fused kernels and the chain")."""
     r = tl.program_id(0).to(tl.int64)
     half = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
-    # Half 0's norm weight (one BLOCK of it): a weight, so it is read before the PDL wait.
     w_one = tl.load(w_ptr + offs, mask=offs < (1 - half) * H, other=0.0).to(tl.float32)
     pdl_enter(PDL)
     v_row = v_ptr + (r * 2 + half) * OUT
@@ -144,7 +130,7 @@ def _mhc_combine_kernel(x_ptr, part_ptr, v_ptr, base_ptr, scale_ptr, w_ptr, norm
 
 @triton.jit
 def _mhc_expand_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, H, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """X'[k] = post_k * y + sum_i comb[i, k] * X[i], i in order, no FMA: the reference's exact bits."""
+    """X'[k] = post_k * y + sum_i comb[i, k] * X[i], i in order, no FMA: the reference's bits."""
     pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -165,7 +151,7 @@ def _mhc_expand_kernel(x_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, H, BLOCK: tl.c
 
 
 def _fn16(fn: torch.Tensor) -> torch.Tensor:
-    """The mixing rows rounded to fp16 (the reference's rounding point), made once per weight."""
+    """The mixing rows rounded to fp16 (the reference's rounding point), once per weight."""
     t = getattr(fn, "_dspark_fn16", None)
     if t is None:
         t = fn.to(F16).contiguous()
@@ -176,9 +162,7 @@ def _fn16(fn: torch.Tensor) -> torch.Tensor:
 def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor,
               normed: torch.Tensor, pre_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, *, iters: int,
               hc_eps: float, norm_eps: float, head: bool) -> None:
-    """One mHC site's collapse in two launches: the mix's partial dots per (chunk, row) into `part`, then the
-    combine per (row, half) (each half sums the chunks into its own scratch row of `v`; `pre` is half 0's scratch
-    between its logits and its collapse)."""
+    """One mHC site's collapse in two launches: the mix per (chunk, row), then the combine per (row, half)."""
     rows, m, h = x.shape
     L, n_out = m * h, fn.shape[0]
     assert n_out < MIX_OUT
@@ -197,8 +181,7 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
 
 def mhc_collapse_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                       norm_w: torch.Tensor, *, iters: int, hc_eps: float, norm_eps: float):
-    """`HcSite.collapse` followed by `rms_norm(c, norm_w)`: x (rows, 4, h) fp32 -> (normed (rows, h) fp16,
-    post (rows, 4), comb (rows, 4, 4))."""
+    """`HcSite.collapse` then `rms_norm`: x (rows, 4, h) fp32 -> (normed fp16, post (rows, 4), comb (rows, 4, 4))."""
     x = x.contiguous()
     rows, m, h = x.shape
     normed = rows_empty(rows, h, F16, x.device)
@@ -211,7 +194,7 @@ def mhc_collapse_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, sca
 
 def hyper_head_norm(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                     norm_w: torch.Tensor, *, hc_eps: float, norm_eps: float):
-    """`HyperHead` then the final `rms_norm`: x (rows, 4, h) -> (prenorm (rows, h) fp32, normed (rows, h) fp16)."""
+    """`HyperHead` then the final `rms_norm`: x (rows, 4, h) -> (prenorm fp32, normed fp16)."""
     x = x.contiguous()
     rows, m, h = x.shape
     normed = rows_empty(rows, h, F16, x.device)
@@ -233,9 +216,6 @@ def mhc_expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch
 @triton.jit
 def _embed_streams_kernel(seeds_ptr, p0_ptr, emb_ptr, out_ptr, pos_ptr, H, B, noise, M: tl.constexpr,
                           BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, block of h): row j of request b's block embeds the seed (j == 0) or the noise token, and the
-    embedding (bf16 / fp16, exact in fp32) starts all M streams. The first program of a row writes its position
-    p0[b] + j."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -250,9 +230,8 @@ def _embed_streams_kernel(seeds_ptr, p0_ptr, emb_ptr, out_ptr, pos_ptr, H, B, no
 
 def embed_streams(seeds: torch.Tensor, p0: torch.Tensor, embed: torch.Tensor, block: int, noise_id: int,
                   m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draft block's input streams and positions in one launch (was six: the ids' fill and copy, the gather,
-    the expand, the positions' arange and add): streams (bsz * block, m, h) fp32, row j of request b = the
-    embedding of seeds[b] (j == 0) or of the noise token; positions (bsz * block,) int64 = p0[b] + j."""
+    """The block's input streams (bsz * block, m, h) fp32 (row 0 the seed's embedding, the rest the noise token's,
+    exact in fp32) and positions p0[b] + j, in one launch."""
     bsz, h = seeds.shape[0], embed.shape[1]
     out = torch.empty((bsz * block, m, h), dtype=F32, device=embed.device)
     pos = torch.empty(bsz * block, dtype=torch.int64, device=embed.device)

@@ -1,5 +1,5 @@
-"""Fused MoE kernels: SwiGLU, the router's top-k, the routed experts (per pair and grouped by expert)
-(`model/moe.py`)."""
+"""Fused MoE kernels (`model/moe.py`): SwiGLU, the router's logits and top-k, the routed experts (per pair and
+grouped by expert, each expert read once a pass: docs/engine.md, "Routed experts")."""
 from __future__ import annotations
 
 import functools
@@ -18,7 +18,6 @@ log = logging.getLogger(__name__)
 
 @triton.jit(do_not_specialize=["N"])
 def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, SG, SU, limit, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Program (row, block of BLOCK columns); g and u rows SG / SU elements apart (halves of one GEMM output)."""
     pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -29,11 +28,10 @@ def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, SG, SU, limit, BLOCK: tl.constexpr,
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
-    """g, u: the gate / up projections (fp32 accumulators or fp16), same shape -> fp16 activation. Either may be
-    a column slice (the shared expert's w1 and w3 run as one GEMM)."""
+    """g, u (fp32 or fp16; may be column slices of one w1 | w3 GEMM output) -> fp16 activation."""
     g2, u2 = rows_2d(g), rows_2d(u)
     rows, n = g2.shape
-    out = rows_empty(rows, n, F16, g.device)              # feeds w2: a padded linear reads it in place
+    out = rows_empty(rows, n, F16, g.device)              # feeds w2, read in place
     if rows and n:
         _swiglu_kernel[(rows, triton.cdiv(n, 1024))](g2, u2, out, n, g2.stride(0), u2.stride(0), float(limit),
                                                      BLOCK=1024, num_warps=4, **launch_opts(out))
@@ -42,8 +40,7 @@ def swiglu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
 
 @triton.jit
 def _expert_dot(x_row, w_rows, K, n_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 (BLOCK_N,) = W[rows] @ x over K: BLOCK_K chunks in sequence, each a fixed tl.sum tree. One row, one
-    expert: no other row takes part (batch invariant). Shared by every indexed kernel, so they agree bit for bit."""
+    """fp32 W[rows] @ x: BLOCK_K chunks in sequence, each a fixed tl.sum tree, one row only (batch invariant)."""
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -58,7 +55,6 @@ def _expert_dot(x_row, w_rows, K, n_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
 @triton.jit
 def _indexed_kernel(x_ptr, w_ptr, idx_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     PDL: tl.constexpr):
-    """out[p] = x[p] @ w[idx[p]].T, one program per (row p, block of N); reads the expert in place."""
     pdl_enter(PDL)
     p = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -70,9 +66,7 @@ def _indexed_kernel(x_ptr, w_ptr, idx_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr,
 
 @triton.jit
 def _pass_rows(idx_ptr, p, P, e, g0, BM: tl.constexpr, SCAN: tl.constexpr):
-    """The pairs of expert e ranked g0 .. g0 + BM - 1 (rank: place among its pairs in pair order; p is its first
-    pair), one per tile row: (pair index t, whether the row holds one). Each SCAN-pair chunk's matches are ranked
-    by a running count and each tile row sums the one pair index of its rank (a rank appears once)."""
+    """(pair index, held) for expert e's pairs ranked g0 .. g0 + BM - 1 in pair order, one per tile row."""
     slot = tl.arange(0, BM)
     t = tl.zeros((BM,), dtype=tl.int32)
     ok = slot < 0
@@ -92,17 +86,9 @@ def _pass_rows(idx_ptr, p, P, e, g0, BM: tl.constexpr, SCAN: tl.constexpr):
 def _grouped_expert_kernel(x_ptr, w1_ptr, w3_ptr, idx_ptr, out_ptr, P, N, K, X_DIV, limit,
                            GATED: tl.constexpr, BM: tl.constexpr, SCAN: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Routed experts, grouped: program (pair p, block of N) works only when p is the first pair routed to its
-    expert; it then takes every pair of that expert, gathered BM at a time in pair order (usually one pass), through
-    one read of the expert's weights per pass. Pair t reads input row t // X_DIV. GATED: out[t] = swiglu(x W1^T,
-    x W3^T) fp16, else out[t] = x W1^T fp32.
-
-    Why gathered: an expert's pairs lie anywhere among the P pairs (ordered by row). Taking them chunk by chunk of
-    the pair list read the weights once per chunk holding one of them, up to P / BM times.
-
-    Each pair's row is its own row of a tl.dot: the products and the accumulation order of an output element
-    depend only on that row and the weights, not on which other pairs share the tile or where in the tile it
-    sits (batch invariant; tested alone against batched)."""
+    """Program (pair p, block of N), working only where p is its expert's first pair: every pair of that expert,
+    BM at a time, through one weight read a pass. Pair t reads row t // X_DIV; GATED: swiglu(x W1^T, x W3^T) fp16,
+    else x W1^T fp32. Each pair is its own row of a tl.dot, so its bits do not depend on its tile-mates."""
     pdl_enter(PDL)
     p = tl.program_id(0)
     e = tl.load(idx_ptr + p)
@@ -161,12 +147,11 @@ def _expert_combine_kernel(d_ptr, idx_ptr, wt_ptr, shared_ptr, out_ptr, H,
     tl.store(out_ptr + r * H + offs, acc, mask=m)
 
 
-# Fixed blocking of every expert kernel (no autotune: see the module docstring).
 EXPERT_BLOCK_N, EXPERT_BLOCK_K, EXPERT_WARPS = BLOCK_N, BLOCK_K, NUM_WARPS
 
 
 def indexed_linear(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """fp32 (P, N): out[p] = x[p] @ w[idx[p]].T. x (P, K) fp16-valued, w (E, N, K) fp16 contiguous, idx (P,)."""
+    """fp32 (P, N): out[p] = x[p] @ w[idx[p]].T, the expert read in place."""
     p, k = x.shape
     n = w.shape[1]
     out = torch.empty((p, n), dtype=F32, device=x.device)
@@ -177,15 +162,13 @@ def indexed_linear(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch
     return out
 
 
-GROUP_BM = 64      # pairs of one expert per pass (a 16-request draft: 80 rows x top-3 = 240 pairs over its experts)
-SCAN = 64          # pairs a program scans at a time for its expert's pairs (any width gives the same pairs)
+GROUP_BM = 64      # pairs of one expert per pass
+SCAN = 64          # pairs a program scans at a time (any width gives the same pairs)
 
 
 class ExpertTiles(NamedTuple):
-    """One grouped call's blocking: output columns (bn) and K step (bk) a program, warps, pipeline stages, and
-    pairs a pass (bm: the x tile's rows, the tl.dot's M). None of them changes a bit: a pair's output is its fp32
-    products summed in the MMA's K order (16 at a time, ascending) whatever the blocking, so a call may pick its
-    tiles by its pair count (`FEW_PAIR_TIERS`) and a request's bits still do not depend on the batch."""
+    """A grouped call's blocking. None changes a bit (a pair's products are summed in the MMA's ascending K order
+    whatever the blocking), so a call may pick its tiles by its pair count and stay batch invariant."""
     bn: int
     bk: int
     warps: int
@@ -193,32 +176,24 @@ class ExpertTiles(NamedTuple):
     bm: int = GROUP_BM
 
 
-# The grouped kernel's tiles, gated (w1 | w3 + SwiGLU) and plain (w2). Fixed, like every kernel here, per kind of
-# call and output width N (a property of the weights: both ranks of a pair, and the emulated pair, run the same
-# tiles); the fastest measured on the H200 with cold weights (docs/engine.md, "Routed experts"). Every setting
-# tried gave the same bits.
+# Gated (w1 | w3 + SwiGLU) and plain (w2) tiles, measured on the H200 (docs/engine.md, "Routed experts").
 GROUPED_TILES = {True: ExpertTiles(64, 128, 4, 4), False: ExpertTiles(128, 64, 4, 4)}
 GROUPED_TILES_BY_SHAPE = {(True, 2304, 5120): ExpertTiles(64, 64, 4, 4)}       # (gated, N, K)
 
-# Calls of few pairs (one to four requests' draft blocks: R x 5 rows x top-3 = 15 R pairs) have one or two pairs
-# an expert, and a 64-pair pass is mostly masked rows: they take 16-pair passes. FEW_PAIR_TIERS: (most pairs,
-# tiles by (gated, N, K)); a call takes the first tier its pair count fits that holds its shape, else the batch's
-# tiles above. Picked in the step, where they shortened the GPU's part at 1-4 requests and 16-pair passes slowed
-# 8-16 requests, hence the tiers (docs/engine.md, "Routed experts"). Every tile setting gives the same bits (class
-# docstring; test_few_pair_expert_tiles_same_bits_gpu).
+# (most pairs, tiles by (gated, N, K)): calls of 1-4 requests take 16-pair passes (docs/engine.md, "Routed
+# experts"); the first tier that fits and holds the shape wins. Keys: one card's N 2304, a pair rank's 1152.
 FEW_PAIR_TIERS = (
-    (16, {(True, 2304, 5120): ExpertTiles(64, 128, 4, 4, 16),        # one card's gate / up, one request
-          (False, 5120, 2304): ExpertTiles(128, 64, 4, 4, 16)}),     # one card's w2, one request
-    (60, {(True, 1152, 5120): ExpertTiles(32, 128, 2, 4, 16),        # a pair rank's gate / up
-          (False, 5120, 1152): ExpertTiles(128, 64, 4, 4, 16),       # a pair rank's w2
-          (True, 2304, 5120): ExpertTiles(32, 128, 2, 4, 16),        # one card's gate / up, 2-4 requests
-          (False, 5120, 2304): ExpertTiles(64, 128, 4, 4, 16)}),     # one card's w2, 2-4 requests
+    (16, {(True, 2304, 5120): ExpertTiles(64, 128, 4, 4, 16),
+          (False, 5120, 2304): ExpertTiles(128, 64, 4, 4, 16)}),
+    (60, {(True, 1152, 5120): ExpertTiles(32, 128, 2, 4, 16),
+          (False, 5120, 1152): ExpertTiles(128, 64, 4, 4, 16),
+          (True, 2304, 5120): ExpertTiles(32, 128, 2, 4, 16),
+          (False, 5120, 2304): ExpertTiles(64, 128, 4, 4, 16)}),
 )
 
 
 def fit_stages(tiles: ExpertTiles, gated: bool, smem_limit: int) -> ExpertTiles:
-    """The tiles with as many of their pipeline stages as `smem_limit` bytes of shared memory per block hold, by an
-    upper bound of the grouped kernel's use: each stage keeps its x tile and weight tile(s) (fp16)."""
+    """As many pipeline stages as `smem_limit` bytes of shared memory per block hold."""
     stages = tiles.stages
     while stages > 1 and stages * (tiles.bm * tiles.bk + (2 if gated else 1) * tiles.bk * tiles.bn) * 2 > smem_limit:
         stages -= 1
@@ -226,9 +201,7 @@ def fit_stages(tiles: ExpertTiles, gated: bool, smem_limit: int) -> ExpertTiles:
 
 
 def grouped_tiles(gated: bool, n: int, k: int, device_index: int | None, pairs: int | None = None) -> ExpertTiles:
-    """The tiles of an (N, K) call of `pairs` pairs (FEW_PAIR_TIERS, else GROUPED_TILES_BY_SHAPE, else
-    GROUPED_TILES; None: the batch's) for a card. Fixed per kind of card, shape and pair count, so both ranks of a
-    pair run the same tiles. device_index None: a CPU (the interpreter)."""
+    """The tiles of an (N, K) call of `pairs` pairs on a card (None: the interpreter)."""
     key = (gated, n, k)
     tiles = next((t[key] for most, t in FEW_PAIR_TIERS if pairs is not None and pairs <= most and key in t), None)
     return _fit_card(tiles or GROUPED_TILES_BY_SHAPE.get(key, GROUPED_TILES[gated]), gated, device_index)
@@ -236,8 +209,6 @@ def grouped_tiles(gated: bool, n: int, k: int, device_index: int | None, pairs: 
 
 @functools.cache
 def _fit_card(tiles: ExpertTiles, gated: bool, device_index: int | None) -> ExpertTiles:
-    """The tiles with the stages the card's shared memory holds: the H200's 227 KiB per block holds the gated
-    call's 4 stages (192 KiB), an A100's 163 KiB 3 of them."""
     if device_index is None:
         return tiles
     try:
@@ -250,7 +221,6 @@ def _fit_card(tiles: ExpertTiles, gated: bool, device_index: int | None) -> Expe
 
 def grouped_launch(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, experts: torch.Tensor,
                    out: torch.Tensor, x_div: int, limit: float, tiles: ExpertTiles) -> torch.Tensor:
-    """One grouped call with the given tiles (`_grouped` takes the deployment's)."""
     gated = w3 is not None
     _grouped_expert_kernel[(experts.numel(), triton.cdiv(w1.shape[1], tiles.bn))](
         x, w1, w3 if gated else w1, experts, out, experts.numel(), w1.shape[1], w1.shape[2], x_div, float(limit),
@@ -273,19 +243,17 @@ def _grouped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor | None, experts
 
 def expert_act(f: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, experts: torch.Tensor,
                limit: float) -> torch.Tensor:
-    """fp16 (n*k, I): the SwiGLU activation of each (row, choice) pair; f (n, h) fp16, experts (n, k)."""
+    """fp16 (n*k, I): the SwiGLU activation of each (row, choice) pair."""
     return _grouped(f, w1, w3, experts, experts.shape[1], limit)
 
 
 def expert_out(act: torch.Tensor, w2: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                shared: torch.Tensor) -> torch.Tensor:
-    """fp32 (n, h): the weighted routed outputs (ascending expert id) plus the shared expert's `shared`."""
     return expert_combine(_grouped(act, w2, None, experts, 1, 0.0), experts, weights, shared)
 
 
 def expert_combine(d: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                    shared: torch.Tensor) -> torch.Tensor:
-    """fp32 (n, h): each row's routed outputs d (n*k, h) weighted and summed in ascending expert id, plus `shared`."""
     n, kc = experts.shape
     h = d.shape[1]
     out = torch.empty((n, h), dtype=F32, device=d.device)
@@ -299,10 +267,8 @@ def expert_combine(d: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
 @triton.jit
 def _router_logits_kernel(f_ptr, w_ptr, out_ptr, n, E, K: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr,
                           PDL: tl.constexpr):
-    """Program (expert, block of RB rows): f16(f_row . gate_e) for each of its rows. Lane j of a row sums the
-    products of columns j, j + BK, ... in order, then one fixed tl.sum tree over the BK lanes: a row's bits depend
-    on neither n nor the other rows (batch invariant). The K loop is unrolled, so every chunk's loads can be in
-    flight at once; the expert's row is read from HBM once for all the rows (the rows come from L2)."""
+    """Program (expert, RB rows): lane j sums columns j, j + BK, ... in order, then a fixed tl.sum over the lanes,
+    so a row's bits depend on no other row; the gate row is read once for all RB rows."""
     e = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * RB + tl.arange(0, RB)
     r_ok = rows < n
@@ -321,16 +287,12 @@ def _router_logits_kernel(f_ptr, w_ptr, out_ptr, n, E, K: tl.constexpr, RB: tl.c
     tl.store(out_ptr + rows.to(tl.int64) * E + e, tl.sum(acc, axis=1).to(tl.float16), mask=r_ok)
 
 
-# (rows per program, K chunk, warps): a fixed choice (no autotune: it would change the bits per process), the
-# best at 5 and 20 rows of those timed on the H200 (docs/engine.md, "Fused kernels and the chain").
+# (rows per program, K chunk, warps), fixed (docs/engine.md, "Fused kernels and the chain", the router).
 ROUTER_TILING = (4, 1024, 4)
 
 
 def router_logits(f: torch.Tensor, gate: torch.Tensor, tiling: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """fp16 (n, E) = f16(f @ gate.T): the router's GEMM as a GEMV over (expert, row block) programs. (The padded
-    cuBLAS GEMM needed a split-K reduce after it: E = 128 outputs are too few to fill the card without splitting K.
-    A program per (row, 2 experts) with all of K in one tile held one program per SM and read the gate once per
-    row.)"""
+    """fp16 (n, E) = f16(f @ gate.T) as a GEMV over (expert, row block) programs."""
     n, k = f.shape
     E = gate.shape[0]
     rb, bk, warps = tiling or ROUTER_TILING
@@ -378,14 +340,13 @@ def _route_kernel(lg_ptr, bsel_ptr, experts_ptr, weights_ptr, E, scaling,
         tl.store(weights_ptr + r * TOPK + t, tl.math.div_rn(c * scaling, den + 1e-20).to(tl.float16))
 
 
-# Warps of the top-k program. Its reductions are maxes, mins and one-hot sums, so any count gives the same bits.
-# One warp's reductions are shuffles only, which made it the faster on the H200.
+# Maxes, mins and one-hot sums: any warp count gives the same bits; one warp was the fastest.
 ROUTE_WARPS = 1
 
 
 def route(lg: torch.Tensor, bsel: torch.Tensor, top_k: int, scaling: float,
           warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """lg (n, E) fp16 router logits -> (experts (n, k) int64 in selection order, weights (n, k) fp16)."""
+    """lg (n, E) fp16 -> (experts (n, k) int64 in selection order, weights (n, k) fp16)."""
     n, E = lg.shape
     experts = torch.empty((n, top_k), dtype=torch.int64, device=lg.device)
     weights = torch.empty((n, top_k), dtype=F16, device=lg.device)

@@ -1,6 +1,5 @@
-"""Shared pieces of the fused kernels (`kernels/fused.py`): fp64-evaluated transcendentals rounded once to fp32,
-the norm scale, the head-norm weight rule, the SwiGLU math, the launch options (programmatic dependent launch inside
-the graph set's capture); and the two kernels of `model/ops.py`: the RMS norm and the small-linear GEMM."""
+"""Shared pieces of the fused kernels: fp64 transcendentals rounded once to fp32, the norm scale, the head-norm
+weight rule, the SwiGLU math, the PDL launch options; and `model/ops.py`'s RMS norm and small-linear kernels."""
 from __future__ import annotations
 
 import contextlib
@@ -17,15 +16,12 @@ F16, F32 = torch.float16, torch.float32
 # Every launch: no FMA contraction (a * b + c rounds twice, as the reference's separate torch ops do).
 _PLAIN_OPTS = dict(enable_fp_fusion=False, PDL=False)
 _PDL_OPTS = dict(enable_fp_fusion=False, PDL=True, launch_pdl=True)
-_pdl_ok: bool | None = None          # decided once (`pdl_active`)
+_pdl_ok: bool | None = None
 _scope = threading.local()
 
 
 def pdl_capable() -> bool:
-    """Whether this Triton can launch with programmatic dependent launch (`DSPARK_PDL=0` turns it off). What it
-    changes: a kernel's programs may be scheduled while the kernel before it in the stream drains; each waits
-    (`pdl_enter`) until that kernel has finished and its writes are visible before it reads anything but weights
-    or writes anything, so the arithmetic and the bits are the same either way."""
+    """Whether this Triton can launch with programmatic dependent launch (`DSPARK_PDL=0`: off)."""
     if not settings().pdl:
         return False
     try:
@@ -38,10 +34,8 @@ def pdl_capable() -> bool:
 
 @contextlib.contextmanager
 def pdl_launches():
-    """Launch the fused kernels of this thread with PDL inside the block, on Hopper and later: the graph set's
-    warm-up and capture, so the graphs hold programmatic edges. Eager steps launch without it (under the
-    profiler, an eager pair step with PDL once ran into the push collectives' 2 s peer timeout; graph replays
-    under the profiler did not)."""
+    """This thread's fused kernels launch with PDL inside the block (the graph set's capture); eager steps do not
+    (docs/collectives.md)."""
     _scope.depth = getattr(_scope, "depth", 0) + 1
     try:
         yield
@@ -50,8 +44,7 @@ def pdl_launches():
 
 
 def pdl_active(device: torch.device | None = None) -> bool:
-    """Whether the graphs' fused kernels launch with PDL in this process: a capable Triton on a Hopper or later
-    card (decided once; one card kind per process)."""
+    """A capable Triton on Hopper or later; decided once (one card kind per process)."""
     global _pdl_ok
     if _pdl_ok is None:
         _pdl_ok = pdl_capable() and torch.cuda.get_device_capability(device)[0] >= 9
@@ -59,21 +52,15 @@ def pdl_active(device: torch.device | None = None) -> bool:
 
 
 def launch_opts(t: torch.Tensor) -> dict:
-    """The launch options of a fused kernel whose output is t."""
     if not t.is_cuda or not getattr(_scope, "depth", 0):
         return _PLAIN_OPTS
     return _PDL_OPTS if pdl_active(t.device) else _PLAIN_OPTS
 
 
-# ----------------------------------------------------------------------------------------------- device helpers
-
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
-    """In every fused kernel, before it reads anything but weights and before its first write. Under programmatic
-    dependent launch: wait until the kernel before this one has finished and its writes are visible, then let the
-    next kernel's programs be scheduled (they wait here in turn). Without PDL: nothing. Weights are never written
-    inside a graph (derived copies such as the fp16 mixing rows are made before capture), so a kernel may load its
-    weight tile first, while the kernel before it drains."""
+    """Wait for the previous kernel, then let the next one in; call before any read but weights (never written in
+    a graph: derived copies are made before capture) and before the first write."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -98,14 +85,13 @@ def exp64(x):
 
 @triton.jit
 def norm_scale(ss, n, eps):
-    """r = rsqrt(sum(x^2) / n + eps), as `ops.rms_norm` and `ops.head_norm` compute it (n: fp32)."""
+    """As `ops.rms_norm` and `ops.head_norm` (n: fp32)."""
     return rsqrt64(tl.math.div_rn(ss, n) + eps)
 
 
 @triton.jit
 def apply_head_weight(xr, w, W_MODE: tl.constexpr):
-    """`ops.head_norm`'s weight rule on xr = x * r (fp32): 0 no weight, 1 fp16 weight (round xr first), 2 a
-    bf16 / fp32 weight (one rounding). Returns fp16."""
+    """`ops.head_norm`'s weight rule on xr = x * r: 0 none, 1 fp16 weight (round xr first), 2 bf16 / fp32 (once)."""
     if W_MODE == 0:
         return xr.to(tl.float16)
     elif W_MODE == 1:
@@ -132,11 +118,8 @@ def swiglu_math(g, u, limit):
 
 
 
-# ------------------------------------------------------------------------------------------------ norms, RoPE
-
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, SX, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program per row (rows SX elements apart: x may be a column slice of a wider GEMM output)."""
     pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     ss = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -154,14 +137,12 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, SX, eps, BLOCK: tl.constexpr, PDL
 
 
 def rows_2d(x: torch.Tensor) -> torch.Tensor:
-    """x as (rows, last dim) with unit column stride, a view where it can be (a column slice keeps its row
-    stride: the kernels read rows `stride(0)` apart, so a slice of a wider GEMM output is read without a copy)."""
+    """x as (rows, last dim), a view where it can be: a column slice of a wider GEMM output keeps its row stride."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """`ops.rms_norm`: x (..., h) fp16 / fp32 -> fp16."""
     h = x.shape[-1]
     x2 = rows_2d(x)
     out = rows_empty(x2.shape[0], h, F16, x.device)
@@ -170,13 +151,10 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
-# ------------------------------------------------------------------------------------------------ small linears
-
 @triton.jit
 def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, OUT_F16: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
-    """out (M, N) = x (M, K) @ w (N, K).T, fp32 accumulation: program (block of BN outputs, block of BM rows).
-    Each row is its own row of a tl.dot of a fixed tile shape, so its bits never depend on the other rows."""
+    """Each row is its own row of a fixed-shape tl.dot, so its bits never depend on the other rows."""
     pdl_enter(PDL)
     cols = tl.program_id(0) * BN + tl.arange(0, BN)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
@@ -202,8 +180,7 @@ ROWS_BM, ROWS_BN, ROWS_BK = 32, 16, 128
 
 
 def rows_linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = F32) -> torch.Tensor:
-    """x (..., K) fp16-valued @ w (N, K).T -> out_dtype (..., N), one launch reading x in place: the small
-    linears of the step, where cuBLAS's padded call costs a pad copy, the GEMM and a split-K reduce."""
+    """x (..., K) fp16-valued @ w (N, K).T -> out_dtype (..., N) in one launch (`gemm.SMALL_WEIGHT_BYTES`)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
     m, n = x2.shape[0], w.shape[0]

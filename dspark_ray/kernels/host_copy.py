@@ -1,11 +1,6 @@
-"""Copies between pinned host memory and the device as one kernel: the graph set's captured upload and download.
-
-In a CUDA graph a memcpy node waits for a copy engine, microseconds after the kernel before it has ended. Under
-unified addressing a pinned host buffer's address is valid on the device, so a kernel reads or writes it directly;
-in the graphs it launches behind the kernel before it with programmatic dependent launch and moves a step's bytes
-at once (every segment of a copy in the same launch). Byte for byte, no arithmetic: the bits cannot change. Where
-Triton is missing the graph set takes memcpy nodes instead (`graphs/copies.py`), whose graphs take longer to launch
-(docs/engine.md, "CUDA graphs").
+"""Pinned host <-> device copies as one kernel: the graph set's captured upload and download. A memcpy node waits
+for a copy engine after the previous kernel; a kernel reads the pinned buffer directly behind it under PDL
+(docs/engine.md, "CUDA graphs"). Bytes only: no bit can change.
 """
 from __future__ import annotations
 
@@ -32,8 +27,7 @@ class Address:
 
 @triton.jit(do_not_specialize=["n0", "n1"])     # one compiled kernel for every size
 def _copy_kernel(dst0, src0, n0, dst1, src1, n1, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Program (i, s): bytes [i * BLOCK, (i + 1) * BLOCK) of segment s; a program past its segment's end copies
-    nothing. The wait first: the source may be what the kernel before this one wrote."""
+    """Program (i, s) copies block i of segment s. The PDL wait first: the source may be the previous kernel's."""
     pdl_enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if tl.program_id(1) == 0:
@@ -45,12 +39,11 @@ def _copy_kernel(dst0, src0, n0, dst1, src1, n1, BLOCK: tl.constexpr, PDL: tl.co
 
 
 def copy_bytes(like: torch.Tensor, *segments: tuple[int, int, int]) -> None:
-    """Copy each (dst address, src address, nbytes), at most two, in one launch on torch's current stream of
-    `like`'s device (a tensor there: it picks the launch options)."""
+    """Copy each (dst address, src address, nbytes), at most two, in one launch on `like`'s device's stream."""
     if not 1 <= len(segments) <= 2:
         raise ValueError(f"copy_bytes takes one or two segments, not {len(segments)}")
     d0, s0, n0 = segments[0]
-    d1, s1, n1 = segments[1] if len(segments) == 2 else (d0, s0, 0)      # none: the first's, none of its bytes
+    d1, s1, n1 = segments[1] if len(segments) == 2 else (d0, s0, 0)
     blocks = triton.cdiv(max(n0, n1, 1), COPY_BLOCK)
     _copy_kernel[(blocks, len(segments))](Address(d0), Address(s0), n0, Address(d1), Address(s1), n1,
                                           BLOCK=COPY_BLOCK, num_warps=4, **launch_opts(like))

@@ -1,19 +1,7 @@
-"""Concurrent branches of the draft step on the GPU: a side stream per device that a branch forks onto and joins
-back from (`model.ops.branch`, installed by the fast path).
-
-Why: at one request most of a block's kernels are latency bound (a few programs each), so the GPU idles between
-them. Work that does not depend on what runs beside it (the shared expert beside the router and its top-k, the kv
-row's norm beside the q path) can overlap. Inside CUDA-graph capture the fork and join are event edges, so the
-captured graph holds the two branches as parallel nodes; eagerly they are two streams.
-
-A generator's parts (`branch_parts`: an insert beside the draft, block by block) run on a second side stream, each
-part joined alone where it is read.
-
-Bits: each branch's kernels are the same kernels on the same inputs, and no branch reads what the other writes
-before the join, so the results are those of the serial order (tested: graph == eager, pair == emulated).
-Memory: a branch's tensors are allocated on the side stream; the next fork makes the side stream wait for
-everything queued on the main stream, so a freed block is never rewritten before its last reader ran. The branch's
-arguments are held until the join, after which the main stream waits for the side.
+"""Side-stream branches of the draft step on the GPU (`model.ops.branch`): latency-bound work that does not depend
+on its neighbour overlaps it; under graph capture the fork and join are event edges. No branch reads what the
+other writes before the join, so the bits are the serial order's. A fork waits for everything queued on the main
+stream, and a branch's args are held to the join, so no freed block is rewritten before its last reader ran.
 """
 from __future__ import annotations
 
@@ -47,8 +35,7 @@ class Branch:
         self.args = args        # held to the join: the main stream must not reuse their memory while the side reads
 
     def join(self) -> Any:
-        """The branch's result, with the current stream made to wait for it (at the first join: a later one finds
-        it done)."""
+        """The branch's result; the first join makes the main stream wait for it."""
         if self.args is not None:
             self.main.wait_event(self.done)
             self.args = None
@@ -69,8 +56,8 @@ def branch(fn: Callable[..., Any], *args) -> Branch | Ready:
 
 
 def branch_parts(fn: Callable[..., Iterator], *args) -> list[Branch | Ready]:
-    """`ops.branch_parts` on the fast path: the generator fn(*args) runs on a lane of its own (the model's branches
-    do not queue behind it), and each value it yields is joined alone, waiting only for the work queued before it."""
+    """`ops.branch_parts` on the fast path: fn(*args) runs on a second side stream (the model's branches do not
+    queue behind it); each yielded value is joined alone."""
     dev = _device(args)
     if dev is None:
         return [Ready(v) for v in fn(*args)]

@@ -1,13 +1,6 @@
-"""The DSpark block drafter, composed from its parts (spec section 3).
-
-Parallel-unaware math: the drafter holds the weight shards of the ranks that live in this process (one for tp1,
-a pair rank or solo; both for the emulated pair) and hands one partial per shard to its `Collectives` at the two
-reduction points of every block (after wo_b, after the FFN) and at every argmax. Which slice a shard holds is the
-layout table's business (`model/layout.py`); replicated tensors are read from the first shard.
-
-Kernel-unaware too: the drafter is handed its kernels (`ops.Kernels`, the exact reference by default) and makes them
-the active ones while each of its entry points runs (`forward`, `context_rows_by_block`, `cache_markov`, and what
-calls them); the parts call `ops.linear` / `ops.fused` and get them, on whatever thread the entry point runs.
+"""The DSpark block drafter, composed from its parts (spec section 3). Parallel-unaware: it holds this process's
+shards (`model/layout.py`) and hands one partial per shard to its `Collectives`. Kernel-unaware: its entry points
+make its `ops.Kernels` the active ones while they run.
 """
 from __future__ import annotations
 
@@ -16,7 +9,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from torch.profiler import record_function as stage     # names the step's stages for bench/draft_step.py's profile
+from torch.profiler import record_function as stage
 
 from ..comm.base import Collectives
 from ..comm.local import LocalCollectives
@@ -33,7 +26,6 @@ Weights = dict[str, torch.Tensor]
 
 
 def _on_own_kernels(method):
-    """`method` with the drafter's kernels active while it runs (an entry point of the drafter's math)."""
     @functools.wraps(method)
     def run(self, *args, **kw):
         with ops.using(self.kernels):
@@ -43,7 +35,7 @@ def _on_own_kernels(method):
 
 @dataclass
 class DraftOut(HeadOut):
-    normed: torch.Tensor | None = None      # (bsz, B, h) fp16 head input ("head hidden"), when asked for
+    normed: torch.Tensor | None = None      # (bsz, B, h) fp16 head input, with debug
 
 
 class _Block:
@@ -81,8 +73,7 @@ class _Block:
             x = HcSite.expand(x, y, post, comb)
             f, post, comb = self.hc_ffn.collapse_norm(x, self.ffn_norm)
         with stage("dspark.routing"):
-            # The shared expert needs no routing: a branch beside the router (beside the routed experts' first kernel
-            # instead, it slowed that kernel by more than it hid: docs/engine.md, "Tried and removed")
+            # beside the router, not the routed experts (docs/engine.md, "Tried and removed")
             shared = [ops.branch(ex.shared, f) for ex in self.experts]
             experts, weights = self.router(f)
         with stage("dspark.experts"):
@@ -100,8 +91,7 @@ class Drafter:
         self.cfg = cfg
         if not isinstance(kernels, ops.Kernels):
             raise TypeError(f"kernels {kernels!r} are not an ops.Kernels (kernels.gemm.kernels_for builds them)")
-        # Weights whose kernels must not run beside each other on two streams (exllamav3's: one lock array per
-        # card, kernels/exl3_gemm.py) take every branch in line.
+        # exllamav3's kernels share one lock array per card: no second stream (kernels/exl3_gemm.py)
         if any(getattr(t, "serial_launches", False) for w in shards for t in w.values()):
             kernels = kernels.without("branch", "branch_parts")
         self.kernels = kernels
@@ -129,20 +119,18 @@ class Drafter:
         self.markov_cache_bytes = 0
         if markov_cache > 0:
             self.cache_markov(markov_cache)
-        self.last_experts: list[torch.Tensor] = []      # routing of the last draft, per block (for diagnostics)
+        self.last_experts: list[torch.Tensor] = []      # the last draft's routing per block, for diagnostics
 
     def use_collectives(self, coll: Collectives) -> None:
-        """Meet the peer through `coll` from now on (same local ranks): the engine's wrapper that counts the
-        collectives a step issued, for its health latch."""
+        """Meet the peer through `coll` (same local ranks) from now on, e.g. the engine's counting wrapper."""
         if tuple(coll.local_ranks) != tuple(self.coll.local_ranks):
             raise ValueError(f"collectives of local ranks {coll.local_ranks}; the drafter's: {self.coll.local_ranks}")
         self.coll = self.head.coll = coll
 
     @_on_own_kernels
     def cache_markov(self, rows: int) -> int:
-        """Cache the Markov bias rows of the ids [0, rows) (a BPE vocabulary's lower ids are its earlier, more
-        frequent merges; all of them: every step reads a row, never markov_w2): the same drafts, less read and
-        computed per step. Returns the bytes the rows take."""
+        """Cache the Markov bias rows of ids [0, rows) (a BPE vocabulary's lower ids are its frequent ones): the
+        same drafts, less read per step. Returns their bytes."""
         if rows <= 0:
             self.head.drop_markov_rows()
             self.markov_cache_bytes = 0
@@ -151,14 +139,12 @@ class Drafter:
         return self.markov_cache_bytes
 
     def cache_markov_for(self, choice: str | int) -> int:
-        """Cache the rows `choice` asks for (`heads.markov_cache_rows`: auto sizes them against what this drafter's
-        card has free now; none on a CPU); returns the row count."""
+        """Cache the rows `choice` asks for (`heads.markov_cache_rows`); returns the row count."""
         rows = self.markov_rows_for(choice)
         self.cache_markov(rows)
         return rows
 
     def markov_rows_for(self, choice: str | int) -> int:
-        """The rows `choice` asks for here, now (`cache_markov_for` without the caching)."""
         free = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -167,9 +153,8 @@ class Drafter:
         return markov_cache_rows(choice, self.cfg.vocab_size, row_bytes=row_bytes, free_bytes=free)
 
     def cache_markov_in_steps(self, rows: int) -> Iterator[None]:
-        """`cache_markov(rows)` one chunk of rows at each `next` (on this drafter's kernels, finished on the device
-        before it returns: a caller between two steps waits for one chunk); the rows serve once every chunk is made,
-        the same drafts before as after."""
+        """`cache_markov(rows)` one device-finished chunk per `next`, for a caller between steps; the rows serve
+        once all are made (the same drafts before as after)."""
         if rows <= 0:
             self.cache_markov(0)
             return
@@ -184,16 +169,14 @@ class Drafter:
             yield
         self.markov_cache_bytes = sum(s.markov_rows.numel() * s.markov_rows.element_size() for s in self.head.shards)
 
-    # -- slots -----------------------------------------------------------------------------------------------------
     def new_slot(self) -> SlotState:
         c = self.cfg
         return SlotState(c.n_blocks, c.sliding_window, 128, c.head_dim, self.device)
 
-    # -- context insert (spec 3a) ----------------------------------------------------------------------------------
+    # -- context insert (spec 3a)
     def insert(self, state: SlotState, start: int, taps: torch.Tensor, rollback_to: int = -1) -> None:
-        """Roll back, compute the rows' main-kv and write them into the slot: taps (n, n_taps * hidden) fp16 of the
-        rows at start .. start+n-1. The math trusts its caller: the service checks every entry in its front-end
-        (contract.validate_entry and the slot's cursor) before a rank sees it."""
+        """Roll back, then write the main-kv rows of taps (n, n_taps * hidden) fp16 at start .. start+n-1. Unchecked:
+        the front-end validates every entry first."""
         if rollback_to >= 0:
             state.rollback(rollback_to)
         n = taps.shape[0]
@@ -202,14 +185,12 @@ class Drafter:
         state.write(start, self.context_rows(taps.to(self.device), torch.arange(start, start + n, device=self.device)))
 
     def context_rows(self, taps: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
-        """The context insert's math, tensors only (capturable): taps (n, n_taps*h) fp16 at positions pos (n,) ->
-        one main-kv row block (n, D) per drafter block."""
+        """Capturable: taps (n, n_taps*h) fp16 at positions pos -> one main-kv row block (n, D) per drafter block."""
         return list(self.context_rows_by_block(taps, pos))
 
     def context_rows_by_block(self, taps: torch.Tensor, pos: torch.Tensor) -> Iterator[torch.Tensor]:
-        """`context_rows` one block at a time: a caller may use block n's rows before the next are computed. Each
-        step runs on the drafter's kernels, set and reset around it: between the steps the caller's context is its
-        own (and a generator left unfinished leaves nothing set)."""
+        """`context_rows` a block at a time; the kernels are set around each step only, so an unfinished generator
+        leaves nothing set."""
         with ops.using(self.kernels):
             x = rms_norm(linear(taps, self.main_proj), self.main_norm, self.cfg.rms_norm_eps)
         for b in self.blocks:
@@ -217,12 +198,12 @@ class Drafter:
                 rows = b.attn[0].kv_rows(x, pos)
             yield rows
 
-    # -- draft forward + head (spec 3b, 3c, 3d) --------------------------------------------------------------------
+    # -- draft forward + head (spec 3b, 3c, 3d)
     @torch.inference_mode()
     def draft(self, states: list[SlotState], seeds: list[int], n_out: int, want_margins: bool = False,
               debug: bool = False) -> DraftOut:
-        """Draft n_out tokens for each slot, seeds at p0 = each slot's position. Row i of the block predicts
-        position p0 + i + 1; drafts for n_out = k are the first k of n_out = B (the loop never looks ahead)."""
+        """Draft n_out tokens per slot, seeds at p0 = the slot's position; row i predicts p0 + i + 1, and n_out = k
+        gives the first k of n_out = B."""
         dev = self.device
         windows, valid = self.window_inputs(states)
         return self.forward(torch.tensor(seeds, dtype=torch.int64, device=dev),
@@ -230,17 +211,14 @@ class Drafter:
                             windows, valid, n_out, want_margins, debug)
 
     def window_inputs(self, states: list[SlotState]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The slots' attention windows as `forward` takes them: per block (bsz, W, D), and valid (bsz, W)."""
         windows = [torch.stack([s.window_rows(n)[0] for s in states]) for n in range(self.cfg.n_blocks)]
         return windows, torch.stack([s.window_valid(self.device) for s in states])
 
     @_on_own_kernels
     def forward(self, seeds: torch.Tensor, p0: torch.Tensor, windows: list[torch.Tensor], valid: torch.Tensor,
                 n_out: int, want_margins: bool = False, debug: bool = False) -> DraftOut:
-        """The draft step's math, tensors only: no shape depends on the data and nothing syncs with the host, so a
-        GPU engine can capture it in a CUDA graph over static input buffers. seeds, p0 (bsz,) int64; windows: per
-        block (bsz, W, D) fp16, each possibly a branch's result that the block's attention joins (`ops.joined`);
-        valid (bsz, W) bool (see `Attention.__call__`)."""
+        """The draft step, capturable (no data-dependent shape, no host sync). seeds, p0 (bsz,) int64; windows per
+        block (bsz, W, D) fp16, maybe branches (`ops.joined`); valid (bsz, W) bool."""
         c = self.cfg
         B, bsz = c.block_size, seeds.shape[0]
         k = ops.fused("embed_streams")
@@ -250,14 +228,14 @@ class Drafter:
             ids = torch.full((bsz, B), c.dspark_noise_token_id, dtype=torch.int64, device=seeds.device)
             ids[:, 0] = seeds
             e = self.embed[ids.flatten()].float()                           # bf16 -> fp32 is exact
-            x = e[:, None, :].expand(-1, c.hc_mult, -1).contiguous()       # (bsz*B, M, h) fp32 streams
-            pos = (p0[:, None] + torch.arange(B, device=p0.device)).flatten()   # (bsz*B,) every block's positions
+            x = e[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
+            pos = (p0[:, None] + torch.arange(B, device=p0.device)).flatten()
         self.last_experts = []
         for n, blk in enumerate(self.blocks):
             x, experts = blk(x, pos, windows[n], valid, B, self.coll)
             self.last_experts.append(experts)
         with stage("dspark.mhc_norm"):
-            prenorm, normed = self.hyper_head.with_norm(x, self.final_norm)  # (bsz*B, h) fp32, fp16
+            prenorm, normed = self.hyper_head.with_norm(x, self.final_norm)
         with stage("dspark.head"):
             out = self.head(normed.reshape(bsz, B, -1), prenorm.reshape(bsz, B, -1),
                             seeds, n_out, want_margins, keep_logits=debug)

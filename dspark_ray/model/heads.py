@@ -1,9 +1,6 @@
-"""Exit of the drafter (spec 3c, 3d): the trunk head, the sequential Markov loop that picks the drafts, and the
-confidence head that bounds the draft length.
-
-The vocabulary may be split into shards (rank r holds ids [start_r, stop_r) of the head and of markov_w2). Each
-shard computes its logits and its local (max, first argmax); the collectives combine them (ties to the lower id,
-i.e. the lower shard). NaN policy: a NaN logit never wins (it is replaced by -inf before the argmax).
+"""Exit of the drafter (spec 3c, 3d): the trunk head, the sequential Markov loop that picks the drafts, the
+confidence head. Vocabulary shards each give their (max, first argmax); the collectives combine them, ties to the
+lower id (the lower shard); a NaN logit never wins (-inf before the argmax).
 """
 from __future__ import annotations
 
@@ -22,29 +19,27 @@ from .ops import f16, linear, sigmoid
 class VocabShard:
     head: torch.Tensor                  # (V_r, h) fp16
     markov_w2: torch.Tensor             # (V_r, r) fp16
-    markov_b2: torch.Tensor | None      # (V_r,) fp16 or None
+    markov_b2: torch.Tensor | None
     start: int                          # global id of local row 0
-    markov_rows: torch.Tensor | None = None     # (n, V_r) fp16 cached Markov bias rows (DraftHead.cache_markov_rows)
+    markov_rows: torch.Tensor | None = None     # (n, V_r) fp16 cached Markov bias rows
 
 
 @dataclass
 class HeadOut:
-    drafts: torch.Tensor                # (bsz, n_out) int64
+    drafts: torch.Tensor
     confidences: torch.Tensor           # (bsz, n_out) fp32 sigmoid scores
     confident_len: torch.Tensor         # (bsz,) int64: longest all-confident prefix
-    margins: torch.Tensor | None        # (bsz, n_out) fp32 top-1 minus top-2 of the combined logits
-    logits: torch.Tensor | None         # (bsz, n_out, sum of local V_r) fp32, the local shards' final logits
+    margins: torch.Tensor | None        # (bsz, n_out) fp32 top-1 minus top-2
+    logits: torch.Tensor | None         # (bsz, n_out, sum of local V_r) fp32
 
 
-# What "auto" may take for cached Markov bias rows: this share of the card's memory still free once the weights
-# are in (the graphs, their pools and the step's activations take far less on the H200).
+# "auto"'s share of the card's memory free after the weights, for cached Markov bias rows.
 MARKOV_CACHE_AUTO_SHARE = 0.5
 
 
 def markov_cache_rows(choice: str | int, vocab: int, row_bytes: int = 0, free_bytes: int | None = None) -> int:
-    """Rows to cache (the ids [0, rows)) for `choice`: "off" / 0, "all" (every id), a row count, or "auto": every
-    id when they take at most MARKOV_CACHE_AUTO_SHARE of `free_bytes` (a card's free memory; None, as on a CPU
-    where the reference path gains nothing: none), else as many as fit there, in whole 256-row tiles."""
+    """Rows to cache (ids [0, rows)) for `choice`: "off" / 0, "all", a row count, or "auto" (all that fit in the
+    share of `free_bytes`, in whole 256-row tiles; none where free_bytes is None, as on a CPU)."""
     if choice == "auto":
         if free_bytes is None or row_bytes <= 0:
             return 0
@@ -64,7 +59,7 @@ def markov_cache_rows(choice: str | int, vocab: int, row_bytes: int = 0, free_by
 
 
 def confident_prefix(conf: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Length of the longest all-confident prefix (sigmoid score >= threshold) along the last dim: 0..n."""
+    """Length of the longest prefix with score >= threshold along the last dim."""
     return torch.cumprod((conf >= threshold).to(torch.int64), dim=-1).sum(dim=-1)
 
 
@@ -83,35 +78,30 @@ class DraftHead:
                  conf_b: torch.Tensor | None, coll: Collectives, threshold: float = 0.5):
         self.shards, self.markov_w1, self.conf_w, self.conf_b = shards, markov_w1, conf_w, conf_b
         self.coll, self.threshold = coll, threshold
-        self.markov_map: torch.Tensor | None = None     # (V,) int32: a token's cached bias row, or -1
+        self.markov_map: torch.Tensor | None = None     # (V,) int32: a token's cached row, or -1
 
     def drop_markov_rows(self) -> None:
-        """No cached rows: every step computes its bias from markov_w2 (frees the rows)."""
         self.markov_map = None
         for s in self.shards:
             s.markov_rows = None
 
     def cache_markov_rows(self, tokens: torch.Tensor) -> int:
-        """Cache the Markov bias rows f16(markov_w2 f16(markov_w1[t]) + b2) of `tokens` (distinct ids) on every
-        shard. A Markov step whose previous token has one reads that row (V_r x 2 bytes) instead of computing it
-        from markov_w2 (V_r x r x 2 bytes): the same bits, since the row is made by the step's own sum (the fused
-        kernel's `markov_rows`, or the reference's `linear` in chunks of 32 rows, batch-invariant either way).
-        Returns the bytes the rows take."""
+        """Cache the Markov bias rows of distinct `tokens` on every shard; returns their bytes. A row is made by
+        the live step's own (batch-invariant) sum, so a step reading it gets the same bits."""
         for _ in self.build_markov_rows(tokens):
             pass
         return sum(s.markov_rows.numel() * s.markov_rows.element_size() for s in self.shards)
 
     def build_markov_rows(self, tokens: torch.Tensor) -> Iterator[None]:
-        """`cache_markov_rows`, one chunk of rows a step (it yields after each): the old rows go at once, the new
-        serve only once every chunk is made (until then a step computes its bias as without a cache)."""
+        """`cache_markov_rows`, yielding after each chunk; the old rows go at once, the new serve once all are made."""
         V = self.markov_w1.shape[0]
         dev = self.markov_w1.device
         tokens = tokens.to(device=dev, dtype=torch.int64)
         if not tokens.numel() or (int(tokens.min()) < 0 or int(tokens.max()) >= V
                                   or tokens.unique().numel() != tokens.numel()):
             raise ValueError(f"Markov cache tokens must be distinct ids in [0, {V}), at least one")
-        self.drop_markov_rows()          # (the old rows go before the new ones are made)
-        if tokens.numel() == V:          # every id: row t is token t's (the kernel then needs no map)
+        self.drop_markov_rows()
+        if tokens.numel() == V:          # row t is token t's: the kernel needs no map
             tokens = torch.arange(V, device=dev)
         cmap = torch.full((V,), -1, dtype=torch.int32, device=dev)
         cmap[tokens] = torch.arange(tokens.numel(), dtype=torch.int32, device=dev)
@@ -133,24 +123,22 @@ class DraftHead:
 
     def __call__(self, normed: torch.Tensor, prenorm: torch.Tensor, seeds: torch.Tensor, n_out: int,
                  want_margins: bool, keep_logits: bool = False) -> HeadOut:
-        """normed (bsz, B, h) fp16 final-norm output; prenorm (bsz, B, h) fp32 HyperHead output; seeds (bsz,)."""
+        """normed (bsz, B, h) fp16 final-norm output; prenorm (bsz, B, h) fp32 HyperHead output."""
         fused_step, fused_conf = ops.fused("markov_step"), ops.fused("confidence")
-        # Confidence of row i from [f16(prenorm_i) ; markov embedding of the token that predicted d_{i+1}]. The
-        # prenorm half of its dot product needs nothing from the Markov loop: a branch beside the head GEMM.
+        # The confidence's prenorm half needs nothing from the Markov loop: beside the head GEMM.
         conf_part = (ops.branch(ops.fused("confidence_prenorm"), prenorm, self.conf_w, n_out)
                      if fused_conf is not None else None)
         if fused_step is None:
-            lg = [linear(normed[:, :n_out], s.head).float() for s in self.shards]      # only the rows we draft
+            lg = [linear(normed[:, :n_out], s.head).float() for s in self.shards]
             step = self._step
-        else:                                     # the kernel reads the fp16 logits (one kernel pair per shard)
+        else:
             lg = [linear(normed[:, :n_out], s.head) for s in self.shards]
             step = partial(self._fused_step, fused_step)
-        # step i writes its Markov embedding into column i (no stack of them after the loop)
         embs = torch.empty((normed.shape[0], n_out, self.markov_w1.shape[1]), dtype=torch.float16,
                            device=normed.device)
         prev = seeds.to(torch.int64)
         drafts, margins, logits = [], [], []
-        for i in range(n_out):                    # sequential: each draft feeds the next step's Markov embedding
+        for i in range(n_out):                    # each draft feeds the next step's Markov embedding
             tops, ls = step(lg, i, prev, embs[:, i], want_margins, keep_logits)
             if keep_logits:
                 logits.append(torch.cat(ls, dim=-1))
@@ -176,21 +164,18 @@ class DraftHead:
         )
 
     def _step(self, lg, i, prev, me, want_top2: bool, keep_logits: bool):
-        """One Markov step in the reference ops, its Markov embedding written into me: (each shard's local top,
-        each shard's logits)."""
-        e = f16(self.markov_w1[prev])                                               # (bsz, r) bf16 -> fp16
+        e = f16(self.markov_w1[prev])                                               # bf16 -> fp16
         me.copy_(e)
         ls = [lg[k][:, i] + self._cached_bias(e, prev, s).float() for k, s in enumerate(self.shards)]
         return [_local_top(l, s.start, want_top2) for l, s in zip(ls, self.shards)], ls
 
     @staticmethod
     def _bias(e: torch.Tensor, s: VocabShard) -> torch.Tensor:
-        """The Markov bias of embeddings e (n, r) fp16 on shard s: (n, V_r) fp16 (the live step's and the cache's)."""
+        """(n, V_r) fp16 Markov bias: the live step's and the cache's."""
         return linear(e, s.markov_w2, bias=s.markov_b2)
 
     def _cached_bias(self, e: torch.Tensor, prev: torch.Tensor, s: VocabShard) -> torch.Tensor:
-        """The reference's bias with a cache: the cached row where the token has one (selected, not instead: this
-        path is the exact twin that proves the rows' bits, not a fast one)."""
+        """The cached row where the token has one, else the live bias; both computed: the exact twin of the rows."""
         live = self._bias(e, s)
         if self.markov_map is None:
             return live
@@ -198,8 +183,7 @@ class DraftHead:
         return torch.where((row >= 0)[:, None], s.markov_rows[row.clamp(min=0).long()], live)
 
     def _fused_step(self, kernel, lg, i, prev, me, want_top2: bool, keep_logits: bool):
-        """The same step through the fused `markov_step` kernel (its Markov GEMV in the kernel's own order); each
-        shard writes the same embedding bits into me."""
+        """The same step on the fused `markov_step` kernel (its own sum order); each shard writes the same me."""
         tops, ls = [], []
         for k, s in enumerate(self.shards):
             cache = (self.markov_map, s.markov_rows) if self.markov_map is not None else None

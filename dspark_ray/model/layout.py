@@ -1,22 +1,15 @@
-"""The tensor-parallel cut as data: which slice of which checkpoint tensor each rank owns.
+"""The tensor-parallel cut as data; the loader reads each rank's slice through `Layout.slice_of`. For tp = 2, rank r:
 
-Reading this table alone tells what each card holds (seed 000, "Layout"). For tp = 2, rank r owns:
+    head, markov_w2 (+ bias)         vocab rows [0, Vs) / [Vs, V), Vs = the smallest multiple of 256 >= V/2
+    attn.wq_b, attn.attn_sink        query heads [r H/2, (r+1) H/2) (wq_b rows head * D + d)
+    attn.wo_a, attn.wo_b             rows / input columns of o_groups [r G/2, (r+1) G/2)
+    experts' and shared w1, w3 / w2  intermediate rows / columns [r I/2, (r+1) I/2)
+    everything else                  replicated: embedding, mHC, norms, wq_a, wkv, main_proj, router, markov_w1,
+                                     confidence
 
-| tensor                                   | cut                                                   |
-|------------------------------------------|-------------------------------------------------------|
-| head, markov_w2 (+ bias)                 | vocab rows [0, Vs) / [Vs, V), Vs = the smallest multiple of 256 >= V/2 (rank 0 holds the lower ids, so an argmax tie goes to the lower id as on one card) |
-| attn.wq_b                                | rows of query heads [r H/2, (r+1) H/2) (head-major rows: head * D + d) |
-| attn.attn_sink                           | the same heads                                        |
-| attn.wo_a                                | rows of o_groups [r G/2, (r+1) G/2) (a group never straddles ranks) |
-| attn.wo_b                                | input columns of those groups                        |
-| ffn.experts.e.w1 / w3, shared w1 / w3    | intermediate rows [r I/2, (r+1) I/2)                  |
-| ffn.experts.e.w2, shared w2              | the same intermediate columns                         |
-| everything else                          | replicated (embedding, mHC, norms, wq_a, wkv, main_proj, router, markov_w1, confidence) |
-
-Every matrix cut falls on a 128-channel boundary (exllamav3's Linear and Hadamard unit: a shard of an EXL3 tensor
-then decodes to the full tensor's slice bit for bit). A config that cannot be cut so is refused by name.
-The model never branches on the rank: the loader reads each rank's slice through `Layout.slice_of`.
-"""
+Rank 0 holds the lower ids, so an argmax tie goes to the lower id as on one card; a group never straddles ranks;
+every cut falls on a 128-channel boundary, so an EXL3 shard decodes to the full tensor's slice bit for bit. A config
+that cannot be cut so is refused by name."""
 from __future__ import annotations
 
 import re
@@ -30,7 +23,6 @@ VOCAB_TILE = 256
 
 @dataclass(frozen=True)
 class Cut:
-    """Split `dim` of the tensor into tp equal ranges of whole `unit`s, except the vocab cut at Vs."""
     pattern: str
     dim: int
     unit: str          # what one indivisible piece is: "head", "group", "channel", "vocab"
@@ -51,7 +43,6 @@ def cut_rules() -> list[Cut]:
 
 
 def vocab_split(vocab: int) -> int:
-    """Vs: the smallest multiple of 256 at or above V/2."""
     half = -(-vocab // 2)
     return -(-half // VOCAB_TILE) * VOCAB_TILE
 
@@ -118,8 +109,6 @@ class Layout:
         return tuple(out)
 
 
-# -- what each rank holds, grouped like seed 000's "Memory per card in detail" ------------------------------------
-
 _GROUPS = [
     ("embedding", r"^embed\.weight$"),
     ("head", r"^head\.weight$"),
@@ -138,8 +127,7 @@ _GROUPS = [
 
 
 def memory_table(cfg: DrafterConfig, tp: int, specs: dict) -> list[dict]:
-    """Rows {item, bytes per rank..., cut}: the bytes each rank holds, from the layout table and tensor specs
-    (`specs`: name -> (shape, itemsize) of the compute form)."""
+    """Rows {item, bytes per rank, cut} of what each rank holds; `specs`: name -> (shape, itemsize)."""
     lay = Layout(cfg, tp)
     rows = {g: [0] * tp for g, _ in _GROUPS}
     cuts = {g: "replicated" for g, _ in _GROUPS}

@@ -1,9 +1,6 @@
 """The drafter block's MoE (spec 3b.4): sqrt-softplus router with a selection-only bias, top-k, clamped SwiGLU
-experts and a shared expert.
-
-Parallel-unaware: the router is whole (every rank routes identically from identical inputs); the expert and shared
-weights may be a rank's slice of the intermediate channels, and the result is then that rank's fp32 partial
-R_r + S_r, which the caller reduces.
+experts, a shared expert. The router is whole (identical inputs route identically on every rank); the experts may
+be a rank's intermediate-channel slice, giving that rank's fp32 partial.
 """
 from __future__ import annotations
 
@@ -17,10 +14,10 @@ class Router:
     def __init__(self, gate: torch.Tensor, bias: torch.Tensor, *, top_k: int, scaling: float):
         self.gate = gate
         b = bias.float()
-        # Selection bias only (noaux_tc): mean-centred, then fp16. Centring leaves the choice unchanged up to rounding.
+        # Selection only (noaux_tc): mean-centred, then fp16; centring changes the choice only through rounding.
         self.bsel = f16(b - tree_sum(b) / b.numel()).float()
         self.top_k, self.scaling = top_k, torch.tensor(scaling, dtype=F32)
-        self.scaling_f = float(self.scaling)        # the same fp32 value, for kernels
+        self.scaling_f = float(self.scaling)
 
     def __call__(self, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """f (n, h) fp16 -> (experts (n, k) int64 in selection order, weights (n, k) fp16)."""
@@ -28,14 +25,13 @@ class Router:
         return self.select(k(f, self.gate) if k is not None else linear(f, self.gate))
 
     def select(self, lg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k and weights from the fp16 router logits lg (n, E)."""
         k = ops.fused("route")
         if k is not None:
             return k(lg, self.bsel, self.top_k, self.scaling_f)
         sc = torch.sqrt(softplus(lg.float()))       # sqrt is correctly rounded everywhere
         key = sc + self.bsel
         key = torch.where(torch.isnan(key), torch.full_like(key, -torch.inf), key)
-        # A stable descending sort keeps the lower expert id first among equal keys: ties go to the lower id.
+        # stable: ties go to the lower expert id
         order = torch.sort(key, dim=-1, descending=True, stable=True).indices[:, :self.top_k]
         chosen = torch.gather(sc, 1, order)
         den = chosen[:, 0]
@@ -46,33 +42,25 @@ class Router:
 
 
 class Experts:
-    """Routed experts + shared expert of one block (possibly a channel slice of each).
-
-    The routed experts are stacked (E, ...) and each (row, choice) pair runs its expert's weights gathered by
-    index: no shape depends on the routing, so the step has no host sync (capturable in a CUDA graph). Per row
-    the routed outputs are added in ascending expert id, as exllamav3's dense path does."""
+    """Routed + shared experts of one block (maybe a channel slice). No shape depends on the routing (capturable);
+    a row's routed outputs are added in ascending expert id, as exllamav3's dense path does."""
 
     def __init__(self, w1: list[torch.Tensor], w3: list[torch.Tensor], w2: list[torch.Tensor],
                  shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, limit: float):
-        self.w1, self.w3, self.w2 = torch.stack(w1), torch.stack(w3), torch.stack(w2)   # (E, I, h) / (E, h, I)
-        # The shared expert's gate and up projections read the same input: one (2I, h) matrix, one GEMM.
+        self.w1, self.w3, self.w2 = torch.stack(w1), torch.stack(w3), torch.stack(w2)
         s1, s3, self.shared_w2 = shared
         self.shared_w13, self.shared_i = torch.cat((s1, s3)), s1.shape[0]
         self.limit = limit
-        # Stacked weights that are not tensors carry their own products (EXL3 banks on exllamav3's kernels,
-        # `kernels/exl3_gemm.py`); such a bank may run the whole expert as one fused kernel.
+        # An EXL3 bank may run the whole expert as one kernel (`kernels/exl3_gemm.py`).
         self.fused_experts = (None if isinstance(self.w1, torch.Tensor)
                               else self.w1.swiglu_experts(self.w3, self.w2, limit))
 
     def shared(self, f: torch.Tensor) -> torch.Tensor:
-        """The shared expert's fp32 output (n, h). It needs no routing, so a caller may run it beside the router."""
         gu, i = linear(f, self.shared_w13), self.shared_i
         return linear(swiglu(gu[..., :i], gu[..., i:], self.limit), self.shared_w2, out_dtype=F32)
 
     def routed(self, f: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, shared) -> torch.Tensor:
-        """sum_k w_k d_{e_k} (ascending expert id) + shared, fp32 (n, h). `shared` is the shared expert's output as
-        a branch (`ops.branch`), joined only where the sum needs it: on the fast path it runs beside the router and,
-        when it lasts longer, beside the routed experts' first kernel."""
+        """sum_k w_k d_{e_k} (ascending expert id) + shared, fp32; `shared` is a branch, joined where needed."""
         if self.fused_experts is not None:
             return self.fused_experts(f, experts, weights, shared.join())
         act_k, out_k = ops.fused("expert_act"), ops.fused("expert_out")
@@ -83,7 +71,7 @@ class Experts:
         order = torch.argsort(experts, dim=1, stable=True)              # ascending expert id per row
         e = torch.gather(experts, 1, order).flatten()
         w = torch.gather(weights, 1, order).float()
-        fr = f.repeat_interleave(k, dim=0)                               # row r's input once per choice
+        fr = f.repeat_interleave(k, dim=0)
         act = swiglu(linear_indexed(fr, self.w1, e), linear_indexed(fr, self.w3, e), self.limit)
         d = linear_indexed(act, self.w2, e).reshape(n, k, -1)
         routed = torch.zeros(n, d.shape[-1], dtype=F32, device=f.device)
