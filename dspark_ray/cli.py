@@ -36,7 +36,7 @@ def _cache_dir() -> Path:
 
 
 def resolve_checkpoint(preset: str | None, checkpoint: str | None, seed: int = 0, device: str = "cpu") -> str:
-    """A checkpoint directory: the one given, or the preset's synthetic checkpoint (made once, then reused)."""
+    """The checkpoint given, or the preset's synthetic one (made once, then reused)."""
     if checkpoint:
         return checkpoint
     from .config import preset as get_preset
@@ -45,7 +45,7 @@ def resolve_checkpoint(preset: str | None, checkpoint: str | None, seed: int = 0
     if (out / "dspark-manifest.json").exists():
         return str(out)
     print(f"synthesizing the {preset} drafter into {out} ...", flush=True)
-    synthesize(get_preset(preset), out, seed=seed, device=device, progress=sys.stderr.isatty())   # (a bar: on a tty)
+    synthesize(get_preset(preset), out, seed=seed, device=device, progress=sys.stderr.isatty())
     print(f"synthesized {out}", flush=True)
     return str(out)
 
@@ -59,8 +59,7 @@ def _gpus() -> int:
 
 
 def connect_ray(address: str | None, detach: bool) -> str:
-    """Join the cluster at --address / RAY_ADDRESS, or a running local one; else start one: `ray start --head`
-    when the deployment must outlive this command (--detach), an embedded local Ray otherwise."""
+    """Join --address / RAY_ADDRESS or a running local cluster; else start one (`ray start --head` with --detach)."""
     import ray
     address = address or os.environ.get("RAY_ADDRESS")
     kw = dict(namespace="dspark", log_to_driver=False, logging_level=logging.WARNING)
@@ -83,14 +82,12 @@ def connect_ray(address: str | None, detach: bool) -> str:
 
 
 def quiet_serve_logs() -> None:
-    """Ray Serve's driver-side INFO lines (Serve started, connected to, an app deployed or deleted) are what this
-    command says in its own lines; its warnings still show."""
+    """Serve's INFO lines repeat what this command says in its own; its warnings still show."""
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
 
 
 class LoadProgress:
-    """The ranks' weight loading (deploy_workers' `on_progress`: each rank's (tensors loaded, total)): a bar on a
-    terminal; elsewhere (a log file, a journal) one line when it starts and one when every rank is done."""
+    """The ranks' weight loading: a bar on a terminal, else one line at the start and one at the end."""
 
     def __init__(self, ranks: int, stream=None):
         self.ranks, self.stream = ranks, stream or sys.stderr
@@ -112,7 +109,7 @@ class LoadProgress:
             else:
                 print(f"loading the weights on {self.ranks} rank(s) ...", file=self.stream, flush=True)
         if self.bar is not None:
-            self.bar.total = max(self.bar.total, total)      # workers report their totals as they start loading
+            self.bar.total = max(self.bar.total, total)      # ranks report their totals as they start
             self.bar.n = done
             self.bar.refresh()
         if len(p) == self.ranks and all(n == t > 0 for n, t in p):
@@ -128,14 +125,12 @@ class LoadProgress:
 
 
 class Stop(KeyboardInterrupt):
-    """SIGTERM or SIGINT: tear down what this command started (a KeyboardInterrupt, so every `except Exception`
-    on the way lets it through, as it does Ctrl-C)."""
+    """SIGTERM or SIGINT: a KeyboardInterrupt, so no `except Exception` on the way stops the teardown."""
 
 
 @contextlib.contextmanager
 def stopped_by_signals():
-    """SIGTERM (`systemctl stop`, `kill`) and SIGINT (Ctrl-C) both raise Stop in the main thread while inside;
-    Ray's own SIGTERM handler (`sys.exit`, skipping the teardown) is replaced meanwhile."""
+    """SIGTERM and SIGINT raise Stop inside, replacing Ray's SIGTERM handler (a `sys.exit` that skips teardown)."""
     def stop(signum, frame):
         raise Stop(signal.Signals(signum).name)
     old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -147,8 +142,7 @@ def stopped_by_signals():
 
 
 def shut_down(name: str, why: str, bound_s: float) -> int:
-    """Remove the deployment `name` (its HTTP app, workers, rings) within `bound_s` seconds, further signals
-    ignored meanwhile: 0 when it is gone, 1 when the bound ran out first (what was left is named)."""
+    """Remove the deployment within `bound_s`, further signals ignored: 0 when gone, 1 when the bound ran out."""
     from .actors.placement import teardown
     from . import http_gateway as http
     from .transport.ring import remove_orphans
@@ -205,7 +199,7 @@ def cmd_serve(a, *, then=None) -> int:
     print(connect_ray(a.address, a.detach), flush=True)
     if getattr(a, "http_port", None) is not None:
         from . import http_gateway as http
-        try:                     # before the pair is placed: a refusal leaves the cluster as it was
+        try:                     # before placing: a refusal leaves the cluster as it was
             http.check_address(a.host, a.http_port)
         except http.ProxyElsewhere as e:
             print(f"dspark-ray serve: {e}", file=sys.stderr)
@@ -221,7 +215,6 @@ def cmd_serve(a, *, then=None) -> int:
 
 
 def _serve(a, spec, backend: str, device: str, then) -> int:
-    """`serve` from the deployment on (signals raise Stop meanwhile: `cmd_serve` tears down)."""
     from .actors.placement import deploy_workers
     from .endpoints import worker_names
     t0 = time.monotonic()
@@ -265,34 +258,30 @@ def _serve(a, spec, backend: str, device: str, then) -> int:
 
 
 def step_threads(facts: dict | None, prefix: str) -> str:
-    """Where a process's step-path threads run (scheduling.process_facts): "vCPUs 2 (last on 2), niceness 0"
-    per thread whose name starts with `prefix`; "-" when there is none."""
+    """Where the threads named `prefix`* run (scheduling.process_facts), "-" when there is none."""
     from .scheduling import threads_named
     return "; ".join(f"vCPUs {t['allowed']} (last on {t['cpu']}), niceness {t['nice']}"
                      for t in threads_named(facts, prefix)) or "-"
 
 
 def asleep(w: dict | None) -> str:
-    """A party's wake_ups (wake_ups.py) in a few words."""
     if not w:
         return "no STEPs counted yet"
     return f"{w['after_sleep']} of {w['steps']} STEPs found it asleep (spin {w['spin_ms']:g} ms)"
 
 
-STATUS_TIMEOUT_S = 2.0      # how long `status` waits for the front-ends, all asked at once
+STATUS_TIMEOUT_S = 2.0      # for the front-ends, all asked at once
 
 
 def cmd_status(a) -> int:
-    """Every worker of the deployment: where it runs (node, cards), whether it serves, and its front-end's account.
-    Exit 0 when every worker serves, 3 when one does not (waiting for room, restarting, its node dead, ...), 1 when
-    there is no such deployment."""
+    """Every worker: where it runs, whether it serves, its front-end's account (exit codes: docs/operations.md)."""
     import ray
     from .actors.survey import SERVING, survey
     print(connect_ray(a.address, False), file=sys.stderr)
     try:
         rows = survey(a.name, timeout_s=STATUS_TIMEOUT_S)
     finally:
-        ray.shutdown()          # (at exit Ray's own hook takes ~0.8 s longer to let go)
+        ray.shutdown()          # sooner than Ray's own hook at exit
     if rows is None:
         print(f"no deployment named {a.name!r}", file=sys.stderr)
         return 1
@@ -312,7 +301,6 @@ def cmd_status(a) -> int:
 
 
 def _where(r: dict) -> str:
-    """A worker's node, cards and endpoint in a few words."""
     node = (f"node {r['node_id'][:8]} ({r['node_ip']}{', dead' if r['node_alive'] is False else ''})"
             if r["node_id"] else "no node yet")
     cards = [str(c) for rank in r["cards"] or [] for c in rank]
@@ -354,8 +342,7 @@ def _matmul(m: dict | None) -> str:
 
 
 def cmd_endpoints(a) -> int:
-    """The deployment's current STEP endpoints from the cluster's endpoint table (no Ray driver: only the GCS is
-    asked): comma-separated, "-" for a worker that does not serve now; --json: {worker: endpoint or null}."""
+    """The deployment's STEP endpoints from the endpoint table (only the GCS is asked, no Ray driver)."""
     from .endpoints import Directory
     try:
         eps = Directory(a.address).endpoints(a.name)
@@ -418,7 +405,6 @@ def cmd_layout(a) -> int:
 
 
 def cpu_list(text: str) -> list[int]:
-    """"9,12" -> [9, 12] (for the step path's pinned vCPUs)."""
     return [int(c) for c in text.split(",") if c.strip()]
 
 
@@ -459,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                              "pair rank of the full preset), all, off, or a row count (the lower ids)")
         sp.add_argument("--name", default="dspark")
         sp.add_argument("--device", choices=["cpu", "cuda"])
-        # (checked by PairSpec against comm.factory.BACKENDS: importing that here would cost `status` torch's import)
+        # No choices=: comm.factory would cost `status` torch's import; PairSpec checks it.
         sp.add_argument("--backend", help="the pair's collectives: gloo (CPU) or push (NVLink)")
         sp.add_argument("--collective-timeout", type=float, default=10.0)
         sp.add_argument("--rank-cpus", type=cpu_list, help="vCPUs for the ranks' step loops, one per rank: 9,12")
@@ -509,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--shm", action="store_true", help="requests through shared memory (the endpoint's host only)")
     sp.set_defaults(fn=cmd_step)
-    # synth has its own parser (weights/synth.py, which imports torch): main() hands it its arguments first.
+    # synth's own parser is weights/synth.py's (it imports torch): main() hands it its arguments first.
     sub.add_parser("synth", help="write a deterministic synthetic checkpoint (dspark-ray synth --help)")
     sp = sub.add_parser("layout", help="what each rank holds, from the layout table")
     sp.add_argument("--preset", choices=["tiny", "full"], default="full")

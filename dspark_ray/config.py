@@ -1,8 +1,5 @@
-"""The drafter's configuration, read from a DeepSeek-V4-style `config.json`.
-
-Field names follow the checkpoint's own config (spec section 1). Two presets: `tiny` (CPU tests, every code path;
-spec section 8) and `full` (the V4.1-Flash drafter; spec section 7). Validation names the field, the value and the
-rule it breaks, so a bad config is refused before any weight is read.
+"""The drafter's configuration, read from a DeepSeek-V4-style `config.json` (field names as the checkpoint's) and
+validated before any weight is read; presets `tiny` (every code path on a CPU) and `full` (V4.1-Flash's drafter).
 """
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ from typing import Any
 
 
 class ConfigError(ValueError):
-    """A config field breaks a rule; the message names the field, the value and the rule."""
+    """A config field breaks a rule."""
 
 
 @dataclass(frozen=True)
@@ -40,9 +37,7 @@ class DrafterConfig:
     hc_eps: float = 1e-6
     n_shared_experts: int = 1
     routed_scaling_factor: float = 1.0
-    # The router this drafter implements (model/moe.py: sqrt(softplus) scores, a bias added for the top-k choice
-    # only, as exllamav3's deepseek_v4.py asserts). Read so that a checkpoint naming another is refused, not served
-    # with these.
+    # Read so that a checkpoint naming another router than model/moe.py's is refused, not served with it.
     scoring_func: str = "sqrtsoftplus"
     topk_method: str = "noaux_tc"
     swiglu_limit: float = 10.0
@@ -53,11 +48,10 @@ class DrafterConfig:
     dspark_markov_rank: int = 256
     dspark_target_layer_ids: tuple[int, ...] = ()
     tie_word_embeddings: bool = False
-    # Not a checkpoint field: the longest position the worker serves (sizes the RoPE table on a GPU engine).
+    # Not a checkpoint field: the longest position served (sizes the RoPE table).
     max_model_len: int = 1 << 20
     architecture: str = "DeepseekV4ForCausalLM"
 
-    # ---- derived -----------------------------------------------------------------------------------------------
     @property
     def n_blocks(self) -> int:
         """Drafter blocks: the compress_ratios entries past the trunk's layers."""
@@ -83,7 +77,6 @@ class DrafterConfig:
     def block_size(self) -> int:
         return self.dspark_block_size
 
-    # ---- validation --------------------------------------------------------------------------------------------
     def validate(self) -> "DrafterConfig":
         def need(ok: bool, name: str, rule: str) -> None:
             if not ok:
@@ -120,7 +113,6 @@ class DrafterConfig:
         need(self.max_model_len > 0, "max_model_len", "must be > 0")
         return self
 
-    # ---- (de)serialisation -------------------------------------------------------------------------------------
     def to_json_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["compress_ratios"] = list(self.compress_ratios)
@@ -130,9 +122,8 @@ class DrafterConfig:
         return d
 
     def digest(self) -> str:
-        """Hash of every field that changes the drafter's output (max_model_len excluded: it only sizes tables; the
-        router's scoring_func / topk_method too: validate() admits one value each, and checkpoints written before
-        they were read keep their digest)."""
+        """Hash of every field that changes the drafter's output; not max_model_len (it sizes tables) nor the router
+        fields, which validate() pins (so older checkpoints keep their digest)."""
         d = self.to_json_dict()
         for k in ("max_model_len", "scoring_func", "topk_method"):
             d.pop(k)
@@ -146,11 +137,7 @@ _FIELDS = {f.name for f in dataclasses.fields(DrafterConfig)}
 
 
 def from_dict(raw: dict[str, Any], **overrides) -> DrafterConfig:
-    """Read a DeepSeek-V4-style config dict, flat or with a nested `text_config` (V4.1 layout).
-
-    The drafter-specific `dspark_n_routed_experts` / `dspark_num_experts_per_tok` win over the trunk's MoE fields
-    when present (V4.1: drafter 128 experts top-3, trunk 384 top-6).
-    """
+    """A config dict, flat or with a `text_config` (V4.1); `dspark_*` MoE fields win over the trunk's."""
     src = dict(raw)
     if isinstance(src.get("text_config"), dict):
         outer = {k: v for k, v in src.items() if k != "text_config"}
@@ -167,7 +154,7 @@ def from_dict(raw: dict[str, Any], **overrides) -> DrafterConfig:
     if missing:
         raise ConfigError(f"config is missing required field(s): {', '.join(missing)}")
     if kw.get("rope_scaling") is not None:
-        kw.pop("rope_scaling")      # not used by the drafter's sliding blocks (spec section 1)
+        kw.pop("rope_scaling")      # not used by the drafter's sliding blocks
     kw["compress_ratios"] = tuple(int(x) for x in kw["compress_ratios"])
     kw["dspark_target_layer_ids"] = tuple(int(x) for x in kw.get("dspark_target_layer_ids", ()))
     kw.update(overrides)
@@ -179,7 +166,7 @@ def from_dict(raw: dict[str, Any], **overrides) -> DrafterConfig:
 
 
 def load_config(path: str | Path, **overrides) -> DrafterConfig:
-    """Read `config.json` (a file, or a checkpoint directory holding one)."""
+    """Read `config.json`, or a checkpoint directory's."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
@@ -188,7 +175,7 @@ def load_config(path: str | Path, **overrides) -> DrafterConfig:
 
 
 def tiny() -> DrafterConfig:
-    """Spec section 8: the same structure as `full` at a size where the CPU runs every code path."""
+    """The same structure as `full` at a size where the CPU runs every code path."""
     return DrafterConfig(
         vocab_size=4096, hidden_size=256, num_attention_heads=8, head_dim=128, qk_rope_head_dim=64,
         q_lora_rank=128, o_groups=4, o_lora_rank=128, sliding_window=8,
@@ -202,7 +189,7 @@ def tiny() -> DrafterConfig:
 
 
 def full() -> DrafterConfig:
-    """Spec section 7: the DeepSeek-V4.1-Flash drafter (3 blocks, 128 experts top-3, vocab 129280, hidden 5120)."""
+    """The DeepSeek-V4.1-Flash drafter."""
     return DrafterConfig(
         vocab_size=129280, hidden_size=5120, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
         q_lora_rank=1280, o_groups=8, o_lora_rank=1024, sliding_window=128,

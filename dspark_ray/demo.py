@@ -1,9 +1,5 @@
-"""The scripted demo client: what a serving engine does each decode round, against a running endpoint.
-
-HELLO (checks the model identity), acquire a slot per request, then per round one STEP with each request's newly
-accepted rows (token ids + synthetic trunk taps) and a seed token; print the drafts and confidences; release.
-`endpoint` may name several workers, comma-separated: the requests' slots are then spread over them (a
-DrafterPool, as an engine in front of `serve --pairs N` would use).
+"""The scripted demo client: what a serving engine does each decode round (HELLO, ACQUIRE, a STEP a round with
+synthetic taps, RELEASE), against one endpoint or several, comma-separated (a DrafterPool).
 """
 from __future__ import annotations
 

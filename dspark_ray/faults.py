@@ -1,16 +1,7 @@
-"""Fault injection for tests, chaos runs and demos: off by default, switched per rank at run time.
-
-| kind                 | what the rank does at its next step(s)                                            |
-|----------------------|-----------------------------------------------------------------------------------|
-| `raise`              | raises after its last collective: the step fails, the pair stays in step          |
-| `raise_early`        | raises before its first collective: its peer waits in a collective until timeout  |
-| `collective_timeout` | sleeps inside its first collective past the collective timeout (both sides fail)  |
-| `stall`              | sleeps `seconds` inside the step (the front-end's watchdog must fire)             |
-| `kill`               | the process exits at once (a dead rank actor)                                     |
-| `flag_never_raised`  | push only: the rank's all-reduce never raises its flag / sends its payload to the   |
-|                      | peer (a lost store): the peer's bounded wait fires, the error bits reach both ranks |
-
-`count` bounds how many steps the fault fires on (default: every step until cleared with kind None).
+"""Fault injection for tests, chaos runs and demos, armed per rank at run time. At the rank's next step(s):
+`raise` after its last collective (the pair stays in step); `raise_early` before its first (the peer waits out the
+collective timeout); `collective_timeout` sleeps in its first collective past it; `stall` sleeps `seconds` (the
+watchdog fires); `kill` exits; `flag_never_raised` (push only) loses a store, so the peer's bounded wait fires.
 """
 from __future__ import annotations
 
@@ -25,7 +16,7 @@ class InjectedFault(RuntimeError):
 
 
 def install(worker, kind: str | None, count: int | None = None, seconds: float = 30.0) -> str:
-    """Arm `kind` on a RankWorker's engine (None disarms). Returns a one-line description for the log."""
+    """Arm `kind` on a RankWorker's engine for `count` steps (None: until disarmed with kind None)."""
     eng = worker.engine
     eng.fault_hook = None
     eng.coll.fault = None

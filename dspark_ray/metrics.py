@@ -1,14 +1,6 @@
-"""The front-end's Prometheus metrics, exported through Ray's metrics agent off the step path.
-
-A `ray.util.metrics` call costs microseconds in a Ray worker, so a few calls per STEP would be a few per cent of a
-STEP's host path (docs/operations.md, "How they are kept, and what it costs"). So the step path only bumps
-plain ints (`StepService.stats`, `TcpServer.counts`) and appends its latency to a deque (`StepService.step_ns`);
-`Exporter`, a daemon thread of the front-end actor, wakes every second and turns what changed into Counter.inc(delta),
-one Histogram.observe per STEP drained from the deque, and Gauge.set. No `status` call is needed for any of it.
-
-Ray prefixes every name with "ray_" on each node's Prometheus endpoint (`ray.nodes()`'s "MetricsExportPort") and
-adds its own labels (WorkerId, NodeAddress, ...); each metric carries a `pair` label, the front-end's name.
-docs/operations.md lists them.
+"""The front-end's Prometheus metrics through Ray's metrics agent (docs/operations.md, "Metrics"). A metrics call
+per STEP would cost a few per cent of its host path, so the step path bumps plain ints and a deque, and `Exporter`
+turns what changed into metric calls once a second.
 """
 from __future__ import annotations
 
@@ -18,30 +10,25 @@ import time
 
 log = logging.getLogger("dspark_ray.metrics")
 
-# What the step path counts (StepService.stats keys), as counters of their own.
 SERVICE_COUNTERS = {"steps": "STEPs past the STEP-level checks",
                     "entries": "entries run on the pair",
                     "batches": "batches run on the pair"}
-# One answer per entry, and one per request refused whole, by its code (the `code` label; StepService.stats keys).
 ANSWER_CODES = ("ok", "bad_entry", "stale", "internal", "unavailable", "deadline", "overloaded")
 TCP_COUNTERS = {"connections": "connections accepted by the STEP endpoint",
                 "bad_frames": "connections closed for a bad frame",
                 "connections_refused": "connections refused at the endpoint's limit (serve --max-connections)",
                 "idle_sessions_closed": "sessions closed after serve --idle-timeout without a request"}
-# A STEP's time in the front-end, its frame's arrival to its reply built: ~80 us of host path on an instant pair,
-# 1-2 ms on the H200 pair, tens of ms for the CPU test pair.
+# From an instant pair's host path to the CPU test pair's tens of ms.
 STEP_SECONDS_BOUNDS = [5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5, 2.0]
 RESTART_SECONDS_BOUNDS = [1, 2, 5, 10, 20, 60]
-# The exporter holds the interpreter lock while it observes; every OBSERVE_SLICE observations (~50 us) it sleeps
-# briefly, so that a STEP thread waiting for the lock waits one slice at most (else up to the 5 ms switch interval).
+# A pause every slice of observations: a STEP thread waits one slice for the GIL, not the 5 ms switch interval.
 OBSERVE_SLICE = 32
 SLICE_PAUSE_S = 50e-6
 ERROR_LOG_EVERY_S = 600.0
 
 
 class Exporter:
-    """Exports a front-end's counts, levels and step latencies every `interval_s`. `metrics`: the module holding
-    Counter, Gauge and Histogram (ray.util.metrics by default; the tests pass fakes)."""
+    """Exports a front-end's counts, levels and step latencies every `interval_s`; `metrics`: ray.util.metrics."""
 
     def __init__(self, pair: str, service, supervisor, server, interval_s: float = 1.0, metrics=None):
         if metrics is None:
@@ -69,13 +56,13 @@ class Exporter:
         for m in (*self.counters.values(), self.answers, *self.gauges.values(), self.step_seconds,
                   self.restart_seconds):
             m.set_default_tags({"pair": pair})
-        self._sent: dict[str, int] = {}          # what each count stood at when last exported
-        self._restarts_seen = 0                  # restart durations observed (Supervisor.restart_seconds)
+        self._sent: dict[str, int] = {}          # each count when last exported
+        self._restarts_seen = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error_logged = -ERROR_LOG_EVERY_S
         self.exports = 0
-        self.cpu_ns = 0                          # the exports' CPU time (their cost, on a core beside the step path's)
+        self.cpu_ns = 0                          # the exports' CPU time
 
     def start(self) -> "Exporter":
         self._thread = threading.Thread(target=self._loop, name=f"dspark-metrics:{self.pair}", daemon=True)
@@ -85,7 +72,6 @@ class Exporter:
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread, after one last export of what is counted by now."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
@@ -108,9 +94,7 @@ class Exporter:
         self.cpu_ns += time.thread_time_ns() - t0
 
     def export(self) -> None:
-        """One export: counters by what they grew since the last, one observation per STEP answered since, the
-        levels as they are now. Reads the step path's plain values without its locks (a level read mid-change is
-        off by one for a second; a count is a single int)."""
+        """Reads the step path's values without its locks: a level read mid-change is off by one for a second."""
         svc, sup = self.service, self.supervisor
         stats = svc.stats
         for k in SERVICE_COUNTERS:
@@ -122,7 +106,7 @@ class Exporter:
                 self._inc(self.counters[k], k, self.server.counts[k])
             self._inc(self.counters["steps_after_sleep"], "steps_after_sleep", self.server.wake_ups.after_sleep)
         if sup is not None:
-            new = sup.restart_seconds[self._restarts_seen:]      # appended, never changed (Supervisor._restart)
+            new = sup.restart_seconds[self._restarts_seen:]      # append-only
             self._restarts_seen += len(new)
             self._inc(self.counters["restarts"], "restarts", self._restarts_seen)
             for s in new:
@@ -133,7 +117,7 @@ class Exporter:
         g["queue_depth"].set(len(svc.queue))
         g["worker_generation"].set(svc.worker_generation)
         g["unavailable"].set(1 if svc.unavailable else 0)
-        # Exactly the STEPs appended since the last export, each once: popleft takes what the step path appended.
+        # popleft: each STEP observed exactly once.
         lat = svc.step_ns
         for i in range(len(lat)):
             self.step_seconds.observe(lat.popleft() / 1e9)

@@ -1,15 +1,7 @@
-"""The ways to run the drafter, and the one place that decides which shards a process holds.
-
-| mode       | what runs                                                    | collectives                         |
-|------------|--------------------------------------------------------------|-------------------------------------|
-| `tp1`      | the whole model on one card, one GEMM per layer              | none                                |
-| `split`    | one caller holding both ranks' shards, adding the partials   | tensor ops in rank order            |
-| `emulated` | both ranks in this process, each on its own thread           | shared tensors (the pair's oracle)  |
-| `solo`     | one rank alone                                               | local stand-ins (one rank's time)   |
-| `pair`     | one rank, its peer in another process                        | gloo (CPU), push (NVLink)           |
-
-`split` is the "tp1 that computes the same two partials and adds them in rank order"; `emulated` runs the pair's
-per-rank code (each rank its own replicated work) without a second process.
+"""The ways to run the drafter, and the one place that decides which shards a process holds: `tp1` (the whole
+model); `split` (both ranks' shards in one caller, partials added in rank order); `emulated` (both ranks in this
+process, a thread each: the pair's oracle); `solo` (one rank, stand-in collectives: one rank's time); `pair` (one
+rank, its peer in another process).
 """
 from __future__ import annotations
 
@@ -28,7 +20,7 @@ MODES = ("tp1", "split", "emulated", "solo", "pair")
 
 
 def shard_weights(full: Weights, layout: Layout, rank: int) -> Weights:
-    """Rank `rank`'s view of in-memory full weights through the layout table (replicated tensors are shared)."""
+    """Rank `rank`'s view of in-memory full weights (replicated tensors are shared)."""
     out = {}
     for name, t in full.items():
         s = layout.slice_of(name, tuple(t.shape), rank)
@@ -39,14 +31,10 @@ def shard_weights(full: Weights, layout: Layout, rank: int) -> Weights:
 def read_rank(ckpt, layout: Layout, rank: int, device="cpu", shared: Weights | None = None,
               progress: Callable[[int], None] | None = None, exl3_kernels: bool | None = None,
               staging=None) -> Weights:
-    """Rank `rank`'s tensors straight from a checkpoint: only its slice of each split tensor is read. Replicated
-    tensors already read for another rank can be passed in `shared` and are reused, not read again.
-
-    EXL3 Linears stay as stored and multiply on exllamav3's kernels (`kernels/exl3_gemm.py`) when `exl3_kernels`
-    (default: on a CUDA device where exllamav3 imports); otherwise, and for wo_a's group slices, they are decoded
-    to fp16 (`weights/exl3.py`). `staging` (a `weights.staging.Staging`): plain tensors are read through it."""
-    from .kernels import exl3_gemm             # (imports exllamav3 only when it multiplies)
-    if exl3_kernels is None:        # (importing exllamav3 costs a restart seconds: only for a checkpoint that has EXL3)
+    """Rank `rank`'s slices from a checkpoint; `shared`: replicated tensors another rank read. `exl3_kernels`
+    (default: on CUDA where exllamav3 imports) keeps EXL3 Linears as stored, for exllamav3's kernels."""
+    from .kernels import exl3_gemm
+    if exl3_kernels is None:        # importing exllamav3 costs seconds of a restart: only for EXL3
         exl3_kernels = str(device).startswith("cuda") and any(exl3_gemm.on_kernels(ckpt, n) for n in ckpt.names()) \
             and exl3_gemm.available()
     out = {}
@@ -75,8 +63,7 @@ def _rank_weights(layout, ranks, full, ckpt, device) -> list[Weights]:
 
 def make_drafter(cfg: DrafterConfig, mode: str, *, full: Weights | None = None, ckpt=None, rank: int = 0,
                  coll: Collectives | None = None, device="cpu", **kw) -> Drafter:
-    """One drafter of `mode` (not `emulated`: see `make_emulated`) from in-memory full weights or a checkpoint. `kw`
-    goes to `Drafter` (its `kernels`: the exact reference unless handed others, `kernels.gemm.kernels_for`)."""
+    """One drafter of `mode` (not `emulated`) from in-memory full weights or a checkpoint; `kw` goes to `Drafter`."""
     if mode not in MODES or mode == "emulated":
         raise ValueError(f"mode {mode!r}: choose one of tp1, split, solo, pair (emulated: make_emulated)")
     layout = Layout(cfg, 1 if mode == "tp1" else 2)
@@ -91,8 +78,7 @@ def make_drafter(cfg: DrafterConfig, mode: str, *, full: Weights | None = None, 
 
 def make_emulated(cfg: DrafterConfig, *, full: Weights | None = None, ckpt=None, device="cpu",
                   timeout_s: float = 30.0, **kw) -> list[Drafter]:
-    """The emulated pair: rank 0's and rank 1's drafters, meeting through in-process collectives. Drive them with
-    `run_pair` (each rank on its own thread, as each has its own process in the real pair)."""
+    """The emulated pair's two drafters, meeting through in-process collectives; drive them with `run_pair`."""
     layout = Layout(cfg, 2)
     shards = _rank_weights(layout, [0, 1], full, ckpt, device)
     colls = ThreadCollectives.pair(timeout_s)
@@ -100,7 +86,7 @@ def make_emulated(cfg: DrafterConfig, *, full: Weights | None = None, ckpt=None,
 
 
 def run_pair(fn0: Callable[[], object], fn1: Callable[[], object]) -> tuple[object, object]:
-    """Run both ranks' work at once, one thread each; re-raise the first failure after both have ended."""
+    """Run both ranks' work at once, a thread each; re-raise the first failure after both have ended."""
     results: list = [None, None]
     errors: list = [None, None]
 

@@ -1,21 +1,5 @@
-"""Every process-wide knob of dspark-ray in one object, read once from the environment.
-
-A deployment is described by `PairSpec` and the `serve` flags; what is left are the few switches below, each a
-`DSPARK_*` environment variable. `current()` reads them the first time it is asked and keeps them; the front-end
-logs them at start-up, hands the same values to every actor it starts (`as_env`, into the actors' runtime_env, so a
-`ray start` cluster's workers see the driver's choice), and `dspark-ray status` shows them.
-
-| variable                      | default                  | what                                                          |
-|-------------------------------|--------------------------|---------------------------------------------------------------|
-| `DSPARK_CACHE`                | `~/.cache/dspark-ray`    | synthetic preset checkpoints, and the compiled push kernels (`kernels/` inside) |
-| `DSPARK_KEEP_WARM`            | `1`                      | `0`: the parties do not rehearse their step path between steps (`keep_warm.py`) |
-| `DSPARK_KEEP_WARM_US`         | `100`                    | the rehearsal period while a party waits                       |
-| `DSPARK_KEEP_WARM_HOLD_US`    | `250`                    | the first rehearsal after a real step waits this long          |
-| `DSPARK_KEEP_WARM_LAUNCH_US`  | `1000`                   | a GPU rank rehearses a graph launch this often; `0`: never     |
-| `DSPARK_STEP_GRAPHS`          | `1`                      | `0`: no step graphs (insert and draft as separate replays; the same bits) |
-| `DSPARK_PDL`                  | `1`                      | `0`: the fused kernels launch without programmatic dependent launch |
-| `DSPARK_PUSH_TIMEOUT_MS`      | the push backend's 2000  | how long a push collective waits for its peer before failing closed |
-| `DSPARK_STAMP_CPU`            | `0`                      | `1`: the parties also stamp each hop's thread CPU time (the latency bench) |
+"""The `DSPARK_*` process-wide knobs in one object, read once from the environment (docs/operations.md, "Knobs").
+The front-end hands the same values to every actor it starts, whatever a node's environment says.
 """
 from __future__ import annotations
 
@@ -56,7 +40,7 @@ class Settings:
 
     @property
     def kernel_cache(self) -> Path:
-        """Where the push kernels' compiled binaries are kept (inside the one cache folder)."""
+        """The push kernels' compiled binaries, inside the one cache folder."""
         return self.cache_dir / "kernels"
 
     @staticmethod
@@ -73,8 +57,8 @@ class Settings:
         return Settings(**got)
 
     def as_env(self) -> dict[str, str]:
-        """These settings as the environment that makes another process read the same: every knob spelt out, but
-        the cache folder only where it was set (left alone, each node keeps its own home's)."""
+        """The environment that makes another process read the same; the cache folder only where it was set, so
+        each node keeps its own home's."""
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -109,7 +93,7 @@ _current: Settings | None = None
 
 
 def current() -> Settings:
-    """This process's settings, read from its environment on first use and kept."""
+    """This process's settings, read on first use and kept."""
     global _current
     if _current is None:
         _current = Settings.from_env()
@@ -117,7 +101,7 @@ def current() -> Settings:
 
 
 def reread() -> Settings:
-    """Read the environment again (tests that change a knob between two parts of one process)."""
+    """Read the environment again (tests that change a knob mid-process)."""
     global _current
     _current = None
     return current()

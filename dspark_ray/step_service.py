@@ -1,24 +1,6 @@
-"""The front-end's logic as a plain class: sessions, slots, contract checks, batching, and the failure policy.
-
-`FrontEnd` (the Ray actor in `actors/frontend.py`) is a thin shell around `StepService`; the ranks sit behind a
-`Pair` (`ring_driver.RingDriver`: the step ring the rank actors read).
-
-Per STEP, nothing reaches a rank before every field was checked: stateless rules (contract.validate_entries),
-then the slot's owner, generation and cursor (position gap, rollback depth, drafts below max_model_len) here. This
-is the only place that checks: the ranks run what the ring hands them. The front-end's cursors are the one account
-of where each slot stands: admission computes an entry's placement (`SlotCursor.after`) into the ranks' record of it
-(`records.RingEntry`), which the ranks take as given, and the cursor takes it when the entry answers OK.
-
-A STEP that finds the pair idle and nobody queued runs as the batch on its own thread (no queue, no thread hand-off:
-each hand-off costs a wake-up of tens of microseconds). Otherwise its valid entries join one queue: while a batch
-runs, other callers' entries wait there, and the next caller to find the pair free takes every queued entry (up to
-`max_entries_per_replay`) into one batch.
-
-Every STEP is answered by its deadline, whatever the ranks do. An entry still queued when its STEP's deadline
-passes answers DEADLINE and never runs, so its slot is unchanged. A batch still on the pair at the earliest deadline
-of its entries is handed to a reaper thread, which waits on for the ranks (up to the watchdog) while the pair stays
-busy; each entry of it answers DEADLINE at its own deadline with its slot resynced (the ranks may or may not apply
-it: the reset rides the next batch, after this one), or its result if the ranks finish first.
+"""The front-end's logic (the `FrontEnd` actor is a shell around it): sessions, slots, the only contract checks
+(the ranks run what the ring hands them), batching, and the failure policy of docs/contract.md section 7.
+A STEP finding the pair idle and nobody queued runs on its own thread: a hand-off to another costs a wake-up.
 """
 from __future__ import annotations
 
@@ -39,8 +21,7 @@ log = logging.getLogger("dspark_ray.step_service")
 
 
 class PairFailure(RuntimeError):
-    """A batch did not complete on the pair. `kind`: "step" (the ranks failed the step consistently and are still
-    in step), "broken" (a rank's health latch closed), "hung" (no completion within the bound), "dead"."""
+    """A batch did not complete on the pair; `kind` is docs/contract.md's "step", "broken", "hung" or "dead"."""
 
     def __init__(self, kind: str, reason: str):
         super().__init__(f"{kind}: {reason}")
@@ -56,8 +37,7 @@ class PairLate(Exception):
 
 
 class Pair(Protocol):
-    """What the front-end drives: one batch in, rank 0's results out, or a PairFailure; PairLate when the batch
-    is still running at `deadline_ns` (time.monotonic_ns; None: no deadline)."""
+    """One batch in, rank 0's results out; PairFailure, or PairLate past `deadline_ns` (monotonic ns)."""
 
     def run(self, batch: RingBatch, deadline_ns: int | None = None) -> list[C.EntryResult]: ...
 
@@ -82,10 +62,8 @@ class _Pending:
     index: int
     entry: C.Entry
     deadline_ns: int
-    run: RingEntry                  # what the ranks run, with its slot's placement once it ran (at admission)
-    # Set inside a batch only; a waiter wakes on the service's `_turn` condition, notified when a batch ends (a
-    # plain flag: an Event per entry cost a few us of every STEP).
-    done: bool = False
+    run: RingEntry                  # what the ranks run, with the placement computed at admission
+    done: bool = False              # a plain flag, waited on through `_turn`: an Event per entry cost every STEP
     result: C.EntryResult | None = None
     seq: int | None = None          # the pair's step (ring seq) it ran in
     taken: bool = False             # in a batch (no longer in the queue)
@@ -95,7 +73,6 @@ class StepService(C.StepHandler):
     def __init__(self, identity: Identity, limits: C.Limits, pair: Pair | None, *, window: int,
                  on_failure: Callable[[PairFailure, list[int]], None] | None = None,
                  observer: ServiceObserver | None = None):
-        """`observer` (observers.ServiceObserver; the front-end's records stamps) sees every STEP."""
         self.identity, self.limits, self.pair = identity, limits, pair
         self.observer = observer or ServiceObserver()
         self.slots = [_Slot(SlotCursor(window, limits.max_rows_per_entry)) for _ in range(limits.slot_capacity)]
@@ -109,16 +86,11 @@ class StepService(C.StepHandler):
         self.worker_generation = 0
         self.unavailable: str | None = None if pair is not None else "starting"
         self.on_failure = on_failure
-        # Counts that only grow, bumped as plain ints (metrics.py exports them off the step path): STEPs past the
-        # STEP-level checks, entries and batches run on the pair, and one answer per entry by its code (plus one per
-        # request refused whole: a STEP breaking a STEP-level rule counts as bad_entry, an ACQUIRE without enough
-        # free slots as overloaded).
+        # Plain ints that only grow, exported off the step path by metrics.py.
         self.stats = {"steps": 0, "entries": 0, "batches": 0, "ok": 0, "bad_entry": 0, "stale": 0, "internal": 0,
                       "unavailable": 0, "deadline": 0, "overloaded": 0,
                       "batch_sizes": [0] * (limits.max_entries_per_replay + 1)}
-        # Per STEP past the STEP-level checks: ns from its frame's arrival to its reply built, drained by the
-        # metrics exporter into its histogram (popleft, so none is counted twice). The bound only bites when
-        # nothing drains it: the exporter empties it every second.
+        # Arrival-to-reply ns per STEP; metrics.py drains it every second (the bound bites only if nothing drains).
         self.step_ns: collections.deque[int] = collections.deque(maxlen=1 << 16)
         self.last_errors: list[str] = []
 
@@ -177,7 +149,7 @@ class StepService(C.StepHandler):
         return C.ReleaseReply(released=done)
 
     def close_session(self, session: int) -> int:
-        """Free the session's slots; returns how many (the transport logs the session's closing line)."""
+        """Free the session's slots; returns how many."""
         with self.lock:
             held = [i for i, s in enumerate(self.slots) if s.owner == session]
             for i in held:
@@ -186,13 +158,11 @@ class StepService(C.StepHandler):
         return len(held)
 
     def _free(self, i: int) -> None:
-        """Give slot i back (release, closed session); its context goes with it. Caller holds the lock."""
         self.slots[i].owner = None
         self._resync(i)
 
     def _resync(self, i: int) -> None:
-        """Forget slot i's context everywhere: bump its generation, reset the cursor here and the rows on the
-        ranks (with the next batch). Caller holds the lock."""
+        """Forget slot i's context here now and on the ranks with the next batch. Caller holds the lock."""
         c = self.slots[i].cursor
         c.reset()
         c.generation += 1
@@ -229,7 +199,6 @@ class StepService(C.StepHandler):
                     pend.append(_Pending(k, e, deadline, run))
         observer.admitted()
         with self._turn:
-            # The pair idle and nobody queued: this STEP is the batch (no queue round trip).
             alone = 0 < len(pend) <= self.limits.max_entries_per_replay and not self._running and not self.queue
             if alone:
                 self._running = True
@@ -244,7 +213,7 @@ class StepService(C.StepHandler):
             results[p.index] = p.result
         reply = C.StepReply(results=results)  # type: ignore[arg-type]
         observer.replied(pend[0].seq if pend else None)
-        self.step_ns.append(now() - received_ns)        # the latency histogram's sample (metrics.py)
+        self.step_ns.append(now() - received_ns)
         return reply
 
     def rehearse(self, msg: C.Step) -> None:
@@ -253,8 +222,7 @@ class StepService(C.StepHandler):
         C.validate_entries(msg, self.limits)
 
     def _admit(self, session: int, e: C.Entry, why: str | None) -> C.EntryResult | RingEntry:
-        """The stateful checks (caller holds the lock): the ranks' record of the entry with its placement (its
-        slot's (base, position) once it ran) to run it, else its answer."""
+        """The stateful checks (caller holds the lock): the entry as the ranks run it, or its answer."""
         if why:
             self.stats["bad_entry"] += 1
             known = 0 <= e.slot < len(self.slots)      # every answer for a real slot carries its generation
@@ -279,7 +247,6 @@ class StepService(C.StepHandler):
         if w:
             self.stats["bad_entry"] += 1
             return C.error_result(C.Code.BAD_ENTRY, f"slot {e.slot}: {w}", gen)
-        # p0, where the seed will sit: for an entry with rows the stateless check saw the same (start_pos + rows).
         placed = slot.cursor.after(e.start_pos, e.rows, e.rollback_to)
         w = C.draft_reach(e.slot, placed[1], e.n_out, self.limits.max_model_len)
         if w:
@@ -289,8 +256,7 @@ class StepService(C.StepHandler):
 
     # -- batches ---------------------------------------------------------------------------------------------------
     def _drive(self, p: _Pending) -> None:
-        """Return once `p` is answered, by its deadline: run a batch on this thread whenever the pair is free, else
-        wait for the running batch to end (its caller may have taken `p` along)."""
+        """Return once `p` is answered, by its deadline; run a batch on this thread whenever the pair is free."""
         while not p.done:
             with self._turn:
                 while self._running and not p.done:
@@ -306,8 +272,7 @@ class StepService(C.StepHandler):
             self._take_turn(batch)
 
     def _expire(self, p: _Pending) -> None:
-        """`p`'s deadline passed before its answer (caller holds `_turn`). Still queued: DEADLINE, nothing ran. In a
-        batch: DEADLINE and its slot resynced, since the ranks may still apply it."""
+        """Past the deadline (caller holds `_turn`): in a batch its slot is resynced, as the ranks may still run it."""
         with self.lock:
             if p.done:
                 return
@@ -324,8 +289,7 @@ class StepService(C.StepHandler):
             p.done = True
 
     def _take_turn(self, batch: list[_Pending]) -> None:
-        """Run `batch` on the pair (the caller has set `_running`); then free the pair and wake the waiters, unless
-        the batch outlived its deadline and a reaper now holds the pair."""
+        """Run `batch` (caller set `_running`); free the pair after, unless a reaper now holds it."""
         handed_off = False
         try:
             handed_off = self._dispatch(batch)
@@ -342,8 +306,7 @@ class StepService(C.StepHandler):
             self._turn.notify_all()
 
     def _take_batch(self) -> list[_Pending]:
-        """Up to `max_entries_per_replay` queued entries, oldest first (caller holds `_turn`). A slot has at most
-        one entry in flight (checked at admission), so a batch never holds a slot twice."""
+        """Oldest queued entries first (caller holds `_turn`); admission keeps one entry per slot in flight."""
         n = min(len(self.queue), self.limits.max_entries_per_replay)
         batch = [self.queue.popleft() for _ in range(n)]
         for p in batch:
@@ -365,8 +328,7 @@ class StepService(C.StepHandler):
 
     def _run(self, live: list[_Pending]) -> bool:
         with self.lock:
-            # An entry its waiter expired is left out, under the lock its resync takes: a slot reset gathered here
-            # then never precedes an entry of the same slot in this batch that its waiter gave up on.
+            # Under the resync's lock, so a reset gathered here never precedes an expired entry of its slot.
             live = [p for p in live if not p.done and not self._resynced(p)]
             if not live:
                 return False
@@ -386,8 +348,7 @@ class StepService(C.StepHandler):
         return False
 
     def _resynced(self, p: _Pending) -> bool:
-        """`p`'s slot was resynced since its admission (a failed batch resynced every slot, the slot was released):
-        its placement is void. It answers STALE_GENERATION without running (caller holds the lock)."""
+        """`p`'s slot was resynced since admission, voiding its placement: STALE_GENERATION (caller holds the lock)."""
         slot = self.slots[p.entry.slot]
         if p.entry.generation == slot.cursor.generation:
             return False
@@ -400,8 +361,7 @@ class StepService(C.StepHandler):
         return True
 
     def _hand_off(self, live: list[_Pending], resets: list[int], resume: Callable[[], list[C.EntryResult]]) -> None:
-        """The batch outlived its earliest deadline: a reaper thread waits on for it and ends the turn; the entries
-        past their deadline answer now (the others at theirs, in _drive, or with the batch's results)."""
+        """A reaper thread waits on for the late batch and ends the turn; entries past their deadline answer now."""
         log.warning("a batch of %d entries is still on the pair at its deadline: answering DEADLINE, waiting on "
                     "for the ranks (watchdog)", len(live))
         with self._turn:
@@ -425,8 +385,6 @@ class StepService(C.StepHandler):
         threading.Thread(target=reap, name="dspark-late-batch", daemon=True).start()
 
     def _finish_batch(self, live: list[_Pending], resets: list[int], results: list[C.EntryResult]) -> None:
-        """Answer the batch's entries from rank 0's results (those not expired meanwhile) and move their cursors to
-        the placements the ranks took."""
         if len(results) != len(live):       # answers are matched by position: never pair up a short list
             raise PairFailure("broken", f"rank 0 answered {len(results)} entries of a batch of {len(live)}")
         if self.on_failure:
@@ -449,8 +407,6 @@ class StepService(C.StepHandler):
                 p.done = True
 
     def _fail_batch(self, live: list[_Pending], resets: list[int], f: PairFailure) -> None:
-        """The batch failed closed: INTERNAL for its entries still waiting, their slots (every slot, unless both
-        ranks failed the step alike) resynced, and the supervisor told."""
         msg = f"batch failed closed ({f.kind}): {f.reason}"
         self.last_errors = (self.last_errors + [msg])[-10:]
         log.warning("%s; its entries still waiting answer INTERNAL, their slots are resynced", msg)
@@ -465,8 +421,7 @@ class StepService(C.StepHandler):
             self.on_failure(f, [p.entry.slot for p in live])
 
     def _answer_internal(self, entries: list[_Pending], msg: str) -> None:
-        """Fail these entries closed: INTERNAL, and their slots resynced (the ranks may or may not have run them).
-        An entry its waiter answered meanwhile (DEADLINE) keeps that answer."""
+        """INTERNAL and a resynced slot (the ranks may have run them), unless already answered DEADLINE."""
         with self.lock:
             for p in entries:
                 if p.done:
@@ -478,7 +433,7 @@ class StepService(C.StepHandler):
                 p.done = True
 
     def _finish(self, p: _Pending, stat: str, code: C.Code, reason: str) -> None:
-        """Answer `p` without running it (its slot unchanged), unless its waiter answered it meanwhile."""
+        """Answer `p` without running it (its slot unchanged)."""
         with self.lock:
             if p.done:
                 return

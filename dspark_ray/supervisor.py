@@ -1,11 +1,7 @@
-"""The failure policy: when a failed batch becomes a pair restart.
+"""The failure policy (docs/contract.md, "Supervision"): when a failed batch becomes a pair restart.
 
-A step the ranks failed consistently ("step": the pair is still in step) counts toward a threshold of consecutive
-failures (3 by default, as seed 000's systemd policy); a closed health latch ("broken"), a hung step ("hung") or a
-dead rank ("dead") restarts at once, since the ranks' replicated state may have diverged. A success resets the
-count. The restart itself (kill both ranks, recreate them in the same placement group, redo the start-up
-handshake, reload) is the caller's `restart` function; it runs on its own thread, and the service answers
-UNAVAILABLE meanwhile.
+"step" failures (the pair still in step) restart after `threshold` in a row; "broken", "hung" and "dead" at once,
+since the ranks' replicated state may have diverged. `restart` runs on its own thread; entries answer UNAVAILABLE.
 """
 from __future__ import annotations
 
@@ -24,10 +20,9 @@ class Supervisor:
         self.service, self.restart_fn, self.threshold = service, restart, threshold
         self.consecutive = 0
         self.restarts = 0
-        self.restart_seconds: list[float] = []     # appended once per restart (metrics.py reads it from a cursor)
+        self.restart_seconds: list[float] = []     # append-only: metrics.py reads it from a cursor
         self.attempts = 3
-        # The last restart's stamps (wall-clock seconds): the failure seen, each attempt begun, serving again; why.
-        self.last_restart: dict = {}
+        self.last_restart: dict = {}               # wall-clock stamps: failure seen, each attempt, serving again
         self._lock = threading.Lock()
         self._restarting = False
         service.on_failure = self.observe
@@ -63,8 +58,7 @@ class Supervisor:
             except Exception as e:
                 log.error("pair restart attempt %d failed: %s: %s", attempt + 1, type(e).__name__, e)
                 self.service.last_errors = (self.service.last_errors + [f"restart failed: {e}"])[-10:]
-                # The second attempt at once (a rank killed while it started is a new failure, not a slow
-                # resource: bench/restart.py --kills-during-restart), later ones 0.5 s, 1 s, ... after.
+                # The second attempt at once: a rank killed while it started is a new failure, not a slow resource.
                 if attempt:
                     time.sleep(min(5.0, 0.5 * 2 ** (attempt - 1)))
         dt = time.monotonic() - t0

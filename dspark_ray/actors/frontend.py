@@ -1,7 +1,5 @@
-"""The front-end actor: owns the step ring, the rank actors of its pair, the STEP endpoint and the supervisor.
-
-The step service drives the pair through a `RingDriver` (one publish, one wait for the completions, no Ray call);
-a `PairLauncher` does the Ray part at the edges (create, load, connect and serve the rank actors; restart them).
+"""The front-end actor: owns the step ring, its pair's rank actors, the STEP endpoint and the supervisor. Per step
+no Ray call: the service drives the pair through a `RingDriver`; `PairLauncher` does the Ray part at the edges.
 """
 from __future__ import annotations
 
@@ -36,13 +34,10 @@ def frontend_actor_class():
 
     @ray.remote(max_concurrency=8)
     class FrontEnd:
-        """A thin shell: a StepService + Supervisor driving a pair's ring, served over TCP."""
-
         def __init__(self, spec: dict, host: str = "127.0.0.1", port: int = 0, name: str = "dspark",
                      pg=None, rank_bundles=None, rank_resources=None, restart_threshold: int = 3):
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-            # A thread woken to answer a STEP by its deadline takes the GIL within 0.5 ms of asking, not the default
-            # 5 ms, whatever another thread of the front-end is running.
+            # A thread woken to answer a STEP by its deadline gets the GIL within 0.5 ms, not 5.
             sys.setswitchinterval(0.0005)
             import ray
             from ..config import load_config
@@ -66,11 +61,8 @@ def frontend_actor_class():
                                         slot_bytes=ring_slot_bytes(self.limits), n_slots=4, spin_us=self.spec.spin_us)
             self.pair = PairLauncher(self.spec, self.ring, pg, rank_bundles, rank_resources, name)
             self.pair.checkpoint_files = ck.files()
-            # Hung-step bound: a collective's own timeout plus slack, so a timed-out collective reports itself
-            # ("broken") before the watchdog calls the step hung.
+            # Past a collective's own timeout, so a timed-out collective reports "broken" before the step is "hung".
             step_bound_s = self.spec.step_timeout_s or self.spec.collective_timeout_s * 2 + 5.0
-            # What the endpoint's parties show (recorders.py): their per-step stamps (`stamps`), the STEPs that found
-            # the endpoint asleep, and the rehearsals of the last STEP's host path while its threads wait.
             self.keep_warm = KeepWarm(f"front-end {name}")
             self.recorders = {"service": ServiceRecorder(), "ring": DriverRecorder(self.keep_warm)}
             self.driver = RingDriver(self.ring, step_bound_s, on_fail=self.pair.kill, observer=self.recorders["ring"])
@@ -78,7 +70,7 @@ def frontend_actor_class():
                                        observer=self.recorders["service"])
             self.recorders["tcp"] = ServerRecorder(f"front-end {name} endpoint", self.spec.spin_us, self.keep_warm,
                                                    checks=self.service.rehearse)
-            # A restarted one-card rank captures the graphs of the last batches' shapes first (rank_worker.py).
+            # A restarted one-card rank captures the last batches' shapes first.
             self.supervisor = Supervisor(self.service, lambda: self.pair.restart(self.driver.recent_shapes()),
                                          threshold=restart_threshold)
             cpus = self.spec.frontend_cpus
@@ -103,12 +95,9 @@ def frontend_actor_class():
             self._publish("starting")
             self.started = False
             self.load_progress = []
-            # Prometheus metrics, exported by a thread of their own every second (metrics.py).
             self.metrics = Exporter(name, self.service, self.supervisor, self.server).start()
             if reconstructed:
-                # Ray restarted this front-end after it died: whatever is left of the old pair is killed (by
-                # name, in start) and a new pair is brought up: on the same endpoint on the node it served on, else
-                # where `_ports` found room (the endpoint table tells clients).
+                # Ray restarted this front-end: start() kills what is left of the old pair by name.
                 log.warning("front-end %s was restarted by Ray: recreating its pair", name)
                 # The old generation died with the old process; a clock-based one is still new to every client.
                 self.service.worker_generation = int(time.time())
@@ -116,14 +105,13 @@ def frontend_actor_class():
                 threading.Thread(target=self.start, name="dspark-recover", daemon=True).start()
 
         def start(self) -> str:
-            """Bring the pair up and open the endpoint; returns "host:port"."""
             if self.started:
                 return self.server.endpoint
             self.pair.progress_cb = lambda p: setattr(self, "load_progress", p)
             self.pair.start()
             self.service.pair = self.driver
             self.service.unavailable = None
-            # The accept thread starts from this one and its connection threads from it: they inherit niceness 0.
+            # The endpoint's threads start from this one and inherit niceness 0.
             raise_priority(f"front-end {self.name} endpoint")
             self.server.start()
             self.started = True
@@ -133,9 +121,8 @@ def frontend_actor_class():
             return self.server.endpoint
 
         def _ports(self, port: int, reconstructed: bool) -> list[int]:
-            """The ports to try, in order: the port asked for (0: a free one). After Ray restarted this front-end,
-            first the port it served on if that was on this node (a fixed-endpoint client finds it again), and a
-            free one last: the deployment's table tells clients where it is."""
+            """Ports to try. After a Ray restart, first the one served on, if on this node (a fixed-endpoint client
+            finds it again), and a free one last (the endpoint table tells clients)."""
             if not reconstructed:
                 return [port]
             try:
@@ -147,7 +134,6 @@ def frontend_actor_class():
             return list(dict.fromkeys(first + [port, 0]))
 
         def _publish(self, state: str) -> None:
-            """This worker's entry in the endpoint table (endpoints.py): where it serves, or that it is starting."""
             try:
                 self.directory.publish_worker(
                     self.name, state=state, endpoint=self.server.endpoint if state == "serving" else None,
@@ -160,7 +146,6 @@ def frontend_actor_class():
             return self.server.endpoint
 
         def node(self) -> str:
-            """The IP address of the node this front-end runs on."""
             return self.node_ip
 
         def progress(self):
@@ -188,7 +173,7 @@ def frontend_actor_class():
             return msg
 
         def stamps(self) -> dict:
-            """Recent per-step stamps of every party behind this endpoint (bench/step_latency.py joins them)."""
+            """Recent per-step stamps of every party behind this endpoint (bench/step_latency.py)."""
             import ray
             return {**{party: r.stamps.recent() for party, r in self.recorders.items()},
                     "ranks": ray.get([a.stamps.remote() for a in self.pair.ranks], timeout=10)}

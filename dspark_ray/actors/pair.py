@@ -1,7 +1,5 @@
-"""`PairLauncher`: the Ray side of one pair. It creates the rank actors in their placement-group bundles, loads,
-connects and serves them on the step ring, and on a restart kills them and does it again. Per step it does nothing:
-that is `ring_driver.RingDriver`.
-"""
+"""`PairLauncher`: starts one pair's rank actors in their bundles, serves them on the step ring, and on a restart
+kills them and starts them again (from spares where there are). The step path is `ring_driver.RingDriver`'s."""
 from __future__ import annotations
 
 import logging
@@ -25,42 +23,34 @@ def _free_port() -> int:
 
 
 class PairLauncher:
-    """The rank actors of one pair, serving `ring`."""
-
     def __init__(self, spec: PairSpec, ring: StepRing, pg=None, rank_bundles: list[int] | None = None,
                  rank_resources=None, name: str = "dspark"):
         self.spec, self.ring, self.pg, self.name = spec, ring, pg, name
         self.rank_bundles = rank_bundles or list(range(spec.tp))
         self.rank_resources = rank_resources or {"num_cpus": 0.5}
         self.ranks: list = []
-        self.placement: list[dict] = []    # per rank: its node and cards (RankActor.placement)
+        self.placement: list[dict] = []    # per rank: its node and cards
         self.progress_cb = None
-        # The last start-up's stamps (wall-clock seconds): begun, old ranks gone, actors asked for, loaded,
-        # connected, serving (bench/restart.py lays them out beside the ranks' own).
-        self.startup: dict[str, float] = {}
-        self.checkpoint_files: list[str] = []       # (read ahead on a restart; the front-end sets them)
-        self.spares: list[_Spares] = []    # sets of spare rank actors (one per rank), oldest first
+        self.startup: dict[str, float] = {}         # the last start-up's wall-clock stamps (bench/restart.py)
+        self.checkpoint_files: list[str] = []       # read ahead on a restart
+        self.spares: list[_Spares] = []    # oldest first
         self._spare_seq = 0
         self._lock = threading.Lock()
 
     def _actor_options(self, r: int, name: str) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        # A rank and its spares share the rank's bundle (its card), in equal parts.
         share = 1 + self.spec.spares
         opts = {k: v / share for k, v in self.rank_resources.items()}
-        # The ranks read the front-end's settings (settings.py), whatever the node's environment says.
+        # The front-end's settings, whatever the node's environment says.
         env = {**SAFE_ENV, **settings().as_env(), "OMP_NUM_THREADS": str(self.spec.torch_threads),
                "PYTHONUNBUFFERED": "1"}
         if self.spec.device.startswith("cuda"):
-            # Load every kernel at start-up: a lazy module load can synchronize the context and deadlock against
-            # a collective spinning on the same card (CUDA programming guide, lazy loading). Only where such a
-            # collective runs: eager loading makes every kernel of every CUDA library part of the context's
-            # creation, which a one-card rank's start-up (and its restart) need not wait for. Set either way: a
-            # worker would otherwise inherit whatever the node's environment says.
+            # EAGER only where push collectives spin: a lazy load can stall against them (docs/collectives.md).
+            # Set either way, never inherited from the node.
             env["CUDA_MODULE_LOADING"] = "EAGER" if self.spec.backend == "push" else "LAZY"
         opts["runtime_env"] = {"env_vars": env}
         opts["max_restarts"] = 0         # the front-end restarts the pair as a whole, never one rank alone
-        opts["name"], opts["namespace"] = name, "dspark"     # found again by a restarted front-end
+        opts["name"], opts["namespace"] = name, "dspark"     # a restarted front-end finds leftovers by name
         if self.pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=self.rank_bundles[r])
@@ -70,14 +60,13 @@ class PairLauncher:
         return f"{self.name}-rank{r}"
 
     def _new_ranks(self, suffix: str = "") -> list:
-        from .rank import rank_actor_class           # (a rank's code: torch, kept out of the front-end's imports)
+        from .rank import rank_actor_class           # torch: kept out of the front-end's imports
         Rank = rank_actor_class()
         return [Rank.options(**self._actor_options(r, self.rank_name(r) + suffix)).remote(asdict(self.spec), r)
                 for r in range(self.spec.tp)]
 
     def kill_leftovers(self, timeout_s: float = 30.0) -> None:
-        """Kill rank actors of this pair (spares included) that outlived their owner (a front-end that died and was
-        restarted), and wait until their names are free."""
+        """Kill this pair's rank actors that outlived a dead front-end, and wait until their names are free."""
         import ray
         from ray.util import list_named_actors
         own = re.compile(rf"{re.escape(self.name)}-rank\d+(\.spare\d+)?")
@@ -97,9 +86,7 @@ class PairLauncher:
             time.sleep(0.1)
 
     def start(self, first: list[tuple[int, int, bool]] | None = None, spares: "_Spares | None" = None) -> None:
-        """Load, connect and serve the ranks: `spares` (a restart: a set of spare ranks, one per rank, started
-        ahead) or new ones. `first`: on a restart, the shapes of the last batches (a one-card rank captures their
-        graphs first and serves, rank_worker.py)."""
+        """Load, connect and serve `spares` or new ranks. `first`: the last batches' shapes, captured first."""
         import ray
         stamp = self.startup = {"begun": time.time(), "from_spares": spares is not None}
         if spares is None:
@@ -127,15 +114,13 @@ class PairLauncher:
         ray.get([a.serve.remote(self.ring.handle) for a in self.ranks])
         stamp["serving"] = time.time()
         self.placement = ray.get([a.placement.remote() for a in self.ranks], timeout=30)
-        # The spares used up are made again once serving, not during the start-up they would slow down (a kill
-        # during it finds the next of the ones left).
+        # Not during the start-up, which they would slow down.
         self._refill_spares()
         log.info("pair %s: %d ranks up in %.2f s (%s%s)", self.name, self.spec.tp, time.monotonic() - t0,
                  self.spec.backend if self.spec.tp == 2 else "tp1", ", from spares" if spares is not None else "")
 
     def _refill_spares(self) -> None:
-        """Start spare ranks until the spec's count is there: each imports, makes its CUDA context and picks its
-        kernels (RankWorker.prepare), then waits to be promoted."""
+        """Start spare ranks up to the spec's count; each prepares (RankWorker.prepare), then waits."""
         with self._lock:
             while len(self.spares) < self.spec.spares:
                 self._spare_seq += 1
@@ -143,8 +128,7 @@ class PairLauncher:
                 self.spares.append(_Spares(ranks, [a.prepare.remote() for a in ranks]))
 
     def spares_ready(self) -> int:
-        """Sets of spare ranks whose preparation is done. A set one of whose processes died (its prepare() failed)
-        is dropped and made again."""
+        """Sets of spare ranks prepared; a set with a dead process is made again."""
         import ray
         with self._lock:
             spares = list(self.spares)
@@ -172,8 +156,7 @@ class PairLauncher:
         self.ranks = []
 
     def restart(self, first: list[tuple[int, int, bool]] | None = None) -> None:
-        # The checkpoint's files back into the page cache now, while the new ranks start (if the host dropped
-        # them): their weights are read from memory (weights/staging.py).
+        # Back into the page cache while the new ranks start, in case the host dropped them.
         from ..weights.staging import prefetch
         threading.Thread(target=prefetch, args=(self.checkpoint_files,), name="dspark-prefetch", daemon=True).start()
         self.kill()
@@ -190,7 +173,6 @@ class PairLauncher:
                 self.kill()
 
     def close(self) -> None:
-        """The ranks and the spares killed."""
         self.kill()
         with self._lock:
             spares, self.spares = self.spares, []
@@ -208,10 +190,10 @@ class PairLauncher:
         return out
 
 
-@dataclass(eq=False)        # (a set is itself: compared by identity)
+@dataclass(eq=False)        # compared by identity
 class _Spares:
     ranks: list            # one actor per rank
-    prepared: list         # their prepare() calls' refs
+    prepared: list
 
 
 def _kill(actors: list) -> None:

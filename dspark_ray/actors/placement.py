@@ -1,9 +1,5 @@
-"""Placing workers on a Ray cluster. A worker is one pair (or one card at tp 1): a STRICT_PACK placement group (one
-bundle per card plus one for the front-end, so a worker never spans nodes), the FrontEnd actor in the last bundle,
-the ranks in the others, and its own STEP endpoint. `deploy_workers` places N of them side by side (`dspark-ray
-serve --pairs N`); a client spreads its slots over them (pool.DrafterPool). The deployment's workers and where each
-serves are published in the cluster's endpoint table (endpoints.py): a worker that Ray re-places on another node
-serves at another host:port, and a client that named the deployment finds it there."""
+"""Placing workers on a Ray cluster (docs/operations.md, "Scaling over card pairs"): each a STRICT_PACK placement
+group, so it never spans nodes, the front-end's bundle last; where each serves goes into the endpoint table."""
 from __future__ import annotations
 
 import logging
@@ -23,9 +19,8 @@ NAMESPACE = "dspark"
 
 
 class _SafeHere(logging.Filter):
-    """Drops Ray's warning that a restartable detached actor in a placement group cannot be restarted once its
-    group is removed. A worker's front-end is such an actor (Ray restarts it after a crash), and only `teardown`
-    removes its group, to end it: the case the warning is about is the one we want (docs/operations.md)."""
+    """Drops Ray's warning about a restartable detached actor in a placement group: only `teardown` removes a
+    front-end's group, to end it, so the case warned about is the one we want."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Scheduling a restartable detached actor with a placement group")
@@ -35,8 +30,7 @@ _SAFE_HERE = _SafeHere()
 
 
 def bundles(tp: int, gpu: bool) -> tuple[list[dict], dict, dict]:
-    """(bundles, rank actor resources, front-end resources). On a CPU-only host the ranks take fractional CPU
-    bundles (a quarter each) so two pairs place on a 2-core machine (each rank runs one torch thread)."""
+    """(bundles, rank resources, front-end resources); a quarter CPU each on a CPU host: two pairs fit 2 cores."""
     if gpu:
         return [{"GPU": 1, "CPU": 1}] * tp + [{"CPU": 1}], {"num_gpus": 1, "num_cpus": 1}, {"num_cpus": 1}
     return [{"CPU": 0.25}] * tp + [{"CPU": 0.25}], {"num_cpus": 0.25}, {"num_cpus": 0.25}
@@ -54,14 +48,8 @@ def deploy(spec: PairSpec, *, host: str = "127.0.0.1", port: int = 0, name: str 
 def deploy_workers(spec: PairSpec, n: int, *, host: str = "127.0.0.1", port: int = 0, name: str = "dspark",
                    detach: bool = False, restart_threshold: int = 3, on_progress=None, timeout_s: float = 600.0,
                    pending_ok: bool = False, place_timeout_s: float | None = None) -> list[tuple[object, str | None]]:
-    """Place and start `n` workers of `spec` side by side (named by `worker_names`; `port` 0: a free port on each
-    worker's node, else port, port + 1, ...); returns [(front-end handle, endpoint "host:port")], and publishes the
-    deployment in the cluster's endpoint table (endpoints.py). They load at the same time; `on_progress` gets every
-    rank's (tensors loaded, total) together. A worker whose placement group finds no room within `place_timeout_s`
-    (60 s; 10 s with `pending_ok`) fails the deployment, unless `pending_ok`: then it waits for room (Ray places it
-    when a node with room joins, and its front-end starts there and publishes its endpoint) and comes back with
-    endpoint None. All or nothing otherwise: if one does not start, every worker placed here is torn down and the
-    error raised."""
+    """Place and start `n` workers at once (`port` 0: a free one each); returns [(front-end, "host:port")]. All or
+    nothing, except that with `pending_ok` a worker without room waits for a node to join (endpoint None)."""
     import ray
     names = worker_names(name, n)
     if place_timeout_s is None:
@@ -70,7 +58,7 @@ def deploy_workers(spec: PairSpec, n: int, *, host: str = "127.0.0.1", port: int
         raise RuntimeError(f"a deployment named {name!r} runs on this cluster: `dspark-ray stop --name {name}` "
                            f"first, or serve under another --name")
     directory = _directory()
-    directory.remove(name)          # what a deployment of that name left behind when its driver died with it
+    directory.remove(name)          # left behind by a driver that died
     directory.publish_deployment(name, names, tp=spec.tp, device=spec.device)
     try:
         pgs = [_placement_group(spec, w, detach) for w in names]
@@ -78,13 +66,12 @@ def deploy_workers(spec: PairSpec, n: int, *, host: str = "127.0.0.1", port: int
         if not all(placed) and not pending_ok:
             w, pg = next((w, pg) for w, pg, ok in zip(names, pgs, placed) if not ok)
             free = {k: v for k, v in ray.available_resources().items()
-                    if "_group_" not in k and not k.startswith("node:")}     # (not what placement groups hold)
+                    if "_group_" not in k and not k.startswith("node:")}
             raise RuntimeError(f"placement group {pg.bundle_specs} of {w} did not place within {place_timeout_s:g} s:"
                                f" the cluster has {free} free (serve --pending lets a worker wait for a node with "
                                f"room)")
         fes = [_frontend(spec, w, pg, host, port + i if port else 0, detach, restart_threshold)
                for i, (w, pg) in enumerate(zip(names, pgs))]
-        # A waiting worker's start runs once Ray has placed it; only the placed ones are waited for here.
         starts = [fe.start.remote() for fe in fes]
         _wait_started([s for s, ok in zip(starts, placed) if ok], [fe for fe, ok in zip(fes, placed) if ok],
                       names, on_progress, timeout_s)
@@ -109,7 +96,6 @@ def deploy_workers(spec: PairSpec, n: int, *, host: str = "127.0.0.1", port: int
 
 
 def _wait_placed(pgs: list, timeout_s: float) -> list[bool]:
-    """Which of `pgs` Ray placed within `timeout_s` (all waited for together)."""
     import ray
     refs = [pg.ready() for pg in pgs]
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
@@ -134,15 +120,12 @@ def _wait_started(starts: list, fes: list, names: list[str], on_progress, timeou
 
 
 def _placement_group(spec: PairSpec, name: str, detach: bool):
-    """One worker's placement group: STRICT_PACK, so the worker never spans nodes (not waited for here)."""
     from ray.util.placement_group import placement_group
     bl, _, _ = bundles(spec.tp, spec.device.startswith("cuda"))
     return placement_group(bl, strategy="STRICT_PACK", name=f"{name}-pg", lifetime="detached" if detach else None)
 
 
 def _frontend(spec: PairSpec, name: str, pg, host: str, port: int, detach: bool, restart_threshold: int):
-    """One worker's front-end actor in the last bundle of its placement group (not started yet). It binds its port
-    on the node Ray puts it on (port 0: a free one there)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from ..spec import SAFE_ENV
@@ -154,13 +137,12 @@ def _frontend(spec: PairSpec, name: str, pg, host: str, port: int, detach: bool,
                                           "PYTHONUNBUFFERED": "1"}})
     if detach:
         opts["lifetime"] = "detached"
-        logging.getLogger("ray.actor").addFilter(_SAFE_HERE)       # (idempotent)
+        logging.getLogger("ray.actor").addFilter(_SAFE_HERE)
     return frontend_actor_class().options(**opts).remote(asdict(spec), host, port, name, pg, list(range(spec.tp)),
                                                          rank_res, restart_threshold)
 
 
 def _directory():
-    """The cluster's endpoint table (endpoints.py), through the GCS this process is connected to."""
     import ray
     return Directory(ray.get_runtime_context().gcs_address)
 
@@ -171,8 +153,7 @@ def find(name: str = "dspark"):
 
 
 def find_workers(name: str = "dspark") -> list[tuple[str, object]]:
-    """[(worker name, front-end handle)] of the deployment `name` whose front-ends are alive: the worker of that
-    name, or NAME.0, NAME.1, ..."""
+    """[(worker name, front-end handle)] of the deployment's live front-ends."""
     import ray
     pat = worker_pattern(name)
     found = [a["name"][:-len("-frontend")] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -183,11 +164,8 @@ def find_workers(name: str = "dspark") -> list[tuple[str, object]]:
 
 
 def teardown(name: str = "dspark", timeout_s: float = 30.0) -> list[str]:
-    """Remove the worker `name`, or every worker of the deployment `name` (NAME.0, NAME.1, ...): the front-ends
-    (which stop their ranks), the placement groups, also those of workers whose front-end is dead already or was
-    never placed, and their entries in the endpoint table. The running front-ends shut down together, within
-    `timeout_s`; one that never ran (still waiting for room) or whose node is dead is only killed. Returns what it
-    removed (front-ends and placement groups, by name): empty when nothing was deployed."""
+    """Remove every worker of `name`, placed or not: front-ends (running ones shut down within `timeout_s`, the
+    rest killed), placement groups, endpoint entries. Returns the names removed."""
     import ray
     from ray.util import placement_group_table
     from ray.util.placement_group import get_placement_group
@@ -202,7 +180,7 @@ def teardown(name: str = "dspark", timeout_s: float = 30.0) -> list[str]:
                or (records[w] is not None and (alive is None or records[w].get("node_id") in alive))]
     shutdowns = {fe.shutdown.remote(): w for w, fe in running}
     done, late = ray.wait(list(shutdowns), num_returns=len(shutdowns), timeout=timeout_s) if shutdowns else ([], [])
-    for ref in late + [r for r in done if _failed(r)]:      # dead or hung: killing it below is all that is left
+    for ref in late + [r for r in done if _failed(r)]:      # killed below
         log.warning("worker %s did not shut down cleanly; killing it", shutdowns[ref])
     removed = []
     for w, fe in handles:

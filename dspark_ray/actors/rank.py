@@ -17,8 +17,6 @@ def rank_actor_class():
     class RankActor:
         def __init__(self, spec: dict, rank: int):
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-            # What the rank shows (recorders.py): its per-step stamps, the steps that found it asleep, and the
-            # rehearsals of its last step's host path between steps.
             spec = spec if isinstance(spec, PairSpec) else PairSpec(**spec)
             self.recorder = RankRecorder(rank, spec.spin_us, KeepWarm(f"rank {rank}"))
             self.w = RankWorker(spec, rank, observer=self.recorder)
@@ -42,7 +40,7 @@ def rank_actor_class():
             return {**self.w.status(), **self.recorder.status(), **self.placement()}
 
         def placement(self) -> dict:
-            """Where Ray put this rank: its node and its cards (the GPU ids Ray gave it; none on a CPU rank)."""
+            """Where Ray put this rank: its node and GPU ids."""
             ctx = ray.get_runtime_context()
             return {"node_id": ctx.get_node_id(), "cards": ctx.get_accelerator_ids().get("GPU", [])}
 

@@ -1,9 +1,5 @@
-"""What every worker of a deployment is doing, within a bound whatever state its node is in (`dspark-ray status`).
-
-Every front-end is asked at once and waited for together, at most `timeout_s`. A worker that does not answer is
-described from what the cluster itself knows: its entry in the endpoint table (its node, cards, last endpoint),
-whether Ray holds that node alive, and its placement group's state (PENDING: no node has room for it yet;
-RESCHEDULING: its node died and Ray is placing it again).
+"""What every worker of a deployment is doing (`dspark-ray status`), within `timeout_s` whatever its node's state:
+a worker that does not answer is described from the endpoint table, Ray's node table and its placement group.
 """
 from __future__ import annotations
 
@@ -18,10 +14,7 @@ SERVING = "serving"
 
 
 def survey(name: str, timeout_s: float = 2.0) -> list[dict] | None:
-    """One row per worker of the deployment `name` (None when there is none): `worker`, `state` (serving,
-    unavailable, starting, waiting for room, node dead, unreachable, gone), `why` (for any state but serving),
-    `node_id`, `node_ip`, `node_alive`, `cards` (per rank), `endpoint`, `placement_group` (its state) and, for a
-    front-end that answered, its whole `status`."""
+    """One row per worker of `name` (None: no such deployment), with its front-end's `status` where it answered."""
     import ray
     from ray.util import placement_group_table
     directory = Directory(ray.get_runtime_context().gcs_address, timeout_s=timeout_s)
@@ -37,7 +30,7 @@ def survey(name: str, timeout_s: float = 2.0) -> list[dict] | None:
               if g.get("state") != "REMOVED"}
     asked = {w: handles[w].status.remote() for w in records if w in handles}
     done, late = ray.wait(list(asked.values()), num_returns=len(asked), timeout=timeout_s) if asked else ([], [])
-    for ref in late:             # a front-end that is not there yet must not run them all when it comes back
+    for ref in late:             # else a front-end that comes back runs them all
         try:
             ray.cancel(ref)
         except Exception:

@@ -1,37 +1,13 @@
-"""exllamav3 1.6.5's `Generator` drafting through dspark-ray: a stand-in for its own DSpark drafter.
+"""exllamav3 1.6.5's `Generator` drafting through dspark-ray in place of its DSpark drafter (docs/exllamav3.md):
 
     config = Config.from_directory(model_dir)
     model = Model.from_config(config)
-    cache = Cache(model, max_num_tokens=32768, max_history=config.dspark_block_size)
+    cache = Cache(model, max_num_tokens=32768, max_history=config.dspark_block_size + 1)
     model.load()
     drafter = RemoteDrafter("10.0.0.5:7001", config)                       # HELLO: refuses another drafter
     generator = Generator(model, cache, Tokenizer.from_config(config),
                           draft_model=drafter, draft_cache=drafter.cache_for(cache))
     drafter.bind(generator)                                                 # where prompt rows get their ids
-
-The generator drives it as it drives `DeepseekV4MTPModel` (exllamav3's generator/generator.py, job.py):
-- `update_kv_from_target(taps, ...)` after a prefill chunk and after each verification: the accepted rows' taps go
-  to host memory (one copy, ordered on the stream, waited for at the next draft) and into the sequence's window.
-  Nothing is sent.
-- `forward(seed ids, params)`: one STEP for the whole batch. Each row is a sequence with a slot of its own; its
-  entry carries the rows the slot lacks (after a resync: the last window) and the seed. `sample_from_state` hands
-  back the drafts, the seed in column 0, and `params["draft_confidence_len"]`.
-- Any answer but OK: that row drafts nothing. The placeholder tokens the generator verifies for it (the seed
-  repeated) are accepted only where the trunk samples them itself, so the output is the trunk's either way; when no
-  row is OK the round runs without drafting (`draft_confidence_len` 0). The STEP's deadline bounds the wait.
-
-Which sequence a row is. The generator names a row by its cache pages (the block table) and its position
-(`cache_seqlens`), never by job. A live sequence writes only into pages of its own, so the page that holds its next
-position names it: a row is the sequence whose window ends at the row's position and whose page there is the row's.
-A prefill from position 0 is always a new sequence. A sequence that drafted and is absent from a draft round has
-ended: its slot is given back. Defragmentation (exllamav3 runs it only with no job active) rotates pages the
-sequences no longer use. A prompt whose first pages came from the generator's prefix cache starts its window where
-its prefill starts: rows before it were never handed to the drafter, so its first drafts read a partial window
-(`stats["partial_windows"]`); the trunk's output is unchanged. exllamav3 copies partial pages only for a trunk
-without recurrent state (`copy_page`), which a DeepSeek-V4 trunk has.
-
-Token ids: the contract carries each inserted row's token id, which `update_kv_from_target` is not handed; `bind`
-reads them from the generator's sequences (`tokens=` takes any callable(block_row, start, n) instead).
 """
 from __future__ import annotations
 
@@ -52,15 +28,13 @@ __all__ = ["RemoteDrafter"]
 log = logging.getLogger("dspark_ray.engines.exllamav3")
 
 PAGE_SIZE = 256          # exllamav3's cache page (generator/pagetable.py)
-ACQUIRE_RETRY_ROUNDS = 16    # a refused ACQUIRE is tried again after this many rounds (or when a slot of ours frees)
+ACQUIRE_RETRY_ROUNDS = 16    # after a refused ACQUIRE (sooner when a slot of ours frees)
 
 TokenSource = Callable[[torch.Tensor, int, int], np.ndarray]
 
 
 class _Window:
-    """A sequence's most recent context rows on the host (token ids and taps), positions `first .. end - 1`: at
-    least the last `keep` once that many came, in a buffer of twice that, compacted once every `keep` rows (a
-    round's rows are copied once, not the window)."""
+    """A sequence's last rows (ids, taps) on the host, in 2 `keep` rows compacted once every `keep` rows."""
 
     def __init__(self, width: int, keep: int):
         self.keep = keep
@@ -81,7 +55,6 @@ class _Window:
         return self.first + self.n
 
     def append(self, start: int, ids: np.ndarray, taps: np.ndarray) -> None:
-        """Rows from `start` on; a gap before them (rows never handed over) starts the window again there."""
         if start != self.end:
             self.first, self.n = start, 0
         if len(ids) > self.keep:                     # only the last `keep` can ever be sent
@@ -89,7 +62,7 @@ class _Window:
             ids, taps, start = ids[cut:], taps[cut:], start + cut
             self.first, self.n = start, 0
         k = len(ids)
-        if self.n + k > len(self._ids):              # compact: the last keep - k rows to the front
+        if self.n + k > len(self._ids):
             drop = self.n + k - self.keep
             self._ids[:self.n - drop] = self._ids[drop:self.n]
             self._taps[:self.n - drop] = self._taps[drop:self.n]
@@ -105,19 +78,17 @@ class _Sequence:
     end: int                                     # one past its last row handed over (landed or on the way)
     page: int                                    # the physical cache page holding position `end`
     slot: RequestSlot | None = None
-    drafted: bool = False                        # it took part in a draft round
+    drafted: bool = False
 
 
 @dataclass
 class _Drafts:
-    """What `forward` hands `sample_from_state`: the ids (seed, drafts) per row and the confident length."""
     ids: torch.Tensor
     confidence_len: int
 
 
 @dataclass
 class _Copy:
-    """Verified rows' taps on their way to host memory (waited for at the next draft)."""
     event: object
     host: torch.Tensor                           # rows' taps from position offset `lo` of the handed window
     lo: int
@@ -125,8 +96,7 @@ class _Copy:
 
 
 class DraftCache:
-    """The draft cache the generator requires (same size as the trunk's): the drafter's state lives in the service,
-    so it holds nothing. Defragmentation asks it for its tensors; exllamav3 runs it only with no job active."""
+    """Holds nothing (the state lives in the service); defragmentation's call for its tensors frees every slot."""
 
     def __init__(self, cache, drafter: "RemoteDrafter"):
         self.max_num_tokens = cache.max_num_tokens
@@ -140,22 +110,20 @@ class DraftCache:
         return []
 
     def copy_page(self, source, from_page: int, to_page: int, num_tokens: int) -> None:
-        """A prompt's partial first page copied from another sequence (trunks without recurrent state only): the
-        new sequence's window starts after it (see the module's docstring)."""
+        """Nothing to copy (exllamav3 copies partial pages only for trunks without recurrent state)."""
 
 
 class RemoteDrafter:
-    """exllamav3's DSpark drafter interface, answered by a dspark-ray deployment (one worker or several)."""
+    """exllamav3's DSpark drafter interface, answered by a dspark-ray deployment (one worker or several). A row
+    answered other than OK drafts nothing that round, so the output is the trunk's either way."""
 
     def __init__(self, endpoints: Sequence[str] | str | DrafterPool, config, *, deadline_ms: float = 20.0,
                  timeout_s: float = 1.0, spin_us: float = 0.0, tp: int | None = None,
                  config_digest: str | None = None, tokens: TokenSource | None = None, margins: bool = False):
-        """`endpoints`: the deployment's STEP endpoints ("host:port", a list or commas) or a `DrafterPool`.
-        `config`: the model's config (exllamav3's `Config`, or dspark-ray's `DrafterConfig`): block size, tapped
-        layers, hidden and vocab sizes, each checked against what the service serves. `deadline_ms`: each STEP's
-        budget; `timeout_s`: how long a silent worker is waited for before it is marked down (the pool tries it
-        again in the background); `spin_us`: how long the engine's thread polls for an answer before it blocks. `config_digest` / `tp`: pin the served drafter (HELLO refuses another).
-        `margins`: ask for each draft's top-1 minus top-2 logit too (`last_margins`, for parity checks)."""
+        """`endpoints`: "host:port" (a list, or commas) or a `DrafterPool`. `config`: exllamav3's `Config` (or a
+        `DrafterConfig`), checked against what the service serves. `deadline_ms`: each STEP's budget; `timeout_s`:
+        after it a silent worker is marked down; `spin_us`: polling before blocking. `config_digest` / `tp`: pin the
+        served drafter. `margins`: also keep each draft's top-1 minus top-2 logit (`last_margins`)."""
         self.pool = endpoints if isinstance(endpoints, DrafterPool) else \
             DrafterPool(endpoints, timeout_s=timeout_s, spin_us=spin_us)
         if self.pool.hello_reply is None:
@@ -182,24 +150,21 @@ class RemoteDrafter:
         self.draft_verifier_params = {"export_state_layers": set(layers)}
         self._tokens = tokens
         self._width = lim.taps_width
-        self._keep = lim.sliding_window + lim.max_rows_per_entry      # a re-insert window plus one insert's rows
+        self._keep = lim.sliding_window + lim.max_rows_per_entry      # a re-insert window plus one insert
         self._by_page: dict[int, _Sequence] = {}
         self._copies: list[_Copy] = []
         self._pinned: torch.Tensor | None = None
         self.stats = {"rounds": 0, "rows": 0, "ok": 0, "not_ok": {}, "released": 0, "acquire_refused": 0,
                       "partial_windows": 0, "unknown_rows": 0}
         self._acquire_after = 0
-        self.last_codes: list[Code | None] = []     # the last round's answer per row (None: no entry was sent)
-        self.last_margins: list[np.ndarray | None] = []     # with `margins`: the last round's, per OK row
+        self.last_codes: list[Code | None] = []     # per row (None: no entry was sent)
+        self.last_margins: list[np.ndarray | None] = []
 
-    # ---- set-up ------------------------------------------------------------------------------------------------
     def cache_for(self, cache) -> DraftCache:
-        """The `draft_cache` to hand the generator with this drafter."""
         return DraftCache(cache, self)
 
     def bind(self, generator) -> "RemoteDrafter":
-        """Read prompt rows' token ids from `generator`'s sequences; refuse the generator options this drafter does
-        not follow (a CPU page tier would copy draft-cache pages it does not hold)."""
+        """Read prompt rows' token ids from `generator`'s sequences (the contract carries them; the calls do not)."""
         if getattr(generator, "draft_model", None) is not self:
             raise ValueError("bind: the generator was not built with this drafter as its draft_model")
         if getattr(generator, "cpu_page_cache", None) is not None:
@@ -215,11 +180,9 @@ class RemoteDrafter:
         self.forget_all()
         self.pool.close()
 
-    # ---- the generator's calls ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def update_kv_from_target(self, target_hidden: list, cache, params: dict, lengths: list[int] | None = None):
-        """Keep the rows the trunk accepted: a prefill chunk (one sequence, `lengths` None) or each batch row's
-        first `lengths[i]` rows of the verified window. Their taps are copied to host memory in one copy."""
+        """Keep the rows the trunk accepted (`lengths` None: a prefill chunk), copied to host memory in one copy."""
         self._land()                    # a copy still pending (a round that did not draft) frees its buffer
         block_table, starts = params["block_table"], _host_list(params["cache_seqlens"])
         prefill = lengths is None
@@ -230,10 +193,10 @@ class RemoteDrafter:
             if n == 0:
                 continue
             seq = self._sequence_at(block_table[i], start, new=prefill and start == 0)
-            if seq is None:            # a prefill after prefix-cached pages: the rows before it never came
+            if seq is None:            # after prefix-cached pages: the rows before it never came (a partial window)
                 seq = self._sequence_at(block_table[i], start, new=True)
                 self.stats["partial_windows"] += 1
-            keep = min(n, self._keep)  # a prefill chunk longer than that contributes its last rows only
+            keep = min(n, self._keep)
             rows.append((i, seq, start + n - keep, n, self._token_ids(block_table[i], start + n - keep, keep)))
             lo = n - keep if lo is None else min(lo, n - keep)
             seq.end = start + n
@@ -304,22 +267,17 @@ class RemoteDrafter:
         return _Drafts(out, conf)
 
     def sample_from_state(self, state: _Drafts, params: dict) -> torch.Tensor:
-        """(rows, block_size + 1) ids on the host, column 0 the seed (the generator copies them to pinned host
-        memory anyway); `params["draft_confidence_len"]` the longest confident prefix of any row (0: no drafting
-        this round)."""
+        """(rows, block_size + 1) host ids, column 0 the seed; sets `params["draft_confidence_len"]` (0: no drafts)."""
         params["draft_confidence_len"] = state.confidence_len
         return state.ids
 
-    # ---- bookkeeping -------------------------------------------------------------------------------------------
     def forget_all(self) -> None:
-        """Every sequence gone (the generator is idle, or closing): their slots back."""
         seqs = list(self._by_page.values())
         self._by_page.clear()
         self._give_back([s for s in seqs if s.slot is not None])
 
     def _sequence_at(self, block_row, pos: int, new: bool) -> _Sequence | None:
-        """The sequence whose window ends at `pos` on the row's page there; `new`: a fresh one (a prefill from 0),
-        any sequence that held the page having ended."""
+        """The sequence whose window ends at `pos` on the row's page (its pages are its own); `new`: a fresh one."""
         page = int(block_row[pos // PAGE_SIZE])
         seq = self._by_page.get(page)
         if new:
@@ -354,7 +312,6 @@ class RemoteDrafter:
         return ids
 
     def _land(self) -> None:
-        """The handed-over rows' taps, now on the host, into their windows."""
         copies, self._copies = self._copies, []
         for c in copies:
             if c.event is not None:
@@ -382,7 +339,7 @@ class RemoteDrafter:
             s.slot = None
         if not slots:
             return
-        self._acquire_after = 0          # a slot of ours is free again: the next round may take it
+        self._acquire_after = 0
         try:
             self.pool.release(slots)
             self.stats["released"] += len(slots)
@@ -390,8 +347,7 @@ class RemoteDrafter:
             log.warning("release of %d slots failed: %s", len(slots), e)
 
     def _grant_slots(self, batch: list[_Sequence]) -> None:
-        """A slot for each sequence without one; when the service has fewer free, the rest wait. After a refusal
-        the next ACQUIRE waits for a slot of ours to free, or ACQUIRE_RETRY_ROUNDS rounds (another client's may)."""
+        """A slot for each sequence without one, as many as are free; the rest wait."""
         need = [s for s in batch if s.slot is None]
         if not need or self.stats["rounds"] < self._acquire_after:
             return
@@ -425,7 +381,7 @@ def _host_list(x) -> list[int]:
 
 
 class _GeneratorTokens:
-    """Token ids of a generator's rows, read from its live sequences: the one whose page at `start` is the row's."""
+    """Token ids of a generator's rows, read from the live sequence whose page at `start` is the row's."""
 
     def __init__(self, generator):
         self.generator = generator

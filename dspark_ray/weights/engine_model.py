@@ -1,26 +1,6 @@
-"""A synthetic DeepSeek-V4 model a serving engine runs: trunk and DSpark drafter in one directory.
-
-    write_engine_model("tiny" | "full", out_dir, seed=0, disagree=0.25)
-        -> out_dir/config.json, model*.safetensors, dspark-manifest.json (the drafter's tensors), tokenizer.json,
-           tokenizer_config.json
-
-exllamav3 1.6.5 loads it as `DeepseekV4ForCausalLM`: the trunk (`embed`, `layers.N.*`, `hc_head_*`, `norm`, `head`;
-every layer sliding-window attention, no hash layers) and the drafter (`mtp.*`, the preset's, tapping the trunk's
-last `n_taps` layers). dspark-ray serves the same directory (its loader reads the drafter's tensors only).
-
-Speculation has to be real, so trunk and drafter are built to agree on one bigram, `succ`:
-* `succ` is a random cyclic order of the ids 4 .. V-1 (0..3 are the tokenizer's specials and never follow): a
-  greedy trunk walks it without repeating itself for V - 4 tokens.
-* the trunk predicts `succ(t)` after `t` with a wide top-1 margin: `embed[t]` is `head[succ(t)]` (scaled to unit
-  entries) plus a little noise, and the trunk's layers write small updates into the residual streams
-  (`TRUNK_GAIN`), so the final norm and head see mostly `embed[t]`. The layers still read the context: the taps
-  differ from one position to the next.
-* the drafter's Markov head makes the same prediction, except on a fraction `disagree` of the ids (a hash picks
-  them), where it predicts some other id: `markov_w1[t] = MARKOV_GAIN * markov_w2[succ'(t)]`. Its own logits are
-  scaled down (`mtp.last.norm` ~ `DRAFT_NORM`) so the Markov bias decides the chain, and its confidence head says
-  "confident" for every draft (a +2 bias).
-A draft position is accepted when every id before it is one where both agree: about `1 - disagree` a position, so
-`disagree` 0.25 gives a mean accepted length near 0.75 + 0.75^2 + ... + 0.75^5 = 2.3 of 5.
+"""A synthetic DeepSeek-V4 model an engine runs (exllamav3 loads it as `DeepseekV4ForCausalLM`): a sliding-window
+trunk and the preset's drafter in one directory, agreeing on one bigram `succ` except on a `disagree` share of ids,
+so speculation is real (docs/exllamav3.md, "The synthetic model").
 """
 from __future__ import annotations
 
@@ -38,14 +18,13 @@ from .synth import (DEFAULT_SHARD_BYTES, Draw, StoredSpec, _fp8_parts, draw_for,
                     uniform, write_checkpoint)
 
 SPECIALS = ["<bos>", "<eos>", "<pad>", "<unk>"]     # ids 0..3
-TRUNK_GAIN = 0.02        # std of the trunk's output projections x sqrt(fan_in): small residual updates
-EMBED_NOISE = 0.3        # the embedding's noise beside its head direction (per entry; the direction has unit entries)
-MARKOV_GAIN = 40.0       # the Markov bias at the predicted id; every other id gets MARKOV_GAIN x a cosine
-DRAFT_NORM = 0.05        # the drafter's final norm weight: its own logits stay small beside the Markov bias
+TRUNK_GAIN = 0.02        # small residual updates: the head sees mostly embed[t], yet the taps follow the context
+EMBED_NOISE = 0.3
+MARKOV_GAIN = 40.0
+DRAFT_NORM = 0.05        # the drafter's own logits stay small beside the Markov bias
 CONFIDENCE_BIAS = 2.0    # sigmoid(2) = 0.88: every draft passes the 0.5 line
 
-# Where the trunk draws otherwise than a drafter block (first match wins): its output projections small. Every other
-# trunk tensor draws as synth.SCALES says for the same tensor of a drafter block (`_draw`).
+# Otherwise a trunk tensor draws as synth.SCALES says for the same tensor of a drafter block.
 TRUNK_SCALES: list[tuple[str, Draw]] = [
     ("layers.*.attn.wo_b.weight", fan_in(TRUNK_GAIN)),
     ("layers.*.ffn.experts.*.w2.weight", fan_in(TRUNK_GAIN)),
@@ -55,8 +34,7 @@ TRUNK_SCALES: list[tuple[str, Draw]] = [
 
 
 def engine_config(name: str, trunk_layers: int | None = None) -> DrafterConfig:
-    """The preset's drafter over a trunk of `trunk_layers` sliding-window layers (default: as many as it taps, at
-    least the preset's when that is small), tapping the trunk's last n_taps layers."""
+    """The preset's drafter over `trunk_layers` sliding-window layers, tapping the last n_taps."""
     cfg = preset(name)
     n = trunk_layers or (cfg.num_hidden_layers if cfg.num_hidden_layers <= 8 else cfg.n_taps)
     if n < cfg.n_taps:
@@ -84,7 +62,7 @@ def _draw(spec: TensorSpec) -> Draw:
     for pattern, d in TRUNK_SCALES:
         if fnmatch.fnmatchcase(spec.name, pattern):
             return d
-    name = spec.name                    # a trunk layer's tensor, or the trunk's stream collapse, as a block's
+    name = spec.name
     if name.startswith("layers."):
         name = "mtp.0." + name.split(".", 2)[2]
     elif name.startswith("hc_head_"):
@@ -97,7 +75,7 @@ def _drawn(spec: TensorSpec) -> StoredSpec:
 
 
 def successor(vocab: int, seed: int, device="cpu") -> torch.Tensor:
-    """succ: a random cyclic order of ids 4 .. vocab-1; the specials lead into it."""
+    """A random cyclic order of ids 4 .. vocab-1 (a greedy trunk never repeats); the specials lead into it."""
     keys = hash32(seed, "engine.succ", 0, vocab - 4, device)
     order = torch.argsort(keys, stable=True) + 4
     succ = torch.empty(vocab, dtype=torch.int64, device=device)
@@ -107,8 +85,7 @@ def successor(vocab: int, seed: int, device="cpu") -> torch.Tensor:
 
 
 def drafter_successor(succ: torch.Tensor, disagree: float, seed: int) -> torch.Tensor:
-    """succ', the Markov head's: succ but on a `disagree` fraction of ids (a hash picks them), where it is another
-    id (succ of succ: never the trunk's choice)."""
+    """succ but on a `disagree` share of ids, where succ(succ): never the trunk's choice."""
     u = (uniform(seed, "engine.disagree", 0, len(succ), succ.device) + 1.0) / 2.0     # [0, 1)
     return torch.where(u < disagree, succ[succ], succ)
 
@@ -122,7 +99,7 @@ def _fixed(values: torch.Tensor, seed: int, start: int, count: int, device="cpu"
 
 
 def structured(cfg: DrafterConfig, seed: int, disagree: float, device="cpu") -> dict[str, torch.Tensor]:
-    """The tensors that carry the shared bigram (and the confidence bias), whole, in their storage dtypes."""
+    """The tensors that carry the shared bigram and the confidence bias."""
     specs = tensor_specs(cfg)
     last = f"mtp.{cfg.n_blocks - 1}"
     head = _whole(specs["head.weight"], seed, device).float()
@@ -147,9 +124,7 @@ _PLAIN_LINEAR_ENDS = (".gate.weight", ".markov_w2.weight", ".proj.weight")
 
 
 def engine_specs(cfg: DrafterConfig, seed: int, disagree: float, fp8: bool, device="cpu") -> list[StoredSpec]:
-    """Every stored tensor: the drafter's, the trunk's, the bigram's. With `fp8`, every Linear of the blocks and
-    layers (not the head, the Markov head, the router) is DeepSeek's FP8 over 128 x 128 block scales, as the real
-    checkpoint stores them: the full-width model then fits the GPU machine's disk."""
+    """Every stored tensor; `fp8` stores the blocks' Linears as DeepSeek does, so the full width fits the GPU disk."""
     fixed = structured(cfg, seed, disagree, device)
     out = []
     for spec in list(tensor_specs(cfg).values()) + trunk_specs(cfg):
@@ -166,9 +141,7 @@ def engine_specs(cfg: DrafterConfig, seed: int, disagree: float, fp8: bool, devi
 
 
 def tokenizer_files(vocab: int) -> dict[str, dict]:
-    """A word-level tokenizer: ids 0..3 the specials, id 4 the piece " t", id k >= 5 the piece " tk". No
-    pre-tokenizer: an input string is one piece (the engine is handed token ids; exllamav3's Tokenizer probes that
-    " t" encodes to one piece of its own length)."""
+    """A word-level tokenizer without pre-tokenizer; exllamav3's Tokenizer probes that " t" is one piece."""
     words = {s: i for i, s in enumerate(SPECIALS)} | {" t": 4} | {f" t{k}": k for k in range(5, vocab)}
     added = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
               "special": True} for i, s in enumerate(SPECIALS)]
@@ -183,8 +156,7 @@ def tokenizer_files(vocab: int) -> dict[str, dict]:
 def write_engine_model(name: str, out_dir: str | Path, *, seed: int = 0, disagree: float = 0.25,
                        trunk_layers: int | None = None, fp8: bool | None = None, device="cpu",
                        shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool | None = None) -> dict:
-    """Write the model; returns the drafter's manifest (what dspark-ray's HELLO names). `fp8` default: for the
-    full preset."""
+    """Write the model; returns the drafter's manifest. `fp8` defaults to on for the full preset."""
     if not 0.0 <= disagree <= 1.0:
         raise ValueError(f"disagree {disagree}: must be in [0, 1]")
     cfg = engine_config(name, trunk_layers)

@@ -1,25 +1,7 @@
-"""EXL3, exllamav3's trellis format, in one file: the decode of a stored Linear to fp16 weights in plain torch (any
-device, bit for bit with exllamav3 1.6.5's CUDA kernels), and what a synthetic writer needs to draw one.
-
-Storage of one quantized Linear `<key>` (its weight logically (in, out): the checkpoint's (out, in) transposed):
-
-    <key>.trellis   int16 (in/16, out/16, W)   one 16x16 tile per entry, W = 16 K words (16 K + 8 for K = 1.5 / 2.5
-                                               / 3.5): K bits a weight, the bitrate read off W
-    <key>.suh       fp16 (in)                  input sign/scale vector     (legacy `.su`: int16 sign bitfield)
-    <key>.svh       fp16 (out)                 output sign/scale vector    (legacy `.sv`)
-    <key>.mcg | .mul1   int32 scalar           the codebook's multiplier as a marker; neither: the "3INST" codebook
-
-    W = diag(suh) . H . W_inner . H . diag(svh)
-
-H is block-diagonal over 128-channel blocks (Sylvester Hadamard / sqrt(128)) on both sides, so a cut of a tensor at
-128-channel boundaries (trellis tiles plus the matching suh / svh range) decodes to exactly the full decode's
-rows / columns: the tensor-parallel cut of `model/layout.py` commutes with the decode.
-
-Sources, all in exllamav3 1.6.5's `exllamav3_ext/quant/`: `pack.cu` (the bitstream: 16-bit words MSB first, each pair
-of words swapped in memory), `exl3_dq.cuh` (position t's 16-bit trellis state is the stream's 16 bits that end at
-t's last bit, wrapping around the tile), `codebook.cuh` (`decode_3inst<cb>`: state -> fp16), `reconstruct.cu`
-(the tensor-core lane order of a tile's 256 positions; `reconstruct_had_tile`: the original-basis weight with both
-Hadamards and the sign vectors, whose fp16 rounding points `reconstruct` follows).
+"""EXL3, exllamav3's trellis format: a stored Linear decoded to fp16 in plain torch, bit for bit with exllamav3
+1.6.5's CUDA kernels on any device (storage and rounding points: docs/exl3.md). Sources, in `exllamav3_ext/quant/`:
+`pack.cu` (the bitstream), `exl3_dq.cuh` (a position's 16-bit state), `codebook.cuh` (state -> fp16),
+`reconstruct.cu` (a tile's lane order; `reconstruct_had_tile`'s rounding points, which `reconstruct` follows).
 """
 from __future__ import annotations
 
@@ -32,18 +14,16 @@ HAD = 128                       # Hadamard block, the unit of every cut
 TILE = 16                       # a trellis tile is 16 x 16 weights
 CODEBOOKS = ("3inst", "mcg", "mul1")
 HALF_RATES = (1.5, 2.5, 3.5)    # mul1 only: positions alternate K - 0.5 and K + 0.5 bits, odd positions the wider
-# The stored marker value of each codebook (exllamav3 quantize.py: codebook_mcg_mult / codebook_mul1_mult; it checks
-# the value once per file and refuses any other).
+# exllamav3 quantize.py's codebook_mcg_mult / codebook_mul1_mult: it refuses any other stored value.
 MARKERS = {"mcg": 0xCBAC1FED, "mul1": 0x83DCD12D}
 # The kernels' 1/sqrt(128): `__float2half2_rn(0.08838834764831845f)`, an fp16 (1448 / 2**14), not the exact value.
 R_SCALE = 0.08837890625
 
 
 class Exl3Error(ValueError):
-    """An EXL3 tensor is malformed; the message names what and why."""
+    """A malformed EXL3 tensor."""
 
 
-# ==== bitrate ========================================================================================================
 def bits_of(words: int) -> int | float:
     """K from the tile width W (trellis.shape[-1]): an integer 1..8 for 16 K, a half rate for 16 K + 8."""
     if words % 16 == 0 and 1 <= words // 16 <= 8:
@@ -59,11 +39,10 @@ def tile_words(K: int | float) -> int:
     raise Exl3Error(f"bitrate {K}: must be an integer 1..8 or one of {HALF_RATES} (mul1 codebook)")
 
 
-# ==== trellis -> states ==============================================================================================
 @lru_cache
 def _state_windows(words: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For each of a tile's 256 positions: the stream word holding the first bit of its 16-bit state, the next word
-    (cyclic: the trellis is tail-biting) and the right shift that aligns the state in the two words' 32 bits."""
+    """Per position: the word holding its state's first bit, the next (cyclic: tail-biting) and the aligning shift.
+    A position's state is the stream's 16 bits ending at its last bit."""
     K = bits_of(words)
     t = torch.arange(256, dtype=torch.int64)
     if isinstance(K, int):
@@ -76,7 +55,6 @@ def _state_windows(words: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def tile_states(trellis: torch.Tensor) -> torch.Tensor:
-    """(..., W) int16 trellis -> (..., 256) int64 16-bit states, in the trellis's own position order."""
     w0, w1, shift = (x.to(trellis.device) for x in _state_windows(trellis.shape[-1]))
     words = trellis.to(torch.int64) & 0xFFFF
     # pack_trellis writes each pair of MSB-first stream words swapped (SWAP16 of a uint32): undo it.
@@ -85,20 +63,16 @@ def tile_states(trellis: torch.Tensor) -> torch.Tensor:
     return (window >> shift) & 0xFFFF
 
 
-# ==== states -> values ===============================================================================================
 def _f16_bits(x: torch.Tensor) -> torch.Tensor:
-    """int64 holding 16-bit patterns -> those bits as fp16."""
     return ((x ^ 0x8000) - 0x8000).to(torch.int16).view(torch.float16)
 
 
 @lru_cache
 def codebook_table(codebook: str) -> torch.Tensor:
-    """The 65536 fp16 values a codebook gives the states 0..65535 (codebook.cuh `decode_3inst<cb>`), on the CPU."""
+    """The fp16 value of each of the 65536 states (codebook.cuh `decode_3inst<cb>`), on the CPU."""
     x = torch.arange(65536, dtype=torch.int64)
     if codebook == "mul1":
-        # x * mult, its four bytes summed onto 1024.0 (an exact fp16 integer 1024..2044), then ONE fp16 fma with the
-        # kernel's constants: h * k_inv + k_bias is exact in fp32 (22 significant bits), so rounding it once to fp16
-        # is the fma's rounding.
+        # The kernel's fp16 fma: h * k_inv + k_bias is exact in fp32, so one rounding to fp16 is the fma's.
         x = (x * MARKERS["mul1"]) & 0xFFFFFFFF
         h = 1024 + (x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24)
         k_inv = _f16_bits(torch.tensor(0x1EEE)).float()
@@ -110,21 +84,19 @@ def codebook_table(codebook: str) -> torch.Tensor:
         x = (x * MARKERS["mcg"]) & 0xFFFFFFFF
     else:
         raise Exl3Error(f"codebook {codebook!r}: must be one of {CODEBOOKS}")
-    # lop3 (x & 0x8fff8fff) ^ 0x3b603b60: two fp16s of magnitude [1/8, 2) and a random sign, added in fp16 (__hadd;
-    # their fp32 sum is exact, so rounding it once to fp16 is the fp16 add).
+    # Two fp16s added with __hadd: their fp32 sum is exact, so one rounding to fp16 is the fp16 add.
     x = (x & 0x8FFF8FFF) ^ 0x3B603B60
     return (_f16_bits(x & 0xFFFF).float() + _f16_bits(x >> 16).float()).half()
 
 
 def codebook_rms(codebook: str) -> float:
-    """RMS of a codebook's decoded values over all states (a uniformly random trellis draws them uniformly)."""
+    """RMS over all states (a uniformly random trellis draws them uniformly)."""
     return codebook_table(codebook).double().square().mean().sqrt().item()
 
 
 @lru_cache
 def tile_order() -> torch.Tensor:
-    """Row-major index (r * 16 + c) within a tile of each trellis position: the lane layout of a tensor-core B
-    fragment (quantize.py tensor_core_perm; reconstruct_tile's shuffle writes position 8 l + j of lane l there)."""
+    """Each trellis position's row-major index in its tile: a tensor-core B fragment's lanes (tensor_core_perm)."""
     order = []
     for lane in range(32):
         r0, c0 = (lane % 4) * 2, lane // 4
@@ -134,20 +106,18 @@ def tile_order() -> torch.Tensor:
 
 
 def inner_weight(trellis: torch.Tensor, codebook: str) -> torch.Tensor:
-    """(in/16, out/16, W) trellis -> the rotated-basis fp16 weight (in, out) (exllamav3_ext `reconstruct`)."""
+    """The rotated-basis fp16 weight (in, out), as exllamav3_ext `reconstruct`."""
     rows, cols = trellis.shape[0], trellis.shape[1]
     vals = codebook_table(codebook).to(trellis.device)[tile_states(trellis)]
     tiles = vals[..., torch.argsort(tile_order()).to(trellis.device)]         # row-major 16 x 16 per tile
     return tiles.view(rows, cols, TILE, TILE).permute(0, 2, 1, 3).reshape(rows * TILE, cols * TILE)
 
 
-# ==== the Hadamards and sign vectors =================================================================================
 def _f16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float16).to(torch.float32)
 
 
 def _butterfly(x: torch.Tensor, stride: int, to_f16: bool) -> torch.Tensor:
-    """One Walsh-Hadamard stage along the last dim (128): (a, b) -> (a + b, a - b) for pairs `stride` apart."""
     v = x.unflatten(-1, (HAD // (2 * stride), 2, stride))
     a, b = v[..., 0, :], v[..., 1, :]
     out = torch.stack((a + b, a - b), dim=-2).flatten(-3)
@@ -155,10 +125,8 @@ def _butterfly(x: torch.Tensor, stride: int, to_f16: bool) -> torch.Tensor:
 
 
 def _hadamard(x: torch.Tensor, first_stages_fp32: bool) -> torch.Tensor:
-    """Sylvester Hadamard / sqrt(128) along the last dim, as reconstruct_had_tile rounds it: strides 1 and 2 (a
-    thread's own 4 values; fp16 ops on the first side, fp32 then one rounding on the second), the scale R_SCALE in
-    fp16, then strides 4..64 across the warp's lanes in fp16. fp16 ops are emulated exactly: the fp32 result of an
-    add or a product of two fp16 values, rounded once to fp16."""
+    """Hadamard / sqrt(128) along the last dim, rounded as reconstruct_had_tile: strides 1-2 in fp16 (first side) or
+    fp32 (second side), R_SCALE, strides 4-64 in fp16; an fp16 op is its exact fp32 result rounded once."""
     for s in (1, 2):
         x = _butterfly(x, s, not first_stages_fp32)
     x = _f16(_f16(x) * R_SCALE)
@@ -168,9 +136,7 @@ def _hadamard(x: torch.Tensor, first_stages_fp32: bool) -> torch.Tensor:
 
 
 def rotate(inner: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> torch.Tensor:
-    """diag(suh) . H . inner . H . diag(svh) with exllamav3's rounding points (reconstruct_had_slice): the input-side
-    Hadamard over each 128-row block, then the output-side one over each 128-column block, then * suh, then * svh,
-    each product rounded to fp16. fp16 (in, out) in, fp16 (in, out) out."""
+    """diag(suh) . H . inner . H . diag(svh) in reconstruct_had_slice's order, each product rounded to fp16."""
     k, n = inner.shape
     x = inner.float().view(k // HAD, HAD, n).transpose(1, 2)
     x = _hadamard(x, first_stages_fp32=False).transpose(1, 2).reshape(k, n)
@@ -181,8 +147,7 @@ def rotate(inner: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor) -> torch.T
 
 def reconstruct(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str,
                 max_elements: int = 1 << 24) -> torch.Tensor:
-    """The original-basis fp16 weight (in, out) of a stored EXL3 Linear, on the trellis's device, decoded in slabs of
-    whole 128-column blocks of at most `max_elements` weights (the decode's int64 / fp32 temporaries stay bounded)."""
+    """The fp16 weight (in, out), decoded in slabs of `max_elements` to bound the temporaries."""
     k, n = trellis.shape[0] * TILE, trellis.shape[1] * TILE
     if k % HAD or n % HAD:
         raise Exl3Error(f"trellis {list(trellis.shape)}: a ({k}, {n}) weight, both dims must be multiples of {HAD}")
@@ -198,20 +163,18 @@ def reconstruct(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, cod
 
 
 def unpack_signs(bitfield: torch.Tensor) -> torch.Tensor:
-    """Legacy `.su` / `.sv`: int16 words, bit b of word i (LSB first) set -> element 16 i + b is -1, else +1."""
+    """Legacy `.su` / `.sv` int16 bitfields (LSB first; a set bit is -1) as fp16 signs."""
     bits = (bitfield.to(torch.int64).unsqueeze(-1) >> torch.arange(16, device=bitfield.device)) & 1
     return (1 - 2 * bits.flatten()).to(torch.float16)
 
 
-# ==== one stored Linear ==============================================================================================
 @dataclass(frozen=True)
 class Exl3Linear:
-    """One EXL3 Linear as stored (the raw record a GPU rank hands to exllamav3's kernels); dims in EXL3 orientation:
-    dim 0 = in features (trellis rows, suh), dim 1 = out features (trellis columns, svh)."""
+    """One EXL3 Linear as stored, in EXL3 orientation: dim 0 in features, dim 1 out features."""
     trellis: torch.Tensor           # int16 (in/16, out/16, W)
     suh: torch.Tensor               # fp16 (in,)
     svh: torch.Tensor               # fp16 (out,)
-    codebook: str                   # "3inst" | "mcg" | "mul1"
+    codebook: str
 
     @property
     def K(self) -> int | float:
@@ -230,7 +193,7 @@ class Exl3Linear:
         return reconstruct(self.trellis, self.suh, self.svh, self.codebook)
 
     def narrow(self, dim: int, start: int, stop: int) -> "Exl3Linear":
-        """Features [start, stop) of `dim` (multiples of 128): the shard decodes to the same slice of `weight()`."""
+        """Features [start, stop) of `dim`: at 128-multiples the shard decodes to the same slice of `weight()`."""
         size = self.trellis.shape[dim] * TILE
         if start % HAD or stop % HAD or not 0 <= start < stop <= size:
             raise Exl3Error(f"cut [{start}, {stop}) of dim {dim} (size {size}): EXL3 cuts need 0 <= start < stop <= "

@@ -1,9 +1,5 @@
-"""Every tensor of the DeepSeek-V4 drafter namespace (spec section 2), as data.
-
-One table answers three questions for the writer, the loader and the layout: which names must exist, with which
-shape, and which numeric form each one takes. `TensorSpec.dtype` is the storage dtype of OUR synthetic checkpoint
-(a real one may store the same tensor differently: FP8/FP4 linears, fp32 norms); `TensorSpec.kind` decides the
-compute form the loader hands out whatever the storage was (`COMPUTE_RULES` below).
+"""Every tensor of the DeepSeek-V4 drafter namespace, as data: its name, shape, synthetic storage dtype and the
+`kind` that decides the compute form the loader hands out, whatever a real checkpoint stores.
 """
 from __future__ import annotations
 
@@ -14,8 +10,7 @@ import torch
 
 from ..config import DrafterConfig
 
-# kind -> compute form the loader returns (spec sections 2 and 4: exllamav3 runs every Linear in fp16, keeps the
-# embedding tables as stored, loads the mHC / sink / routing-bias tensors as fp32).
+# As exllamav3 runs them.
 COMPUTE_RULES = {
     "linear": "fp16 (any float storage; FP8/FP4 dequantized)",
     "linear_bias": "fp16",
@@ -24,15 +19,14 @@ COMPUTE_RULES = {
     "fp32": "fp32 (hc_*, attn_sink, gate.bias)",
 }
 
-# Kind of any drafter tensor name, first match wins. Ordered so the specific rules (hc_*, norms, tables) come
-# before the catch-alls `.bias` / `.weight`.
+# First match wins: the catch-alls `.bias` / `.weight` last.
 _KIND_RULES: list[tuple[re.Pattern, str]] = [(re.compile(p), k) for p, k in [
     (r"\.hc_(attn|ffn|head)_(fn|base|scale)$", "fp32"),
     (r"\.attn\.attn_sink$", "fp32"),
     (r"\.ffn\.gate\.(bias|e_score_correction_bias)$", "fp32"),
-    (r"(_norm|\.norm)\.weight$", "norm"),           # attn/ffn/q/kv/main_norm and the final `norm`
+    (r"(_norm|\.norm)\.weight$", "norm"),
     (r"^embed\.weight$|\.markov_w1\.weight$", "table"),
-    (r"\.bias$", "linear_bias"),                    # markov_w2.bias, confidence_head.proj.bias
+    (r"\.bias$", "linear_bias"),
     (r"\.weight$", "linear"),
 ]]
 
@@ -48,7 +42,7 @@ def kind_of(name: str) -> str:
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype      # storage dtype of the synthetic checkpoint
+    dtype: torch.dtype      # the synthetic checkpoint's
     kind: str               # key of COMPUTE_RULES
 
     @property
@@ -63,8 +57,7 @@ class TensorSpec:
         return self.numel * self.dtype.itemsize
 
 
-# Synthetic storage dtype per kind. Linear weights fp16 (what exllamav3 computes in); the tables bf16 as in the
-# real checkpoint [3P]; norms bf16 so the loader's "bf16 norm stays bf16" path is the one exercised.
+# Norms bf16 so the loader's "bf16 norm stays bf16" path is the one exercised.
 _STORAGE = {"linear": torch.float16, "linear_bias": torch.float16, "norm": torch.bfloat16,
             "table": torch.bfloat16, "fp32": torch.float32}
 
@@ -75,14 +68,11 @@ def _spec(name: str, *shape: int) -> TensorSpec:
 
 
 def tensor_specs(cfg: DrafterConfig) -> dict[str, TensorSpec]:
-    """Every REQUIRED tensor, in a stable order (block by block, then the borrowed trunk tensors).
-
-    `head.weight` is absent when `tie_word_embeddings` (the loader then serves `embed.weight` as the head).
-    """
+    """Every required tensor, block by block, then the borrowed trunk tensors (tied: no `head.weight`)."""
     h, H, D, Rq = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
     G, Ro, M, E, I = cfg.o_groups, cfg.o_lora_rank, cfg.hc_mult, cfg.n_routed_experts, cfg.moe_intermediate_size
     Is, V, r, NB = cfg.shared_intermediate_size, cfg.vocab_size, cfg.dspark_markov_rank, cfg.n_blocks
-    mix = 2 * M + M * M         # mHC rows: M pre weights, M post weights, M x M combine matrix
+    mix = 2 * M + M * M         # mHC rows: M pre, M post, M x M combine
     out: list[TensorSpec] = []
     for n in range(NB):
         p = f"mtp.{n}"
@@ -119,7 +109,7 @@ def tensor_specs(cfg: DrafterConfig) -> dict[str, TensorSpec]:
 
 
 def optional_specs(cfg: DrafterConfig) -> dict[str, TensorSpec]:
-    """Tensors a loader must accept when present (spec section 2: loaded if present; not seen in a real checkpoint)."""
+    """Tensors a loader must accept when present (not seen in a real checkpoint)."""
     last = f"mtp.{cfg.n_blocks - 1}"
     out = [_spec(f"{last}.markov_head.markov_w2.bias", cfg.vocab_size),
            _spec(f"{last}.confidence_head.proj.bias", 1)]
@@ -129,5 +119,5 @@ def optional_specs(cfg: DrafterConfig) -> dict[str, TensorSpec]:
 
 
 def fallback_names(cfg: DrafterConfig) -> dict[str, str]:
-    """Required name -> the other name that may stand for it (DeepSeek's original key for the routing bias)."""
+    """Required name -> DeepSeek's original key that may stand for it."""
     return {f"mtp.{n}.ffn.gate.bias": f"mtp.{n}.ffn.gate.e_score_correction_bias" for n in range(cfg.n_blocks)}

@@ -1,19 +1,6 @@
-"""Read a checkpoint in the DeepSeek-V4 drafter namespace, synthetic or real, into the drafter's compute form.
-
-    ckpt = Checkpoint(dir)                      # config, tensor discovery, manifest and inventory checks
-    ckpt.read("mtp.0.attn.wq_b.weight", dim=0, start=0, stop=16384, device="cuda:0")   # one rank's rows only
-
-Compute form (inventory.COMPUTE_RULES): Linear weights and biases fp16, whatever the storage (bf16/fp32 rounded to
-nearest; DeepSeek's FP8 E4M3 block-scaled and FP4 e2m1 routed experts dequantized; exllamav3's EXL3 trellis decoded,
-exl3.py); `embed.weight` and `markov_w1` as stored; norm weights bf16/fp16 as stored, fp32 -> fp16; hc_*, attn_sink
-and gate.bias fp32. A slice read touches only the requested rows/columns on disk (plus the rest of their scale blocks
-for FP8/FP4, of their 128-channel Hadamard blocks for EXL3) and equals the same slice of a full read, so a rank never
-loads the half it does not own.
-
-EXL3 storage, as exllamav3 writes it: a Linear `<key>.weight` becomes `<key>.trellis` / `.suh` / `.svh` (+ `.mcg` or
-`.mul1`); DeepSeek-V4's `wo_a` is stored per o_group as `<attn>.wo_a.slice.<g>.*` (each (Ro, H*D/G), EXL3 or a plain
-`.weight`), read here as the one (G*Ro, H*D/G) tensor of the namespace. `exl3(name, ...)` hands out the raw
-records (a rank's cut at 128-channel boundaries) for kernels that multiply by the trellis directly.
+"""Read a DeepSeek-V4 drafter checkpoint (bf16, FP8, FP4 or EXL3: docs/exl3.md) into the compute form of
+inventory.COMPUTE_RULES. A slice read touches only its rows/columns on disk (widened to whole scale or Hadamard
+blocks) and equals the same slice of a full read, so a rank never loads the half it does not own.
 """
 from __future__ import annotations
 
@@ -33,7 +20,7 @@ from .manifest import (MANIFEST_NAME, ManifestError, StoredTensor, check_content
 
 
 class CheckpointError(ValueError):
-    """The checkpoint cannot serve the config; the message names the tensor, what it has and what is required."""
+    """The checkpoint cannot serve the config."""
 
 
 _FLOAT_TAGS = {"F16", "BF16", "F32", "F64"}
@@ -43,14 +30,13 @@ _FP4_TAGS = {"I8", "U8"}                    # two e2m1 codes per byte
 _SCALE_TAGS = {"F8_E8M0", "U8", "F32", "BF16", "F16"}
 # e2m1 magnitudes for codes 0..7; bit 3 of a code is the sign (spec section 2).
 _FP4_LUT = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# A stored EXL3 component, and exllamav3's per-group wo_a Linears: both name a tensor of the namespace.
+# EXL3 components and exllamav3's per-group wo_a Linears name a tensor of the namespace.
 _EXL3_PART = re.compile(r"\.(trellis|suh|svh|su|sv|mcg|mul1)$")
 _WO_A_SLICE = re.compile(r"\.wo_a\.slice\.\d+$")
 
 
 def canonical_name(stored: str) -> str:
-    """The namespace tensor a stored tensor belongs to: `X.scale` and the EXL3 parts `X.trellis` ... -> `X.weight`,
-    exllamav3's `<attn>.wo_a.slice.<g>.*` -> `<attn>.wo_a.weight`; any other name is its own."""
+    """The namespace tensor a stored tensor belongs to (`X.scale`, `X.trellis`, `wo_a.slice.<g>.*` -> `X.weight`)."""
     if stored.endswith(".scale"):
         return stored[: -len(".scale")] + ".weight"
     m = _EXL3_PART.search(stored)
@@ -60,10 +46,8 @@ def canonical_name(stored: str) -> str:
     return _WO_A_SLICE.sub(".wo_a", base) + ".weight"
 
 
-# ==== dequantization (DeepSeek's original storage) ==================================================================
 def scale_values(scale: torch.Tensor) -> torch.Tensor:
-    """fp32 block scales. E8M0 (or raw exponent bytes as U8): 2**(b-127), built as the fp32 bit pattern with
-    exponent field b (exact; b = 0 is the subnormal 2**-127, b = 255 is E8M0's NaN). Float scales pass through."""
+    """fp32 block scales; E8M0 bytes b built as the exact fp32 bit pattern of 2**(b-127) (0: subnormal, 255: NaN)."""
     if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
         b = scale.view(torch.uint8).to(torch.int32)
         bits = torch.where(b == 0, torch.full_like(b, 1 << 22), b << 23)
@@ -82,27 +66,24 @@ def decode_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_scales(values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """values (fp32, rows x cols) times each block's scale; exact in fp32 (a power of two), then one fp16 rounding."""
+    """Times each block's power-of-two scale, exact in fp32, then one fp16 rounding."""
     s = scales.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
     return (values * s[: values.shape[0], : values.shape[1]]).to(torch.float16)
 
 
 def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """FP8 E4M3 (R, C) with a (gr, gc) scale grid -> fp16 (R, C)."""
     block = (_block_len(weight.shape[0], scale.shape[0]), _block_len(weight.shape[1], scale.shape[1]))
     return _apply_scales(weight.to(torch.float32), scale_values(scale), block)
 
 
 def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """FP4 e2m1 packed (R, C/2) with a (gr, gc) scale grid (blocks [1, 32] in DeepSeek's experts) -> fp16 (R, C)."""
     values = decode_fp4(packed)
     block = (_block_len(values.shape[0], scale.shape[0]), _block_len(values.shape[1], scale.shape[1]))
     return _apply_scales(values, scale_values(scale), block)
 
 
 def _block_len(n: int, groups: int, what: str = "weight") -> int:
-    """Block length along one axis from the scale grid: n / groups when it divides, else the power of two that
-    gives `groups` blocks with a short last one (DeepSeek's blocks are 128 or 32 and shapes may not divide)."""
+    """n / groups when it divides, else the power of two giving `groups` blocks (DeepSeek's shapes may not divide)."""
     if groups <= 0 or groups > n:
         raise CheckpointError(f"{what}: scale grid of {groups} blocks does not fit a dimension of {n}")
     if n % groups == 0:
@@ -115,7 +96,6 @@ def _block_len(n: int, groups: int, what: str = "weight") -> int:
     return b
 
 
-# ==== the checkpoint ================================================================================================
 class Checkpoint:
     def __init__(self, path: str | Path, verify_content: bool = False):
         self.path = Path(path)
@@ -126,9 +106,9 @@ class Checkpoint:
         cfg = self.config
         self._specs = tensor_specs(cfg)
         self._optional = optional_specs(cfg)
-        self._alias = fallback_names(cfg)                      # canonical -> alternative stored name
+        self._alias = fallback_names(cfg)
         self._handles: dict[Path, object] = {}
-        self._parts = self._find_parts()                       # EXL3 / per-group-slice storage: name -> prefixes
+        self._parts = self._find_parts()
         self._codebooks: dict[str, str] = {}
         self.manifest = read_manifest(self.path)
         if self.manifest is not None:
@@ -143,7 +123,6 @@ class Checkpoint:
         self._identity = self.manifest["identity_digest"] if self.manifest else None
         self._check_inventory()
 
-    # ---- discovery ---------------------------------------------------------------------------------------------
     def _find_tensors(self) -> dict[str, StoredTensor]:
         index = self.path / "model.safetensors.index.json"
         if index.exists():
@@ -170,13 +149,12 @@ class Checkpoint:
         return stored
 
     def _is_drafter(self, name: str) -> bool:
-        """True for the tensors the drafter reads (real checkpoints also hold the trunk's, which we ignore)."""
+        """A tensor the drafter reads (real checkpoints also hold the trunk's)."""
         name = canonical_name(name)
         return name in self._specs or name in self._optional or name in self._alias.values()
 
     def _find_parts(self) -> dict[str, list[str]]:
-        """Namespace Linears stored as EXL3 or as exllamav3's wo_a group slices: name -> the stored prefixes, in row
-        order (one prefix for a plain EXL3 Linear, G for wo_a)."""
+        """EXL3 or wo_a-slice Linears: name -> their stored prefixes in row order (wo_a: one per group)."""
         out: dict[str, list[str]] = {}
         for name, spec in self._specs.items():
             if spec.kind != "linear":
@@ -297,22 +275,19 @@ class Checkpoint:
     def _tied_head(self, name: str) -> bool:
         return name == "head.weight" and self.config.tie_word_embeddings and "head.weight" not in self._stored
 
-    # ---- public API --------------------------------------------------------------------------------------------
     @property
     def identity_digest(self) -> str:
-        """The manifest's digest, or (no manifest) the same digest computed over the drafter's stored bytes."""
+        """The manifest's digest, or (no manifest) the same digest computed over the stored bytes."""
         if self._identity is None:
             recs = records_from_files(t for n, t in self._stored.items() if self._is_drafter(n))
             self._identity = compute_manifest(self.config.digest(), recs)["identity_digest"]
         return self._identity
 
     def files(self) -> list[str]:
-        """The safetensors files the drafter's tensors are stored in."""
         return sorted({str(t.path) for n, t in self._stored.items() if self._is_drafter(n)})
 
     def names(self) -> list[str]:
-        """Canonical names `read` serves: every required tensor (head.weight when tied and absent, gate.bias through
-        its fallback) and the optional ones present."""
+        """Canonical names `read` serves: every required tensor and the optional ones present."""
         out = set(self._specs)
         out |= {n for n in self._optional if self._stored_name(n) is not None or self._tied_head(n)}
         return sorted(out)
@@ -328,8 +303,7 @@ class Checkpoint:
         return tuple(self._logical_shape(sn))
 
     def storage(self, name: str) -> str:
-        """How the tensor is stored: "exl3" (wo_a: EXL3 group slices), "slices" (plain wo_a slices), "fp8", "fp4", or
-        the safetensors dtype tag of a plain tensor."""
+        """How it is stored: "exl3", "slices" (plain wo_a), "fp8", "fp4", or a plain tensor's dtype tag."""
         if name in self._parts:
             return "exl3" if f"{self._parts[name][0]}.trellis" in self._stored else "slices"
         sn = "embed.weight" if self._tied_head(name) else self._stored_name(name)
@@ -353,9 +327,8 @@ class Checkpoint:
 
     def read(self, name: str, dim: int | None = None, start: int | None = None, stop: int | None = None,
              device: str | torch.device = "cpu", staging=None) -> torch.Tensor:
-        """The tensor (or its [start, stop) slice along `dim`) in compute form, on `device`. `staging` (a
-        `weights.staging.Staging` for `device`): a plain tensor, or a cut of its rows, is read through it (the same
-        bytes, read faster); anything else as without it."""
+        """The tensor or its [start, stop) slice along `dim`, in compute form. A `staging.Staging` reads plain
+        tensors and row cuts faster (the same bytes)."""
         kind = kind_of(name)
         if name in self._parts:
             start, stop = self._check_slice(name, self._parts_shape(name), dim, start, stop)
@@ -373,16 +346,15 @@ class Checkpoint:
 
     def exl3(self, name: str, dim: int | None = None, start: int | None = None, stop: int | None = None,
              device: str | torch.device = "cpu") -> list[exl3.Exl3Linear]:
-        """The raw EXL3 records of `name` (or of its [start, stop) cut along `dim`, checkpoint orientation, at
-        multiples of 128), one per stored Linear in row order (wo_a: one per o_group the cut covers), for kernels
-        that multiply by the trellis directly. Each record's `weight().T` is the matching block of `read`."""
+        """The raw EXL3 records of `name` or its cut (128-multiples), one per stored Linear in row order, for kernels
+        that multiply by the trellis; each `weight().T` is the matching block of `read`."""
         if self.storage(name) != "exl3":
             raise CheckpointError(f"tensor {name}: stored as {self.storage(name)}, not EXL3")
         start, stop = self._check_slice(name, self._parts_shape(name), dim, start, stop)
         return [self._exl3_part(p, dim, lo, hi).to(device) for p, lo, hi in self._cut_parts(name, dim, start, stop)]
 
     def close(self) -> None:
-        """Drop the open file handles (their mmaps); reads after this reopen them."""
+        """Drop the open file handles (their mmaps); later reads reopen them."""
         self._handles.clear()
 
     def __enter__(self) -> "Checkpoint":
@@ -391,7 +363,6 @@ class Checkpoint:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- reading -----------------------------------------------------------------------------------------------
     def _handle(self, path: Path):
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt")
@@ -404,8 +375,7 @@ class Checkpoint:
         return h.get_slice(sn)[(slice(None),) * dim + (slice(start, stop),)]
 
     def _staged(self, sn: str, dim, start, stop, staging) -> torch.Tensor | None:
-        """Stored tensor `sn` (or its rows [start, stop): a contiguous byte range) read through `staging`, as the
-        stored dtype and shape; None for what it does not read (another dtype, a cut along another dim)."""
+        """`sn` or its rows (one contiguous byte range) through `staging`; None for what staging does not read."""
         t = self._stored[sn]
         dtype = _STAGED_DTYPES.get(t.dtype)
         if dtype is None or dim not in (None, 0) or not t.shape:
@@ -417,8 +387,7 @@ class Checkpoint:
         return staging.read(t.path, t.begin + lo * row, t.begin + hi * row).view(dtype).view(shape)
 
     def _cut_parts(self, name: str, dim, start, stop) -> list[tuple[str, int | None, int | None]]:
-        """(prefix, start, stop) within each stored part that the cut touches: a row cut (dim 0) picks the parts it
-        overlaps, a column cut (dim 1) applies to every part."""
+        """(prefix, start, stop) within each stored part the cut touches."""
         if dim != 0:
             return [(p, start, stop) for p in self._parts[name]]
         out, off = [], 0
@@ -431,8 +400,7 @@ class Checkpoint:
         return out
 
     def _read_parts(self, name: str, dim, start, stop, device) -> torch.Tensor:
-        """fp16 (out, in) of an EXL3 / sliced tensor (or its cut): each part decoded over the 128-channel blocks the
-        cut touches, then trimmed to it."""
+        """fp16 (out, in): each part decoded over the 128-channel blocks the cut touches, then trimmed."""
         pieces = []
         for prefix, lo, hi in self._cut_parts(name, dim, start, stop):
             if f"{prefix}.trellis" not in self._stored:
@@ -445,8 +413,7 @@ class Checkpoint:
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
     def _exl3_part(self, prefix: str, dim, start, stop) -> exl3.Exl3Linear:
-        """One stored EXL3 Linear, or its cut along `dim` (checkpoint orientation: 0 = out = EXL3's columns, 1 = in =
-        its rows), reading only the cut's trellis tiles and sign/scale entries."""
+        """One stored EXL3 Linear or its cut along `dim` (checkpoint orientation, transposed from EXL3's)."""
         if dim is not None and (start % exl3.HAD or stop % exl3.HAD):
             raise CheckpointError(f"tensor {prefix}: EXL3 cut [{start}, {stop}) of dim {dim} is not on "
                                   f"{exl3.HAD}-channel boundaries (the Hadamard block)")
@@ -466,7 +433,7 @@ class Checkpoint:
         return exl3.Exl3Linear(trellis, scales["u"], scales["v"], self._codebook(prefix))
 
     def _codebook(self, prefix: str) -> str:
-        """The codebook a marker names, its stored value checked (exllamav3 refuses any other value too)."""
+        """The codebook a marker names, its value checked (as exllamav3 does)."""
         if prefix not in self._codebooks:
             cb = "3inst"
             for name, value in exl3.MARKERS.items():
@@ -480,7 +447,7 @@ class Checkpoint:
         return self._codebooks[prefix]
 
     def _read_quant(self, sn: str, quant: str, dim, start, stop, device) -> torch.Tensor:
-        """Dequantize only the scale blocks that cover the slice, then trim to it."""
+        """Dequantize only the scale blocks covering the slice, then trim."""
         scale_name = sn[: -len(".weight")] + ".scale"
         shape = self._logical_shape(sn)
         grid = self._stored[scale_name].shape

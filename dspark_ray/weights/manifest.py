@@ -1,15 +1,6 @@
-"""Checkpoint identity: a manifest stored beside the weights, and the digest HELLO compares.
-
-    content_sha256  = sha256 over, in sorted-name order, "name NUL sha256(raw bytes of that tensor) LF"
-    identity_digest = sha256 over the canonical JSON of {config_digest, tensors: {name: [shape, dtype]}, content_sha256}
-
-Hashing each tensor on its own and then hashing the list (instead of one running hash over all bytes) lets the
-writer and the checker hash tensors in parallel (30 GB at ~1.5 GB/s per core would otherwise dominate `synth`),
-and lets a content check name the tensor that changed. Nothing machine-specific (paths, times, shard layout)
-enters a hashed part, so the same weights give the same digest wherever and however they were written.
-
-The raw-byte helpers below read the safetensors header directly (8-byte little-endian length, JSON, data), so the
-hash is over exactly the bytes on disk, whatever dtype tag the file uses.
+"""Checkpoint identity: a manifest beside the weights, and the digest HELLO compares. A hash per tensor's raw bytes,
+then one over the sorted list: tensors hash in parallel and a check names the one that changed. Nothing
+machine-specific (paths, shard layout) is hashed, so the same weights give the same digest however written.
 """
 from __future__ import annotations
 
@@ -29,12 +20,10 @@ _READ_CHUNK = 64 << 20
 
 
 class ManifestError(ValueError):
-    """The checkpoint does not match its manifest; the message names the tensor and what differs."""
+    """The checkpoint does not match its manifest."""
 
 
-# ---- raw safetensors access ----------------------------------------------------------------------------------------
-# torch dtype <-> safetensors dtype tag. Written by our own streaming writer (synth.py), which also covers F8_E8M0,
-# the scale-byte tag of DeepSeek's FP8/FP4 storage that `safetensors.torch.save_file` 0.8 cannot write.
+# For synth.py's own writer: `safetensors.torch.save_file` 0.8 cannot write F8_E8M0.
 DTYPE_TAGS = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e8m0fnu: "F8_E8M0",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -45,7 +34,7 @@ TAG_DTYPES = {v: k for k, v in DTYPE_TAGS.items()}
 class StoredTensor:
     name: str
     path: Path
-    dtype: str                  # safetensors tag: F16, BF16, F32, F8_E4M3, F8_E8M0, I8, U8, ...
+    dtype: str                  # safetensors tag
     shape: tuple[int, ...]
     begin: int                  # absolute byte offsets in the file
     end: int
@@ -80,14 +69,13 @@ def hash_stored(t: StoredTensor) -> str:
 
 
 def records_from_files(tensors: Iterable[StoredTensor], workers: int = 8) -> dict[str, dict]:
-    """name -> {shape, dtype, sha256} for the given stored tensors, hashed in parallel (hashlib drops the GIL)."""
+    """name -> {shape, dtype, sha256}, hashed in parallel (hashlib drops the GIL)."""
     ts = list(tensors)
     with ThreadPoolExecutor(workers) as ex:
         shas = list(ex.map(hash_stored, ts))
     return {t.name: {"shape": list(t.shape), "dtype": t.dtype, "sha256": s} for t, s in zip(ts, shas)}
 
 
-# ---- the manifest --------------------------------------------------------------------------------------------------
 def compute_manifest(config_digest: str, records: Mapping[str, Mapping]) -> dict:
     """records: name -> {shape, dtype, sha256 (hex of the tensor's raw bytes)}."""
     content = hashlib.sha256()
@@ -116,7 +104,7 @@ def write_manifest(ckpt_dir: str | Path, manifest: Mapping) -> Path:
 
 
 def read_manifest(ckpt_dir: str | Path) -> dict | None:
-    """The manifest beside a checkpoint, or None when there is none. Refuses an unknown format."""
+    """The manifest beside a checkpoint, or None; refuses an unknown format."""
     p = Path(ckpt_dir) / MANIFEST_NAME
     if not p.exists():
         return None
@@ -128,7 +116,7 @@ def read_manifest(ckpt_dir: str | Path) -> dict | None:
 
 def check_layout(manifest: Mapping, stored: Mapping[str, StoredTensor],
                  keep: Callable[[str], bool] = lambda name: True) -> None:
-    """Names, shapes and dtypes of the stored tensors (those `keep` selects) equal the manifest's, both ways."""
+    """Names, shapes and dtypes of the stored tensors `keep` selects equal the manifest's, both ways."""
     listed = manifest["tensors"]
     for name in sorted(listed):
         if name not in stored:
@@ -145,7 +133,7 @@ def check_layout(manifest: Mapping, stored: Mapping[str, StoredTensor],
 
 
 def check_content(manifest: Mapping, stored: Mapping[str, StoredTensor]) -> None:
-    """Every listed tensor's raw bytes hash to the manifest's sha256, and the manifest's own sums add up."""
+    """Every listed tensor's bytes hash to the manifest's sha256, and the manifest's own sums add up."""
     got = records_from_files(stored[n] for n in manifest["tensors"])
     for name in sorted(got):
         if got[name]["sha256"] != manifest["tensors"][name]["sha256"]:

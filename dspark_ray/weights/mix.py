@@ -1,16 +1,5 @@
-"""Which storage each Linear of a synthetic checkpoint gets: the `--bits` mix of `dspark-ray synth --format exl3`.
-
-    head=6,experts=2,wo_a=fp8,rest=4            seed 000's mix (the default): head 6 bpw, routed experts 2 bpw, FP8
-                                                wo_a, every other quantizable Linear EXL3 at 4 bpw
-    ...,codebook=mcg                            the codebook of every EXL3 entry without its own (default mul1, the
-                                                exllamav3 1.6.5 converter's default)
-    wq_b=3mcg,shared=2.5:mul1,wkv=16            per group: a bitrate (1..8, or 1.5 / 2.5 / 3.5 with mul1) with an
-                                                optional codebook suffix, `fp8` (DeepSeek's E4M3 with 128 x 128 E8M0
-                                                block scales) or `16` (plain, as the bf16 checkpoint stores it)
-
-Groups (first match wins): head, experts (routed), shared, wo_a, wo_b, wq_a, wq_b, wkv, main_proj; `rest` is every
-quantizable Linear no named group covers. What exllamav3 quantizes is what can be EXL3 here: the router gate,
-markov_w1 / w2, the confidence head, the embedding, norms and mHC tensors stay plain whatever the mix says.
+"""The `--bits` mix of `dspark-ray synth --format exl3`: which storage each Linear gets (syntax: docs/exl3.md,
+"Synthetic EXL3 checkpoints"). Only what exllamav3 quantizes (GROUPS) can be EXL3 or FP8; the rest stays plain.
 """
 from __future__ import annotations
 
@@ -36,14 +25,14 @@ GROUPS: dict[str, str] = {
 
 
 class MixError(ValueError):
-    """A bad `--bits` mix; the message names the entry, its value and the rule."""
+    """A bad `--bits` mix."""
 
 
 @dataclass(frozen=True)
 class Storage:
     form: str                       # "plain" | "fp8" | "exl3"
-    bits: int | float = 16          # EXL3 bitrate
-    codebook: str = ""              # EXL3 codebook: "3inst" | "mcg" | "mul1"
+    bits: int | float = 16
+    codebook: str = ""
 
     def __str__(self) -> str:
         return {"plain": "16", "fp8": "fp8"}.get(self.form) or f"{self.bits}{self.codebook}"
@@ -99,7 +88,7 @@ def parse_mix(spec: str = DEFAULT_MIX) -> dict[str, Storage]:
 
 
 def storage_of(name: str, mix: dict[str, Storage]) -> Storage:
-    """The storage of one namespace tensor under the mix (PLAIN for anything exllamav3 does not quantize)."""
+    """The storage of one namespace tensor under the mix."""
     for group, pattern in GROUPS.items():
         if fnmatch.fnmatchcase(name, pattern):
             return mix.get(group, mix["rest"])
@@ -107,8 +96,7 @@ def storage_of(name: str, mix: dict[str, Storage]) -> Storage:
 
 
 def quantization_config(mix: dict[str, Storage]) -> dict:
-    """config.json's `quantization_config`, the keys exllamav3 1.6.5's converter writes (conversion/compile.py):
-    bits (the decoder's, here the rest), head_bits, mtp_bits, codebook; 16 stands for unquantized."""
+    """config.json's `quantization_config` as exllamav3 1.6.5's converter writes it; 16: unquantized."""
     def bits(s: Storage):
         return s.bits if s.form == "exl3" else 16
     rest, head = mix["rest"], mix.get("head", mix["rest"])

@@ -1,16 +1,6 @@
-"""Reading a checkpoint's bytes onto the device fast: several threads read a tensor's byte range from the file
-(`os.preadv`, which drops the interpreter lock) into pinned buffers of their own, and each copies its buffer to the
-device on a stream of its own while it reads the next.
-
-Why: `safe_open(...).get_tensor` copies a tensor from the file's mapping into a new host tensor on one thread,
-faulting its pages in one by one, and `.to("cuda")` from that pageable memory goes through the driver's own
-staging, again on one thread. A restart reads the whole checkpoint that way (29.7 GB at tp 1 on the full preset).
-The file's pages sit in the host's page cache after the first read (the host's copy of the weights): reading them
-with large `preadv`s from several threads, straight into pinned memory, then copying at the DMA engine's rate
-overlaps the two and avoids both single-threaded copies. The bytes are the file's, exactly: what the tensor is made
-of afterwards (views, dtype, the compute form) is the loader's, as before.
-
-On a CPU the threads read straight into the destination tensor (no pinned buffers, no streams).
+"""A checkpoint's bytes onto the device fast: threads `os.preadv` byte ranges (no GIL) into pinned buffers and copy
+each on a stream of their own, instead of safetensors' one-thread mapping and pageable copy (docs/engine.md, "A GPU
+rank at a glance"). The bytes are the file's exactly; on a CPU they go straight into the destination.
 """
 from __future__ import annotations
 
@@ -37,8 +27,7 @@ class Staging:
         self.bytes_read = 0
 
     def read(self, path: str | os.PathLike, begin: int, end: int) -> torch.Tensor:
-        """Bytes [begin, end) of the file at `path`, as a uint8 tensor on the device. On a GPU the copies are
-        queued on the threads' streams and the current stream waits for them: use the tensor on it."""
+        """Bytes [begin, end) of `path` as a uint8 tensor on the device, ready on the current stream only."""
         n = end - begin
         out = torch.empty(n, dtype=torch.uint8, device=self.device)
         if n == 0:
@@ -60,14 +49,14 @@ class Staging:
         st = self._thread_state()
         buf, done = st["bufs"][st["next"]], st["done"][st["next"]]
         st["next"] ^= 1
-        done.synchronize()                   # the copy that last read this buffer has finished
+        done.synchronize()                   # the buffer's last copy has finished
         _pread_all(fd, buf[:hi - lo].numpy(), base + lo)
         with torch.cuda.stream(st["stream"]):
             out[lo:hi].copy_(buf[:hi - lo], non_blocking=True)
             done.record(st["stream"])
 
     def _thread_state(self) -> dict:
-        """This thread's two pinned buffers (one filling while the other's copy runs), their events, its stream."""
+        """This thread's two pinned buffers (one filling while the other copies), their events, its stream."""
         st = getattr(self._local, "st", None)
         if st is None:
             stream = torch.cuda.Stream(self.device)
@@ -88,7 +77,6 @@ class Staging:
             return self._fds[path]
 
     def close(self) -> None:
-        """Finish every copy, close the files, let the threads go."""
         if self.cuda:
             for s in self._streams:
                 s.synchronize()
@@ -106,7 +94,7 @@ class Staging:
 
 
 def _pread_all(fd: int, into, offset: int) -> None:
-    """Fill `into` (a writable uint8 array) from `fd` at `offset`; a short file is an error, never silent zeros."""
+    """Fill `into` from `fd` at `offset`; a short file is an error, never silent zeros."""
     view = memoryview(into).cast("B")
     got = 0
     while got < len(view):
@@ -117,8 +105,7 @@ def _pread_all(fd: int, into, offset: int) -> None:
 
 
 def prefetch(paths) -> None:
-    """Ask the kernel to read these files into the page cache now, in the background (POSIX_FADV_WILLNEED): a
-    restarting rank then reads them from memory even where the cache had dropped them. Returns at once."""
+    """POSIX_FADV_WILLNEED: the kernel reads the files into the page cache in the background; returns at once."""
     for p in paths:
         try:
             fd = os.open(p, os.O_RDONLY)

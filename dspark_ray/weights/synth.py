@@ -1,23 +1,7 @@
-"""A deterministic synthetic checkpoint in the DeepSeek-V4 drafter namespace (no real checkpoint is reachable).
+"""A deterministic synthetic checkpoint in the DeepSeek-V4 drafter namespace, plain or EXL3 (docs/exl3.md).
 
-    synthesize(cfg, out_dir, seed=0, device="cpu", fmt="bf16" | "exl3", bits=mix)
-                                                     ->   out_dir/config.json
-                                                           out_dir/model.safetensors            (one shard), or
-                                                           out_dir/model-0000i-of-0000N.safetensors + index.json
-                                                           out_dir/dspark-manifest.json         (written last)
-
-The bytes depend only on (config, seed, SCALES), never on the device that drew them: every value comes from a
-counter-based integer hash of (seed, crc32(name), element index) computed with exact int64 ops, turned into a
-uniform by exact fp32 ops (24 hash bits -> k / 2**23 - 1), then ONE correctly rounded fp32 multiply by the scale,
-an exact-or-correctly-rounded add of the centre, and the round-to-nearest-even cast to the storage dtype. IEEE
-gives those the same result on a CPU and a GPU; each is a separate torch op (no fused multiply-add can form).
-
-`fmt="exl3"` stores the Linears as exllamav3 1.6.5 writes a converted DeepSeek-V4 drafter (`mix.py` says which
-tensor gets which bitrate, FP8 or plain storage): an EXL3 Linear gets random trellis words (every bitstream is a
-valid tail-biting trellis, so its decoded inner weights are the codebook's values at uniformly random states) and
-random-sign suh / svh whose magnitudes give the decoded weight the std the plain checkpoint's SCALES entry gives it;
-an FP8 one the plain checkpoint's values over a 128 x 128 E8M0 block scale that bounds them. Every stored element is
-still a function of (seed, stored name, index) alone, so the file streams in chunks like the plain one.
+The bytes depend only on (config, seed, SCALES), not the device: an exact integer hash of (seed, name, index), exact
+fp32 ops to a uniform, then separate correctly rounded torch ops (no fused multiply-add can form), equal under IEEE.
 """
 from __future__ import annotations
 
@@ -46,14 +30,9 @@ from .manifest import DTYPE_TAGS, compute_manifest, write_manifest
 from .mix import DEFAULT_MIX, MixError, Storage, parse_mix, quantization_config, storage_of
 
 
-# ==== value distributions: the ONE table to tune ==================================================================
 @dataclass(frozen=True)
 class Draw:
-    """value = center + half * U, U uniform on [-1, 1).
-
-    Give `half` directly, or `std` (a uniform's std is half / sqrt(3)); with `per_fan_in` the std is divided by
-    sqrt(fan_in), fan_in = the tensor's last dimension (a Linear's in-features in (out, in) orientation).
-    """
+    """value = center + half * U, U uniform on [-1, 1); `half`, or `std` (divided by sqrt(fan_in) with `per_fan_in`)."""
     center: float = 0.0
     half: float | None = None
     std: float | None = None
@@ -70,7 +49,7 @@ def fan_in(gain: float) -> Draw:        # std = gain / sqrt(fan_in): keeps a Lin
     return Draw(std=gain, per_fan_in=True)
 
 
-def around(center: float, half: float) -> Draw:     # U(center - half, center + half)
+def around(center: float, half: float) -> Draw:
     return Draw(center=center, half=half)
 
 
@@ -78,21 +57,21 @@ def with_std(std: float) -> Draw:
     return Draw(std=std)
 
 
-# First match wins (fnmatch over the full tensor name, `*` also crosses dots). Every tensor must match one entry.
+# The first fnmatch over the full name wins (`*` crosses dots).
 SCALES: list[tuple[str, Draw]] = [
     ("mtp.*.attn.attn_sink",               around(0.0, 1.0)),   # nonzero: the sink term must change softmax
     ("mtp.*.hc_*_fn",                      fan_in(0.02)),       # small mixing logits: base/scale dominate mHC
     ("mtp.*.hc_*_base",                    around(0.0, 0.5)),
-    ("mtp.*.hc_*_scale",                   around(1.0, 0.5)),   # [pre, post, comb] (hc_head: one scalar)
+    ("mtp.*.hc_*_scale",                   around(1.0, 0.5)),
     ("mtp.*.ffn.gate.bias",                around(0.0, 0.3)),   # selection bias: big enough to move the top-k
-    ("*norm.weight",                       around(1.0, 0.1)),   # attn/ffn/q/kv/main_norm and the final norm
+    ("*norm.weight",                       around(1.0, 0.1)),
     ("embed.weight",                       with_std(1.0)),
     ("*.markov_head.markov_w1.weight",     with_std(1.0)),
     ("*.markov_head.markov_w2.weight",     fan_in(1.0)),
     ("*.confidence_head.proj.weight",      fan_in(1.0)),
     ("head.weight",                        fan_in(1.0)),
     ("*.ffn.gate.weight",                  fan_in(1.0)),
-    ("*.weight",                           fan_in(1.0)),        # every other Linear (attn, experts, main_proj)
+    ("*.weight",                           fan_in(1.0)),
 ]
 
 
@@ -103,13 +82,11 @@ def draw_for(name: str) -> Draw:
     raise KeyError(f"tensor {name!r}: no SCALES entry matches; add one to dspark_ray/weights/synth.py")
 
 
-# ==== counter-based RNG (exact integer ops) =========================================================================
 _M32 = 0xFFFFFFFF
 
 
 def _mul32(x, c: int):
-    """(x * c) mod 2**32 for 0 <= x < 2**32 without int64 overflow (c = 0x846ca68b > 2**31 would overflow a plain
-    int64 product, and signed overflow is not something to rely on across CPU and CUDA)."""
+    """(x * c) mod 2**32 in 16-bit halves: a plain int64 product overflows, which CPU and CUDA need not agree on."""
     return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
 
 
@@ -128,11 +105,8 @@ def _tensor_keys(seed: int, name: str) -> tuple[int, int]:
 
 
 def hash32(seed: int, name: str, start: int, count: int, device="cpu") -> torch.Tensor:
-    """Elements [start, start+count) of the tensor's stream of 32-bit hashes (int64 holding 0 .. 2**32 - 1).
-
-    Two hash rounds, the key mixed into each: with one round, two tensors would draw the same values at indices
-    that differ by the xor of their keys.
-    """
+    """Elements [start, start+count) of the tensor's 32-bit hashes. Two keyed rounds: with one, two tensors would
+    draw the same values at indices that differ by the xor of their keys."""
     if start + count > 1 << 32:
         raise ValueError(f"tensor {name}: {start + count} elements exceeds the 2**32 counter range")
     k1, k2 = _tensor_keys(seed, name)
@@ -146,13 +120,11 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform(seed: int, name: str, start: int, count: int, device="cpu") -> torch.Tensor:
-    """Elements [start, start+count) of the tensor's stream: fp32 k / 2**23 - 1 in [-1, 1), k a 24-bit hash."""
     return _unit(hash32(seed, name, start, count, device))
 
 
 def draw_values(spec: TensorSpec, seed: int, start: int, count: int, device="cpu", draw: Draw | None = None
                 ) -> torch.Tensor:
-    """Elements [start, start+count) of the flattened tensor in its storage dtype (drawn as SCALES says, or `draw`)."""
     d = draw or draw_for(spec.name)
     half = torch.tensor(d.half_width(spec.shape), dtype=torch.float32, device=device)   # rounded once, to fp32
     v = uniform(seed, spec.name, start, count, device).mul_(half)
@@ -161,7 +133,6 @@ def draw_values(spec: TensorSpec, seed: int, start: int, count: int, device="cpu
     return v.to(spec.dtype)
 
 
-# ==== what is stored: plain tensors, or the EXL3 / FP8 forms of the Linears =========================================
 @dataclass(frozen=True)
 class StoredSpec:
     """One stored tensor: `make(seed, start, count, device)` gives its flat elements [start, start+count)."""
@@ -189,7 +160,6 @@ def _trellis_words(name: str, seed: int, start: int, count: int, device="cpu") -
 
 
 def _signed_scales(name: str, magnitude: float, seed: int, start: int, count: int, device="cpu") -> torch.Tensor:
-    """suh / svh: magnitude * (1 + U / 4) with a random sign (hash bit 0; U takes bits 8..31)."""
     x = hash32(seed, name, start, count, device)
     m = torch.tensor(magnitude, dtype=torch.float32, device=device)
     v = _unit(x).mul_(m * 0.25).add_(m)
@@ -202,8 +172,7 @@ def _constant(value: int, dtype: torch.dtype, seed: int, start: int, count: int,
 
 
 def _exl3_parts(spec: TensorSpec, cfg: DrafterConfig, st: Storage) -> list[StoredSpec]:
-    """An EXL3 Linear as exllamav3 stores it (wo_a: one Linear per o_group, `wo_a.slice.g`). The decoded weight's
-    std is the plain checkpoint's: |suh| |svh| * codebook RMS (the Hadamards keep the RMS)."""
+    """An EXL3 Linear (wo_a: one per o_group); |suh| |svh| * codebook RMS gives the plain checkpoint's std."""
     key = spec.name[: -len(".weight")]
     out_f, in_f = spec.shape
     prefixes = [key]
@@ -230,7 +199,7 @@ _E4M3_MAX = 448.0
 
 
 def _fp8_exponent(spec: TensorSpec, d: Draw) -> int:
-    """The smallest e with every drawn value (|v| <= the fp32 half width) inside e4m3's +-448 * 2**e."""
+    """The smallest e with every drawn value inside e4m3's +-448 * 2**e."""
     if d.center:
         raise ValueError(f"tensor {spec.name}: FP8 storage needs values centred on 0")
     half = torch.tensor(d.half_width(spec.shape), dtype=torch.float32).item()
@@ -248,8 +217,7 @@ def _fp8_values(spec: TensorSpec, e: int, d: Draw, seed: int, start: int, count:
 
 
 def _fp8_parts(spec: TensorSpec, draw: Draw | None = None) -> list[StoredSpec]:
-    """DeepSeek's FP8 storage: the plain checkpoint's values in E4M3 over one E8M0 scale per 128 x 128 block (all
-    blocks share the exponent that bounds the draw: the values are uniform, so every block's amax is about it)."""
+    """DeepSeek's FP8 storage, E4M3 over an E8M0 scale per 128 x 128 block; uniform values let all share one."""
     d = draw or draw_for(spec.name)
     e = _fp8_exponent(spec, d)
     grid = tuple(-(-n // FP8_BLOCK) for n in spec.shape)
@@ -259,8 +227,7 @@ def _fp8_parts(spec: TensorSpec, draw: Draw | None = None) -> list[StoredSpec]:
 
 
 def stored_specs(cfg: DrafterConfig, fmt: str = "bf16", mix: dict[str, Storage] | None = None) -> list[StoredSpec]:
-    """Every stored tensor, in inventory order: the plain checkpoint (fmt "bf16"), or its Linears in the `mix`'s
-    storage forms (fmt "exl3")."""
+    """Every stored tensor, in inventory order (fmt "exl3": the Linears in the `mix`'s storage forms)."""
     if fmt not in ("bf16", "exl3"):
         raise ValueError(f"format {fmt!r}: must be bf16 or exl3")
     mix = parse_mix(DEFAULT_MIX) if mix is None else mix
@@ -276,10 +243,8 @@ def stored_specs(cfg: DrafterConfig, fmt: str = "bf16", mix: dict[str, Storage] 
     return out
 
 
-# ==== streaming safetensors writer ==================================================================================
 def _header(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> bytes:
-    """Header for tensors laid out in the given order. Widest dtypes first (as safetensors' own writer does), so each
-    tensor's offset is a multiple of its element size; the JSON is padded to 8 bytes for the same reason."""
+    """Callers put the widest dtypes first and the JSON is padded to 8, so every offset is element-aligned."""
     meta, off = {"__metadata__": {"format": "pt"}}, 0
     for name, dtype, shape in entries:
         n = math.prod(shape) * dtype.itemsize
@@ -295,7 +260,7 @@ def _file_order(specs: list[StoredSpec]) -> list[StoredSpec]:
 
 
 def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write a small safetensors file with any dtype in DTYPE_TAGS (tests use it for FP8/E8M0 files)."""
+    """Write a small safetensors file with any dtype in DTYPE_TAGS (FP8/E8M0 too)."""
     path = Path(path)
     items = sorted(tensors.items(), key=lambda kv: -kv[1].dtype.itemsize)
     tmp = path.with_name(path.name + ".tmp")
@@ -307,7 +272,7 @@ def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _plan_shards(specs: list[StoredSpec], shard_bytes: int) -> list[list[StoredSpec]]:
-    """Greedy in inventory order (a block's tensors stay together); a tensor bigger than a shard gets its own."""
+    """Greedy in inventory order, so a block's tensors stay together."""
     shards, cur, size = [], [], 0
     for s in specs:
         if cur and size + s.nbytes > shard_bytes:
@@ -327,8 +292,7 @@ _OWNED = ("model*.safetensors", "model.safetensors.index.json", "dspark-manifest
 def synthesize(cfg: DrafterConfig, out_dir: str | Path, seed: int = 0, device: str | torch.device = "cpu",
                shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool | None = None, fmt: str = "bf16",
                bits: str = DEFAULT_MIX) -> dict:
-    """Write the checkpoint and its manifest; returns the manifest. `progress=None`: a bar above 1 GB. `fmt="exl3"`
-    stores the Linears as the `bits` mix says (mix.py); the config then carries exllamav3's quantization_config."""
+    """Write the checkpoint and its manifest (returned); `progress=None`: a bar above 1 GB on a terminal."""
     mix = parse_mix(bits) if fmt == "exl3" else None
     config = cfg.to_json_dict()
     if mix is not None:
@@ -340,8 +304,7 @@ def synthesize(cfg: DrafterConfig, out_dir: str | Path, seed: int = 0, device: s
 def write_checkpoint(specs: list[StoredSpec], config: dict, config_digest: str, out_dir: str | Path, *, seed: int = 0,
                      device: str | torch.device = "cpu", shard_bytes: int = DEFAULT_SHARD_BYTES,
                      progress: bool | None = None, listed: Callable[[str], bool] = lambda name: True) -> dict:
-    """Stream `specs` into safetensors shards beside `config` (config.json) and write the manifest of the tensors
-    `listed` selects (the drafter's, in a directory that also holds a trunk); returns the manifest."""
+    """Stream `specs` into shards beside config.json; the manifest lists the tensors `listed` selects."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for pattern in _OWNED:                          # stale shards of an earlier layout would be found by a glob
@@ -354,16 +317,14 @@ def write_checkpoint(specs: list[StoredSpec], config: dict, config_digest: str, 
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     total = sum(s.nbytes for s in specs)
     dev = torch.device(device)
-    # Chunks big enough to keep a GPU busy (each int64 temporary of 64M elements is 512 MB); on a CPU, small enough
-    # that the hash's int64 temporaries stay in cache (2 MB each: several times faster than 4M-element chunks).
+    # Big enough to keep a GPU busy; on a CPU, small enough for the hash's int64 temporaries to stay in cache.
     chunk = (1 << 26) if dev.type == "cuda" else (1 << 18)
     bar = None
-    if progress or (progress is None and total > 1 << 30 and sys.stderr.isatty()):   # a bar on a terminal only
+    if progress or (progress is None and total > 1 << 30 and sys.stderr.isatty()):
         from tqdm import tqdm
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"synth {out.name}")
 
-    # Pipeline: this thread draws chunk i+1 on the device while one thread writes chunk i and another hashes it
-    # (both drop the GIL). One worker each keeps the file and each tensor's hash in order.
+    # Draw, write and hash overlap (both drop the GIL); one worker each keeps file and hash in order.
     records: dict[str, dict] = {}
     pending: deque = deque()
     with ThreadPoolExecutor(1) as writer, ThreadPoolExecutor(1) as hasher:
@@ -404,7 +365,6 @@ def write_checkpoint(specs: list[StoredSpec], config: dict, config_digest: str, 
     return manifest
 
 
-# ==== `dspark-ray synth` ============================================================================================
 def synth_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dspark-ray synth", description="Write a deterministic synthetic checkpoint.")
     ap.add_argument("--preset", choices=["tiny", "full"], required=True)
