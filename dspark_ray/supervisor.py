@@ -77,10 +77,6 @@ class Supervisor:
             else:
                 self.service.unavailable = f"restart failed: {why}"
 
-    @property
-    def restarting(self) -> bool:
-        return self._restarting
-
     def status(self) -> dict:
         return {"consecutive_failures": self.consecutive, "threshold": self.threshold, "restarts": self.restarts,
                 "restart_seconds": [round(s, 3) for s in self.restart_seconds[-10:]],

@@ -51,9 +51,6 @@ def rank_actor_class():
             from ..faults import install
             return install(self.w, kind, **params)
 
-        def ping(self):
-            return self.w.rank
-
         def stop(self):
             return self.w.stop()
 
