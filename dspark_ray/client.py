@@ -1,9 +1,5 @@
-"""The drafter client a serving engine embeds: one blocking TCP connection, one request at a time.
-
-It imports the contract, the framing, the shared-memory ring and numpy only (no torch, no ray), so an engine can
-vendor it. With `shm=True` (an engine on the drafter's host) the session's requests, after HELLO, go through a
-shared-memory ring the client creates instead of the socket (transport/shm.py); the answers are the same. Typical
-use:
+"""The drafter client a serving engine embeds: one blocking TCP connection, one request at a time (the protocol:
+docs/contract.md). It needs msgspec and numpy only, so an engine can vendor it.
 
     with DrafterClient(host, port) as c:
         c.hello(config_digest=..., tp=2)
@@ -11,9 +7,8 @@ use:
         results = c.step([make_entry(slot=g.slot, generation=g.generation, ...) for g in grants], deadline_ms=5)
         drafts = results[0].drafts_array()
 
-Per-entry outcomes (BAD_ENTRY, STALE_GENERATION, INTERNAL, DEADLINE, ...) come back in the results; a refusal of a
-whole request or a lost connection raises `ClientError`. After a timeout or a broken frame the connection is closed:
-a late reply could otherwise be read as the answer to the next request.
+Per-entry codes come back in the results; a refused request or a lost connection raises `ClientError`. After a
+timeout or a broken frame the connection is closed: a late reply could be read as the next request's answer.
 """
 from __future__ import annotations
 
@@ -45,11 +40,10 @@ class ClientError(RuntimeError):
 
 class DrafterClient:
     def __init__(self, host: str, port: int, timeout_s: float = 5.0, spin_us: float = 0.0, shm: bool = False):
-        """`spin_us`: how long to poll for a reply before blocking. A blocked thread's core falls asleep during
-        the ~1.5 ms of a step and waking it costs tens of microseconds of every round trip; polling costs a core
-        while the reply is awaited. 0 (the default) blocks at once; ~3000 covers a step on a GPU pair.
-        `shm`: after HELLO, send the session's requests through a shared-memory ring (the drafter must run on
-        this host; HELLO raises ClientError when the server cannot attach the ring)."""
+        """`timeout_s`: the bound on each send and receive without progress. `spin_us`: how long to poll for a reply
+        before blocking (waking a blocked thread costs tens of us; polling costs a core); ~3000 covers a GPU pair's
+        step, 0 blocks at once. `shm`: after HELLO, send requests through a shared-memory ring (the drafter on this
+        host; HELLO raises ClientError when the server cannot attach it)."""
         self.endpoint = f"{host}:{port}"
         self.timeout_s = timeout_s
         self.spin_us = spin_us
@@ -60,13 +54,12 @@ class DrafterClient:
         except OSError as e:
             raise ClientError(f"cannot connect to drafter at {self.endpoint}: {e}") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        # Every recv and send is bounded by timeout_s without progress, so a silent server cannot hang the engine.
         bound_blocking_io(self._sock, timeout_s)
         self._reader = FrameReader(spinning_recv_into(self._sock, spin_us))
         self._writer = FrameWriter()
         self._lock = threading.Lock()      # one request in flight: replies are matched by order and request id
         self._next_id = 1
-        self._ring_seq = 0                 # the shm request awaiting its completion
+        self._ring_seq = 0
         self.last_sent_ns = 0
         self.hello_reply: HelloReply | None = None
 
@@ -76,7 +69,6 @@ class DrafterClient:
             raise ClientError("no limits yet: call hello() first")
         return self.hello_reply.limits
 
-    # ---- requests ----------------------------------------------------------------------------------------------
     def hello(self, *, model_digest: str | None = None, config_digest: str | None = None, tp: int | None = None,
               max_model_len: int | None = None, client: str = "dspark-ray-client") -> HelloReply:
         """Open the session; raises ClientError(CONFIG_MISMATCH / UNAVAILABLE) when the worker refuses."""
@@ -85,17 +77,14 @@ class DrafterClient:
         if not reply.ok:
             raise ClientError(f"HELLO refused by {self.endpoint}: {reply.code.name}: {reply.reason}", reply.code)
         self.hello_reply = reply
-        # Frames up to the worker's limit: the reader must accept the largest reply it can be sent.
         self._reader.max_frame_bytes = self._writer.max_frame_bytes = reply.limits.max_frame_bytes
         if self._want_shm and self._ring is None:
             self._attach_shm()
         return reply
 
     def _attach_shm(self) -> None:
-        """Create the request ring and have the server attach it (SHM_ATTACH over TCP)."""
         from .transport.ring import StepRing
-        # Slots for a decode round's STEP (larger ones spill to a segment of their own); completions for the
-        # largest STEP_REPLY (per entry a few dozen bytes and its drafts, confidences and margins).
+        # A slot holds a decode round's STEP (a larger one spills); a completion the largest STEP_REPLY.
         ring = StepRing.create(SHM_RING_PREFIX, 1, slot_bytes=1 << 20, n_slots=2, completion_bytes=256 << 10,
                                spin_us=max(self.spin_us, 50.0), max_message_bytes=self.limits.max_frame_bytes)
         h = ring.handle
@@ -104,7 +93,7 @@ class DrafterClient:
                                          completion_bytes=h.completion_bytes, bell_dir=h.bell_dir, spin_us=h.spin_us,
                                          nap_s=h.nap_s, max_message_bytes=h.max_message_bytes), ShmAttachReply)
         except BaseException:
-            ring.unlink()               # (closes it first)
+            ring.unlink()
             raise
         if not reply.ok:
             ring.unlink()
@@ -120,15 +109,13 @@ class DrafterClient:
         return self._call(Release(slots=[int(s) for s in slots]), ReleaseReply).released
 
     def step(self, entries: Sequence[Entry], deadline_ms: float = 100.0) -> list[EntryResult]:
-        """One result per entry, in order. Entries beyond the worker's per-STEP entry or frame limits are sent as
-        several STEPs, one after the other; entries name distinct slots, and a request's drafts do not depend on
-        the other entries of its batch (batch invariance), so the split changes no answer."""
+        """One `EntryResult` per entry, in order. Entries beyond the worker's limits go as several STEPs, which
+        changes no answer (batch invariance)."""
         return self.step_end(self.step_begin(entries, deadline_ms))
 
     def step_begin(self, entries: Sequence[Entry], deadline_ms: float = 100.0) -> "PendingStep":
-        """Send the STEP and return without waiting for its answer; `step_end` reads it. One thread can so keep a
-        STEP in flight on several workers at once (pool.DrafterPool). Until `step_end` returns, this client takes
-        no other request (other threads wait for it)."""
+        """Send the STEP without waiting for its answer (one thread can so drive several workers); `step_end` reads
+        it. Until then this client takes no other request."""
         chunks = self._chunks(entries)
         self._lock.acquire()
         try:
@@ -167,7 +154,6 @@ class DrafterClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---- plumbing ----------------------------------------------------------------------------------------------
     def _chunks(self, entries: Sequence[Entry]) -> list[list[Entry]]:
         if self.hello_reply is None:
             return [list(entries)]
@@ -189,18 +175,15 @@ class DrafterClient:
             return self._receive(self._send(msg), type(msg).__name__, reply_type)
 
     def _send(self, msg: object) -> int:
-        """Send one request (caller holds the lock); returns its request id."""
         request_id = self._next_id
         self._next_id += 1
         (self._send_tcp if self._ring is None else self._send_ring)(msg, request_id, type(msg).__name__)
         return request_id
 
     def _receive(self, request_id: int, name: str, reply_type: type):
-        """The reply to the request just sent (caller holds the lock): checked to answer it, and of its type."""
         got_id, reply = self._receive_tcp(name) if self._ring is None else self._receive_ring(name)
         if got_id == 0 and isinstance(reply, ErrorReply):
-            # The server's last word before it closes the connection (its connection limit, an idle session, a
-            # frame of another version): the connection is gone, as when it is lost (code None), and says why.
+            # The server's last word before it closes the connection (limit, idle, version): lost, with a reason.
             self.close()
             raise ClientError(f"{name} to {self.endpoint}: the server closed the connection: {reply.code.name}: "
                               f"{reply.reason}")
@@ -217,7 +200,7 @@ class DrafterClient:
     def _send_tcp(self, msg: object, request_id: int, name: str) -> None:
         try:
             self._writer.send(self._sock.sendall, msg, request_id)
-            self.last_sent_ns = time.monotonic_ns()    # the request encoded and handed to the socket
+            self.last_sent_ns = time.monotonic_ns()
         except FrameError as e:      # refused by the encoder before a byte was sent: the stream is intact
             raise ClientError(f"{name} not sent to {self.endpoint}: {e}") from None
         except OSError as e:
@@ -225,7 +208,6 @@ class DrafterClient:
             raise ClientError(f"{name} to {self.endpoint}: connection lost while sending: {e}") from None
 
     def _receive_tcp(self, name: str) -> tuple[int, object]:
-        """The next reply frame on the socket: (its request id, the reply)."""
         try:
             got_id, reply, _ = self._reader.read()
         except FrameError as e:
@@ -240,7 +222,6 @@ class DrafterClient:
         return got_id, reply
 
     def _send_ring(self, msg: object, request_id: int, name: str) -> None:
-        """Publish the request frame into the ring (its sequence number kept for `_receive_ring`)."""
         from .transport.ring import RingError
         try:
             seqs: list[int] = []        # the frame is a view of the writer's buffer: published (copied) at once
@@ -248,18 +229,17 @@ class DrafterClient:
             self.last_sent_ns = time.monotonic_ns()
         except FrameError as e:
             raise ClientError(f"{name} not sent to {self.endpoint}: {e}") from None
-        except RingError as e:      # no free slot in time, or the server gone
+        except RingError as e:
             self.close()
             raise ClientError(f"{name} to {self.endpoint} through shared memory: {e}") from None
         self._ring_seq = seqs[0]
 
     def _receive_ring(self, name: str) -> tuple[int, object]:
-        """Wait for the published request's completion (the reply frame): (its request id, the reply)."""
         from .transport.ring import RingError
         from .transport.shm import STATUS_BAD_FRAME
         try:
             ((status, payload),) = self._ring.wait_completions(self._ring_seq, self.timeout_s, self.spin_us or None)
-        except RingError as e:      # a timeout, or the server gone (the ring names who waited for what)
+        except RingError as e:
             self.close()
             raise ClientError(f"{name} to {self.endpoint} through shared memory: {e}") from None
         if status == STATUS_BAD_FRAME:
@@ -282,16 +262,9 @@ class PendingStep:
 
 class RequestSlot:
     """One live request's slot, kept in step with its context: the contract's re-insert rules in one place.
-
-    `step(ids, taps, seed)` takes the context as the trunk holds it (its token ids and their taps, the accepted rows
-    appended each round) and sends only what the slot lacks: the rows since its last OK answer; after a resync (an
-    answer with a new generation) the context's last window, a fresh slot's first insert; a slot left further behind
-    than one insert can carry (a long restart) is given back for a fresh one. It returns the entry's `EntryResult`:
-    drafts when OK, else none (verify that round without drafts). HELLO first: it reads the limits.
-
-    An engine that batches its requests into one STEP (engines/exllamav3.py) uses the two halves: `entry(...)` for
-    each request, one `step` of the client for all of them, then `answer(result)` for each. The context may then
-    be only its recent rows: `first` is the position of `ids[0]` (the slot never needs more than the last window).
+    `step(ids, taps, seed)` takes the whole context (token ids and their taps) and sends only what the slot lacks; a
+    resync re-inserts the last window, a slot too far behind is swapped for a fresh one. It returns the EntryResult
+    (no drafts unless OK). To batch requests into one STEP: `entry(...)` each, one `client.step`, `answer(r)` each.
     """
 
     def __init__(self, client: DrafterClient, n_out: int = 5, deadline_ms: float = 100.0,
@@ -303,8 +276,7 @@ class RequestSlot:
         self._end = 0               # the context's end that the entry in flight brings the slot to
 
     def entry(self, ids, taps, seed: int, first: int = 0) -> Entry:
-        """The entry that brings the slot up to the context (rows `first .. first + len(ids) - 1`) and drafts from
-        `seed`; `answer` takes its result."""
+        """The entry that brings the slot up to the context (`ids[0]` at position `first`) and drafts from `seed`."""
         lim = self.client.limits
         self._end = end = first + len(ids)
         if not self.fresh and (end - self.held > lim.max_rows_per_entry or self.held < first):

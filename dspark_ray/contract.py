@@ -1,13 +1,6 @@
-"""The STEP / HELLO contract: messages, limits, error codes and the stateless checks (normative text:
-`docs/contract.md`, protocol version 1).
-
-Every message is a msgspec Struct tagged with its wire type id (`MsgType`); `wire.py` frames them as msgpack. Tensors
-travel as raw little-endian bytes (`token_ids` int32, `taps` fp16 row-major rows x taps_width, results int32 / fp32)
-so that a receiver views them with `np.frombuffer` instead of decoding lists of numbers.
-
-This module imports msgspec and numpy only: the client a serving engine embeds depends on it, and it must not pull in
-torch or ray. The `StepHandler` protocol is the one seam between a transport (TCP here, shm or Serve later) and the
-front-end that owns slots and batching.
+"""The STEP / HELLO contract: messages, limits, codes and the stateless checks (normative: docs/contract.md).
+Tensors travel as raw little-endian bytes a receiver views with `np.frombuffer`. Only msgspec and numpy are imported,
+so an engine can vendor the client. `StepHandler` is the seam between a transport and the front-end.
 """
 from __future__ import annotations
 
@@ -30,9 +23,7 @@ FLOAT_DTYPE = np.dtype("<f4")
 class Code(enum.IntEnum):
     """Answer codes. Per entry in `EntryResult.code`, per request in `ErrorReply.code` / `HelloReply.code`."""
     OK = 0
-    BAD_ENTRY = 1          # a field breaks a rule (reason names it); the other entries of the STEP still run. In
-                           # an ErrorReply: the whole request broke one (a payload that does not decode, ACQUIRE n
-                           # outside 1..slot_capacity, too many entries, a bad deadline): nothing of it ran
+    BAD_ENTRY = 1          # a field breaks a rule (reason names it): that entry fails alone (ErrorReply: the request)
     STALE_GENERATION = 2   # the slot was resynced since the client last saw it: re-insert its context
     CONFIG_MISMATCH = 3    # HELLO: the worker serves another model / config / tp / shorter max_model_len
     INTERNAL = 4           # a collective or rank failed: the batch failed closed, its slots were resynced
@@ -42,7 +33,6 @@ class Code(enum.IntEnum):
 
 
 class MsgType(enum.IntEnum):
-    """The wire type id of each message; also its msgspec tag, so a payload names its own type."""
     HELLO = 1
     HELLO_REPLY = 2
     ACQUIRE = 3
@@ -57,10 +47,7 @@ class MsgType(enum.IntEnum):
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True):
-    """Every contract struct decodes strictly: an unknown field, a missing required one (a field without a default)
-    or a value of another type is refused, and a message's `type` tag is required (wire.py decodes through the
-    union of all messages). The contract refuses what it does not define, it never guesses. (Each subclass also
-    says kw_only: msgspec does not inherit that option.)"""
+    """Strict: an unknown field, a missing one or another type is refused (subclasses repeat kw_only: not inherited)."""
 
 
 class Limits(_Strict, kw_only=True, frozen=True):
@@ -72,9 +59,9 @@ class Limits(_Strict, kw_only=True, frozen=True):
     sliding_window: int                 # history rows the draft reads (a fresh slot's insert needs no more)
     max_entries_per_step: int = 64      # per STEP message; the front-end splits a STEP into replays ...
     max_entries_per_replay: int = 16    # ... of at most this many entries (the ranks' widest graph bucket)
-    max_rows_per_entry: int = 128       # one insert is at most one window of the full preset (sliding_window 128)
-    max_n_out: int = 5                  # the drafter's block size
-    max_model_len: int = 1 << 20        # positions >= this are refused, rows and drafts (RoPE angles are per position)
+    max_rows_per_entry: int = 128
+    max_n_out: int = 5
+    max_model_len: int = 1 << 20        # positions >= this are refused, rows and drafts
     max_frame_bytes: int = 64 << 20     # a STEP larger than this is split by the client into several STEPs
 
     @property
@@ -91,15 +78,14 @@ class Limits(_Strict, kw_only=True, frozen=True):
                    slot_capacity=slot_capacity, sliding_window=cfg.sliding_window, **kw)
 
 
-# ---- HELLO ---------------------------------------------------------------------------------------------------------
 class Hello(_Strict, tag=int(MsgType.HELLO), kw_only=True):
     """The first message of a session. A None field is not checked (the client takes whatever is served)."""
     protocol_version: int = PROTOCOL_VERSION
-    model_digest: str | None = None      # checkpoint identity digest
-    config_digest: str | None = None     # DrafterConfig.digest()
+    model_digest: str | None = None
+    config_digest: str | None = None
     tp: int | None = None
     max_model_len: int | None = None     # the longest position the client will send; refused if > served
-    client: str = ""                     # free text for the server's log
+    client: str = ""
 
 
 class HelloReply(_Strict, tag=int(MsgType.HELLO_REPLY), kw_only=True):
@@ -130,7 +116,6 @@ def hello_mismatch(msg: Hello, *, model_digest: str | None, config_digest: str |
     return None
 
 
-# ---- slots ---------------------------------------------------------------------------------------------------------
 class Acquire(_Strict, tag=int(MsgType.ACQUIRE), kw_only=True):
     n: int                # 1..slot_capacity; more than are free: OVERLOADED
 
@@ -158,17 +143,13 @@ class ErrorReply(_Strict, tag=int(MsgType.ERROR_REPLY), kw_only=True):
     reason: str
 
 
-# ---- same-host shared memory ---------------------------------------------------------------------------------------
 class ShmAttach(_Strict, tag=int(MsgType.SHM_ATTACH), kw_only=True):
-    """After an accepted HELLO, on the TCP connection: the client created a request ring (shared memory on this
-    host, one reader; `transport/ring.py`) and names it here. Once accepted, every request of the session travels as
-    a frame through the ring and its reply as the frame's completion; the TCP connection stays open as the
-    session's lifeline (closing it ends the session)."""
-    name: str                   # the ring's shared-memory segment; starts with SHM_RING_PREFIX
+    """After HELLO: the client's request ring on this host (transport/ring.py; docs/contract.md, section 9)."""
+    name: str
     n_slots: int
     slot_bytes: int
     completion_bytes: int
-    bell_dir: str               # the ring's doorbell FIFOs (a directory in the host's temp dir, "<name>.bells")
+    bell_dir: str
     spin_us: float
     nap_s: float
     max_message_bytes: int
@@ -182,18 +163,13 @@ class ShmAttachReply(_Strict, tag=int(MsgType.SHM_ATTACH_REPLY), kw_only=True):
 SHM_RING_PREFIX = "dspark-shm"
 
 
-# ---- STEP ----------------------------------------------------------------------------------------------------------
 class Entry(_Strict, kw_only=True, gc=False):
-    """One request's part of a STEP. Applied in order: rollback, insert rows at start_pos, draft from seed_token.
-
-    gc=False: an Entry holds only ints and bytes (no cycles), and a STEP carries up to 64 of them per round.
-    """
+    """One request's part of a STEP, applied in order: rollback, insert rows, draft (gc=False: holds no cycles)."""
     slot: int
     generation: int
     seed_token: int
     start_pos: int                # position of the first inserted row (not used when no rows are inserted)
-    # A receiver decodes these two as views of the frame it read (msgspec decodes `bin` into a memoryview of its
-    # input: no copy of the taps); a sender may give bytes or any buffer.
+    # Decoded as memoryviews of the frame (no copy of the taps); a sender may give bytes or any buffer.
     token_ids: memoryview = b""   # int32 LE, one per inserted row
     taps: memoryview = b""        # fp16 LE, rows x taps_width, row-major
     rollback_to: int = -1         # -1: none; else drop the slot's rows at positions >= rollback_to first
@@ -205,11 +181,9 @@ class Entry(_Strict, kw_only=True, gc=False):
         return len(self.token_ids) // TOKEN_DTYPE.itemsize
 
     def token_array(self) -> np.ndarray:
-        """The inserted token ids, a zero-copy int32 view."""
         return np.frombuffer(self.token_ids, TOKEN_DTYPE)
 
     def taps_array(self, taps_width: int) -> np.ndarray:
-        """The inserted taps, a zero-copy fp16 view of shape (rows, taps_width)."""
         return np.frombuffer(self.taps, TAP_DTYPE).reshape(-1, taps_width)
 
 
@@ -221,13 +195,8 @@ def _as_numpy(x: Any) -> np.ndarray:
 
 def make_entry(*, slot: int, generation: int, seed_token: int, start_pos: int = 0, token_ids: Any = (),
                taps: Any = None, rollback_to: int = -1, n_out: int = 5, want_margins: bool = False) -> Entry:
-    """An Entry from numpy arrays or torch tensors: token_ids (rows,) integers, taps (rows, ...) float16.
-
-    This helper's defaults (start_pos 0, n_out 5) are the caller's choice, written into every field of the Entry it
-    builds; on the wire start_pos and n_out are required (the server never fills them in).
-
-    Taps must already be fp16: a silent cast (bf16 / fp32 -> fp16) could round or overflow what the trunk produced.
-    """
+    """An Entry from numpy arrays or torch tensors: token_ids (rows,) integers, taps (rows, taps_width) float16
+    (never cast here: a cast could round or overflow what the trunk produced); the other fields as in Entry."""
     ids = _as_numpy(token_ids)
     if ids.size:
         if ids.dtype == object and all(isinstance(t, int) for t in ids.flat):      # Python ints beyond 64 bits
@@ -254,13 +223,13 @@ class Step(_Strict, tag=int(MsgType.STEP), kw_only=True):
 
 
 class EntryResult(_Strict, kw_only=True, gc=False):
-    """The answer to one Entry, in the Entry's order. Arrays are empty unless code is OK."""
+    """The answer to one Entry, in order. Arrays (LE bytes; the *_array views) are empty unless code is OK."""
     code: Code = Code.OK
     reason: str = ""
     generation: int = 0           # the slot's generation now (after a resync: the new one to quote)
-    drafts: bytes = b""           # int32 LE x n_out
-    confidences: bytes = b""      # fp32 LE x n_out: sigmoid of the confidence head
-    margins: bytes = b""          # fp32 LE x n_out (top1 - top2 logit) when asked, else empty
+    drafts: bytes = b""           # int32 x n_out
+    confidences: bytes = b""      # fp32 x n_out: sigmoid of the confidence head
+    margins: bytes = b""          # fp32 x n_out (top1 - top2 logit) when asked, else empty
     confident_len: int = 0        # longest prefix of drafts with confidence >= 0.5 (0..n_out)
 
     def drafts_array(self) -> np.ndarray:
@@ -296,24 +265,18 @@ Message = Union[Hello, HelloReply, Acquire, AcquireReply, Release, ReleaseReply,
 MESSAGE_TYPES: dict[MsgType, type] = {MsgType(t.__struct_config__.tag): t for t in Message.__args__}
 
 
-# ---- stateless validation ------------------------------------------------------------------------------------------
 _NATIVE_U32 = sys.byteorder == "little" and memoryview(b"\0" * 4).cast("I").itemsize == 4
 
 
 def _max_u32(buf) -> int:
-    """The largest little-endian uint32 in buf. Up to 64 of them a Python max over a memoryview beats numpy's
-    reduction (its fixed cost: docs/engine.md, "The host path"); beyond, numpy."""
+    """The largest LE uint32 in buf; a Python max up to 64 of them beats numpy (docs/engine.md, "The host path")."""
     if _NATIVE_U32 and len(buf) <= 64 * 4:
         return max(memoryview(buf).cast("B").cast("I"))
     return int(np.frombuffer(buf, np.dtype("<u4")).max())
 
 
 def draft_reach(slot: int, p0: int, n_out: int, max_model_len: int) -> str | None:
-    """The drafts of a seed at position p0 sit at p0+1 .. p0+n_out; the last must be < max_model_len. One rule for
-    the stateless check (an entry with rows: p0 = start_pos + rows) and the front-end's (an entry without rows drafts
-    from the slot's position). The drafter computes its block's rows at p0 .. p0+max_n_out-1 whatever n_out is; its
-    RoPE angles are computed per position (model/ops.py Rope, an fp32 position: exact below 2**24), with no table
-    sized by max_model_len, so the limit is the contract's alone."""
+    """Why drafts at p0+1 .. p0+n_out reach past max_model_len, or None; the stateless and the front-end's rule."""
     if p0 + n_out >= max_model_len:
         return (f"slot {slot}: drafts at positions {p0 + 1}..{p0 + n_out} reach past max_model_len {max_model_len} "
                 f"(the last position served is {max_model_len - 1}; the seed sits at {p0})")
@@ -321,8 +284,6 @@ def draft_reach(slot: int, p0: int, n_out: int, max_model_len: int) -> str | Non
 
 
 def validate_acquire(msg: Acquire, limits: Limits) -> str | None:
-    """An ACQUIRE that can never be granted is a bad request (ErrorReply BAD_ENTRY), not a busy server: OVERLOADED
-    is for an n within the capacity when fewer slots are free."""
     if msg.n < 1:
         return f"acquire: n {msg.n} < 1 (ask for at least one slot)"
     if msg.n > limits.slot_capacity:
@@ -331,12 +292,7 @@ def validate_acquire(msg: Acquire, limits: Limits) -> str | None:
 
 
 def validate_entry(entry: Entry, limits: Limits) -> str | None:
-    """Every check that needs no slot state; the reason names the slot, the field, the value and the rule.
-
-    The front-end adds the stateful ones (docs/contract.md, "Entry checks"): the slot is held by this session, the
-    generation is current, start_pos equals the slot's position (unless the slot is fresh), rollback_to <= position,
-    and for an entry without rows, the drafts from the slot's position stay below max_model_len (`draft_reach`).
-    """
+    """Why `entry` breaks a stateless rule, or None (the stateful ones: docs/contract.md, "Entry checks")."""
     s = entry.slot
     if not 0 <= s < limits.slot_capacity:
         return f"slot {s}: slot id outside [0, {limits.slot_capacity})"
@@ -402,7 +358,6 @@ def validate_entries(step: Step, limits: Limits) -> list[str | None]:
     return reasons
 
 
-# ---- the seam between a transport and the front-end -----------------------------------------------------------------
 class StepHandler(Protocol):
     """What a transport calls; the front-end implements it. `step` blocks and is called concurrently from the
     transport's connection threads. A session is one client connection: `close_session` frees its slots."""

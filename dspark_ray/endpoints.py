@@ -1,18 +1,6 @@
-"""A deployment's endpoint table, published in the Ray cluster's key-value store (the GCS, namespace "dspark").
-
-A worker's front-end may come back on another node (Ray re-places a pair whose node died), and then at another
-host:port. So the deployment publishes where each worker serves, and an engine names the deployment (the cluster's
-address and the deployment's name) instead of host:port strings:
-
-    deployment/NAME   {"name", "workers": [worker names], "tp", "created"}          written by `serve` (placement)
-    worker/WORKER     {"worker", "state", "endpoint", "node_id", "node_ip", "cards", "pid", "updated"}
-                      written by the worker's front-end: "starting" (no endpoint yet) when its process starts,
-                      "serving" once its STEP endpoint listens; removed when it stops
-
-Reading it takes only the GCS's address: a `GcsClient`, the way `ray status` reads the cluster, not a Ray driver (no
-ray.init, no worker process, nothing that clashes with an engine's own Ray), each call bounded. An endpoint whose
-worker is not serving, or whose node Ray declared dead, reads as None: it is stale, and a client waits for the new
-one instead of connecting to the old.
+"""A deployment's endpoint table in the Ray cluster's key-value store (the GCS, namespace "dspark"; keys, records and
+what a stale endpoint is: docs/contract.md, section 11). Read through a `GcsClient`, not a Ray driver, each call
+bounded, so nothing clashes with an engine's own Ray.
 """
 from __future__ import annotations
 
@@ -32,13 +20,11 @@ def worker_names(name: str, n: int) -> list[str]:
 
 
 def worker_pattern(name: str) -> re.Pattern:
-    """The worker names of the deployment `name`: NAME, or NAME.0, NAME.1, ..."""
     return re.compile(rf"{re.escape(name)}(\.\d+)?")
 
 
 def gcs_address(address: str | None) -> str:
-    """The cluster's GCS "host:port": `address` as `ray start --head` printed it, or None: RAY_ADDRESS, else the
-    cluster `ray start` last started on this host."""
+    """The GCS "host:port" of `address` ("HEAD:6379"; None: RAY_ADDRESS, else this host's latest cluster)."""
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
     if address.startswith("ray://"):
         raise ValueError(f"{address}: a Ray client address; name the cluster's GCS (HEAD:6379)")
@@ -47,8 +33,7 @@ def gcs_address(address: str | None) -> str:
 
 
 class Directory:
-    """The endpoint table of a Ray cluster, read and written through its GCS; every call is bounded by
-    `timeout_s` and raises ConnectionError when the GCS does not answer in time."""
+    """A cluster's endpoint table, through its GCS; a call not answered within `timeout_s` is a ConnectionError."""
 
     def __init__(self, address: str | None = None, timeout_s: float = 2.0):
         self.address = gcs_address(address)
@@ -59,8 +44,7 @@ class Directory:
     def _client(self):
         with self._lock:
             if self._gcs is None:
-                # A GcsClient waits ~12 s for a GCS that is not there, whatever its timeout: a plain connect first
-                # says so within the bound.
+                # A GcsClient waits ~12 s for a missing GCS whatever its timeout: a plain connect first.
                 host, port = self.address.rsplit(":", 1)
                 try:
                     socket.create_connection((host, int(port)), timeout=self.timeout_s).close()
@@ -78,7 +62,6 @@ class Directory:
         except Exception as e:          # ray.exceptions.RpcError and its kin: the GCS is slow or gone
             raise ConnectionError(f"{what} from the GCS at {self.address}: {type(e).__name__}: {e}") from None
 
-    # ---- writing (the deployment) ------------------------------------------------------------------------------
     def put(self, key: str, record: dict) -> None:
         blob = json.dumps(record, default=str).encode()
         self._call(f"writing {key}", lambda g: g.internal_kv_put(key.encode(), blob, True, KV_NAMESPACE,
@@ -106,22 +89,19 @@ class Directory:
         self._call(f"removing deployment/{name}", lambda g: g.internal_kv_del(
             f"deployment/{name}".encode(), False, KV_NAMESPACE, timeout=self.timeout_s))
 
-    # ---- reading (engines, status) -----------------------------------------------------------------------------
     def deployment(self, name: str) -> dict | None:
         blob = self._call(f"reading deployment/{name}", lambda g: g.internal_kv_get(
             f"deployment/{name}".encode(), KV_NAMESPACE, timeout=self.timeout_s))
         return None if blob is None else json.loads(blob)
 
     def workers(self, name: str) -> dict[str, dict | None]:
-        """{worker: its record, or None before its front-end ever ran} for every worker of the deployment `name`,
-        in the deployment's order; LookupError when there is no such deployment."""
+        """{worker: its record or None} of the deployment `name`, in order; LookupError if there is none."""
         dep = self.deployment(name)
         if dep is None:
             raise LookupError(f"no deployment named {name!r} on the Ray cluster at {self.address}")
         return self.workers_by_name(dep["workers"])
 
     def workers_by_name(self, workers: list[str]) -> dict[str, dict | None]:
-        """{worker: its record, or None when it has none}."""
         keys = [f"worker/{w}".encode() for w in workers]
         got = self._call("reading the workers", lambda g: g.internal_kv_multi_get(keys, KV_NAMESPACE,
                                                                                    timeout=self.timeout_s))

@@ -1,10 +1,5 @@
-"""STEP over HTTP through Ray Serve: the convenience path, for tools and engines that speak JSON, not our frames.
-
-A Serve deployment (FastAPI ingress) in front of a deployment's STEP endpoints (one per worker). Each HTTP session
-is one `DrafterPool` of the replica's (its own TCP session with each worker's front-end), so each front-end batches
-concurrent HTTP sessions as it batches TCP ones, a session's slots belong to it alone, and with several workers
-(`serve --pairs N`) its slots are spread over them. An HTTP round trip through Serve costs
-milliseconds (~10 ms for an echo): use the TCP or shared-memory client for the per-round path.
+"""STEP as JSON over HTTP through Ray Serve, for tools and engines that speak JSON (docs/operations.md, "HTTP"). A
+round trip takes milliseconds: the per-round path is TCP or shm. Each HTTP session is one `DrafterPool`.
 
     POST   /v1/sessions                   {model_digest?, config_digest?, tp?, max_model_len?, client?}
                                           -> {session, limits, worker_generation, model_digest, ...}
@@ -13,25 +8,13 @@ milliseconds (~10 ms for an echo): use the TCP or shared-memory client for the p
     POST   /v1/sessions/{s}/step          {entries, deadline_ms} -> {results}
     DELETE /v1/sessions/{s}                                      -> {closed}
 
-An entry is the contract's Entry with its arrays in JSON: `token_ids` a list of ints, `taps` the fp16 rows as
-base64 of their little-endian bytes (`taps_b64`). A body is as strict as a frame (docs/contract.md): the fields
-the contract requires are required here (an entry's slot, generation, seed_token, start_pos and n_out; a STEP's
-deadline_ms; ACQUIRE's n), the optional ones take the contract's defaults, an unknown field or a value of another
-type (a float for an int, 1 for a bool) is refused, never guessed at. A result: `code` (the contract's code name),
-`reason`, `generation`, `drafts`, `confidences` (the fp32 values as JSON numbers: exact), `margins` (or null),
-`confident_len`. A session unused for `session_ttl_s` is closed when the next session opens (its slots are freed),
-as a TCP session is when its connection closes.
-
-Every refusal is a JSON object {code, reason}:
-
-    409  the contract's refusal of a whole request (its code: BAD_ENTRY, OVERLOADED, CONFIG_MISMATCH, ...) with
-         the reason TCP gives for the same request (a STEP's deadline, its entry count: `contract.validate_step`)
-    422  BAD_REQUEST: the body is not JSON, or breaks the schema (the reason names the field)
-    404  NO_SESSION (an unknown or expired session), NOT_FOUND (no such route); 405 METHOD_NOT_ALLOWED
-    413  TOO_LARGE: a body over `max_body_bytes` (the TCP frame limit), answered from its Content-Length before a
-         byte of it is read (a body sent without one is refused once it grows past the limit)
-    408  BODY_TIMEOUT: a body that stops arriving for `body_stall_s` (TCP's stall timeout) is refused, its
-         connection freed
+An entry is the contract's Entry with `token_ids` a list and the fp16 taps as base64 of their LE bytes (`taps_b64`);
+a body is as strict as a frame (required fields required, no coercion). A result: `code` (its name), `reason`,
+`generation`, `drafts`, `confidences` (exact fp32 as JSON numbers), `margins` (or null), `confident_len`. A refusal
+is {code, reason}: 409 the contract's refusal of a whole request (TCP's code and reason); 422 BAD_REQUEST (not JSON,
+or off the schema); 404 NO_SESSION / NOT_FOUND; 405 METHOD_NOT_ALLOWED; 413 TOO_LARGE (over `max_body_bytes`, from
+the Content-Length before reading); 408 BODY_TIMEOUT (stalled `body_stall_s`). A session unused for `session_ttl_s`
+is closed when the next one opens.
 """
 from __future__ import annotations
 
@@ -105,8 +88,7 @@ def parse_body(body, kind: type, what: str):
 
 
 def entry_from_json(e: dict | JsonEntry):
-    """The contract's Entry from its JSON form (BadBody / ValueError on a malformed one). The taps' length against
-    the rows is the contract's check (BAD_ENTRY for that entry, as over TCP)."""
+    """The contract's Entry from its JSON form, or BadBody (the taps' length is the contract's check)."""
     if not isinstance(e, JsonEntry):
         e = parse_body(e, JsonEntry, "entry")
     try:
@@ -130,7 +112,6 @@ def result_to_json(r) -> dict:
 
 def entry_to_json(slot: int, generation: int, seed_token: int, token_ids, taps, start_pos: int = 0,
                   rollback_to: int = -1, n_out: int = 5, want_margins: bool = False) -> dict:
-    """An entry in the JSON form this endpoint takes (for clients and tests)."""
     return {"slot": slot, "generation": generation, "seed_token": seed_token, "start_pos": start_pos,
             "token_ids": [int(t) for t in token_ids],
             "taps_b64": base64.b64encode(np.ascontiguousarray(taps, dtype="<f2").tobytes()).decode(),
@@ -183,10 +164,8 @@ class _Sessions:
 
 
 class BodyLimits:
-    """ASGI middleware: a request's body is read here, whole, before the app sees it, within two bounds. Over
-    `max_bytes` is 413 TOO_LARGE: at once when the Content-Length says so (nothing of the body is read), else as
-    soon as the bytes received pass it. No progress for `stall_s` is 408 BODY_TIMEOUT. (Serve's proxy passes the
-    body on in the pieces it gets; FastAPI would otherwise read, and parse, whatever came.)"""
+    """ASGI middleware reading a body whole within `max_bytes` (413) and `stall_s` without progress (408) before
+    the app sees it: FastAPI would otherwise read, and parse, whatever came."""
 
     def __init__(self, app, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_s: float = BODY_STALL_S):
         self.app, self.max_bytes, self.stall_s = app, max_bytes, stall_s
@@ -222,7 +201,7 @@ class BodyLimits:
             if whole is not None:
                 msg, whole = whole, None
                 return msg
-            return await receive()         # (after the body: the disconnect, when it comes)
+            return await receive()
         return await self.app(scope, replay, send)
 
     def _too_large(self, length: int | None) -> str:
@@ -244,9 +223,7 @@ _STATUS_CODES = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
 
 def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S, max_body_bytes: int = DEFAULT_MAX_FRAME_BYTES,
               body_stall_s: float = BODY_STALL_S):
-    """The Serve application for the STEP endpoint `endpoint` ("host:port", or the workers' endpoints
-    comma-separated: each HTTP session's slots are then spread over them); run it with `serve.run(app,
-    route_prefix=ROUTE)`."""
+    """The Serve app for `endpoint` ("host:port", or the workers' comma-separated), to run at `ROUTE`."""
     from fastapi import Body, FastAPI, HTTPException
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
@@ -273,7 +250,6 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S, max_body_byte
         return HTTPException(409, {"code": e.code.name if e.code is not None else "CONNECTION", "reason": str(e)})
 
     def refused_whole(code: Code, reason: str) -> HTTPException:
-        """The contract's ErrorReply for a whole request: the code and reason TCP answers it with."""
         return HTTPException(409, {"code": code.name, "reason": reason})
 
     def bad(e: ValueError) -> HTTPException:
@@ -348,17 +324,15 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S, max_body_byte
 
 
 class ProxyElsewhere(RuntimeError):
-    """Serve already runs its HTTP proxy in this Ray cluster on another address: it cannot move, and the app would
-    not be where the user asked for it."""
+    """Serve's HTTP proxy already runs in this cluster on another address (it cannot move)."""
 
 
 def check_address(host: str, port: int) -> None:
-    """Raise ProxyElsewhere if Serve runs in the connected Ray cluster with its proxy on another host:port (a
-    running Serve keeps its first address: `serve.start` only warns and ignores a new one). Nothing if Serve is
-    not running yet. Call it before deploying anything, so a refusal changes nothing."""
+    """ProxyElsewhere if Serve's proxy runs on another host:port (`serve.start` would only warn); call it before
+    deploying anything, so a refusal changes nothing."""
     from ray.serve.context import _get_global_client
     client = _get_global_client(raise_if_no_controller_running=False)
-    if client is None:                      # no Serve controller in this cluster yet
+    if client is None:
         return
     have = client.http_config
     if (have.host, have.port) != (host, port):
@@ -368,9 +342,7 @@ def check_address(host: str, port: int) -> None:
 
 
 def start(name: str, endpoint: str, host: str, port: int, **limits) -> str:
-    """Run the app for the pair `name` (its STEP endpoint `endpoint`) on Ray Serve's HTTP proxy at host:port (Serve
-    is started there if it is not running yet; ProxyElsewhere, and nothing deployed, if it runs on another
-    address); returns the sessions URL. `limits`: build_app's (session_ttl_s, max_body_bytes, body_stall_s)."""
+    """Run `name`'s app on Serve at host:port (`limits`: build_app's keywords); returns the sessions URL."""
     from ray import serve
     check_address(host, port)
     serve.start(http_options={"host": host, "port": port})
@@ -383,7 +355,7 @@ def stop(name: str) -> bool:
     try:
         from ray import serve
         from ray.serve.context import _get_global_client
-        if _get_global_client(raise_if_no_controller_running=False) is None:    # no Serve: nothing to start
+        if _get_global_client(raise_if_no_controller_running=False) is None:
             return False
         if f"{name}-http" in serve.status().applications:
             serve.delete(f"{name}-http")

@@ -1,24 +1,6 @@
-"""One serving engine's slots spread over the workers of a deployment (`dspark-ray serve --pairs N`).
-
-A worker is one pair (or one card at tp 1) with its own front-end, slots and STEP endpoint, and a request's context
-lives in one worker's slot: so a pool routes by slot. It keeps one `DrafterClient` session per worker and hands out
-pool slot ids, so an engine builds its entries exactly as for one client. A pool slot id names the worker, the
-worker's own slot and the pool's session with that worker: ((session x workers) + worker) x stride + slot, stride
-the largest slot capacity; so a slot lost with a worker's session is never confused with one granted after it came
-back. A STEP goes to every worker it names before any answer is read: the workers draft side by side, and a round
-costs the slowest worker's step, not the sum. The split changes no answer: a request's drafts depend on its own
-slot only (batch invariance), whichever worker and neighbours it gets.
-
-A worker that fails (its connection lost, no answer in time) is marked down, and the others go on serving: its
-entries answer UNAVAILABLE, its slots are gone (its server frees them with the session), and a background thread
-tries it every `retry_s` until it serves again (a front-end that Ray restarted serves on the same endpoint); then
-`acquire` grants its slots again. Like client.py it needs the contract, the framing and numpy only, so an engine
-can vendor it.
-
-A pool built by naming the deployment (`DrafterPool.from_deployment(address, name)`) reads the workers' endpoints from
-the cluster's endpoint table (endpoints.py; only there is the `ray` package needed) and reads a down worker's again
-before each try: a worker that Ray re-placed on another node, at another host:port, is found there, and a worker
-that had no room when the deployment was served is used once a node with room has joined.
+"""`DrafterPool`: one engine's slots spread over a deployment's workers, each STEP sent to every worker it names
+before any answer is read; a down worker's entries answer UNAVAILABLE while the others serve (docs/operations.md,
+"Scaling over card pairs"; `from_deployment`: docs/contract.md, section 11). Needs what client.py needs.
 
     with DrafterPool(["10.0.0.5:7001", "10.0.0.5:7002"]) as pool:
         pool.hello(config_digest=..., tp=2)
@@ -45,14 +27,14 @@ log = logging.getLogger("dspark_ray.pool")
 @dataclass
 class _Worker:
     endpoint: str | None                             # None: not serving anywhere now (from_deployment only)
-    name: str | None = None                          # the worker's name in its deployment (from_deployment)
+    name: str | None = None
     client: DrafterClient | None = None
     hello: HelloReply | None = None
     held: set[int] = field(default_factory=set)     # the worker's own slot ids this pool holds
     down: str | None = "not connected yet"           # why it is not used now; None while it serves
-    lost: str = ""                                   # why its last session ended
+    lost: str = ""
     session: int = -1                                # how many sessions it had before the current one
-    reviver: threading.Thread | None = None          # tries it again while it is down
+    reviver: threading.Thread | None = None
 
     @property
     def label(self) -> str:
@@ -70,7 +52,7 @@ class DrafterPool:
             raise ValueError("a pool needs at least one endpoint")
         self.workers = [_Worker(e.strip()) for e in endpoints]
         self.timeout_s, self.spin_us, self.shm, self.retry_s = timeout_s, spin_us, shm, retry_s
-        self._resolve = None         # from_deployment: reads {worker name: endpoint or None} from the table
+        self._resolve = None
         self.stride = 0
         self.hello_reply: HelloReply | None = None
         self._identity: dict = {}
@@ -80,13 +62,9 @@ class DrafterPool:
     @classmethod
     def from_deployment(cls, address: str | None = None, name: str = "dspark", *, resolve_timeout_s: float = 2.0,
                         **kw) -> "DrafterPool":
-        """A pool over the workers of the deployment `name` (`dspark-ray serve --name`) on the Ray cluster whose GCS
-        is at `address` ("HEAD:6379", as `ray start --head` printed it; None: RAY_ADDRESS, or the cluster started
-        on this host). Their endpoints come from the cluster's endpoint table, and a down worker's endpoint is read
-        again before each try, so a worker that comes back elsewhere is found there; a worker not serving yet
-        (waiting for room, starting) is down until it serves. Needs the `ray` package, not a Ray driver: only the
-        GCS is asked, each read bounded by `resolve_timeout_s`. `kw`: as for the constructor. LookupError when
-        there is no such deployment, ConnectionError when the GCS does not answer."""
+        """A pool over the deployment `name`, its workers found through the GCS at `address` ("HEAD:6379"; None:
+        RAY_ADDRESS or this host's cluster), each read bounded by `resolve_timeout_s`. `kw`: the constructor's.
+        LookupError: no such deployment; ConnectionError: the GCS does not answer."""
         from .endpoints import Directory
         directory = Directory(address, timeout_s=resolve_timeout_s)
         found = directory.endpoints(name)
@@ -102,13 +80,10 @@ class DrafterPool:
         self._need_hello()
         return self.hello_reply.limits
 
-    # ---- sessions ----------------------------------------------------------------------------------------------
     def hello(self, *, model_digest: str | None = None, config_digest: str | None = None, tp: int | None = None,
               max_model_len: int | None = None, client: str = "dspark-ray-pool") -> HelloReply:
-        """Open a session on every worker. Workers that cannot be reached are marked down (tried again in the
-        background); a worker that refuses, or serves another model than the first, raises ClientError: a
-        deployment that mixes models is a configuration error, not a failure to ride out. Returns the first
-        worker's reply (its limits are every worker's, but for slot_capacity)."""
+        """Open a session on every worker; returns the first worker's reply. An unreachable worker is marked down
+        (retried in the background); one that refuses, or serves another model than the first, raises ClientError."""
         with self._lock:
             if self.hello_reply is not None or self._closed.is_set():
                 raise ClientError("one hello per pool")
@@ -140,8 +115,7 @@ class DrafterPool:
             return self.hello_reply
 
     def _open(self, w: _Worker) -> tuple[DrafterClient | None, object]:
-        """A fresh connection to `w` with its HELLO: (client, reply), or (None, why) when it cannot be reached.
-        A refusal raises ClientError. Takes no lock: it waits on the network."""
+        """(client, HELLO reply), or (None, why) when `w` cannot be reached; a refusal raises. Takes no lock."""
         if w.endpoint is None:
             return None, f"worker {w.name} does not serve now (waiting for room, starting, or its node lost)"
         try:
@@ -154,7 +128,7 @@ class DrafterPool:
             c.close()
             if e.code is None:              # lost on the way: try again later
                 return None, str(e)
-            raise                           # refused (CONFIG_MISMATCH, ...)
+            raise
 
     def _check_same_model(self, w: _Worker, c: DrafterClient, reply: HelloReply) -> None:
         first = self.hello_reply
@@ -164,14 +138,12 @@ class DrafterPool:
                               f"{first.config_digest}", Code.CONFIG_MISMATCH)
 
     def _install(self, w: _Worker, c: DrafterClient, reply: HelloReply) -> None:
-        """`w` serves through `c` from now on, in a new session of the pool's (caller holds the lock)."""
         w.client, w.hello, w.down, w.session = c, reply, None, w.session + 1
         if w.session > 0:
             log.info("pool: worker %s back (worker generation %d)", w.label, reply.worker_generation)
 
     def _mark_down(self, w: _Worker, why: str) -> None:
-        """`w` stops serving: its slots are gone; a background thread tries it again every `retry_s` (caller
-        holds the lock)."""
+        """`w`'s slots are gone; a thread tries it again every `retry_s` (caller holds the lock)."""
         if w.down is None:
             log.warning("pool: worker %s down: %s", w.label, why)
         if w.client is not None:
@@ -183,8 +155,6 @@ class DrafterPool:
             w.reviver.start()
 
     def _revive(self, w: _Worker) -> None:
-        """Try a down worker every `retry_s` until it serves again (or the pool closes), off the engine's path:
-        a node that does not answer at all costs a connect timeout each try."""
         while not self._closed.wait(self.retry_s):
             self._follow(w)
             try:
@@ -213,8 +183,7 @@ class DrafterPool:
                 return
 
     def _follow(self, w: _Worker) -> None:
-        """A down worker's endpoint read again from the deployment's table (from_deployment only): where Ray
-        placed it now, or None while it serves nowhere. A table that does not answer leaves the last one."""
+        """Read a down worker's endpoint again (from_deployment only); a table that does not answer leaves it."""
         if self._resolve is None:
             return
         try:
@@ -247,13 +216,9 @@ class DrafterPool:
             return [{"name": w.name, "endpoint": w.endpoint, "held": len(w.held), "down": w.down}
                     for w in self.workers]
 
-    # ---- slots -------------------------------------------------------------------------------------------------
     def acquire(self, n: int = 1) -> list[SlotGrant]:
-        """n fresh slots spread over the serving workers, each to the one with the most free slots as far as this
-        pool knows (ties: the first). A worker that refuses its share (other clients hold its slots) or fails is
-        left out of this call and its share planned again on the others. All or nothing: ClientError(OVERLOADED),
-        and nothing held, when the workers cannot grant n together now; ClientError(BAD_ENTRY), nothing sent, when
-        they never could: n < 1, or more than every worker's slots (each at most the stride) together."""
+        """n fresh slots, each to the serving worker with the most free. All or nothing: ClientError(OVERLOADED)
+        when the workers cannot grant n together now, ClientError(BAD_ENTRY) when they never could."""
         if n < 1:
             raise ClientError(f"acquire: n {n} < 1 (ask for at least one slot)", Code.BAD_ENTRY)
         with self._lock:
@@ -284,7 +249,7 @@ class DrafterPool:
                         free[i] -= len(got)
                         grants += [SlotGrant(slot=self._pool_slot(i, g.slot), generation=g.generation) for g in got]
             except ClientError:
-                self._release_locked([g.slot for g in grants])     # all or nothing
+                self._release_locked([g.slot for g in grants])
                 raise
             return grants
 
@@ -310,11 +275,9 @@ class DrafterPool:
             done += [self._pool_slot(i, s) for s in freed]
         return done
 
-    # ---- STEP --------------------------------------------------------------------------------------------------
     def step(self, entries: Sequence[Entry], deadline_ms: float = 100.0) -> list[EntryResult]:
-        """One result per entry, in order. Each worker gets one STEP with its entries (slot ids its own), all sent
-        before any answer is read. An entry whose slot the pool does not hold answers BAD_ENTRY, one lost with
-        its worker UNAVAILABLE; both alone: the rest still run."""
+        """One result per entry, in order. An entry whose slot the pool does not hold answers BAD_ENTRY, one lost
+        with its worker UNAVAILABLE; the rest still run."""
         with self._lock:
             self._need_hello()
             results: list[EntryResult | None] = [None] * len(entries)
@@ -345,8 +308,7 @@ class DrafterPool:
             return results        # type: ignore[return-value]
 
     def _fail(self, i: int, ks: list[int], entries, results, e: ClientError) -> None:
-        """Answer worker i's entries of a STEP that did not get through: the worker's refusal of the whole STEP
-        (the connection stays), or UNAVAILABLE when the connection is gone (the worker is marked down)."""
+        """Worker i's entries answer its refusal of the STEP, or UNAVAILABLE when its connection is gone."""
         w = self.workers[i]
         if e.code is None:
             self._mark_down(w, str(e))
@@ -356,7 +318,6 @@ class DrafterPool:
         for k in ks:
             results[k] = error_result(code, str(e), entries[k].generation)
 
-    # ---- plumbing ----------------------------------------------------------------------------------------------
     def _need_hello(self) -> None:
         if self.hello_reply is None:
             raise ClientError("HELLO first: call hello()")
@@ -366,6 +327,7 @@ class DrafterPool:
         i, _, why = self._locate(int(slot))
         return None if why else self.workers[i].endpoint
 
+    # The session in a pool slot id: a slot lost with a worker's session is never taken for one granted after it.
     def _pool_slot(self, i: int, own: int) -> int:
         return (self.workers[i].session * len(self.workers) + i) * self.stride + own
 
@@ -395,8 +357,7 @@ class DrafterPool:
 
 
 def _plan(free: dict[int, int], n: int) -> dict[int, int] | None:
-    """{worker: slots} for n slots, each to the worker with the most free left (ties: the lower index); None when
-    the free slots are fewer than n."""
+    """{worker: slots} for n slots, each to the worker with the most free left (ties: the lower index), or None."""
     if sum(max(0, f) for f in free.values()) < n:
         return None
     want = dict.fromkeys(free, 0)

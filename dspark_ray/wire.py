@@ -1,18 +1,5 @@
-"""Length-prefixed binary frames: a fixed 24-byte header, then one msgpack-encoded contract message.
-
-    offset  size  field
-    0       4     magic b"DSPK"
-    4       2     protocol version (PROTOCOL_VERSION)
-    6       2     message type (contract.MsgType)
-    8       2     flags (0 in version 1; a receiver refuses unknown bits)
-    10      2     reserved (0)
-    12      8     request id (a reply echoes its request's id)
-    20      4     payload length in bytes
-    (all little-endian)
-
-The header is the only hand-packed part; tensors ride inside the payload as msgpack `bin` fields that the receiver
-views with numpy. A reader checks the header completely (magic, version, type, flags, length against its limit)
-before it allocates or reads a byte of payload, so a bad or hostile length costs nothing.
+"""Length-prefixed frames: a 24-byte header (docs/contract.md, "The frame"), then one msgpack contract message.
+A reader checks the whole header before it allocates or reads a byte of payload, so a hostile length costs nothing.
 """
 from __future__ import annotations
 
@@ -28,20 +15,17 @@ from .contract import MESSAGE_TYPES, PROTOCOL_VERSION, Message, MsgType
 
 MAGIC = b"DSPK"
 HEADER = struct.Struct("<4sHHHHQI")
-HEADER_SIZE = HEADER.size   # 24
+HEADER_SIZE = HEADER.size
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
 
 
 class FrameError(Exception):
-    """A frame that cannot be read: bad magic / version / type / flags, oversized, truncated or stalled. The stream
-    is out of step after it: the connection must be closed."""
+    """A frame that cannot be read (bad header, oversized, truncated, stalled): the connection must be closed."""
 
 
 class PayloadError(FrameError):
-    """A whole frame was read, but its payload does not decode as the message its header names (not msgpack, a
-    missing required field, an unknown field, a value of another type, no `type` tag or another one). The stream is
-    still in step (the header's length was read whole), so the server answers it (ErrorReply BAD_ENTRY, the reason
-    naming the field) instead of closing, with the frame's `request_id`."""
+    """A frame read whole whose payload does not decode as its header's message: the stream is still in step, so
+    the server answers it (BAD_ENTRY, with `request_id`) instead of closing."""
 
     def __init__(self, mtype: MsgType, reason: str):
         super().__init__(reason)
@@ -67,9 +51,7 @@ class Frame(NamedTuple):
     received_ns: int       # time.monotonic_ns() when the header had arrived
 
 
-# One decoder over the union of all messages: msgspec then requires the `type` tag (a decoder of one Struct type
-# would take a payload without it), and decode_payload checks that the tag names the header's type. It costs what a
-# decoder of Step alone costs (docs/engine.md).
+# One decoder over the union makes the `type` tag required (decode_payload checks it); as cheap as Step's alone.
 _DECODER = msgspec.msgpack.Decoder(Message)
 _PAYLOAD_ENCODER = msgspec.msgpack.Encoder()
 _TYPE_OF = {cls: t for t, cls in MESSAGE_TYPES.items()}
@@ -109,8 +91,7 @@ def decode_payload(mtype: MsgType, payload: bytes | memoryview) -> object:
 
 
 def decode_frame(buf: bytes | memoryview, max_frame_bytes: int) -> tuple[int, object]:
-    """(request id, message) of one whole frame held in `buf` (a shared-memory ring's message or completion),
-    which must be exactly one header and its payload; FrameError otherwise."""
+    """(request id, message) of `buf`, exactly one frame (a ring's message or completion); FrameError otherwise."""
     if len(buf) < HEADER_SIZE:
         raise FrameError(f"message of {len(buf)} bytes: shorter than a frame header")
     mtype, request_id, length = parse_header(buf[:HEADER_SIZE], max_frame_bytes)
@@ -132,8 +113,6 @@ class FrameWriter:
         self._buf = bytearray(64 << 10)
 
     def pack(self, msg: object, request_id: int) -> int:
-        """Encode `msg` into the writer's buffer as the frame `send` sends, and return its size (a rehearsal of the
-        reply's encoding packs without sending)."""
         mtype = _TYPE_OF.get(type(msg))
         if mtype is None:
             raise TypeError(f"{type(msg).__name__} is not a contract message")
@@ -159,7 +138,6 @@ class FrameWriter:
 
 
 def encode_payload(msg: object) -> bytes:
-    """A message's payload alone, as a frame carries it after its header."""
     return _PAYLOAD_ENCODER.encode(msg)
 
 
@@ -169,16 +147,9 @@ def encode(msg: object, request_id: int = 0, max_frame_bytes: int = DEFAULT_MAX_
 
 
 class FrameReader:
-    """Reads exactly one header, then exactly its payload, into buffers reused across frames.
-
-    `recv_into` is `socket.recv_into` (or anything with its contract: fill a prefix of the view, return the count,
-    0 at end of stream). A stall is a recv that makes no progress within the socket's own receive timeout (it raises
-    TimeoutError, or BlockingIOError under SO_RCVTIMEO): mid-frame it is a FrameError, since the stream can no longer
-    be trusted; between frames it is the caller's timeout, or, with `wait_between_frames`, nothing (an idle client
-    is normal) and the reader keeps waiting, up to `idle_timeout_s` (then IdleTimeout; None: for ever). The server
-    arms SO_RCVTIMEO once per connection rather than switching the timeout per frame: that switch costs two fcntl
-    calls and a poll per frame (a quarter of a round trip, docs/engine.md); the idle bound is checked at those
-    wake-ups.
+    """Reads one header, then its payload, into reused buffers; `recv_into` has socket.recv_into's contract.
+    A recv without progress within the socket's timeout is a FrameError mid-frame. Between frames it passes through,
+    or with `wait_between_frames` the reader waits on, up to `idle_timeout_s` (IdleTimeout; None: for ever).
     """
 
     def __init__(self, recv_into: Callable[[memoryview], int], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
@@ -194,9 +165,7 @@ class FrameReader:
         self.last_length = 0
 
     def read(self) -> Frame:
-        """The next frame. ConnectionClosed at a clean end of stream; PayloadError for a frame read whole whose
-        payload does not decode; FrameError for anything else wrong (the stream out of step); a timeout
-        between frames (without `wait_between_frames`) and other socket errors pass through."""
+        """The next frame; ConnectionClosed at a clean end, PayloadError or FrameError (the stream out of step)."""
         if self._restart is not None:        # a polling recv spins from here (spinning_recv_into)
             self._restart()
         self._waiting_since = time.monotonic()
@@ -210,7 +179,7 @@ class FrameReader:
         self.last_length = length
         try:
             return Frame(request_id, decode_payload(mtype, payload), received_ns)
-        except PayloadError as e:        # read whole: the stream is in step, the caller may answer it
+        except PayloadError as e:
             e.request_id = request_id
             raise
 
@@ -241,10 +210,8 @@ class FrameReader:
 
 
 def bound_blocking_io(sock: socket.socket, timeout_s: float | None) -> None:
-    """Make `sock` blocking with every recv and send bounded by `timeout_s` without progress (SO_RCVTIMEO /
-    SO_SNDTIMEO: a timed-out call raises BlockingIOError; None: unbounded). Unlike a Python socket timeout, which
-    polls before every call, this lets a single call be non-blocking (MSG_DONTWAIT) and costs no syscall per
-    frame."""
+    """Bound each recv and send on blocking `sock` by `timeout_s` without progress (SO_RCVTIMEO: BlockingIOError).
+    Unlike a Python socket timeout, no poll per call, and MSG_DONTWAIT still works per call."""
     sock.settimeout(None)
     if timeout_s is None:
         return
@@ -255,18 +222,10 @@ def bound_blocking_io(sock: socket.socket, timeout_s: float | None) -> None:
 
 def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None,
                        idle: Callable[[Callable[[], bool]], None] | None = None) -> Callable[[memoryview], int]:
-    """`sock.recv_into` that polls (non-blocking reads) for up to `spin_us` before it blocks; for a blocking socket
-    (`bound_blocking_io`). `gate` (a semaphore, optional) bounds how many threads poll at once: a read that cannot
-    take it blocks at once. `idle(ready)` runs between the polls (an observer's: keep_warm.py); `ready()` says whether
-    bytes (or the end of the stream) have come meanwhile, one zero-timeout poll(2), so a rehearsal stops between its
-    pieces when a frame arrives.
-
-    Why: a thread blocked in recv sleeps, and a core idle for the ~1.5 ms of a step goes into a deeper sleep state;
-    waking it costs tens of us per hop, a poll about one (docs/engine.md). The ring's parties spin the same way. The
-    spin counts from the last bytes received or the last `recv.restart()` (FrameReader.read calls it as a frame's
-    read begins), not from each call, so a reader that wakes from a timeout between frames (an idle connection)
-    blocks at once. 0: plain blocking reads. `recv.slept` says whether a read since the last restart blocked (the
-    frame's: a recorder counts the STEPs that found their thread asleep)."""
+    """`sock.recv_into` that polls for `spin_us` before it blocks (waking a blocked thread costs tens of us:
+    docs/engine.md, "Measurements behind the step path"). The spin counts from the last bytes or `recv.restart()`,
+    so an idle connection blocks at once. `gate` (a semaphore) bounds the threads that poll at once; `idle(ready)`
+    runs between polls (keep_warm.py), `ready()` saying whether bytes came."""
     if spin_us <= 0:
         return sock.recv_into
     spin_ns = int(spin_us * 1e3)
@@ -279,7 +238,7 @@ def spinning_recv_into(sock: socket.socket, spin_us: float, gate=None,
         def ready() -> bool:
             return bool(poller.poll(0))
 
-    last = [clock()]          # the spin counts from here: the last bytes received, or the last restart()
+    last = [clock()]
 
     def recv(view: memoryview) -> int:
         deadline = last[0] + spin_ns

@@ -1,12 +1,6 @@
-"""The shared-memory step ring: one writer (the front-end), N readers (the ranks), on one host.
-
-Why not Ray RPC: an actor call's round trip is most of a step, a shared-memory ping-pong between two Python
-processes a microsecond or two (docs/engine.md, "Measurements behind the step path"). The pattern is vLLM's
-`shm_broadcast` (MessageQueue). The writer and the readers are Ray actors, i.e. processes not related by fork, so
-everything is found by name: the segment by its shared-memory name, the doorbells by their FIFO paths, both carried
-by a picklable `RingHandle`.
-
-One segment holds (64-byte lines, all header words uint64, read and written through one word view, `_words`):
+"""The shared-memory step ring: one writer, N readers, on one host (vLLM's `shm_broadcast` pattern; why not Ray
+RPC per step: docs/engine.md, "Measurements behind the step path"). Processes not related by fork find everything by
+name (segment, doorbell FIFOs) through a picklable `RingHandle`. The segment, in 64-byte lines of uint64 words:
 
     control   magic, layout version, n_readers, n_slots, slot_bytes, completion_bytes, closed, write_seq
     writer    sleeping flag, pid
@@ -14,37 +8,15 @@ One segment holds (64-byte lines, all header words uint64, read and written thro
     slot k    seq, payload length, spill-name length, spill name (128-byte header) + slot_bytes of payload
     record i  seq, status, payload length (64-byte header) + completion_bytes of payload   (one per reader)
 
-Sequence numbers start at 1 (0 means "nothing"); message `seq` lives in slot (seq - 1) % n_slots. The writer
-reuses a slot only once every reader acked the message it held, and waits (bounded) for that otherwise. A message
-larger than a slot is "spilled": it goes to its own shared-memory segment named in the slot header, unlinked by the
-writer once every reader acked it.
-
-Memory ordering. A store through a memoryview or numpy view is a plain store. Every publication here writes the
-data first and its sequence word last (one aligned 8-byte store); readers load the sequence word first and the data
-after. That is correct on x86-64 because TSO keeps stores in order with stores and loads in order with loads (and
-the stores sit in separate C calls, so no compiler can move them across each other). On ARM (aarch64) the same code
-would need a release store of the sequence word (`stlr`, or `dmb ish` before it) and an acquire load on the reader
-side (`ldar`, or `dmb ish` after it), which Python cannot express: port this through a tiny C/ctypes helper first.
-
-Acks and restarts. A reader acks a message when it takes the next one or completes it; the payload view it got is
-valid until then. Each reader index remembers a start seq and a generation: `writer.reset_reader(i)` (after the old
-rank is gone) moves the index to the writer's current seq and bumps its generation, so a restarted rank attaches
-there, ignores older messages, and an old process still holding the index stops with RingClosed. Attaching an
-index that was used and not reset is refused. `create` and `attach` refuse any CPU but x86-64 (see above).
-
-Waiting. A waiter spins for `spin_us` (checks with `os.sched_yield()` between them: the CPU machine has 2 cores
-shared by three processes), then sleeps at no CPU cost on a named FIFO ("doorbell"): it sets its sleeping flag,
-re-checks, and `select()`s with a short timeout (`nap_s`), re-checking after each wake. The signaller writes one byte
-to the FIFO only if the flag is set. Flag-store-then-condition-load against condition-store-then-flag-load is the
-one reordering x86 TSO allows (store buffering), so both sides put a full fence in between (`_full_fence`); the
-`nap_s` timeout stays as a safety net against any lost wake-up. Every wait has a bound and raises `RingTimeout`
-saying what it waited for; the `closed` word stops every party with `RingClosed`.
-
-Leftovers. The writer owns the ring's names and removes them (`unlink`). A writer killed before it could (kill -9,
-a front-end Ray restarts) leaves them behind: `remove_orphans` removes every ring whose owner pid, which its name
-carries, no longer runs. Each new front-end, `dspark-ray serve` and `dspark-ray stop` call it on their host.
-
-Threading: each endpoint (writer or reader object) is used by one thread at a time.
+Seq numbers start at 1 (0: nothing); seq lives in slot (seq - 1) % n_slots, reused once every reader acked it. A
+message larger than a slot spills to a segment of its own, named in the slot header, unlinked once acked.
+Ordering: data first, its seq word last (one aligned 8-byte store); readers load the seq word first. That holds under
+x86-64 TSO only: aarch64 needs a release store / acquire load (stlr / ldar) through a C helper, so `create` and
+`attach` refuse other CPUs. The one reordering TSO allows (a sleeping flag against the condition) gets a full fence
+on both sides. A waiter spins `spin_us`, then sleeps on its doorbell in naps of `nap_s` (the bound on a lost wake-up).
+A reader acks a message by taking the next or completing it; its view is valid until then. `reset_reader(i)` moves
+index i to the writer's seq and bumps its generation: a restarted reader attaches there, an old one gets RingClosed.
+Each endpoint is used by one thread at a time.
 """
 from __future__ import annotations
 
@@ -87,28 +59,21 @@ _VERSION = 1
 _LINE = 64                        # bytes; one cache line, so each party's hot words sit on a line of their own
 _WORDS_PER_LINE = _LINE // 8
 
-# Control line (line 0), word indices.
+# Word indices: _C_ control line, _W_ writer line, _R_ in a reader's line, _S_ slot header, _K_ completion record.
 _C_MAGIC, _C_VERSION, _C_NREADERS, _C_NSLOTS, _C_SLOT_BYTES, _C_COMP_BYTES, _C_CLOSED, _C_WRITE_SEQ = range(8)
-# Writer line (line 1).
 _W_SLEEPING = _WORDS_PER_LINE + 0
 _W_PID = _WORDS_PER_LINE + 1
-# Reader lines (line 2 + i), word offsets inside the line.
 _R_ACK, _R_SLEEPING, _R_START, _R_GEN, _R_PID = range(5)
-# Slot header (128 bytes), word offsets; the spill name fills bytes 24..127.
 _S_SEQ, _S_LEN, _S_SPILL = 0, 1, 2
 _SLOT_HDR = 128
 _SPILL_NAME_AT = 24
 _SPILL_NAME_MAX = _SLOT_HDR - _SPILL_NAME_AT
-# Completion record header (64 bytes), word offsets.
 _K_SEQ, _K_STATUS, _K_LEN = 0, 1, 2
 _COMP_HDR = 64
 
 _NAME_PREFIX_MAX = 40             # keeps "<prefix>-<pid>-<hex>-x<seq>" inside the 104-byte spill-name field
 
-# Any locked instruction is a full barrier on x86 (it drains the store buffer). CPython's Lock acquire/release
-# runs one (glibc sem_wait / sem_post fast paths: lock cmpxchg / lock xadd), cheaply, and it is the only full fence
-# pure Python can reach. Not sufficient on ARM, where the lock's acquire/release ordering does not
-# order an earlier store against a later load of another address: see the module docstring.
+# A locked instruction is a full barrier on x86, and CPython's Lock acquire/release runs one: pure Python's only fence.
 _FENCE_LOCK = threading.Lock()
 
 
@@ -118,21 +83,16 @@ def _full_fence() -> None:
 
 
 def _words(buf) -> memoryview:
-    """The uint64 word view of a segment. A memoryview cast to "Q" rather than a numpy array: its item loads and
-    stores cost about half of numpy's (docs/engine.md), and the hot path makes ~15 of them per step. Both are one
-    aligned 8-byte load or store:
-    CPython packs "Q" items with an 8-byte memcpy into the aligned slot, which compilers emit as a single mov."""
+    """The uint64 word view (each item one aligned 8-byte load or store; half numpy's cost, docs/engine.md)."""
     return memoryview(buf).cast("B").cast("Q")
 
 
 def _as_bytes(payload) -> tuple[bytes | memoryview, int]:
-    """(a flat byte buffer, its length). bytes go through as they are (a memoryview of them would cost more than
-    the check)."""
     if type(payload) is bytes:
         return payload, len(payload)
     mv = memoryview(payload)
     if mv.format != "B" or mv.ndim != 1:
-        mv = mv.cast("B")             # C-contiguous required; a strided view raises TypeError
+        mv = mv.cast("B")
     return mv, mv.nbytes
 
 
@@ -148,14 +108,8 @@ def _round_up(n: int, to: int = _LINE) -> int:
 
 
 def _map_existing(name: str) -> mmap.mmap:
-    """Map an existing POSIX shared-memory segment without telling any resource_tracker about it.
-
-    `SharedMemory(name=...)` registers the segment with the attaching process's resource_tracker before Python
-    3.13 (fixed there by `track=False`), and the tracker unlinks it when that process exits, pulling the segment
-    from under the writer. Unregistering afterwards is not enough either: processes started by multiprocessing's
-    spawn share their parent's tracker, so the unregister would cancel the creator's own registration. Mapping the
-    segment directly sidesteps both on every Python version.
-    """
+    """Map a segment untracked: `SharedMemory(name=...)`'s resource_tracker would unlink it at exit, and unregistering
+    would cancel the creator's own registration where trackers are shared (spawn)."""
     fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size)
@@ -175,9 +129,8 @@ def _pid_state(pid: int) -> str:
     return f"pid {pid} alive"
 
 
-_SHM_DIR = "/dev/shm"              # where shm_open puts a segment's name (Linux)
-# What `StepRing.create` names: "<prefix>-<creator pid>-<8 hex>", a spill "<that>-x<seq>", the doorbells
-# "<that>.bells" in the temp folder. The creator is the ring's one writer and owner: it unlinks them all.
+_SHM_DIR = "/dev/shm"
+# `StepRing.create`'s names: "<prefix>-<creator pid>-<8 hex>", its spills "-x<seq>", its doorbells ".bells".
 _RING_NAME = re.compile(r"(?P<ring>.+-(?P<pid>\d+)-[0-9a-f]{8})(?:-x\d+|\.bells)?")
 
 
@@ -194,9 +147,7 @@ def process_started_at(pid: int) -> float | None:
 
 
 def owner_alive(pid: int, made_at: float) -> bool:
-    """Whether the process that made a name at `made_at` (its mtime) is still running: a process of that pid
-    runs and started before then (a pid the system gave to a newer process is not the owner). Conservative: on any
-    doubt, alive."""
+    """Whether the process that made a name at `made_at` still runs (not a younger one on its pid); in doubt, yes."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -208,10 +159,7 @@ def owner_alive(pid: int, made_at: float) -> bool:
 
 
 def remove_orphans(prefix: str = "dspark-") -> list[str]:
-    """Remove every ring on this host whose owner process is gone (killed before it could unlink): its segment,
-    spills and doorbells, found by the names `StepRing.create` gives them (`prefix` and the owner's pid in them).
-    A front-end calls it before it creates its ring, `dspark-ray serve` and `stop` on their host. Returns the rings
-    removed."""
+    """Remove (and return) this host's rings whose owner is gone (docs/operations.md, "Leftovers")."""
     found: dict[str, list[str]] = {}
     places = [(_SHM_DIR, n) for n in _listdir(_SHM_DIR)] + [(tempfile.gettempdir(), n)
                                                             for n in _listdir(tempfile.gettempdir())]
@@ -245,8 +193,6 @@ def _listdir(path: str) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class RingHandle:
-    """Everything a reader needs to attach, by name. Picklable (pass it to the rank actors at start-up)."""
-
     name: str                     # shared-memory segment name; spill segments are named "<name>-x<seq>"
     n_readers: int
     n_slots: int
@@ -266,8 +212,6 @@ class RingHandle:
 
 
 class _Layout:
-    """Byte offsets and word indices of the segment, from the handle's sizes."""
-
     def __init__(self, h: RingHandle):
         self.slot_stride = _SLOT_HDR + _round_up(h.slot_bytes)
         self.comp_stride = _COMP_HDR + _round_up(h.completion_bytes)
@@ -291,7 +235,6 @@ class _Bell:
         self.path = path
         self._fd: int | None = None
 
-    # Waiter side.
     def open_for_wait(self) -> None:
         self._fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
 
@@ -299,11 +242,10 @@ class _Bell:
         r, _, _ = select.select([self._fd], [], [], timeout_s)
         if r:
             try:
-                os.read(self._fd, 4096)       # drain: stale rings would only cost one extra re-check
+                os.read(self._fd, 4096)
             except BlockingIOError:
                 pass
 
-    # Ringer side.
     def ring(self) -> None:
         if self._fd is None:
             try:
@@ -314,7 +256,7 @@ class _Bell:
                 raise
         try:
             os.write(self._fd, b"\x01")
-        except BlockingIOError:               # pipe full: the waiter has plenty of wake-ups pending
+        except BlockingIOError:               # pipe full: wake-ups are pending anyway
             pass
         except BrokenPipeError:               # the waiter died; reopen on the next ring (a restarted one)
             os.close(self._fd)
@@ -327,9 +269,7 @@ class _Bell:
 
 
 class _End:
-    """What the writer and the readers share: the mapped segment, its word view, the bounded wait."""
-
-    _w: memoryview                            # uint64 word view of the whole segment (_words)
+    _w: memoryview
     _buf: memoryview
 
     def __init__(self, handle: RingHandle, label: str):
@@ -345,17 +285,13 @@ class _End:
         return self._h
 
     def _check(self) -> None:
-        """Raise if this endpoint must stop (closed ring; for a reader, a reset index)."""
         if self._w[_C_CLOSED]:
             raise RingClosed(f"{self._label}: the ring was closed by the writer")
 
     def _wait(self, ready: Callable[[], bool], what: Callable[[], str], timeout_s: float,
               bell: _Bell, sleeping_word: int, spin_us: float | None = None,
               idle: Callable[[Callable[[], bool]], None] | None = None) -> None:
-        """Return once `ready()` holds; spin `spin_us` (the ring's default if None), then sleep on `bell` in naps
-        of `nap_s`. Bounded by `timeout_s` (RingTimeout with `what()`), stopped by `closed` (RingClosed).
-        `idle(ready)` runs between the spin's checks (a `keep_warm.KeepWarm`, which asks `ready` between its
-        pieces)."""
+        """Return once `ready()` holds, else RingTimeout; `idle(ready)` runs between the spin's checks."""
         if ready():
             return
         w = self._w
@@ -411,8 +347,6 @@ class RingWriter(_End):
         self._ack_words = [lay.reader_word(i, _R_ACK) for i in range(n_r)]
         self._sleep_words = [lay.reader_word(i, _R_SLEEPING) for i in range(n_r)]
         self._sleepers = list(zip(self._sleep_words, self._reader_bells))
-        # Per-slot header word index and payload area, per-reader record word index and payload area, computed
-        # once: the hot path then does no offset arithmetic.
         slots = [lay.slots_at + k * lay.slot_stride for k in range(handle.n_slots)]
         self._slot_words = [at // 8 for at in slots]
         self._slot_areas = [self._buf[at + _SLOT_HDR: at + _SLOT_HDR + handle.slot_bytes] for at in slots]
@@ -447,8 +381,7 @@ class RingWriter(_End):
         return self._seq
 
     def publish(self, payload: bytes | bytearray | memoryview, timeout_s: float = 2.0) -> int:
-        """Copy `payload` (opaque bytes, C-contiguous) into the next slot and return its sequence number.
-        Waits (bounded) until every reader acked the message the slot held before."""
+        """Copy `payload` (C-contiguous) into the next slot; return its seq. Waits (bounded) for the slot's acks."""
         if self._closed or self._w[_C_CLOSED]:
             self._check()
         h, w = self._h, self._w
@@ -471,8 +404,7 @@ class RingWriter(_End):
         else:
             if n > h.max_message_bytes:
                 raise RingError(f"{self._label}: message of {n} bytes > max_message_bytes {h.max_message_bytes}")
-            # Spill: a segment of its own, named in the slot header. The writer creates it, so its
-            # resource_tracker unlinks it should the writer die before the readers ack.
+            # The writer creates the spill, so its resource_tracker unlinks it should the writer die.
             sname = f"{h.name}-x{seq}"
             seg = shared_memory.SharedMemory(name=sname, create=True, size=n)
             seg.buf[:n] = mv
@@ -496,12 +428,8 @@ class RingWriter(_End):
 
     def wait_completions(self, seq: int, timeout_s: float = 2.0, spin_us: float | None = None,
                          idle: Callable[[Callable[[], bool]], None] | None = None) -> list[tuple[int, bytes]]:
-        """Wait until every reader completed `seq`; return [(status, payload bytes)] in reader order.
-        `spin_us` overrides the ring's spin for this wait (a host with cores to spare may spin a whole step);
-        `idle` runs between its checks.
-
-        Each reader has one completion record: collect `seq`'s completions before the readers complete a later
-        step (a record already showing a later seq raises RingError: its `seq` contents are gone)."""
+        """[(status, payload)] of every reader's completion of `seq`, in reader order. Each reader has one record:
+        collect them before a later seq overwrites it (RingError then)."""
         if self._closed or self._w[_C_CLOSED]:
             self._check()
         w, words = self._w, self._comp_words
@@ -521,8 +449,7 @@ class RingWriter(_End):
         return out
 
     def completed_so_far(self, seq: int) -> dict[int, int]:
-        """Reader index -> completion status, for the readers that completed `seq` so far (a peek: a reader that
-        failed its step can be seen while another is still on it)."""
+        """{reader: status} of the readers that completed `seq` so far (a failure seen before the others end)."""
         w = self._w
         return {i: w[k + _K_STATUS] for i, k in enumerate(self._comp_words) if w[k] == seq}
 
@@ -544,10 +471,7 @@ class RingWriter(_End):
         return f"completions of seq {seq}: " + ", ".join(late)
 
     def reset_reader(self, i: int) -> None:
-        """Forget reader `i`'s state so a restarted reader can attach: it starts at the writer's next sequence
-        (messages published before this call are ignored), its ack no longer holds the writer back, its old
-        completion record is cleared, and any old process still attached as reader `i` gets RingClosed.
-        Call it after the old reader is gone and before the new one attaches."""
+        """Once reader `i` is gone: a restarted one attaches from the next seq, an old one gets RingClosed."""
         self._check()
         if not 0 <= i < self._h.n_readers:
             raise RingError(f"{self._label}: reader index {i} not in [0, {self._h.n_readers})")
@@ -562,8 +486,7 @@ class RingWriter(_End):
             self._free_spills(self._min_ack())
 
     def close(self) -> None:
-        """Mark the ring closed (every blocked party wakes with RingClosed), free spills, unmap. Idempotent.
-        The names stay until `unlink()`."""
+        """Close the ring (every party wakes with RingClosed) and unmap; the names stay until `unlink()`."""
         if self._closed:
             return
         self._closed = True
@@ -639,7 +562,7 @@ class RingReader(_End):
         self._gen = w[self._gen_word]
         self._start = start
         self._cursor = start                  # last seq handed out
-        self._acked = start                   # last seq acked
+        self._acked = start
         self._held = None                     # spill mapping of the current message (dropped at ack)
         self._bell = _Bell(handle.reader_bell(reader_index))
         self._bell.open_for_wait()
@@ -659,7 +582,7 @@ class RingReader(_End):
 
     def _ack(self, ring: bool = True) -> None:
         """Publish that the current message's slot (and spill) may be reused. Its view must no longer be used."""
-        self._held = None                     # the spill mapping goes when the caller's views of it are gone
+        self._held = None
         self._acked = self._cursor
         w = self._w
         w[self._ack_word] = self._cursor
@@ -670,11 +593,8 @@ class RingReader(_End):
 
     def next(self, timeout_s: float, spin_us: float | None = None,
              idle: Callable[[Callable[[], bool]], None] | None = None) -> tuple[int, memoryview]:
-        """Wait (bounded) for the next message; return (seq, a read-only view of its payload). `spin_us`
-        overrides the ring's spin for this wait; `idle` runs between its checks.
-
-        The view points into the ring: it is valid until this reader's next `next()` or `complete()`, which ack
-        the message (copy what must outlive that). Raises RingTimeout, or RingClosed on close or reset."""
+        """(seq, a read-only view of the payload) of the next message. The view is valid until the next `next()`
+        or `complete()`, which ack it. RingTimeout, or RingClosed on close or reset."""
         w = self._w if not self._closed else None
         if w is None or w[_C_CLOSED] or w[self._gen_word] != self._gen:
             self._check()
@@ -704,8 +624,7 @@ class RingReader(_End):
         return want, view
 
     def complete(self, seq: int, status: int = 0, payload: bytes | bytearray | memoryview = b"") -> None:
-        """Post this reader's completion record for `seq` (acks the message too): `status` is a uint32 (0 ok,
-        nonzero error bits defined by the caller), `payload` at most `completion_bytes` (rank 0's outputs)."""
+        """Post this reader's completion of `seq` (acks it too): a uint32 `status` (0 ok), up to `completion_bytes`."""
         w = self._w if not self._closed else None
         if w is None or w[_C_CLOSED] or w[self._gen_word] != self._gen:
             self._check()
@@ -758,17 +677,12 @@ class RingReader(_End):
 
 
 class StepRing:
-    """Constructors: `create` (writer side, owns the names) and `attach` (reader side, by handle)."""
-
     @staticmethod
     def create(name_prefix: str, n_readers: int, slot_bytes: int = 1 << 20, n_slots: int = 4,
                completion_bytes: int = 64 << 10, spin_us: float = 50.0, nap_s: float = 0.02,
                max_message_bytes: int = 1 << 30) -> RingWriter:
-        """Create a ring with a unique name "<name_prefix>-<pid>-<random>" and its doorbells.
-
-        spin_us: how long a waiter checks (with sched_yield between checks) before it sleeps on its doorbell;
-        short because the CPU machine has 2 cores for the front-end and both ranks. nap_s: the longest single
-        sleep between re-checks, the bound on a lost wake-up."""
+        """A ring named "<name_prefix>-<pid>-<random>". `spin_us`: how long a waiter checks before it sleeps (short
+        for a 2-core host); `nap_s`: the longest sleep between re-checks."""
         _require_x86_64()
         if not (1 <= n_readers and 1 <= n_slots and 1 <= slot_bytes and 0 <= completion_bytes):
             raise RingError(f"StepRing: need n_readers >= 1, n_slots >= 1, slot_bytes >= 1, completion_bytes >= 0; "
@@ -802,7 +716,6 @@ class StepRing:
 
     @staticmethod
     def attach(handle: RingHandle, reader_index: int) -> RingReader:
-        """Attach as reader `reader_index`: it reads from the index's start seq (0 for a fresh ring, the writer's
-        seq at `reset_reader` for a restarted reader)."""
+        """Attach as reader `reader_index`, from its start seq (0, or the writer's seq at `reset_reader`)."""
         _require_x86_64()
         return RingReader(handle, reader_index)

@@ -1,16 +1,5 @@
-"""STEP over same-host shared memory: a client's request ring, served by the thread of its TCP connection.
-
-Why: a serving engine on the drafter's host pays two TCP hops per STEP (the request's ~92 KB of taps and the
-reply through the loopback, each with a thread's wake-up and a socket read). Through shared memory the request is
-one copy into a ring slot and the reply one copy back, with the same spinning waits as the ranks' ring.
-
-How: after an accepted HELLO the client creates a ring (`transport/ring.py`; the client is its one writer, this server
-its one reader) and names it in SHM_ATTACH on its TCP connection. Once the server has attached, every request of
-the session is a frame (the TCP framing: header and payload) published into the ring, and its reply frame is the
-message's completion record. The TCP connection carries nothing more; it stays open as the session's lifeline:
-when the client closes it (or its process dies) the server ends the session and frees its slots. A request whose
-payload does not decode is answered ErrorReply BAD_ENTRY, as on TCP; any other bad frame in the ring completes with
-STATUS_BAD_FRAME and ends that session alone, as on TCP.
+"""STEP over same-host shared memory: a client's request ring (ring.py; the client writes, this server reads),
+served by the thread of its TCP connection, which stays open as the session's lifeline (docs/contract.md, section 9).
 """
 from __future__ import annotations
 
@@ -49,8 +38,7 @@ def attach_ring(msg: ShmAttach) -> RingReader | str:
 
 
 def _lifeline_closed(sock: socket.socket) -> bool:
-    """Whether the client closed its TCP connection. Bytes on it are a protocol error: after SHM_ATTACH every
-    request travels through the ring."""
+    """Whether the client closed its TCP connection; bytes on it are a FrameError (requests go through the ring)."""
     try:
         data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except (BlockingIOError, InterruptedError):
@@ -67,14 +55,9 @@ def serve_ring(ring: RingReader, sock: socket.socket, dispatch: Callable[[object
                gate=None, refuse: Callable[[PayloadError], object] | None = None,
                idle_timeout_s: float | None = None) -> None:
     """Serve the ring until the client closes it or its TCP connection (ConnectionClosed), or sends a bad frame
-    (FrameError, after completing it with STATUS_BAD_FRAME). `dispatch(msg, received_ns)` answers a request;
-    `refuse(e)` answers a frame whose payload did not decode (or raises FrameError; without it such a frame is a
-    bad frame); `on_reply(msg, received_ns, reply)` runs after each completion (msg None for a refused payload;
-    stamps). `gate` (a semaphore, optional): the
-    wait spins `spin_us` only while it holds the gate, else it sleeps on the ring's doorbell at once; the TCP
-    server shares its gate of polling threads (every spin takes the interpreter lock, and many spinning threads
-    would slow the one that has a STEP to run). No request for `idle_timeout_s` (None: for ever) raises
-    IdleTimeout, as a TCP session's reader does."""
+    (FrameError). `dispatch(msg, received_ns)` answers a request, `refuse(e)` a payload that did not decode;
+    `on_reply(msg, received_ns, reply)` runs after each completion. The wait spins only while it holds `gate` (the
+    TCP server's poller semaphore). No request for `idle_timeout_s` raises IdleTimeout."""
     writer = FrameWriter(max_frame_bytes)
     last = time.monotonic()
     while True:
@@ -97,18 +80,18 @@ def serve_ring(ring: RingReader, sock: socket.socket, dispatch: Callable[[object
         try:
             try:
                 request_id, msg = decode_frame(view, max_frame_bytes)
-            except PayloadError as e:               # read whole: answered, as on TCP (or a FrameError)
+            except PayloadError as e:
                 if refuse is None:
                     raise
                 request_id, msg, reply = e.request_id, None, refuse(e)
             else:
-                reply = dispatch(msg, received_ns)  # refuses what is not a request here (a HELLO, SHM_ATTACH)
+                reply = dispatch(msg, received_ns)
         except FrameError:
             ring.complete(seq, STATUS_BAD_FRAME)    # the client learns it at once, not at its timeout
             raise
         try:
             writer.send(lambda frame: ring.complete(seq, 0, frame), reply, request_id)
-        except RingError as e:          # e.g. a reply larger than the client's completion records
+        except RingError as e:          # e.g. a reply larger than a completion record
             ring.complete(seq, STATUS_BAD_FRAME)
             raise FrameError(f"reply cannot be completed: {e}") from None
         if on_reply is not None:

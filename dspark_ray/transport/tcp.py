@@ -1,24 +1,7 @@
-"""STEP over TCP: one accept thread, one thread per connection, blocking sockets.
-
-Why threads and blocking sockets: a blocking round trip between two processes costs a fraction of the same through
-an asyncio loop, and the whole host path has about 0.1 ms per step (docs/engine.md, "Measurements behind the step
-path"). A connection thread blocks in recv_into on buffers it reuses, calls the handler (which blocks for the step
-and is called concurrently from all connection threads), and sends the reply in one call.
-
-A connection is a session. Before an accepted HELLO only HELLO is valid; afterwards ACQUIRE, RELEASE and STEP, and
-SHM_ATTACH, after which the session's requests come through the client's shared-memory ring (transport/shm.py).
-A request read whole whose payload does not decode (a missing or unknown field, a value of another type) is
-answered ErrorReply BAD_ENTRY naming the field, and the session goes on: the stream is still in step. Anything else
-(a malformed, truncated, stalled or oversized frame, a reply type, a STEP before HELLO) closes that connection
-alone; the session's slots are freed through `close_session`.
-
-Bounds per client: at most `max_connections` connections at once (one thread each); one more is answered
-ErrorReply OVERLOADED (request id 0: no request of its own) and closed, by the accept thread, without a thread. A
-session with no request for `idle_timeout_s` is answered ErrorReply UNAVAILABLE (request id 0) and closed, its slots
-freed. A session logs two lines: when it opens, and when it closes with why and its counts; never one per frame.
-
-Requests on one connection are read and answered one at a time, in order: a client may send the next before the
-reply to the last (it waits in the socket), but nothing of a connection runs concurrently with itself.
+"""STEP over TCP: one accept thread, one blocking thread per connection (why not asyncio: docs/engine.md,
+"Measurements behind the step path"). A connection is a session, its requests read and answered one at a time; what
+is answered, what closes a connection and the bounds per client: docs/contract.md, section 1. A session logs two
+lines, when it opens and when it closes, never one per frame.
 """
 from __future__ import annotations
 
@@ -41,16 +24,14 @@ __all__ = ["TcpServer", "StepHandler"]
 REQUESTS = (MsgType.HELLO, MsgType.ACQUIRE, MsgType.RELEASE, MsgType.STEP, MsgType.SHM_ATTACH)
 # A connection costs a thread: 256 hold several engines' pools and HTTP sessions against a worker's 16 slots.
 MAX_CONNECTIONS = 256
-# A session with no request for this long is closed and its slots freed (an engine's live session steps every
-# decode round; a client that wants its slots back after a pause reconnects: HELLO, ACQUIRE, re-insert).
+# An engine's live session steps every decode round; one back from a longer pause reconnects and re-inserts.
 IDLE_TIMEOUT_S = 600.0
 REFUSAL_LOG_S = 10.0
 _TYPE_OF = {cls: t for t, cls in MESSAGE_TYPES.items()}
 
 
 def out_of_place(mtype: MsgType, greeted: bool, ring: bool = False) -> str | None:
-    """Why a request of type `mtype` may not come now (the connection is then closed), or None. Decided on the
-    header's type alone, so a payload that does not decode is judged the same way."""
+    """Why a request of type `mtype` may not come now (closing the connection), or None; the header's type alone."""
     if mtype not in REQUESTS:
         return f"{mtype.name} is a reply, not a request"
     if ring and mtype in (MsgType.HELLO, MsgType.SHM_ATTACH):
@@ -63,8 +44,7 @@ def out_of_place(mtype: MsgType, greeted: bool, ring: bool = False) -> str | Non
 
 
 def refuse_payload(e: PayloadError, greeted: bool, ring: bool = False) -> ErrorReply:
-    """The answer to a request whose payload did not decode: ErrorReply BAD_ENTRY with msgspec's reason (it names
-    the field), or FrameError (close) when a request of that type may not come now."""
+    """BAD_ENTRY naming the field for a payload that did not decode, or FrameError when it is out of place."""
     why = out_of_place(e.mtype, greeted, ring)
     if why:
         raise FrameError(f"{why} (and its payload does not decode: {e})")
@@ -78,9 +58,8 @@ class _Conn:
         self.session: int | None = None
         self.thread: threading.Thread | None = None
         self.opened = time.monotonic()
-        self.client = ""               # what its HELLO called it
+        self.client = ""
         self.transport = "tcp"
-        # What the session did, for its closing log line: requests, STEPs, their entries, requests refused whole.
         self.counts = {"requests": 0, "steps": 0, "entries": 0, "refused": 0}
 
     def summary(self, why: str, freed) -> str:
@@ -102,20 +81,14 @@ class TcpServer:
                  max_pollers: int = 2, on_thread_start=None, observer: ServerObserver | None = None,
                  advertise: str | None = None, max_connections: int = MAX_CONNECTIONS,
                  idle_timeout_s: float | None = IDLE_TIMEOUT_S):
-        """`spin_us`: how long a connection thread polls for the next frame before it blocks in recv (see
-        wire.spinning_recv_into; the front-end passes the ring's spin: 100 ms on a GPU host, 50 us on a CPU). At most
-        `max_pollers` threads poll at once, the others block at once: every poll takes the interpreter lock, and
-        many polling threads would slow the one that has a STEP to run. `on_thread_start`: called first in the accept
-        thread (the front-end pins it there to its vCPUs; the connection threads it starts inherit its affinity).
-        `observer` (observers.ServerObserver; the front-end's is a recorders.ServerRecorder: stamps, wake-ups,
-        rehearsals while a connection polls for its next frame) sees every connection's frames. `advertise`: the
-        address `endpoint` names when `host` is a wildcard (0.0.0.0, ::), which no client can connect to (the
-        front-end passes its node's IP). `max_connections`, `idle_timeout_s` (None: none): the bounds per client
-        (module docstring)."""
+        """`spin_us`: how long a connection thread polls for its next frame before it blocks; at most `max_pollers`
+        poll at once (every poll takes the interpreter lock). `on_thread_start`: run first in the accept thread
+        (connection threads inherit its affinity). `observer` sees every connection's frames. `advertise`: the
+        address `endpoint` names for a wildcard `host`. `max_connections`, `idle_timeout_s` (None: none)."""
         if max_connections < 1:
             raise ValueError(f"max_connections {max_connections}: at least 1")
         self.max_connections, self.idle_timeout_s = max_connections, idle_timeout_s
-        self._refusals_logged = (0.0, 0)           # (when, count then): refusals log at most every REFUSAL_LOG_S
+        self._refusals_logged = (0.0, 0)           # (when, count then)
         self.observer = observer or ServerObserver()
         self.advertise = advertise if host in WILDCARD_HOSTS else None
         self.handler = handler
@@ -126,16 +99,13 @@ class TcpServer:
         self.max_frame_bytes = max_frame_bytes
         self.stall_timeout_s = stall_timeout_s
         self._listener = socket.create_server((host, port), reuse_port=False)
-        # accept() also wakes every 0.2 s to notice stop(): closing a listener does not wake a blocked accept on
-        # Linux (shutting it down does, but that is not promised everywhere).
+        # accept() wakes every 0.2 s to notice stop(): closing a listener does not wake it on Linux.
         self._listener.settimeout(0.2)
         self._port = self._listener.getsockname()[1]
         self._stopping = threading.Event()
         self._conns: set[_Conn] = set()
         self._lock = threading.Lock()
         self._accept_thread: threading.Thread | None = None
-        # Counts that only grow (exported by metrics.py): connections accepted, those closed for a bad frame, those
-        # refused at the connection limit, sessions closed idle.
         self.counts = {"connections": 0, "bad_frames": 0, "connections_refused": 0, "idle_sessions_closed": 0}
 
     @property
@@ -149,7 +119,6 @@ class TcpServer:
 
     @property
     def endpoint(self) -> str:
-        """Where clients connect: host:port (the advertised address for a wildcard host)."""
         return f"{self.advertise or self.host}:{self.port}"
 
     def start(self) -> "TcpServer":
@@ -184,7 +153,6 @@ class TcpServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    # ---- threads -----------------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
         if self.on_thread_start is not None:
             self.on_thread_start()
@@ -197,8 +165,7 @@ class TcpServer:
                 if not self._stopping.is_set():
                     log.error("tcp accept failed, listener stops: %s", e)
                 return
-            # Every recv and send gives up after stall_timeout_s without progress: a peer stalling mid-frame, or not
-            # reading its replies, cannot hold its thread forever. Between frames the reader waits up to the idle bound.
+            # A peer stalling mid-frame, or not reading its replies, cannot hold its thread for ever.
             bound_blocking_io(sock, self.stall_timeout_s)
             with self._lock:
                 full = len(self._conns) >= self.max_connections
@@ -219,8 +186,7 @@ class TcpServer:
             conn.thread.start()
 
     def _refuse(self, sock: socket.socket, peer: str) -> None:
-        """A connection over the limit: told why in one frame, closed; no thread, a log line at most every
-        REFUSAL_LOG_S (a flood of them is one event)."""
+        """Tell a connection over the limit why, close it; log at most every REFUSAL_LOG_S (a flood is one event)."""
         self.counts["connections_refused"] += 1
         _try_send(FrameWriter(self.max_frame_bytes), sock, ErrorReply(
             code=Code.OVERLOADED, reason=f"this STEP endpoint holds its limit of {self.max_connections} connections "
@@ -272,7 +238,6 @@ class TcpServer:
             _try_send(writer, sock, ErrorReply(code=Code.UNAVAILABLE, reason=f"session {conn.session} closed: {e} "
                                                                              f"(serve --idle-timeout)"))
         except VersionMismatch as e:
-            # A peer speaking another version gets a reason it can read (the header layout is the same in all).
             why = f"bad frame: {e}"
             _try_send(writer, sock, ErrorReply(code=Code.CONFIG_MISMATCH, reason=str(e)))
         except FrameError as e:
@@ -300,9 +265,7 @@ class TcpServer:
 
     def _serve_shm(self, conn: _Conn, msg: ShmAttach, request_id: int, writer: FrameWriter,
                    observer: ServerObserver) -> None:
-        """SHM_ATTACH: attach to the client's ring and serve the session's requests through it (transport/shm.py)
-        until the client closes it or the connection (ConnectionClosed) or sends a bad frame (FrameError). A ring
-        that cannot be attached is refused with the reason, and the session goes on over TCP."""
+        """Serve the session through the client's ring (transport/shm.py); a refused ring leaves it on TCP."""
         ring = attach_ring(msg)
         conn.counts["requests"] += 1
         if isinstance(ring, str):
