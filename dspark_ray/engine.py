@@ -1,13 +1,7 @@
-"""One rank's step engine: its slots, the eager step through the `Collectives`, and a health latch.
-
-A plain class, testable without Ray; `rank_worker.RankWorker` drives it from the step ring. Both ranks of a pair
-receive the same batch, already checked and placed by the front-end, and hold the same replicated slot rows, so
-every decision here (how the batch is drafted) comes out the same on both and their collectives stay paired.
-
-The health latch: once a step fails in a way that may have left the pair out of step (a collective failed, or an
-error struck between the first and the last collective of the step), the engine refuses every later step until
-the process is replaced. A failure before the first or after the last collective leaves the pair in step: the
-step fails, the latch stays open.
+"""One rank's step engine: its slots, the step (graphs, or eager through the `Collectives`) and a health latch.
+Both ranks get the same checked, placed batch and hold the same slot rows, so their collectives stay paired. A step
+that fails between its first and last collective may leave the pair out of step: the latch closes and every later
+step is refused until the process is replaced; a failure outside that span fails only its step.
 """
 from __future__ import annotations
 
@@ -37,8 +31,7 @@ class StepFailed(RuntimeError):
     """This step failed; the pair is still in step (the latch stays open)."""
 
 
-# An entry's taps are read in place, as a read-only numpy view of the ring's slot; the eager path's math reads them
-# as a tensor of that view, and torch's warning about a non-writable array is noise here (filtered once: a
+# Taps are a read-only view of the ring's slot; torch's non-writable-array warning is noise (filtered once: a
 # catch_warnings block would cost every step).
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
@@ -82,8 +75,8 @@ class _CountingCollectives(Collectives):
         return self.inner.graph_capture()
 
     def replay(self, graph, n_collectives):
-        # A graph's collectives run inside the replay: the fault hook fires before it (a rank held here leaves its
-        # peer waiting on the device), and the count says whether the sequence had started when a failure struck.
+        # A graph's collectives run inside the replay: the fault hook fires before it, and the count says whether the
+        # sequence had started when a failure struck.
         if self.fault is not None and n_collectives:
             self.fault(self.count)
         self.inner.replay(graph, n_collectives)
@@ -103,19 +96,13 @@ class _CountingCollectives(Collectives):
 
 
 class RankEngine:
-    """`graphs=True` builds the rank's graph set (`graphs.GraphSet`: captured as CUDA graphs on a GPU, run uncaptured
-    on a CPU) for batches of up to `max_batch` requests and runs every step through it; the eager path
-    (`graphs=False`) gives the same bits and serves batches the set does not cover.
-
-    A step takes the batch as the front-end made it (`records.RingBatch`) and checks nothing: the front-end checked
-    every entry (contract.validate_entry, then the slot's cursor) and placed each slot (`SlotCursor.after`), and a
-    slot appears at most once in a batch. One place checks, so the ranks cannot disagree about what to refuse; one
-    account says where a slot stands, so they cannot disagree about that either."""
+    """`graphs=True` runs steps of up to `max_batch` requests through a `graphs.GraphSet` (CUDA graphs on a GPU);
+    the eager path gives the same bits and serves wider batches. A step checks nothing: the front-end alone checks
+    and places, so the ranks cannot disagree about what to refuse or where a slot stands."""
 
     def __init__(self, drafter: Drafter, n_slots: int, rank: int = 0, graphs: bool = False,
                  progress=None, max_batch: int = MAX_REQUESTS, first: list[tuple[int, int, bool]] | None = None,
                  observer: RankObserver | None = None):
-        """`observer`: the rank's (observers.RankObserver), told of the step's phases and handed to the graph set."""
         self.drafter, self.rank = drafter, rank
         self.observer = observer or RankObserver()
         c = drafter.cfg
@@ -191,9 +178,7 @@ class RankEngine:
         return results
 
     def rehearse(self, batch: RingBatch) -> None:
-        """The host side of `step(batch)` without running it or changing a slot (keep_warm.py): the graph set's
-        staging and output reading, each entry's rows taken at its slot's current position (the last step's
-        entries, rehearsed, have moved on)."""
+        """The host side of `step(batch)` without running it or changing a slot (keep_warm.py)."""
         if self.broken or self.graphs is None or not batch.entries or len(batch.entries) > self.graphs.max_requests:
             return
         es = batch.entries
@@ -201,9 +186,7 @@ class RankEngine:
         self.graphs.rehearse(inserts, [self.slots[e.slot] for e in es], *_draft_args(es))
 
     def _run(self, batch: RingBatch):
-        """Place the slots, then the inserts and one batched draft. The graph engine takes every insert and the
-        draft in back-to-back replays (no host work between them); the eager path inserts entry by entry. A batch
-        wider than the graph set drafts eagerly over the same slots."""
+        """Place the slots, then the inserts and one batched draft (eager for a batch wider than the graph set)."""
         es = batch.entries
         states = [self.slots[e.slot] for e in es]
         for e, st in zip(es, states):

@@ -1,26 +1,9 @@
-"""Keeping a step path's host code warm while its thread waits.
+"""Keeping a step path's host code warm while its thread waits: on the GPU host the same Python runs several
+times slower after a 1 ms spin than back to back (docs/engine.md, "Keeping the host path warm").
 
-A STEP's host path is Python run once per ~1.2 ms round, and between two runs its thread spins (for the ring, the
-socket, the GPU). On the GPU host the same code runs several times slower after a 1 ms spin than back to back (its
-instructions, branch history and data are gone from the core), and as fast again when it last ran 50 us before
-(docs/engine.md, "Measurements behind the step path").
-
-So a party registers rehearsals of its next step's pieces, built from a recent step's inputs (`set(name, fn)`;
-`wants_sample` says when to take a new one), and its waiters call the `KeepWarm` on every poll: at most every
-`every_us` it runs them. Pieces are small and the waiter's own readiness check runs between them, so a STEP that
-comes during a rehearsal waits for one piece at most. A rehearsal computes what the real piece computes and throws
-it away; it must not change anything a step reads (pure functions, or writes to buffers the next step rewrites
-before it reads them and that nothing reads meanwhile). The first one that raises is dropped, with one log line;
-a rehearsal never fails a step.
-After a real step the first rehearsal waits longer (`DSPARK_KEEP_WARM_HOLD_US`, 250 us): the code is still warm,
-and with STEPs back to back the next one comes 100-200 us after a party's last step, often in the middle of a
-rehearsal that would have started at 100 us and would delay it.
-A rehearsal takes at most the first REHEARSAL_ENTRIES entries of a batch: every entry runs the same code, so a few
-keep it warm, and a piece of a 16-entry batch (its checks, its staging) would hold a STEP that comes meanwhile for
-tenths of a ms.
-The rehearsals are an observer's (recorders.py): the service's actors hand them in, and each party's rehearsal is
-built below from a sample of its last step. `DSPARK_KEEP_WARM=0` turns it off, `DSPARK_KEEP_WARM_US` sets the
-period (`settings.py`).
+A party registers rehearsals of its next step's pieces, built from a recent step's inputs, and its waiters call the
+`KeepWarm` on every poll. A rehearsal must not change anything a step reads (pure functions, or buffers the next
+step rewrites before reading); one that raises is dropped with one log line and never fails a step.
 """
 from __future__ import annotations
 
@@ -36,7 +19,7 @@ from .wire import FrameWriter, decode_payload, encode_payload
 
 log = logging.getLogger("dspark_ray.keep_warm")
 
-REHEARSAL_ENTRIES = 4       # entries of a batch a rehearsal runs (module docstring)
+REHEARSAL_ENTRIES = 4       # a few entries keep the code warm; a whole batch's piece would hold a STEP that comes
 
 
 def keep_warm_enabled() -> bool:
@@ -52,9 +35,7 @@ def keep_warm_hold_us() -> float:
 
 
 def launch_rehearsal_period_us() -> float | None:
-    """How often a GPU rank rehearses a graph launch between steps (`DSPARK_KEEP_WARM_LAUNCH_US`, default 1000;
-    0: never, None). At every rehearsal (100 us) the launches slow every host hop of the pair; every 1 ms they keep a
-    step graph's launch warm (docs/engine.md, "Measurements behind the step path")."""
+    """How often a GPU rank rehearses a graph launch between steps (None: never); docs/engine.md has why 1 ms."""
     us = settings().keep_warm_launch_us
     return us if us > 0 else None
 

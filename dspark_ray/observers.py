@@ -1,14 +1,6 @@
-"""The named points at which each party of the step path lets an observer look in.
-
-Every party of a STEP is handed one observer and calls it at named points of its loop: the STEP server's
-connection threads (`ServerObserver`), the front-end's service (`ServiceObserver`) and ring driver
-(`DriverObserver`), a rank's step loop with its engine and graph set (`RankObserver`). The classes here are the
-null observers: each hook does nothing and `idle` is None (a wait then polls without a hook), so a party built
-without an observer runs its algorithm alone. The service's actors hand in the observers of `recorders.py`, which
-keep per-step stamps, count the STEPs that found a party asleep and keep its host path warm between steps.
-
-Concurrent callers (a server's connection threads, the service's STEPs) ask for a view of their own (`session`,
-`step`); a null observer is its own view.
+"""The named points at which each party of the step path lets an observer look in. These are the null observers
+(every hook does nothing, `idle` is None), so a party built without one runs its algorithm alone; the actors hand
+in `recorders.py`'s. Concurrent callers take a view of their own (`session`, `step`).
 """
 from __future__ import annotations
 
@@ -86,8 +78,7 @@ class RankObserver:
         """`stamp(name)` unless the step has one by that name already; with `like`, the time of that stamp."""
 
     def answered(self, batch, results, size: int) -> None:
-        """The step's answer is encoded (`results`: the engine's answers, None when the step failed); the batch,
-        `size` bytes in the ring, still views the ring's slot."""
+        """The answer is encoded (`results` None: the step failed); the batch still views the ring's slot."""
 
     def completed(self) -> None:
         """The step's completion is posted."""

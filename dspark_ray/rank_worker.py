@@ -1,17 +1,8 @@
-"""One rank of a pair, as a plain object: `RankWorker` loads its cut of the checkpoint, meets its peer, caches its
-Markov rows, captures its graphs and serves the step ring (`actors/rank.py` is the Ray actor around it).
-
-Start-up, in the front-end's order: `load()` on both ranks at once (each reads only its slices), `connect()` on
-both at once (the collectives' handshake: gloo's rendezvous, later the push collectives' IPC handles), `serve()`
-(starts the dispatch thread on the ring). No Ray call happens per step: the dispatch thread waits on the ring
-(bounded spin, then a blocking wait), runs the step and posts its completion record.
-
-Each phase of the start-up is stamped (`startup`: name -> [begin, end], wall-clock seconds, comparable across the
-host's processes): the process's start, the imports, the CUDA context, the kernels, the weights, the collectives'
-handshake, the drafter, the Markov rows, the graphs, the ring. bench/restart.py lays them out from a kill -9 to
-the first answer. A restarted one-card rank (`connect(first=...)`) captures the graphs the live batches need and
-serves; its step loop makes the Markov rows and captures the graphs again on them, then the rest, between steps
-(`_after_serving`; docs/engine.md, "A restart").
+"""One rank of a pair, as a plain object (`actors/rank.py` is the Ray actor around it). Start-up, in the
+front-end's order: `load()` on both ranks at once, `connect()` on both at once (the collectives' handshake),
+`serve()` (the step loop on the ring; no Ray call per step). Each phase is stamped in `startup` for
+bench/restart.py. A restarted one-card rank serves first and makes the rest between steps (docs/engine.md,
+"A restart").
 """
 from __future__ import annotations
 
@@ -40,13 +31,10 @@ log = logging.getLogger("dspark_ray.rank")
 
 class RankWorker:
     def __init__(self, spec: PairSpec | dict, rank: int, observer: RankObserver | None = None):
-        """`observer` (observers.RankObserver; the rank actor's records stamps, counts wake-ups and rehearses
-        between steps) sees every step of the loop, the engine and the graph set."""
         from .transport.ring import process_started_at
         now_s = time.time()
         self.spec = spec if isinstance(spec, PairSpec) else PairSpec(**spec)
         self.rank = rank
-        # The start-up's phases (module docstring): the process's own start (Ray's worker boot) and the imports.
         born = process_started_at(os.getpid()) or IMPORTS_BEGAN
         self.startup: dict[str, list[float]] = {"process": [born, IMPORTS_BEGAN], "imports": [IMPORTS_BEGAN, now_s]}
         torch.set_num_threads(self.spec.torch_threads)
@@ -72,8 +60,8 @@ class RankWorker:
 
     # -- start-up --------------------------------------------------------------------------------------------------
     def prepare(self) -> None:
-        """What a start-up does before the weights, which a spare rank (actors/pair.py) does ahead of a restart: the
-        modules the start-up uses, the CUDA context, the checkpoint's description, the matmul kernels."""
+        """The start-up's part before the weights (imports, CUDA context, checkpoint, kernels): a spare rank
+        (actors/pair.py) does it ahead of a restart."""
         with self._prepare_lock:
             if self.ckpt is not None:
                 return
@@ -112,7 +100,6 @@ class RankWorker:
             self.loaded += n
 
         with self._phase("weights"):
-            # On a GPU the file's bytes go through pinned buffers, several threads at once (weights/staging.py).
             with (Staging(self.spec.device) if cuda else contextlib.nullcontext()) as staging:
                 self.weights = read_rank(ck, layout, self.rank, self.spec.device, progress=tick, staging=staging)
             if cuda:
@@ -128,11 +115,9 @@ class RankWorker:
         return self.loaded, self.total
 
     def connect(self, init_method: str | None, first: list[tuple[int, int, bool]] | None = None) -> str:
-        """Meet the peer (both ranks call this at once: `comm.factory.connect`) and build the engine. `first` (a
-        restart: the batches the front-end ran last, as (requests, n_out, margins)): a one-card rank captures only
-        the graphs those need before it serves, the rest in its step loop between steps. A pair's ranks capture
-        everything first: their captures run collectives, so both must capture the same graph at the same point,
-        which between steps neither knows of the other."""
+        """Meet the peer (both ranks at once) and build the engine. `first` (a restart: the last batches' (requests,
+        n_out, margins)): a one-card rank captures only their graphs before it serves. A pair captures everything
+        first: its captures run collectives, so both ranks must capture the same graph at the same point."""
         from .comm.factory import connect
         from .model.drafter import Drafter
         cfg = self.ckpt.config
@@ -146,7 +131,6 @@ class RankWorker:
             self.weights = None      # the drafter holds what it uses (routed experts stacked: the originals go)
         cuda = self.spec.device.startswith("cuda")
         graphs = self.spec.graphs is not False
-        # A restarted one-card rank serves first and makes its Markov rows and the rest of its graphs between steps.
         later = first is not None and self.spec.tp == 1 and graphs
         with self._phase("markov_rows"):
             if later:
@@ -158,7 +142,7 @@ class RankWorker:
         def progress(done, total):
             if done == total or done % 10 == 0:
                 log.info("rank %d: %s %d / %d graphs", self.rank, "captured" if cuda else "recorded", done, total)
-        # The front-end checks every entry and places its slot before it publishes a batch: the engine checks nothing.
+        # The front-end checked every entry and placed its slot: the engine checks nothing.
         with self._phase("graphs"):
             self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress,
                                      max_batch=self.spec.batch_limit(cfg), first=first if later else None,
@@ -166,14 +150,12 @@ class RankWorker:
             if cuda:
                 torch.cuda.synchronize()
         self._later = self._after_serving(drafter, markov_rows, first) if later else None
-        # (the collectives' own line comes from comm.factory)
         log.info("rank %d: engine ready%s", self.rank, f"; {self.engine.status()['graphs']}" if graphs else "")
         return coll.describe()
 
     def _after_serving(self, drafter, markov_rows: int, first):
-        """What a restarted one-card rank leaves for between steps, a piece each `next` (a fraction of a second:
-        docs/engine.md, "A restart"): its Markov rows a chunk at a time, then every graph captured again on them
-        (the live shapes first; the graphs captured before serve until replaced), else the graphs not captured yet."""
+        """A restarted one-card rank's work between steps, a piece each `next`: its Markov rows a chunk at a time,
+        then every graph captured again on them (the old ones serve until replaced), then the graphs not captured."""
         t0 = time.time()
         graphs = self.engine.graphs
         if markov_rows:
@@ -190,7 +172,7 @@ class RankWorker:
                  graphs.n_graphs, graphs.capture_seconds)
 
     def _cache_markov(self, drafter) -> None:
-        """The Markov bias rows the spec asks for, sized against what the card has left now the weights are in."""
+        """The Markov bias rows the spec asks for, sized against what the card has left after the weights."""
         t0 = time.time()
         rows = drafter.cache_markov_for(self.spec.markov_cache)
         if rows:
@@ -216,7 +198,7 @@ class RankWorker:
         spin_us, last_step = self.spec.spin_us, time.monotonic()
         while not self._stop:
             try:
-                if self._later is not None:  # work left from a restart: a look at the ring, else one more piece
+                if self._later is not None:  # a restart's work left: a look at the ring, else one more piece
                     seq, view = self.reader.next(timeout_s=0.0, spin_us=0.0)
                 else:
                     # The spin counts from the last step: an idle rank that wakes from a timeout sleeps again at once.
@@ -231,7 +213,7 @@ class RankWorker:
             observer.got(seq, self.reader.sleeps)
             status, payload, batch, results = M.STATUS_OK, b"", None, None
             try:
-                # The entries view the ring's slot (no copy): it stays ours until complete() below.
+                # The entries view the ring's slot: it stays ours until complete() below.
                 batch = M.decode_batch(view)
                 results = self.engine.step(batch)
                 if self.rank == 0:
@@ -249,8 +231,7 @@ class RankWorker:
             last_step = time.monotonic()
 
     def _work_later(self) -> None:
-        """One piece of the work a restart left for between steps (`_after_serving`). A piece that fails closes the
-        engine's latch: the next step fails and the pair is restarted."""
+        """One piece of `_after_serving`; one that fails closes the engine's latch (the pair is restarted)."""
         try:
             next(self._later)
         except StopIteration:

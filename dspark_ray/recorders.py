@@ -1,13 +1,5 @@
-"""The observers the service hands its parties: per-step stamps, wake-up counts, keep-warm rehearsals.
-
-One recorder per party, built by the actor that runs it (actors/frontend.py, actors/rank.py) and handed to the
-party, which calls it at the named points of `observers.py`:
-
-- stamps (stamps.py): each step's times at those points, kept for `stamps()` (bench/step_latency.py joins them);
-- wake-ups (wake_ups.py): whether the wait before a STEP slept, in the party's status (the endpoint's also as a
-  Prometheus counter);
-- keep-warm (keep_warm.py): the party's waits run its rehearsals (`idle`), built from a sample of a recent step.
-  A disabled `KeepWarm` (`DSPARK_KEEP_WARM=0`) leaves `idle` None and takes no samples.
+"""The observers the actors hand their parties: per-step stamps (stamps.py), wake-up counts (wake_ups.py) and
+keep-warm rehearsals between steps (keep_warm.py; disabled, `idle` stays None and no samples are taken).
 """
 from __future__ import annotations
 
@@ -23,8 +15,7 @@ def _warm(keep_warm: KeepWarm | None) -> KeepWarm | None:
 
 
 class ServerRecorder(ServerObserver):
-    """The STEP server's: per STEP the times its header arrived, it was read and its reply sent; whether its read
-    slept; the frame's rehearsal (decode, the service's `checks`, the reply's encoding) between reads."""
+    """The STEP server's: stamps, wake-ups, and the frame's rehearsal (decode, `checks`, the reply's encoding)."""
 
     def __init__(self, party: str, spin_us: float, keep_warm: KeepWarm | None = None, checks=None):
         self.stamps = Stamps()
@@ -70,8 +61,7 @@ class _ServerSession(ServerObserver):
 
 
 class ServiceRecorder(ServiceObserver):
-    """The step service's: per STEP the times it was taken, admitted and answered, and the ring step it ran in (the
-    join key with the ring's and the ranks' stamps)."""
+    """The step service's: taken, admitted, answered, and the ring step (the join key with the ranks' stamps)."""
 
     def __init__(self):
         self.stamps = Stamps()

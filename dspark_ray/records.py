@@ -1,14 +1,6 @@
-"""What travels through the shared-memory step ring: one batch to every rank, one reply back from each.
-
-A batch carries what the ranks read of each entry the front-end checked and admitted (`RingEntry`: the contract's
-field names, no token ids, generation or rollback: the ranks never read them) and the slot's placement after it;
-a reply carries the contract's `EntryResult`s. Both are encoded as on the wire (msgspec msgpack, raw little-endian
-bytes for arrays). A rank decodes an entry's taps as a memoryview of the ring's slot (msgspec decodes `bin` into a
-view of its input), so it reads them in place, valid until it completes the step.
-
-The front-end's cursor is the one account of where each slot stands (`slot_cursor.SlotCursor`): an entry hands the
-ranks its slot's placement once the entry has run (base, position: `SlotCursor.after`), and a rank's slot takes it
-as given (`SlotState.place`).
+"""What travels through the shared-memory step ring: one batch to every rank (only what the ranks read of each
+checked entry, and its slot's placement from the front-end's `SlotCursor`), one reply back from each. Encoded as on
+the wire; msgspec decodes `bin` into a view of its input, so a rank reads the taps in place until it completes.
 """
 from __future__ import annotations
 
@@ -17,26 +9,22 @@ import numpy as np
 
 from .contract import TAP_DTYPE, Entry, EntryResult
 
-# Completion status words (the ring's per-rank status).
 STATUS_OK = 0
 STATUS_STEP_FAILED = 1      # the step failed, the pair is still in step (latch open)
 STATUS_BROKEN = 2           # the engine's health latch is closed: restart the rank
 
-# A decode round's entry carries its seed and accepted drafts: at most this many rows of taps (the ranks' graphs
-# size their insert buffers by it, the front-end its ring slots).
+# Rows of taps a decode round's entry carries at most (its seed and accepted drafts): sizes graphs and ring slots.
 STEP_INSERT_ROWS = 8
 
 
 def ring_slot_bytes(limits) -> int:
-    """A ring slot that holds a decode round of the widest batch in place; a larger batch spills to a segment of
-    its own, created and faulted in per message."""
+    """A ring slot that holds a decode round of the widest batch in place (a larger one spills to a segment)."""
     round_bytes = limits.max_entries_per_replay * (STEP_INSERT_ROWS * 2 * limits.taps_width + 256)
     return max(1 << 20, -(-(round_bytes + 4096) // 4096) * 4096)
 
 
 class RingEntry(msgspec.Struct, array_like=True, gc=False):
-    """One entry as the ranks run it, checked by the front-end: insert the taps' rows at start_pos into the slot,
-    place the slot at (base, position), draft n_out from seed_token there."""
+    """Insert the taps' rows at start_pos, place the slot at (base, position), draft n_out from seed_token."""
     slot: int
     seed_token: int
     n_out: int
@@ -48,7 +36,7 @@ class RingEntry(msgspec.Struct, array_like=True, gc=False):
 
     @staticmethod
     def of(e: Entry, placed: tuple[int, int]) -> "RingEntry":
-        """The ranks' part of a checked entry `e`, whose slot stands at `placed` (SlotCursor.after) once it ran."""
+        """The ranks' part of a checked entry, its slot at `placed` (SlotCursor.after) once it ran."""
         return RingEntry(e.slot, e.seed_token, e.n_out, e.want_margins, e.start_pos, e.taps, *placed)
 
     def taps_array(self, taps_width: int) -> np.ndarray:

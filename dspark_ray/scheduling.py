@@ -1,20 +1,7 @@
-"""How the threads on the per-step path are scheduled (the front-end's TCP threads, each rank's step loop): their
-priority, and the facts about threads and cores that the latency bench records.
-
-Ray's raylet starts every worker process at niceness 15 (its `worker_niceness` setting), so that a busy worker
-never starves the raylet. The threads that carry every STEP lose the CPU at 15 to any nice-0 work on their core,
-which slows their hops (docs/performance.md, `RAY_worker_niceness`). Linux
-keeps a niceness per thread (setpriority on PRIO_PROCESS 0 changes the calling thread; a new thread inherits its
-creator's), so the step path's threads ask for 0 when they start: each rank's step loop, and the front-end's accept
-thread, whose connection threads inherit it. Loading, capture and restarts keep Ray's 15 and leave the CPU to the
-threads that answer (a restarting pair at 0 slowed the front-end's UNAVAILABLE answers on a 2-core machine).
-Lowering a niceness needs CAP_SYS_NICE (root has it); without it the thread logs how to get it: start
-Ray with `RAY_worker_niceness=0` (cluster/dspark.env sets it).
-
-The same threads can also be pinned, each to vCPUs of its own (`PairSpec.rank_cpus` / `frontend_cpus`, `dspark
-serve --rank-cpus --frontend-cpus`): they spin between steps, so a pinned one keeps its core's caches and never
-shares a core with another spinner. Linux keeps the affinity per thread too, and a new thread inherits its creator's:
-the front-end's accept thread pins itself, and its connection threads inherit the set.
+"""The per-step threads' scheduling (each rank's step loop, the front-end's TCP threads): priority, pinning, and
+the thread facts the latency bench records. Ray starts workers at niceness 15, where these threads lose their core
+to any nice-0 work; they ask for 0 (a new thread inherits its creator's niceness and affinity), while loading,
+capture and restarts keep 15 (docs/engine.md, "The step path's threads"; docs/performance.md).
 """
 from __future__ import annotations
 
@@ -43,8 +30,7 @@ def raise_priority(who: str) -> int:
 
 
 def pin_thread(cpus, who: str) -> set[int] | None:
-    """Restrict the calling thread to `cpus` (vCPU numbers; None or empty: leave it as it is); returns the set it
-    runs on. A set outside the process's allowed cores is refused with one log line, and the thread keeps its set."""
+    """Restrict the calling thread to `cpus` (None or empty: leave it); returns the set, or None when refused."""
     if not cpus:
         return None
     want = {int(c) for c in cpus}
@@ -62,10 +48,8 @@ _TICK_MS = 1e3 / os.sysconf("SC_CLK_TCK")
 
 
 def _thread_stat(native_id: int) -> dict | None:
-    """A thread of this process: the core it last ran on and its niceness (/proc stat fields 39 and 19), the cores it
-    may run on (status Cpus_allowed_list), the CPU time it used (fields 14 + 15), the time it waited runnable for a
-    core (schedstat) and how often it was preempted (nonvoluntary context switches); or None. Two readings apart say
-    whether a slow thread worked or waited."""
+    """A thread's last core, niceness, allowed cores, CPU time, time waited for a core and preemptions (from
+    /proc), or None."""
     try:
         base = f"/proc/self/task/{native_id}"
         with open(f"{base}/stat") as f:
@@ -83,8 +67,7 @@ def _thread_stat(native_id: int) -> dict | None:
 
 
 def process_facts() -> dict:
-    """The cores this process may run on, the load, and each thread's last core and niceness: what to look at when
-    a hop of the step's timeline is slower inside the actor than in a plain process."""
+    """The cores this process may run on, the load, and each thread's `_thread_stat`."""
     return {"cpus_allowed": len(os.sched_getaffinity(0)), "load_1m": round(os.getloadavg()[0], 2),
             "threads": {t.name: _thread_stat(t.native_id) for t in threading.enumerate() if t.native_id}}
 

@@ -1,14 +1,11 @@
-"""Where a slot stands (base, position) and the rules for its inserts and rollbacks, without its rows: the
-front-end's account of every slot (torch-free: the front-end and the CLI never import torch), and the base of a
-rank's `model.state.SlotState`."""
+"""Where a slot stands and the rules for its inserts and rollbacks, without its rows (torch-free: the front-end
+never imports torch)."""
 from __future__ import annotations
 
 
 class SlotCursor:
-    """Where a slot stands (base, position) and the rules for inserts and rollbacks, without the rows. In the service
-    the front-end's cursor is the one account of a slot: it refuses a bad entry before it reaches a rank and hands
-    the ranks each entry's placement (`after`), which their `SlotState`s take as given (`place`). The reference
-    drafter, used on its own, applies the rules to its `SlotState` itself (`rollback`, `advance`)."""
+    """(base, position) of a slot. In the service the front-end's cursor is the one account: ranks take its
+    placement (`after`) as given (`place`); the reference drafter on its own applies `rollback` and `advance`."""
 
     def __init__(self, window: int, max_rows: int):
         self.window, self.max_rows = window, max_rows
@@ -62,9 +59,7 @@ class SlotCursor:
         return self.check_insert(start, n, rollback_to)
 
     def after(self, start: int, n: int, rollback_to: int = -1) -> tuple[int, int]:
-        """(base, position) after an entry's rollback and insert of n rows at `start` (checked before), the state
-        untouched: the front-end hands this placement to the ranks with the entry, and takes it itself once the entry
-        ran; position is where the entry's seed sits."""
+        """(base, position) after an entry's rollback and insert (checked before), the state untouched."""
         base, pos = self.base, self.position
         if rollback_to >= 0:
             if base < 0 or rollback_to == base:       # as `rollback` does: back to the first row held is a fresh slot
@@ -78,7 +73,7 @@ class SlotCursor:
 
     # -- mutations -----------------------------------------------------------------------------------------------
     def place(self, base: int, position: int) -> None:
-        """Take a placement `after` computed (the front-end's cursor, the one account of where a slot stands)."""
+        """Take a placement `after` computed."""
         self.base, self.position = base, position
 
     def rollback(self, q: int) -> None:

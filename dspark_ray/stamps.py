@@ -1,12 +1,6 @@
-"""Per-step timestamps on the host path: where a STEP's round trip goes, hop by hop.
-
-Every party of a step (the client, the TCP connection thread, the front-end's service and ring writer, each rank's
-loop and engine) keeps the stamps of its recent steps. `time.monotonic_ns` reads CLOCK_MONOTONIC, one clock for every
-process of a host, so stamps taken in different processes line up and their differences are the hops between them
-(`bench/step_latency.py` joins them: by the ring's sequence number between the front-end and the ranks, by the
-frame's arrival time between the connection thread and the service). A stamp costs a small share of a hop. The
-service's actors hand each party a recorder that keeps them (recorders.py); a party built without one stamps
-nothing.
+"""Per-step timestamps on the host path: where a STEP's round trip goes, hop by hop. CLOCK_MONOTONIC is one clock
+for every process of a host, so stamps from different processes line up (`bench/step_latency.py` joins them).
+A party built without a recorder (recorders.py) stamps nothing.
 """
 from __future__ import annotations
 
@@ -16,9 +10,7 @@ import time
 from .settings import current as settings
 
 now = time.monotonic_ns
-# Optional (DSPARK_STAMP_CPU=1, `settings.py`, in the parties' environment; the latency bench sets it): a party also
-# stamps its thread's CPU time at some of its stamps ("cpu_" + the stamp's name), so that a slow hop shows whether its
-# thread was working (CPU time ~ the hop) or off the CPU (preempted, or waiting for the interpreter lock). Off, 0.
+# DSPARK_STAMP_CPU=1: thread CPU time beside some stamps, so a slow hop shows whether its thread worked or waited.
 cpu_now = time.thread_time_ns if settings().stamp_cpu else int
 
 
@@ -35,9 +27,8 @@ class Stamps:
         return list(self.rows)
 
 
-# The hops of one round trip, in path order: (hop, from stamp, to stamp). "rank_*" stamps are the
-# critical rank's (the one whose completion came last). A party stamps before it hands a step on, so a hop between
-# two processes never reads negative (except the reply's send, stamped after the send returns).
+# (hop, from stamp, to stamp) in path order; "rank_*" is the rank whose completion came last. A party stamps before
+# it hands a step on, so a hop between processes never reads negative.
 HOPS = (("client_to_server", "client_send", "tcp_recv"),      # client encode, TCP loopback up to the header
         ("frame_read", "tcp_recv", "tcp_read"),               # payload received, decoded
         ("checks", "tcp_read", "svc_admitted"),               # contract checks, slot admission
@@ -70,9 +61,8 @@ CPU_HOPS = (("checks", "tcp_read", "svc_admitted"), ("results", "ring_completion
 
 
 def join_round_trips(client: list[tuple[int, int]], st: dict) -> list[dict]:
-    """One dict per round trip from the client's (sent, received) stamps and the front-end actor's `stamps()`:
-    the client's i-th STEP is the TCP server's i-th of its last len(client); the service's row has the same frame
-    arrival time as the server's; the ring's and the ranks' rows have its seq. One client, one entry per STEP."""
+    """One dict per round trip of one client (one entry per STEP): the client's i-th STEP is the server's i-th, the
+    service's row has the server's frame arrival time, the ring's and the ranks' rows its seq."""
     svc = {r["recv"]: r for r in st["service"]}
     ring = {r["seq"]: r for r in st["ring"]}
     ranks = [{r["seq"]: r for r in rows} for rows in st["ranks"]]

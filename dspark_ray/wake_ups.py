@@ -1,11 +1,6 @@
-"""Counting the STEPs that found a party asleep.
-
-Between two STEPs the ranks and the front-end's connection threads spin for `PairSpec.spin_us` (100 ms on a GPU
-host), then sleep. A STEP that comes later than that pays a wake-up on every hop, tenths of a ms in all on the H200
-pair (docs/engine.md, "Measurements behind the step path"). Each party (its recorder, recorders.py) counts its STEPs
-and those whose wait slept, reports both in its status (the front-end's also as a Prometheus counter, metrics.py),
-and logs one line, at most every 10 minutes, when most recent STEPs found it asleep: the serving engine's rounds are
-further apart than the spin.
+"""Counting the STEPs that found a party asleep (its wait outlasted `PairSpec.spin_us`; each pays a wake-up per
+hop), and one log line, at most every 10 minutes, when most recent STEPs did: the engine's rounds come further apart
+than the spin.
 """
 from __future__ import annotations
 

@@ -1,25 +1,13 @@
 """`PushCollectives`: the NVLink one-shot push backend of `Collectives` (one rank per process, CUDA IPC peer state).
 
-Shape of a vLLM device communicator: the constructor says whether it can work here and why not
-(`push_unavailable_reason`), compiles and preloads the kernels, and allocates this rank's peer state; `connect`
-exchanges nothing itself but takes the peer's `PeerHandle` (carried by Ray / gloo / a pipe) and proves with a
-handshake that stores through the IPC mapping arrive. After that `all_reduce`, `max_exchange` and `top2_exchange`
-launch one kernel each on torch's current stream, eagerly or inside a CUDA graph capture.
+As a vLLM device communicator: the constructor says whether it can work here (`push_unavailable_reason`), compiles
+and preloads the kernels and allocates this rank's peer state; `connect` takes the peer's `PeerHandle` and proves
+with a handshake that stores through the IPC mapping arrive (`connect_over` wires two processes). Each collective
+is one kernel on torch's current stream, eager or captured (`graph_capture`, `replay`).
 
-Wiring in a rank process (the rank actor), once at start-up, before any graph capture:
-
-    pc = PushCollectives(rank, max_words=64 * 5120, peer_id_range=(peer_lo, peer_hi))   # compiles, preloads
-    handles = all_gather(pc.export_handle().to_dict())        # Ray / gloo all_gather_object: plain picklable data
-    pc.connect(handles[1 - rank], barrier=pair_barrier)        # opens the IPC handle, handshake through it
-    warm every torch kernel of the step, then capture:  with pc.graph_capture() as cap: (torch.cuda.graph ...)
-each step:  pc.replay(graph, cap.n_collectives)  (or eager calls), then pc.check()  (= check_error(): one small
-            D2H; CollectiveError -> the step fails closed; the pair's STEP fails if either rank's check fails)
-on failure: pc.reset(barrier=pair_barrier) on both ranks (drains, clears, new generation); if pc.poisoned:
-            restart the process.
-
-Fail-closed rules: a non-zero error word (sticky on the device until reset) means every output since the last
-good check is refused; a poisoned rank (timed-out idle wait, CUDA error) refuses launches, replays and resets
-until the process restarts. The protocol itself is described in `push.cu`; measurements in docs/collectives.md.
+Fail-closed rules: a non-zero error word (sticky on the device until `reset`) refuses every output since the last
+good check; a poisoned rank (timed-out wait, CUDA error) refuses launches, replays and resets until the process
+restarts. The protocol is described in `push.cu`; measurements in docs/collectives.md.
 """
 from __future__ import annotations
 
@@ -35,9 +23,8 @@ from .ipc import PeerHandle, HANDLE_VERSION, check_peer_handle, close_ipc_handle
     open_ipc_handle, this_host, this_pid
 from .peer_state import MAXB, HostGuard, Layout, PeerState, describe_error_word, process_poison
 
-# 2 s (seed 000): a live pair meets in microseconds and a step takes ~2 ms, so a collective still waiting after
-# 2 s has a dead, hung or diverged peer; the bound must stay short enough that a failed STEP answers INTERNAL
-# long before a client gives up. DSPARK_PUSH_TIMEOUT_MS (`settings.py`) overrides it.
+# A live pair meets in microseconds: a collective waiting 2 s has a dead, hung or diverged peer, and a failed STEP
+# must answer INTERNAL long before a client gives up (DSPARK_PUSH_TIMEOUT_MS overrides it).
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_MAX_WORDS = 128 * 5120       # 128 rows of the hidden size 5120, fp32 (16 requests x 5 rows: 80)
 U32_MAX = 0xFFFFFFFF
@@ -99,10 +86,8 @@ def torch_nan_rule(device) -> int:
 
 
 def ar_launch_config(n_words: int, maxb: int = MAXB, variant: str = "flag") -> tuple[int, int]:
-    """(blocks, threads) of an all-reduce of n_words fp32. Small payloads take one block (one flag round trip);
-    larger ones spread the NVLink stores over up to 32 blocks, about one float4 per thread; the Lamport variant
-    prefers 32 x 256 up to 10 rows. More blocks add flag / ack traffic without adding bandwidth (the H200 pair's
-    sweeps: docs/collectives.md, "Launch shape")."""
+    """(blocks, threads) of an all-reduce of n_words fp32: one block for small payloads, up to 32 for larger ones
+    (more add flag traffic, not bandwidth: docs/collectives.md, "Launch shape")."""
     n4 = (n_words + 3) // 4
     if n4 <= 256:
         return 1, max(32, (n4 + 31) // 32 * 32)
@@ -599,11 +584,8 @@ def make_single_card_pair(device: int | None = None, **kw) -> tuple[PushCollecti
 
 def connect_over(group, rank: int, peer_id_range: tuple[int, int], timeout_s: float = 2.0,
                  allreduce: str = "lamport") -> PushCollectives:
-    """One rank of a pair in its own process: build (compiles and preloads every kernel), swap CUDA IPC handles
-    with the peer over an existing torch.distributed group (gloo: start-up only, never per-step data), map the
-    peer's state and prove the mapping with the nonce handshake. The service runs the Lamport all-reduce (the
-    payload marks its own arrival), faster than the flag protocol with the same safety protocol around it
-    (docs/collectives.md)."""
+    """One rank of a pair in its own process: build, swap IPC handles over an existing torch.distributed group
+    (start-up only), connect. The service runs the Lamport all-reduce (the payload marks its own arrival)."""
     import torch.distributed as dist
     pc = PushCollectives(rank, timeout_s=min(timeout_s, 2.0), peer_id_range=peer_id_range, allreduce=allreduce)
     handles: list = [None, None]

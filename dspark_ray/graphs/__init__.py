@@ -10,8 +10,7 @@ draft key that runs a decode round's insert beside its draft; captured once at s
     capture.py          capturing the graphs (all at start-up, or a restart's first and the rest between steps)
     graph_set.py        GraphSet: the slot pool, a step staged, launched and unpacked on the host
 
-Replaying a graph runs the very kernels the eager path runs, so a replay gives the eager bits (tests/test_graph_set.py
-on a CPU, where the same functions run uncaptured; tests/test_gpu_graphs.py on a GPU).
+A replay runs the eager path's kernels, so it gives the eager bits.
 """
 from .buckets import EXACT_REQUESTS, INSERT_BUCKETS, MAX_REQUESTS, WIDE_BUCKETS, step_graphs_enabled
 from .graph_set import GraphSet

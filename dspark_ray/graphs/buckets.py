@@ -1,11 +1,6 @@
-"""Which graph runs a step: a draft's request bucket and key, an insert's row bucket, the step graphs' rows.
-
-Batches of 1-4 requests have a graph each for every (n_out, margins). A wider batch is padded to the next of the
-WIDE_BUCKETS, which draft n_out = block size only (an entry's answer is the first n_out drafts of a wider draft: the
-n_out prefix property). The full preset drafts 5 rows a request and pads its dense layers' rows to chunks of 32
-(kernels/gemm.py): 6 requests still take one chunk, 8-12 two, 16 three, where four replays of 4 read every weight
-four times. An insert's rows run in the smallest of the INSERT_BUCKETS that holds them (pad rows go to a scratch
-slot); a decode round's rows (up to STEP_INSERT_ROWS a request) run beside the draft in its step graph.
+"""Which graph runs a step. Batches of 1-4 requests have a graph per (n_out, margins); a wider batch pads to the
+next of the WIDE_BUCKETS, drafting n_out = block size (an answer is the first n_out drafts of a wider draft). An
+insert runs in the smallest of the INSERT_BUCKETS that holds it; a decode round's rows run beside the draft.
 """
 from __future__ import annotations
 
@@ -59,6 +54,5 @@ class Buckets:
         return self.step_rows.get(self.of_requests[n_requests], 0) if n_requests <= self.max_requests else 0
 
     def needed_first(self, kk: tuple[str, object], first: list[tuple[int, int, bool]]) -> bool:
-        """Whether graph `kk` (kind, key) is one the batches `first` ((requests, n_out, margins)) need at once: an
-        insert, or their draft or step graph."""
+        """Whether graph `kk` is one the batches `first` need at once: an insert, or their draft or step graph."""
         return kk[0] == "insert" or kk[1] in {self.key(n, k, m) for n, k, m in first if 1 <= n <= self.max_requests}

@@ -1,22 +1,8 @@
-"""Capturing a graph set's CUDA graphs, and replaying them through the collectives.
-
-Every graph is captured once at start-up, after a warm-up run of every shape on a side stream (kernels loaded,
-caches built: nothing loads lazily inside a capture). On a CPU (tests) the same functions are recorded and run
-uncaptured, so the packing, gather and scatter are checked against the eager path in CI.
-
-A restart need not wait for all of them: `capture(first=...)` takes the draft keys a live batch needs (the
-front-end's recent batches) and captures only their draft and step graphs, the insert graphs and the launch
-rehearsal's; the rest stay `pending`. The rank's step loop captures them one at a time between steps
-(`capture_next`), and a step that needs one not captured yet captures it first (`GraphSet.run`), before it stages
-its inputs: a pending graph is captured with harmless inputs staged (every insert row aimed at the scratch slot), as
-the set's start-up warm-up runs them, so its warm-up run changes no slot. `recapture` makes every graph pending
-again (the old ones serve until replaced): after the Markov rows a restarted rank makes once it serves.
-
-Collectives are recorded through `coll.graph_capture()` and replayed through `coll.replay(graph, n)`: the push
-backend keeps its epoch book that way (each replay advances the device epochs by the graph's collective count), and
-a backend that cannot be captured (gloo, the emulated pair's threads) refuses at capture time. Both ranks of a pair
-build the same set in the same order, so their warm-up collectives pair up and their graphs hold the same
-collective sequence.
+"""Capturing a graph set's CUDA graphs (on a CPU: recorded and run uncaptured, so CI checks the packing against
+the eager path). Each shape warms up on a side stream first, so nothing loads lazily inside a capture. A restart
+captures only what live batches need (`first`) and the rest between steps (`capture_next`), each with harmless
+inputs staged so its warm-up changes no slot. Collectives go through `coll.graph_capture()` / `coll.replay()` (push
+keeps its epoch book so); both ranks build the same set in the same order, so their collectives pair up.
 """
 from __future__ import annotations
 
@@ -39,9 +25,7 @@ class Graph:
 
 
 class GraphCapture:
-    """The capture half of `graph_set.GraphSet`, which calls `_init_capture` as it is built. What it uses of the set:
-    its drafter's kernels (`d`), `coll`, `cuda`, the inputs (`inp`), their copies (`copies`), what the graphs run
-    (`fns`), the buckets (`buckets`) and `_stage_harmless` (inputs that change no slot)."""
+    """The capture half of `graph_set.GraphSet` (which calls `_init_capture` as it is built)."""
 
     def _init_capture(self) -> None:
         self.draft_graphs: dict[tuple[int, int, bool], Graph] = {}
@@ -76,9 +60,7 @@ class GraphCapture:
         if first is not None:
             self.pending = {kk: fn for kk, fn in fns if not self.buckets.needed_first(kk, first)}
             fns = [(kk, fn) for kk, fn in fns if kk not in self.pending]
-        # No garbage collection inside a capture: an unreachable object collected there (an earlier graph set's
-        # graphs, pinned buffers, events) frees CUDA memory or queries events, which invalidates the capture (seen
-        # once in the gpu tests: "operation failed due to a previous error during capture"). Collected before.
+        # No garbage collection inside a capture: collecting an old graph, buffer or event there invalidates it.
         gc.collect()
         gc_was_on = gc.isenabled()
         gc.disable()
@@ -126,9 +108,8 @@ class GraphCapture:
         return out
 
     def recapture(self, first: list[tuple[int, int, bool]] | None = None) -> None:
-        """Every graph captured again between steps (`capture_next`), `first`'s before the rest: after a change
-        of what the graphs bake in (the Markov rows a restarted rank makes once it serves). Until its turn, each
-        graph serves as it was captured (the same bits)."""
+        """Every graph captured again between steps, `first`'s first, after what they bake in changed (the Markov
+        rows); until its turn each serves as captured (the same bits)."""
         fns = self._graph_fns()
         fns.sort(key=lambda item: not self.buckets.needed_first(item[0], first or []))      # (stable)
         self.pending = dict(fns)
@@ -140,8 +121,7 @@ class GraphCapture:
         return bool(self.pending)
 
     def _capture_pending(self, kk: tuple[str, object]) -> None:
-        """Capture the pending graph `kk` now: harmless inputs staged (every insert row into the scratch slot), its
-        warm-up run on the side stream, then the capture; nothing left in flight."""
+        """Capture the pending graph `kk` now (harmless inputs, warm-up, capture; nothing left in flight)."""
         t0 = time.monotonic()
         fn = self.pending.pop(kk)
         kind, key = kk

@@ -1,13 +1,7 @@
-"""The copies a graph starts and ends with: the upload of the inputs it reads, and a draft's download of its packed
-outputs and of the collectives' control words (the fail-closed check reads them there:
-`Collectives.status_region`).
-
-They are part of the graphs themselves, so a step on the host is: write the pinned buffer, launch, synchronise,
-read (a torch `copy_` costs tens of us of host time per call on the GPU host, a captured copy nothing). The copies
-are a kernel that reads and writes the pinned buffers directly (`kernels/host_copy.py`; a memcpy node starts
-several us after the kernel before it), or, without Triton, CuPy's `cudaMemcpyAsync` nodes, which torch's
-pinned-memory bookkeeping does not see; with neither (and on a CPU) the graphs leave them out and the host issues
-them around the replays.
+"""The copies inside a graph: the upload of its inputs and a draft's download of its outputs and the collectives'
+control words, so a step on the host is write, launch, synchronise, read (a torch `copy_` costs tens of us of host
+time). One Triton kernel on the pinned buffers (`kernels/host_copy.py`), else CuPy memcpy nodes; with neither, the
+host issues them around the replays.
 """
 from __future__ import annotations
 
@@ -32,9 +26,8 @@ def _raw_memcpy() -> Callable[[int, int, int], None] | None:
 
 
 def copier(like: torch.Tensor) -> Callable[..., None] | None:
-    """copy(*(dst, src, nbytes)): capturable copies on torch's current stream between pinned host memory and the
-    device. Every segment in one kernel where Triton runs (`kernels/host_copy.py`: a memcpy node waits for a copy
-    engine, several us per copy), else a memcpy node per segment through CuPy; None without either."""
+    """copy(*(dst, src, nbytes)): capturable host-device copies, one kernel with Triton (a memcpy node waits for a
+    copy engine), else CuPy memcpy nodes; None without either."""
     try:
         from ..kernels.host_copy import copy_bytes
     except ImportError:             # no Triton
@@ -68,8 +61,7 @@ class Copies:
         self.status_np = self.status_host.numpy()        # what the fail-closed check reads, a view made once
 
     def around(self, fn, upload: int, download: bool):
-        """fn between its copies: the upload of its input bytes first; a draft's packed outputs and the control
-        words last (behind its last collective), in one copy. Without in-graph copies, fn alone."""
+        """fn between its upload and (a draft's) download of outputs and control words; fn alone without copies."""
         cp = self.memcpy
         if cp:
             cp((self.inp.dev.data_ptr(), self.inp.host.data_ptr(), upload))

@@ -1,11 +1,6 @@
-"""`GraphSet`: one rank's step as CUDA graphs over static buffers, and a step run through them on the host.
-
-The set owns its slots: every slot's main-kv ring lives in one pool tensor (one spare slot, the scratch, takes the
-pad rows of an insert bucket), so a captured graph reads and writes any slot by index. A step on the host is: stage
-its inputs into the pinned buffer (numpy into views made once), launch the graphs it needs (graphs/buckets.py), wait
-for the draft and read its answers from the download (graphs/outputs.py). The inserts' graphs run first, and the
-draft's inputs are staged while the GPU runs them; a decode round's few rows run beside the draft in its step graph,
-staged and launched once.
+"""`GraphSet`: one rank's step as CUDA graphs over static buffers. Every slot's kv ring lives in one pool tensor
+(a spare slot, the scratch, takes an insert bucket's pad rows), so a captured graph reads and writes any slot by
+index. A step stages its inputs into the pinned buffer, launches the graphs it needs and reads the download.
 """
 from __future__ import annotations
 
@@ -28,8 +23,6 @@ class GraphSet(GraphCapture):
     def __init__(self, drafter: Drafter, n_slots: int = 16, max_requests: int = MAX_REQUESTS,
                  n_outs: tuple[int, ...] | None = None, insert_buckets: tuple[int, ...] = INSERT_BUCKETS,
                  observer: RankObserver | None = None):
-        """`observer`: the rank's (observers.RankObserver): a run's stamps, and its wait for the draft polls with the
-        observer's `idle` (the rank's rehearsals)."""
         self.d = drafter
         self.observer = observer or RankObserver()
         self.coll = drafter.coll
@@ -54,10 +47,8 @@ class GraphSet(GraphCapture):
                       for i in range(n_slots)]
         self.scratch = n_slots
         self.n_blocks, self.T = c.n_blocks, b.T
-        # The staging's tables, made once so that a step copies slices instead of computing indices (each numpy call
-        # costs several us on the GPU host with the caches cold after the wait for a step). The pool row of (slot,
-        # block, ring row), with the ring unrolled past its end: any run of consecutive positions, wrapped or not,
-        # is one slice (a window: W rows from ring row (p0 - W) % capacity; an insert chunk: <= T rows).
+        # Tables made once, so a step copies slices instead of computing indices (a numpy call costs us when cold).
+        # The pool row of (slot, block, ring row), the ring unrolled past its end: any run of positions is one slice.
         self._row0 = ((np.arange(n_slots + 1)[:, None] * c.n_blocks + np.arange(c.n_blocks)[None, :])
                       * self.capacity)[..., None]
         self._ring_rows = self._row0 + np.arange(self.capacity + max(self.W, self.T)) % self.capacity
@@ -81,9 +72,8 @@ class GraphSet(GraphCapture):
 
     # -- staging ---------------------------------------------------------------------------------------------------
     def _stage_draft(self, states: list[SlotState], seeds: list[int]) -> None:
-        """Write the draft's inputs into the pinned buffer (numpy into made views: no device work, no torch op).
-        A bucket's pad requests repeat the first request's inputs: its window and its experts, so they add no
-        distinct weight to read (every kernel is row-invariant: their answers, dropped, change no other bit)."""
+        """Write the draft's inputs into the pinned buffer. Pad requests repeat the first request's inputs, so they
+        read no other experts' weights (every kernel is row-invariant: their dropped answers change no bit)."""
         h, W = self.inp.h, self.W
         pad = self.buckets.of_requests[len(states)] - len(states)
         if pad:
@@ -114,9 +104,8 @@ class GraphSet(GraphCapture):
             yield chunk
 
     def _stage_insert(self, chunk, bucket: int | None = None) -> tuple[int, int]:
-        """Write a chunk's positions, slots, ring rows and taps into the pinned buffer, the rows of `bucket` (by
-        default the smallest insert bucket that holds it) past them padded (they go to the scratch slot); returns
-        (the chunk's rows, bucket)."""
+        """Stage a chunk into the pinned buffer, padded to `bucket` (default: the smallest that holds it) with rows
+        aimed at the scratch slot; returns (the chunk's rows, bucket)."""
         pos, dst, taps = self.inp.h["ins_pos"], self._ins_dst, self._ins_taps
         at = 0
         for s, p, t in chunk:
@@ -136,8 +125,7 @@ class GraphSet(GraphCapture):
         self.inp.h["ins_pos"][:] = 0
 
     def _beside_rows(self, chunks: list, n_states: int) -> int | None:
-        """The rows of the step graph the last chunk runs in, beside the draft of `n_states` requests, when it fits
-        there; else None (it runs in an insert graph)."""
+        """The step graph's insert rows for the last chunk beside a draft of `n_states`, or None (an insert graph)."""
         rows = self.buckets.step_rows_for(n_states)
         if chunks and rows and sum(len(t) for _, _, t in chunks[-1]) <= rows:
             return rows
@@ -150,11 +138,9 @@ class GraphSet(GraphCapture):
     # -- a step ----------------------------------------------------------------------------------------------------
     def run(self, inserts: list[tuple[SlotState, int, np.ndarray]], states: list[SlotState], seeds: list[int],
             n_out: int, want_margins: bool, host: bool = False) -> DraftOut | HostDraft | None:
-        """One step (inputs already checked): insert each (slot, start, taps (n, width) fp16, a numpy array or a CPU
-        tensor) into its slot's ring, then draft for `states` (<= max_requests; none: inserts only). The slots
-        stand where the step leaves them (the caller placed them: `SlotState.place`, or `advance` by the rules), so
-        the draft reads each slot's window before its position. Returns the drafts on the host: as the drafter's
-        `DraftOut` (torch), or with `host` as a `HostDraft` (the engine's answers)."""
+        """Insert each (slot, start, taps (n, width) fp16) into its slot's ring, then draft for `states` (none:
+        inserts only). The caller placed the slots where the step leaves them. Returns a `DraftOut`, or with `host`
+        a `HostDraft`."""
         if self.cuda:       # replays and numpy only: no torch op for inference mode to speed up
             return self._run(inserts, states, seeds, n_out, want_margins, host)
         # The uncaptured functions run the model's ops and the set's own, on the drafter's kernels (as `capture`)
@@ -162,8 +148,6 @@ class GraphSet(GraphCapture):
             return self._run(inserts, states, seeds, n_out, want_margins, host)
 
     def _run(self, inserts, states, seeds, n_out, want_margins, host) -> DraftOut | HostDraft | None:
-        # The observer's stamps, in order: entered, the pinned buffer free, the first replay launched (after the
-        # inserts' staging), the insert replays launched, the draft's inputs staged, every replay launched, synced.
         stamp = self.observer.stamp
         stamp("run_in")
         inp = self.inp
@@ -208,9 +192,8 @@ class GraphSet(GraphCapture):
             self._upload(inp.insert_bytes(beside_rows))
             packed = self._replay(self.step_graphs[key])
         else:
-            # Staged while the GPU runs the inserts, off the step's critical path. The insert graphs' uploads cover
-            # the draft's region too but never read it, so what they copy of it does not matter; the draft graph
-            # uploads its own region when it starts, behind the inserts in stream order, after these writes.
+            # Staged while the GPU runs the inserts: their uploads copy this region but never read it, and the draft
+            # graph uploads it behind them in stream order, after these writes.
             self._stage_draft(states, seeds)
             stamp("draft_staged")
             self._upload(inp.draft_bytes)
@@ -233,16 +216,14 @@ class GraphSet(GraphCapture):
         return read_outputs(copies.out_np, size, n, n_out, drafted, want_margins, host_draft)
 
     def fresh_status(self) -> np.ndarray | None:
-        """The collectives' control words as the last run's draft graph left them (it has been synchronised), or
-        None when that run downloaded none (no draft, or no in-graph copies)."""
+        """The collectives' control words the last run's draft graph downloaded, or None."""
         return self.copies.status_np if self._status_fresh else None
 
     # -- between steps ---------------------------------------------------------------------------------------------
     def rehearse(self, inserts: list[tuple[SlotState, int, np.ndarray]], states: list[SlotState],
                  seeds: list[int], n_out: int, want_margins: bool) -> None:
-        """What `run` does on the host for these arguments, without a replay, a stamp or a change to a slot: keeps
-        that code warm between steps (keep_warm.py). The staging writes the pinned buffer only while no upload
-        can read it (every step stages all it uploads before it launches); the outputs are read, not used."""
+        """`run`'s host work without a replay, a stamp or a change to a slot (keep_warm.py). It writes the pinned
+        buffer only while no upload can read it: every step stages all it uploads before it launches."""
         if not self.inp.in_use:
             chunks = list(self._chunks(inserts))
             if chunks:
@@ -255,9 +236,7 @@ class GraphSet(GraphCapture):
                          want_margins, True)
 
     def rehearse_launch(self) -> None:
-        """Launch a graph of one tiny kernel while no step is in flight (the GPU is idle between steps): keeps the
-        driver's launch path warm for the next step's replay (keep_warm.py; a cold launch costs the step tens of
-        us, docs/engine.md). Through the collectives' guard, so a poisoned rank launches nothing (it raises, and
-        the keep-warm drops the piece). Nothing a step reads is touched; on a CPU, nothing to do."""
+        """Launch a one-kernel graph between steps to keep the driver's launch path warm (docs/engine.md). Through
+        the collectives' guard: a poisoned rank launches nothing."""
         if self._noop is not None and not self.inp.in_use:
             self.coll.replay(self._noop, 0)

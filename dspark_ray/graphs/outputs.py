@@ -15,9 +15,8 @@ from ..model.drafter import DraftOut
 
 @dataclass
 class HostDraft:
-    """A batch's drafts on the host in the contract's dtypes: what the engine answers from, converted once per batch
-    (per-entry torch calls, several us each with the caches cold after the GPU wait, were most of a step's answers).
-    `GraphSet.run(..., host=True)` gives it straight from the downloaded outputs; `of` converts a `DraftOut`."""
+    """A batch's drafts on the host in the contract's dtypes, converted once per batch (per-entry torch calls cost
+    several us each when cold)."""
     drafts: np.ndarray                  # (bsz, n_out) int32
     confidences: np.ndarray             # (bsz, n_out) fp32
     margins: np.ndarray | None          # (bsz, n_out) fp32, when asked for

@@ -1,15 +1,7 @@
-"""What a graph set's graphs run on the device, over the slot pool and the uploaded inputs.
-
-The insert computes its rows' main-kv (`Drafter.context_rows`) and writes them into the pool (one index_copy_ per
-block); the draft gathers the windows (one index_select), runs `Drafter.forward` and packs its answers
-(graphs/outputs.py). A step graph runs the insert of up to a few rows a request beside the draft on a stream of its
-own, block by block, each block's rows followed by the gather of its windows (which reads them); each drafter
-block's attention joins its own part (`ops.branch_parts`, `ops.joined`). The insert's GEMMs (main_proj) then read
-their weights while the draft's latency-bound kernels leave the memory idle.
-
-These are the very kernels the eager path runs, so a replay gives the eager bits; a bucket with more rows than the
-request needs pads with rows whose results are dropped (every dense layer is row-invariant, so a real row's bits do
-not depend on the padding).
+"""What a graph set's graphs run on the device: the insert writes its rows' main-kv into the slot pool, the draft
+gathers the windows and runs `Drafter.forward`. A step graph runs a decode round's insert beside the draft on a
+stream of its own, so the insert's GEMMs read weights while the draft's latency-bound kernels leave memory idle.
+The kernels are the eager path's, and padded rows change no real row's bits (every dense layer is row-invariant).
 """
 from __future__ import annotations
 
