@@ -407,10 +407,6 @@ class PushCollectives(Collectives):
     def poisoned(self) -> bool:
         return self.guard.poisoned
 
-    @property
-    def healthy(self) -> bool:
-        return not self.guard.poisoned
-
     def read_control(self) -> dict:
         """Device control words in one small D2H: epoch, error word, first failing epoch."""
         try:
