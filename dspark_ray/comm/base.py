@@ -1,14 +1,5 @@
-"""The interface every way of meeting implements, and the exact rules by which two ranks' partials combine.
-
-The drafter holds the shards of the ranks that live in this process (`local_ranks`: both in `emulated`, one in
-`pair` / `solo`, the single unsplit rank in `tp1`) and hands the collectives one partial per local shard, in rank
-order. Three operations, all exact:
-
-* `all_reduce(parts)`: the fp32 sum P0 + P1 of the two ranks' fp32 partials, added in rank order with no further
-  rounding, so both ranks hold the same bits and the replicated residual streams never diverge.
-* `max_exchange(parts)`: per row the global (max, index) of the split vocabulary; a tie goes to the lower id,
-  i.e. rank 0, whose ids are lower (as one card would pick with torch.argmax).
-* `top2_exchange(parts)`: per row (top1, top2, index) of the union, for the margins the client may ask for.
+"""The interface every backend implements, and the exact rules by which two ranks' partials combine: sums in
+rank order with no further rounding (replicated residuals never diverge), argmax ties to the lower id (rank 0).
 """
 from __future__ import annotations
 
@@ -49,7 +40,6 @@ def combine_top2(a: Top2Part, b: Top2Part) -> Top2Part:
 
 
 def fold(parts: Sequence, combine=lambda a, b: a + b):
-    """Combine the ranks' payloads in rank order: P0 + P1 for sums, combine_max / combine_top2 for the argmax."""
     out = parts[0]
     for p in parts[1:]:
         out = combine(out, p)
@@ -63,14 +53,13 @@ def reduce_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
 
 @dataclass
 class CaptureInfo:
-    n_collectives: int = 0          # how many collectives a captured graph holds (push keeps its epoch book by it)
+    n_collectives: int = 0          # push keeps its epoch book by it
 
 
 class Collectives(ABC):
     """One way for the ranks of a pair to meet. `local_ranks` are the ranks whose partials this process passes."""
 
-    # Whether a CUDA graph may record these collectives: pure device ops (tp1, split, solo) and the push kernels
-    # can; host-side meetings (gloo, the emulated pair's threads) cannot.
+    # Device ops and the push kernels can be recorded in a CUDA graph; host-side meetings (gloo, threads) cannot.
     capturable: bool = False
 
     name: str = "?"
@@ -91,8 +80,7 @@ class Collectives(ABC):
     def top2_exchange(self, parts: Sequence[Top2Part]) -> Top2Part: ...
 
     def check(self) -> None:
-        """Raise CollectiveError if a collective of the step failed. Backends whose collectives run asynchronously
-        on a device (push) read their error word here, once per step; the host backends raise inline."""
+        """Raise CollectiveError if a collective of the step failed (device backends read their error word here)."""
 
     def close(self) -> None:
         pass
@@ -101,28 +89,23 @@ class Collectives(ABC):
         return f"{self.name} (world {self.world_size}, local ranks {list(self.local_ranks)})"
 
     def max_rows(self, width: int) -> int | None:
-        """Most rows one collective carries for rows of `width` values (an all-reduce of (rows, width) partials, an
-        exchange of `rows` tops); None: no bound. A graph set drafts no wider batch (graphs.GraphSet)."""
+        """Most rows of `width` values one collective carries (None: no bound); no graph set drafts wider."""
         return None
 
     @contextlib.contextmanager
     def graph_capture(self):
-        """Wrap a torch.cuda.graph capture of a step (push counts the collectives recorded)."""
         if not self.capturable:
             raise CollectiveError(f"{self.name} collectives cannot be captured in a CUDA graph")
         yield CaptureInfo()
 
     def replay(self, graph, n_collectives: int) -> None:
-        """Replay a graph captured under graph_capture() (push checks and advances its epoch book first)."""
         graph.replay()
 
     def status_region(self) -> tuple[int, int] | None:
-        """(device address, bytes) of words that say whether the step's collectives failed. A captured step copies
-        them to the host behind its last collective, in the same download as its outputs, and hands them to
-        check_status: the fail-closed check without a device round trip of its own. None: check() only."""
+        """(device address, bytes) of the words saying whether the step's collectives failed; a captured step
+        downloads them with its outputs for check_status, saving a round trip. None: check() only."""
         return None
 
     def check_status(self, words) -> None:
-        """check(), judged from the words status_region() names, copied after the step's work on a stream the
-        caller has synchronised."""
+        """check() from the status_region() words, copied behind the step's work on a synchronised stream."""
         self.check()

@@ -28,8 +28,7 @@ class _Rendezvous:
 
 
 class ThreadCollectives(Collectives):
-    """One rank of the emulated pair. Both ranks run in this process, each on its own thread, and combine the
-    exchanged payloads with the same tensor ops in the same rank order as the real pair."""
+    """One rank of the emulated pair: the same tensor ops in the same rank order as the real pair."""
 
     name = "emulated"
 

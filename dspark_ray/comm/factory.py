@@ -1,7 +1,5 @@
-"""A rank's collectives, chosen once at start-up: the backend checked against what this process can run, logged.
-
-The two ranks of a pair always form one gloo group first: the CPU pair's data path, and the push backend's
-start-up channel (its CUDA IPC handles travel through it, never per-step data).
+"""A rank's collectives, chosen once at start-up against what this process can run, and logged. A pair always
+forms a gloo group first: the CPU pair's data path and the push backend's start-up channel (never per-step data).
 """
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ BACKENDS = {
 
 
 def check_backend(backend: str, tp: int, device: str) -> None:
-    """Raise ValueError where `backend` cannot drive a tp-`tp` deployment on `device` (a spec's own check, before
-    any actor starts)."""
+    """Raise ValueError where `backend` cannot drive a tp-`tp` deployment on `device` (before any actor starts)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     if tp == 2 and backend == "push" and not device.startswith("cuda"):
@@ -36,8 +33,8 @@ def missing_capability(backend: str) -> str | None:
 
 def connect(backend: str, rank: int, tp: int, *, init_method: str | None, peer_ids: tuple[int, int],
             timeout_s: float) -> Collectives:
-    """Rank `rank`'s collectives (both ranks of a pair call this at once). tp 1: the local backend, whatever
-    `backend` says (there is no peer). `peer_ids`: the vocabulary range the peer holds (the push exchanges')."""
+    """Rank `rank`'s collectives; both ranks call it at once (tp 1: the local backend). `peer_ids`: the peer's
+    vocabulary range."""
     from .local import LocalCollectives
     if tp == 1:
         coll: Collectives = LocalCollectives(1)

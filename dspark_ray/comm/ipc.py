@@ -1,9 +1,5 @@
-"""CUDA IPC export / import of a rank's peer state, and the checks made before the two ranks trust each other.
-
-A `PeerHandle` is plain data (bytes and numbers: it pickles, so Ray, a multiprocessing pipe or
-`torch.distributed.all_gather_object` carry it). The importing process may see only its own card
-(`CUDA_VISIBLE_DEVICES` isolation, as Ray gives each rank actor): the handle still maps the peer card's
-`cudaMalloc` memory, and the start-up handshake proves that stores through the mapping arrive.
+"""CUDA IPC export / import of a rank's peer state, and the checks made before two ranks trust each other.
+A `PeerHandle` pickles; it maps the peer card's memory even where a process sees only its own card.
 """
 from __future__ import annotations
 
@@ -20,14 +16,14 @@ HANDLE_VERSION = 1
 class PeerHandle:
     version: int
     rank: int
-    ipc_handle: bytes           # cudaIpcMemHandle_t of the state allocation (64 bytes)
+    ipc_handle: bytes           # cudaIpcMemHandle_t of the state allocation
     nbytes: int
     layout_digest: str
     max_words: int
     nonce: int                  # what this rank expects the peer to write into its hello word
     pid: int
     host: str
-    device: str                 # the card's name and uuid, for the logs
+    device: str                 # name and uuid, for the logs
     protocol: str = ""          # all-reduce / exchange variant and ack ordering: both ranks must run the same
 
     def to_dict(self) -> dict:

@@ -1,17 +1,7 @@
-"""The peer state of one rank: its layout, its error word, the host-side latch that guards it, and its memory.
+"""One rank's push peer state: its layout (`#define`d into push.cu from here), error word, host guard and memory.
 
-One rank's state is one plain `cudaMalloc` allocation (never torch's caching allocator: a CUDA IPC handle names a
-whole allocation, and the caching / expandable-segment allocator may hand out VMM memory that peer access does not
-map; seed 000, RX-TP2SAFE). The peer writes into it (payload, flags, acks, mirrored error bits); the rank itself
-reads it. Layout, in bytes (all offsets are `#define`d into the CUDA source from here, one source of truth):
-
-    0     control words: epoch (u32), done counter, last_nblk[2], error word, first failing epoch, hello
-    256   flags  u64 [2 parities][MAXB blocks]   (shape << 32 | epoch), written by the peer, st.release.sys
-    2304  acks   u32 [2][MAXB]                   consumption acks, written by the peer
-    4096  xrecv  [2][MAXX rows][4 x u64]         exchange payload, epoch-tagged words
-    8192  recv   fp32 [2][max_words]             all-reduce payload
-
-Everything in this module except `PeerState` is plain Python (CPU tests cover it).
+One plain `cudaMalloc`, never torch's allocator: an IPC handle names a whole allocation, and expandable segments'
+VMM memory may not be mapped by peer access. The peer writes payload, flags, acks and error bits; the rank reads.
 """
 from __future__ import annotations
 
@@ -20,14 +10,12 @@ from dataclasses import dataclass
 
 from .base import CollectiveError
 
-# --- error word ------------------------------------------------------------------------------------------------
-
 ERR_LOCAL_TIMEOUT = 1
 ERR_PEER_TIMEOUT = 2
 ERR_BAD_ID = 4
 ERR_CANCELLED = 8
 ERR_EXHAUSTED = 16
-ERR_LAYOUT = 32        # beyond the design's five bits: the ranks published the same epoch for different collectives
+ERR_LAYOUT = 32        # the ranks published the same epoch for different collectives
 
 ERROR_BITS = {
     ERR_LOCAL_TIMEOUT: "local timeout",
@@ -56,10 +44,8 @@ def describe_error_word(word: int) -> str:
     return f"{word:#x} ({' | '.join(names)})" if names else "0x0 (none)"
 
 
-# --- layout ----------------------------------------------------------------------------------------------------
-
 MAXB = 128          # most blocks of one push launch: flags and acks per parity
-MAXX = 128          # most rows of one (max, index) / top-2 exchange (16 requests x 5 rows: 80); one block
+MAXX = 128          # most rows of one (max, index) / top-2 exchange: one block of threads
 EPOCH_LAST = 0xFFFFFFFF  # the last epoch that may be published; one more launch fails closed (ERR_EXHAUSTED)
 LAMPORT_EMPTY = 0xFFBFFFFF  # push.cu: an empty Lamport receive word (a signaling NaN: no arithmetic produces one)
 
@@ -76,7 +62,7 @@ class Layout:
     OFF_ERR = 16
     OFF_ERR_EPOCH = 20
     OFF_HELLO = 24
-    OFF_DBG_SKIP = 32       # fault injection: (block + 1) whose all-reduce flag / payload is never sent; 0 = none
+    OFF_DBG_SKIP = 32       # fault injection: block + 1 that never sends its flag; 0 = none
     OFF_FLAGS = 256
 
     def __post_init__(self):
@@ -136,8 +122,6 @@ def _align(v: int, a: int) -> int:
     return (v + a - 1) // a * a
 
 
-# --- host-side latch and epoch book ----------------------------------------------------------------------------
-
 _PROCESS_POISON: list[str] = []
 
 
@@ -147,26 +131,18 @@ def process_poison() -> list[str]:
 
 
 class HostGuard:
-    """The host's half of the protocol for one rank: the poison latch and the epoch book.
-
-    Poison: a timed-out idle wait or a CUDA error means the device state can no longer be trusted (a collective
-    may still be parked, or the context holds a sticky error). From then on launches, graph replays and resets are
-    refused until the process restarts; the latch is process-wide, so a new instance in the same process is
-    refused too. It never clears anything on the device.
-
-    Epoch book: the device advances epochs by itself (graph replays), the host mirrors the count so it can see
-    exhaustion coming (uint32: about 9 days at 5,500 collectives per second) and refuse a replay that would run
-    past it, instead of learning it from ERR_EXHAUSTED. A reset starts a fresh generation at epoch 0.
-    """
+    """The host's half of one rank's protocol. Poison: after a timed-out idle wait or a CUDA error a collective may
+    still be parked or the context hold a sticky error, so everything is refused until the process restarts
+    (process-wide; nothing on the device is cleared). Epoch book: mirrors the device's count so a replay that would
+    exhaust the uint32 epochs is refused before it runs."""
 
     def __init__(self, name: str):
         self.name = name
         self.reason: str | None = None
-        self.epoch = 0                  # epochs consumed since the last reset (= the device counter when in step)
+        self.epoch = 0                  # epochs since the last reset (= the device counter when in step)
         self.generation = 0
         self._capture_count: int | None = None
 
-    # poison
     @property
     def poisoned(self) -> bool:
         return self.reason is not None or bool(_PROCESS_POISON)
@@ -183,7 +159,6 @@ class HostGuard:
             raise CollectiveError(f"{self.name}: {what} refused: this process is poisoned ({_PROCESS_POISON[0]}); "
                                   "restart the process")
 
-    # epochs
     def epochs_left(self) -> int:
         return EPOCH_LAST - self.epoch
 
@@ -219,11 +194,9 @@ class HostGuard:
         self.generation += 1
 
 
-# --- device memory ---------------------------------------------------------------------------------------------
-
 class PeerState:
-    """One rank's state allocation (cupy's raw cudaMalloc; CUDA required). The host only touches it through the
-    control stream, and only reads / clears it while no collective of either rank is in flight (reset)."""
+    """The state allocation. The host touches it only on the control stream, and clears it only while no
+    collective of either rank is in flight (reset)."""
 
     def __init__(self, layout: Layout, ctrl_stream, fill_u32):
         import cupy as cp
@@ -239,8 +212,8 @@ class PeerState:
         self.clear()
 
     def clear(self) -> None:
-        """Zero the control words, flags, acks and exchange words; fill the all-reduce buffers with the Lamport
-        variant's empty pattern (harmless for the flag protocol, which never reads payload it was not flagged)."""
+        """Zero everything but the all-reduce buffers, which get the Lamport empty pattern (the flag protocol
+        never reads payload it was not flagged)."""
         lay = self.layout
         self.rt.memsetAsync(self.ptr, 0, lay.control_bytes, self.stream.ptr)
         self._fill_u32(self.ptr + lay.off_recv, LAMPORT_EMPTY, (self.nbytes - lay.off_recv) // 4)

@@ -1,13 +1,8 @@
 """`PushCollectives`: the NVLink one-shot push backend of `Collectives` (one rank per process, CUDA IPC peer state).
 
-As a vLLM device communicator: the constructor says whether it can work here (`push_unavailable_reason`), compiles
-and preloads the kernels and allocates this rank's peer state; `connect` takes the peer's `PeerHandle` and proves
-with a handshake that stores through the IPC mapping arrive (`connect_over` wires two processes). Each collective
-is one kernel on torch's current stream, eager or captured (`graph_capture`, `replay`).
-
-Fail-closed rules: a non-zero error word (sticky on the device until `reset`) refuses every output since the last
-good check; a poisoned rank (timed-out wait, CUDA error) refuses launches, replays and resets until the process
-restarts. The protocol is described in `push.cu`; measurements in docs/collectives.md.
+Start-up: build (compiles, preloads), swap `export_handle()`s, `connect` (nonce handshake), capture inside
+`graph_capture()`. Each step: `replay`, then `check()`; an error word fails the step closed until `reset` on both
+ranks, and a poisoned rank refuses everything until its process restarts. Protocol: `push.cu`; docs/collectives.md.
 """
 from __future__ import annotations
 
@@ -23,16 +18,15 @@ from .ipc import PeerHandle, HANDLE_VERSION, check_peer_handle, close_ipc_handle
     open_ipc_handle, this_host, this_pid
 from .peer_state import MAXB, HostGuard, Layout, PeerState, describe_error_word, process_poison
 
-# A live pair meets in microseconds: a collective waiting 2 s has a dead, hung or diverged peer, and a failed STEP
-# must answer INTERNAL long before a client gives up (DSPARK_PUSH_TIMEOUT_MS overrides it).
+# A live pair meets in microseconds: a wait past 2 s has a dead, hung or diverged peer, and a failed STEP must
+# answer INTERNAL long before a client gives up. DSPARK_PUSH_TIMEOUT_MS overrides it.
 DEFAULT_TIMEOUT_S = 2.0
-DEFAULT_MAX_WORDS = 128 * 5120       # 128 rows of the hidden size 5120, fp32 (16 requests x 5 rows: 80)
+DEFAULT_MAX_WORDS = 128 * 5120       # 128 rows of the hidden size 5120, fp32
 U32_MAX = 0xFFFFFFFF
 
 
 def max_rows(hidden_size: int) -> int:
-    """Most rows one push collective of the default layout carries (`PushCollectives.max_rows`, before one is
-    built). A draft of R requests sends R x block_size rows."""
+    """Most rows one push collective of the default layout carries, before one is built."""
     return Layout(DEFAULT_MAX_WORDS).max_rows(hidden_size)
 
 
@@ -57,10 +51,9 @@ def push_unavailable_reason(device: int | None = None) -> str | None:
     return None
 
 
-# NaN + NaN calibration pairs: (P0, P1) for the four (P0 signaling?, P1 signaling?) cases, payloads chosen so that
-# quiet(P0), quiet(P1) and the canonical NaN all differ.
+# NaN + NaN calibration: case t = 2 * (P0 signaling) + (P1 signaling); quiet(P0), quiet(P1), canonical all differ.
 _NAN_Q0, _NAN_S0, _NAN_Q1, _NAN_S1 = 0x7FC00011, 0x7F800011, 0xFFC00022, 0xFF800022
-NAN_CALIBRATION_P0 = (_NAN_Q0, _NAN_Q0, _NAN_S0, _NAN_S0)     # case t = 2 * (P0 signaling) + (P1 signaling)
+NAN_CALIBRATION_P0 = (_NAN_Q0, _NAN_Q0, _NAN_S0, _NAN_S0)
 NAN_CALIBRATION_P1 = (_NAN_Q1, _NAN_S1, _NAN_Q1, _NAN_S1)
 CANONICAL_NAN = 0x7FFFFFFF
 
@@ -86,8 +79,7 @@ def torch_nan_rule(device) -> int:
 
 
 def ar_launch_config(n_words: int, maxb: int = MAXB, variant: str = "flag") -> tuple[int, int]:
-    """(blocks, threads) of an all-reduce of n_words fp32: one block for small payloads, up to 32 for larger ones
-    (more add flag traffic, not bandwidth: docs/collectives.md, "Launch shape")."""
+    """(blocks, threads) of an all-reduce of n_words fp32 (docs/collectives.md, "Launch shape")."""
     n4 = (n_words + 3) // 4
     if n4 <= 256:
         return 1, max(32, (n4 + 31) // 32 * 32)
@@ -102,7 +94,7 @@ def exchange_threads(n_rows: int) -> int:
 
 
 CONTROL_WORDS = 6       # u32 from Layout.OFF_EPOCH: epoch, done, last nblk (2), error word, first failing epoch
-ERROR_WORD = (Layout.OFF_ERR - Layout.OFF_EPOCH) // 4          # its index among them
+ERROR_WORD = (Layout.OFF_ERR - Layout.OFF_EPOCH) // 4
 
 
 class PushCollectives(Collectives):
@@ -152,7 +144,7 @@ class PushCollectives(Collectives):
         self._torch = torch
         self._cpdev = cp.cuda.Device(self.device.index)
         with self._cpdev:
-            self.ctrl = cp.cuda.Stream(non_blocking=True)            # state reads / clears
+            self.ctrl = cp.cuda.Stream(non_blocking=True)
             self.cancel_stream = cp.cuda.Stream(non_blocking=True)   # pre-created: cancel must not need a new stream
             self.k = compile_module(self.layout, {"PUSH_ACK_RELAXED": 0 if ack_release else 1})
             self.state = PeerState(self.layout, self.ctrl, self._fill_u32)
@@ -160,16 +152,14 @@ class PushCollectives(Collectives):
         self.peer_ptr = 0
         self._opened_ptr = 0
         self._nonce = secrets.randbits(31) | 1
-        self._ext: dict[int, object] = {}        # torch stream handle -> cupy ExternalStream
+        self._ext: dict[int, object] = {}
         self._streams: dict[int, object] = {}    # streams that ran eager launches / replays: drained before reset
-        self._eager_since_check = 0              # eager launches since the last full check (check_status falls back)
-        self._debug_skip_flag_block = -1         # tests: a block whose flag is never raised
+        self._eager_since_check = 0              # > 0: check_status falls back to the full check
+        self._debug_skip_flag_block = -1
         self.preload()
 
-    # --- configuration -----------------------------------------------------------------------------------------
     def set_timeout(self, timeout_s: float) -> None:
-        """Bound of every device-side wait. Eager launches use the new value at once; a captured graph keeps the
-        value it was captured with."""
+        """Bound of every device-side wait; a captured graph keeps the value it was captured with."""
         if not (0 < timeout_s <= 600):
             raise CollectiveError(f"push: timeout_s {timeout_s}: must be in (0, 600]")
         self.timeout_s = float(timeout_s)
@@ -182,11 +172,9 @@ class PushCollectives(Collectives):
             raise CollectiveError(f"push: peer_id_range {r}: need 0 <= lo < hi <= {U32_MAX} (ids travel as u32)")
         self.peer_id_range = (lo, hi)
 
-    # --- start-up ----------------------------------------------------------------------------------------------
     def preload(self) -> None:
-        """Launch every kernel once, doing nothing. CUDA lazy loading loads a kernel at its first launch and may
-        synchronize the context to do so, which deadlocks against a collective spinning on the same device (CUDA
-        programming guide, lazy loading); so nothing is loaded lazily after start-up."""
+        """Launch every kernel once, doing nothing: a lazy load at a first launch may synchronize the context, which
+        deadlocks against a collective spinning on the same device."""
         z, i32 = np.uint64(0), np.int32
         try:
             with self._cpdev, self.ctrl:
@@ -225,8 +213,8 @@ class PushCollectives(Collectives):
                 f" ack_release={int(self.ack_release)} nan_rule={self.nan_rule:#04x}")
 
     def connect(self, peer: PeerHandle | dict, barrier: Callable[[], None]) -> None:
-        """Map the peer's state (CUDA IPC) and prove that stores through the mapping arrive: each rank writes the
-        nonce the other expects into the other's hello word; after `barrier()` each reads its own."""
+        """Map the peer's state and prove stores through it arrive: each rank writes the peer's nonce into the
+        peer's hello word; after `barrier()` each reads its own."""
         if isinstance(peer, dict):
             peer = PeerHandle.from_dict(peer)
         if self.peer_ptr:
@@ -266,7 +254,6 @@ class PushCollectives(Collectives):
             raise CollectiveError(f"{self.guard.name}: handshake failed: expected nonce {self._nonce:#x} from "
                                   f"{who} in my state, found {got:#x}: its stores do not reach this card")
 
-    # --- the collectives ---------------------------------------------------------------------------------------
     def all_reduce(self, parts: Sequence, *, nblocks: int | None = None, threads: int | None = None):
         torch = self._torch
         self.check_parts(parts)
@@ -370,16 +357,14 @@ class PushCollectives(Collectives):
                 self.check_error()
 
     def set_lost_flag(self, block: int | None) -> None:
-        """Fault injection: from now on block `block` of every all-reduce of this rank never sends its flag /
-        payload (None: back to normal). A device word, so graph replays obey it too; a reset clears it."""
+        """Fault injection: block `block` of every all-reduce never sends its flag / payload (None: normal). A
+        device word, so replays obey it too; a reset clears it."""
         self.guard.refuse_if_poisoned("fault injection")
         self.state.write_u32(Layout.OFF_DBG_SKIP, [0 if block is None else block + 1])
 
-    # --- graphs ------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def graph_capture(self):
-        """Wrap a torch.cuda.graph capture that records push collectives: counts them, so replay() can keep the
-        host's epoch book (each replay advances the device epochs by that count)."""
+        """Wrap a capture of push collectives and count them: each replay advances the device epochs by that count."""
         self.guard.refuse_if_poisoned("graph capture")
         info = CaptureInfo()
         self.guard.begin_capture()
@@ -389,8 +374,7 @@ class PushCollectives(Collectives):
             info.n_collectives = self.guard.end_capture()
 
     def replay(self, graph, n_collectives: int) -> None:
-        """Replay a captured graph on torch's current stream; refused when poisoned or when its collectives would
-        run past the last epoch."""
+        """Replay on torch's current stream; refused when poisoned or when it would run past the last epoch."""
         self.guard.before_replay(n_collectives)
         ptr, cs = self._stream()
         self._streams[ptr] = cs
@@ -402,13 +386,12 @@ class PushCollectives(Collectives):
     def max_rows(self, width: int) -> int:
         return self.layout.max_rows(width)
 
-    # --- health ------------------------------------------------------------------------------------------------
     @property
     def poisoned(self) -> bool:
         return self.guard.poisoned
 
     def read_control(self) -> dict:
-        """Device control words in one small D2H: epoch, error word, first failing epoch."""
+        """The control words in one small D2H."""
         try:
             w = self.state.read_u32(Layout.OFF_EPOCH, CONTROL_WORDS)
         except Exception as e:
@@ -421,36 +404,31 @@ class PushCollectives(Collectives):
                 "error_epoch": int(w[ERROR_WORD + 1])}
 
     def status_region(self) -> tuple[int, int]:
-        """The six control words (epoch .. first failing epoch): a captured step copies them to the host after its
-        last collective, with its outputs (see Collectives.status_region)."""
+        """The control words, which a captured step copies to the host behind its last collective."""
         return self.state.ptr + Layout.OFF_EPOCH, 4 * CONTROL_WORDS
 
     def check_status(self, words) -> None:
-        """check() from the control words the step copied to the host behind its last collective, on the stream
-        the caller has just synchronised: no drain, no extra device round trip. After eager launches (which may
-        have run on other streams) it falls back to the full check."""
+        """check() from the step's copied control words (no drain, no round trip); after eager launches, which may
+        have run on other streams, the full check."""
         self.guard.refuse_if_poisoned("error check")
         if self._eager_since_check:
             return self.check_error()
         w = np.frombuffer(words, np.uint32, CONTROL_WORDS)
-        if w[ERROR_WORD]:                      # the rest is read only to describe the error
+        if w[ERROR_WORD]:
             self._raise_if_failed(self._control(w))
 
     def error_word(self) -> int:
-        """The rank's error word (bits in peer_state.ERROR_BITS). Reads the device as it is now: call it after the
-        step's stream is idle (check_error does that)."""
+        """The error word as the device holds it now: call it once the step's stream is idle."""
         return self.read_control()["error"]
 
     def device_epoch(self) -> int:
         return self.read_control()["epoch"]
 
     def check(self) -> None:
-        """Collectives.check(): the engine's once-per-step fail-closed check (= check_error())."""
         self.check_error()
 
     def check_error(self, timeout_s: float | None = None) -> None:
-        """After a step: wait (bounded) until this rank's streams are idle, read the error word, and raise
-        CollectiveError if any bit is set: the step's outputs are refused (fail closed)."""
+        """Drain (bounded), then raise CollectiveError if the error word has any bit set."""
         self.guard.refuse_if_poisoned("error check")
         self.drain(timeout_s)
         self._raise_if_failed(self.read_control())
@@ -463,9 +441,8 @@ class PushCollectives(Collectives):
                                   f"{self.guard.generation}); outputs refused: drain and reset the pair")
 
     def drain(self, timeout_s: float | None = None) -> None:
-        """Wait, bounded, until every stream this rank launched on (and torch's current one) is idle. A collective
-        gives up after timeout_s by itself, so a stream still busy after timeout_s + 2 s means the device can no
-        longer be trusted: that poisons."""
+        """Wait until every stream this rank launched on is idle. A collective gives up after timeout_s by itself,
+        so a stream still busy at timeout_s + 2 s means the device cannot be trusted: that poisons."""
         if self._torch.cuda.is_current_stream_capturing():
             raise CollectiveError(f"{self.guard.name}: drain() inside a graph capture")
         limit = self.timeout_s + 2.0 if timeout_s is None else timeout_s
@@ -489,9 +466,8 @@ class PushCollectives(Collectives):
             self._poison(f"drain failed: {e}")
 
     def _await(self, ev, deadline: float, why: str) -> None:
-        """Poll a CuPy event until it has run; past `deadline` (time.monotonic) the rank is poisoned with `why`.
-        Spin for the first 2 ms: an event just recorded on an idle stream completes within microseconds, and a
-        sleep between polls would cost a step far more than that."""
+        """Poll `ev` until it has run, poisoning past `deadline`. Spin the first 2 ms: an idle stream's event
+        completes within microseconds, and a sleep per poll would cost the step far more."""
         spin_until = time.monotonic() + 0.002
         while not ev.done:
             now = time.monotonic()
@@ -501,8 +477,8 @@ class PushCollectives(Collectives):
                 time.sleep(0.0001)
 
     def cancel(self, timeout_s: float = 1.0) -> None:
-        """Raise ERR_CANCELLED here and at the peer from the pre-created cancel stream: a collective parked on any
-        other stream sees it at its next poll and fails closed. Allowed on a poisoned rank (it only sets bits)."""
+        """Raise ERR_CANCELLED here and at the peer: a collective parked on another stream sees it at its next poll.
+        Allowed on a poisoned rank (it only sets bits)."""
         if not self.peer_ptr:
             raise CollectiveError(f"{self.guard.name}: cancel: not connected")
         try:
@@ -518,9 +494,8 @@ class PushCollectives(Collectives):
             self._poison(f"cancel failed: {e}")
 
     def reset(self, barrier: Callable[[], None] | None = None) -> None:
-        """Drained reset: wait (bounded) until idle, then clear flags, acks, epoch and error word; a fresh
-        generation starts at epoch 0. Both ranks must be idle before either clears (the peer writes into this
-        state): pass the pair's barrier, or, with both ranks in one process, drain() both before reset() of both."""
+        """Drain, clear the state, start a new generation at epoch 0. Both ranks must be idle before either clears
+        (the peer writes into this state): pass the pair's barrier, or in one process drain() both first."""
         self.guard.refuse_if_poisoned("reset")
         self.drain()
         if barrier is not None:
@@ -570,8 +545,7 @@ class PushCollectives(Collectives):
 
 
 def make_single_card_pair(device: int | None = None, **kw) -> tuple[PushCollectives, PushCollectives]:
-    """Both ranks in this process on one card (development mode of seed 000's test_p2p): drive rank r's
-    collectives on its own stream, each rank from its own thread or interleaved without blocking."""
+    """Both ranks in this process on one card; drive each rank on its own stream (own thread, or interleaved)."""
     a = PushCollectives(0, device=device, **kw)
     b = PushCollectives(1, device=device, **kw)
     a.connect_local(b)
@@ -580,8 +554,8 @@ def make_single_card_pair(device: int | None = None, **kw) -> tuple[PushCollecti
 
 def connect_over(group, rank: int, peer_id_range: tuple[int, int], timeout_s: float = 2.0,
                  allreduce: str = "lamport") -> PushCollectives:
-    """One rank of a pair in its own process: build, swap IPC handles over an existing torch.distributed group
-    (start-up only), connect. The service runs the Lamport all-reduce (the payload marks its own arrival)."""
+    """One rank of a pair in its own process: build, swap IPC handles over a torch.distributed group (start-up
+    only) and connect. The service runs the Lamport all-reduce (docs/collectives.md, "Decisions")."""
     import torch.distributed as dist
     pc = PushCollectives(rank, timeout_s=min(timeout_s, 2.0), peer_id_range=peer_id_range, allreduce=allreduce)
     handles: list = [None, None]

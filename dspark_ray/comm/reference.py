@@ -1,10 +1,5 @@
-"""The debug oracle of the push collectives: plain copies plus the same fp32 arithmetic, no flags, no peer pointers.
-
-`ReferenceCollectives` meets the peer through a `gather(tensor) -> [rank 0's, rank 1's]` callable (in the GPU tests
-a torch.distributed gloo all_gather of host copies; in single-card mode, the two threads' shared slots) and then
-combines exactly as `comm/base.py` defines the result: P0 + P1 in rank order (torch's fp32 add on the device),
-`combine_max`, `combine_top2`. It is eager only (a gather cannot be captured) and is what the push kernels must
-equal bit for bit.
+"""The push collectives' debug oracle: gather both payloads through a callable, combine as `base.py` defines it
+(torch's fp32 add in rank order, `combine_max`, `combine_top2`). Eager only; the push kernels must equal it bit for bit.
 """
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""The push kernels' CUDA source and its run-time compilation (NVRTC, through CuPy's wrapper).
+"""The push kernels' CUDA source (`push.cu`, with `peer_state.Layout`'s offsets prepended) and its NVRTC build.
 
-The source lives in `push.cu` beside this file; the layout constants are prepended from `peer_state.Layout`, so the
-Python side and the kernels cannot disagree on an offset.
-
-Compiled with NVRTC directly (through CuPy's wrapper), not with `cupy.RawModule`: RawModule appends `-ftz=true`
-after the caller's options, which flushes denormal inputs and results to zero (measured on the H200: FADD / FFMA of
--0 and the smallest denormal gave +0 where torch's add gives the denormal). The sum must be torch's, denormals
-included, so the kernels are built with `-ftz=false`. The cubin is cached on disk, keyed by the source, options and
-architecture, so the second rank of a pair loads what the first compiled.
+Built by NVRTC directly, not `cupy.RawModule`, which appends `-ftz=true` (docs/collectives.md, "Denormals are
+kept"). The cubin is cached on disk by source, options and architecture: the second rank loads the first's.
 """
 from __future__ import annotations
 
