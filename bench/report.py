@@ -55,9 +55,10 @@ def device(gpu: bool = False) -> str:
 
 
 def command(script: str, argv: list[str] | None = None) -> str:
-    """The command line that reproduces this run, from the repository root."""
+    """The command line that reproduces this run, from the repository root (bench/ or scripts/)."""
     args = sys.argv[1:] if argv is None else argv
-    return " ".join(["python", f"bench/{Path(script).name}", *args])
+    path = Path(script)
+    return " ".join(["python", f"{path.parent.name}/{path.name}", *args])
 
 
 def header(script: str, argv: list[str] | None = None, gpu: bool = False) -> dict:

@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(HERE))
+from bench import report  # noqa: E402
 
 
 def run(tree: Path, args: list[str], out: Path) -> dict:
@@ -65,14 +67,12 @@ def main() -> None:
                 runs[side].append(figures(tree, a, Path(tmp), f"{side}{i}"))
     med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
            for side, rs in runs.items()}
-    res = {"bench": "ab_step_path", "before": str(a.before), "after": str(a.after), "rounds": a.rounds,
-           "commit": os.environ.get("DSPARK_COMMIT"), "medians": med,
+    res = {**report.header(__file__, gpu="draft" in a.parts), "before": str(a.before), "after": str(a.after),
+           "rounds": a.rounds, "medians": med,
            "ratio_after_over_before": {k: round(med["after"][k] / med["before"][k], 3) for k in med["before"]
                                        if med["before"][k]},
            "runs": runs}
-    print(json.dumps(res, indent=1))
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1))
+    report.write(res, a.out)
 
 
 if __name__ == "__main__":
