@@ -25,7 +25,9 @@ from bench import report  # noqa: E402
 
 
 def run(tree: Path, args: list[str], out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # the tree first, the rest kept (a bundle's site folder), this checkout left out
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != HERE]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *rest])}
     cmd = [sys.executable, *args, "--out", str(out)]
     print(f"[ab] {tree.name}: {' '.join(args)}", file=sys.stderr, flush=True)
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
