@@ -42,6 +42,7 @@ class RankWorker:
         self.total = 0
         self.weights = None
         self.ckpt = None                 # the checkpoint's description, once prepared
+        self.host_copy = None            # a spare's checkpoint files, pinned for the card (weights/host_copy.py)
         self._prepare_lock = threading.Lock()
         self.engine: RankEngine | None = None
         self.markov_cache: dict | None = None      # {"rows", "bytes"} once connected
@@ -59,9 +60,9 @@ class RankWorker:
         self.startup[name] = [t0, time.time()]
 
     # -- start-up --------------------------------------------------------------------------------------------------
-    def prepare(self) -> None:
+    def prepare(self, pin_files: bool = False) -> None:
         """The start-up's part before the weights (imports, CUDA context, checkpoint, kernels): a spare rank
-        (actors/pair.py) does it ahead of a restart."""
+        (actors/pair.py) does it ahead of a restart, and with `pin_files` pins the checkpoint's files for the card."""
         with self._prepare_lock:
             if self.ckpt is not None:
                 return
@@ -83,6 +84,9 @@ class RankWorker:
                                                dense_for(self.spec.batch_limit(cfg) * cfg.block_size,
                                                          self.spec.dense))
                 log.info("rank %d: matmul %s", self.rank, describe(self.kernels))
+            if cuda and pin_files:
+                from .weights.host_copy import HostCopy
+                self.host_copy = HostCopy.open(ck.spans(), self.spec.device)
             self.ckpt = ck
 
     def load(self) -> dict:
@@ -99,16 +103,20 @@ class RankWorker:
         def tick(n):
             self.loaded += n
 
+        # a spare's pinned files, else bounce buffers on a card; on a CPU straight into the tensors
+        source = self.host_copy or (Staging(self.spec.device) if cuda else contextlib.nullcontext())
+        self.host_copy = None
         with self._phase("weights"):
-            with (Staging(self.spec.device) if cuda else contextlib.nullcontext()) as staging:
+            with source as staging:
                 self.weights = read_rank(ck, layout, self.rank, self.spec.device, progress=tick, staging=staging)
             if cuda:
                 torch.cuda.synchronize()
         self.layout = layout
         nbytes = sum(t.nbytes for t in self.weights.values())
         took = self.startup["weights"][1] - self.startup["weights"][0]
-        log.info("rank %d: loaded %d tensors (%.1f MiB) in %.2f s (%.1f GB/s)", self.rank, self.total,
-                 nbytes / 2**20, took, nbytes / max(took, 1e-9) / 1e9)
+        log.info("rank %d: loaded %d tensors (%.1f MiB) in %.2f s (%.1f GB/s, %s)", self.rank, self.total,
+                 nbytes / 2**20, took, nbytes / max(took, 1e-9) / 1e9,
+                 {"HostCopy": "pinned files", "Staging": "bounce buffers"}.get(type(source).__name__, "direct"))
         return {"rank": self.rank, "tensors": self.total, "bytes": nbytes, "seconds": time.time() - t0}
 
     def progress(self) -> tuple[int, int]:

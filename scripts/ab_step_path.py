@@ -67,6 +67,7 @@ def main() -> None:
             for side in ("before", "after"):
                 tree = (a.before if side == "before" else a.after).resolve()
                 runs[side].append(figures(tree, a, Path(tmp), f"{side}{i}"))
+                print(f"[ab] {side} {i}: {json.dumps(runs[side][-1])}", file=sys.stderr, flush=True)
     med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
            for side, rs in runs.items()}
     res = {**report.header(__file__, gpu="draft" in a.parts), "before": str(a.before), "after": str(a.after),

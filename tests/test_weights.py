@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -336,19 +337,47 @@ def test_a_staged_read_is_the_files_bytes_across_chunks_and_a_short_file_is_an_e
             st.read(f, 9_000, 11_000)
 
 
-@pytest.mark.parametrize("tp,rank", [(1, 0), (2, 0), (2, 1)])
-def test_a_rank_read_through_the_staging_equals_the_plain_read(ckpt_dir, tp, rank):
-    """Every tensor of a rank's cut (whole, row cuts read as byte ranges, column cuts as before) in the same dtype
-    and bits as without the staging."""
+def _through(source: str, ck, device: str):
+    from dspark_ray.weights.host_copy import HostCopy
+    from dspark_ray.weights.staging import Staging
+    return Staging(device, chunk_bytes=4096) if source == "staging" else HostCopy(ck.spans(), device)
+
+
+def _read_rank_through(ck, tp, rank, source, device):
     from dspark_ray.model.layout import Layout
     from dspark_ray.modes import read_rank
-    from dspark_ray.weights.staging import Staging
-    ck = Checkpoint(ckpt_dir)
     layout = Layout(ck.config, tp)
-    plain = read_rank(ck, layout, rank)
-    with Staging("cpu", chunk_bytes=4096) as st:
-        staged = read_rank(ck, layout, rank, staging=st)
+    with _through(source, ck, device) as st:
+        staged = read_rank(ck, layout, rank, device=device, staging=st)
         assert st.bytes_read > 0
+        if source == "host_copy" and device != "cpu":
+            assert st._registered, "the spans were not pinned"
+    plain = read_rank(ck, layout, rank)
     assert plain.keys() == staged.keys()
     for n in plain:
-        assert plain[n].dtype == staged[n].dtype and torch.equal(plain[n], staged[n]), n
+        assert plain[n].dtype == staged[n].dtype and torch.equal(plain[n], staged[n].cpu()), n
+
+
+@pytest.mark.parametrize("source", ["staging", "host_copy"])
+@pytest.mark.parametrize("tp,rank", [(1, 0), (2, 0), (2, 1)])
+def test_a_rank_read_through_the_staging_equals_the_plain_read(ckpt_dir, tp, rank, source):
+    """Every tensor of a rank's cut (whole, row cuts read as byte ranges, column cuts as before) in the same dtype
+    and bits as without the staging, through bounce buffers or a spare's mapped files."""
+    _read_rank_through(Checkpoint(ckpt_dir), tp, rank, source, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["staging", "host_copy"])
+def test_a_rank_read_onto_the_card_through_pinned_files_equals_the_plain_read(ckpt_dir, source):
+    _read_rank_through(Checkpoint(ckpt_dir), 2, 1, source, "cuda")
+
+
+def test_the_host_copy_keeps_only_the_drafters_bytes_and_refuses_reads_outside_them(ckpt_dir):
+    from dspark_ray.weights.host_copy import HostCopy
+    ck = Checkpoint(ckpt_dir)
+    (path, (begin, end)), = ck.spans().items()
+    assert 8 < begin < end <= Path(path).stat().st_size        # after the safetensors header
+    with HostCopy(ck.spans(), "cpu") as hc:
+        assert bytes(hc.read(path, begin, begin + 16).numpy()) == Path(path).read_bytes()[begin:begin + 16]
+        with pytest.raises(ValueError, match="outside the pinned span"):
+            hc.read(path, begin, end + 1)

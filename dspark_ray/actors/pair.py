@@ -125,7 +125,7 @@ class PairLauncher:
             while len(self.spares) < self.spec.spares:
                 self._spare_seq += 1
                 ranks = self._new_ranks(f".spare{self._spare_seq}")
-                self.spares.append(_Spares(ranks, [a.prepare.remote() for a in ranks]))
+                self.spares.append(_Spares(ranks, [a.prepare.remote(pin_files=True) for a in ranks]))
 
     def spares_ready(self) -> int:
         """Sets of spare ranks prepared; a set with a dead process is made again."""

@@ -21,8 +21,8 @@ def rank_actor_class():
             self.recorder = RankRecorder(rank, spec.spin_us, KeepWarm(f"rank {rank}"))
             self.w = RankWorker(spec, rank, observer=self.recorder)
 
-        def prepare(self):
-            return self.w.prepare()
+        def prepare(self, pin_files=False):
+            return self.w.prepare(pin_files)
 
         def load(self):
             return self.w.load()

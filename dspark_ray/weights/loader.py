@@ -284,7 +284,16 @@ class Checkpoint:
         return self._identity
 
     def files(self) -> list[str]:
-        return sorted({str(t.path) for n, t in self._stored.items() if self._is_drafter(n)})
+        return sorted(self.spans())
+
+    def spans(self) -> dict[str, tuple[int, int]]:
+        """Each file's byte range that holds the drafter's tensors (a trunk's shard holds more)."""
+        out: dict[str, tuple[int, int]] = {}
+        for n, t in self._stored.items():
+            if self._is_drafter(n):
+                lo, hi = out.get(str(t.path), (t.begin, t.end))
+                out[str(t.path)] = (min(lo, t.begin), max(hi, t.end))
+        return out
 
     def names(self) -> list[str]:
         """Canonical names `read` serves: every required tensor and the optional ones present."""
