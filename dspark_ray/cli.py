@@ -458,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                              "(0: never)")
         sp.add_argument("--spare-ranks", type=int,
                         help="spare rank processes kept per rank, started ahead so a restart skips the process "
-                             "start, the imports and the CUDA context (default 2 on a GPU, 0 on a CPU; each costs a "
+                             "start, the imports and the CUDA context, and on a GPU reads the weights from the "
+                             "checkpoint's pages the spares keep pinned (default 2 on a GPU, 0 on a CPU; each costs a "
                              "process with torch loaded and, on a GPU, a CUDA context)")
         sp.add_argument("--spin-ms", type=float,
                         help="how long the ranks and the front-end poll for the next STEP before they sleep "
