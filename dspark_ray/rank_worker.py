@@ -103,9 +103,12 @@ class RankWorker:
         def tick(n):
             self.loaded += n
 
-        # a spare's pinned files, else bounce buffers on a card; on a CPU straight into the tensors
-        source = self.host_copy or (Staging(self.spec.device) if cuda else contextlib.nullcontext())
-        self.host_copy = None
+        # A spare's pinned files, kept pinned (unpinning 29 GiB would stall the first steps; the other spares pin
+        # the same pages), else bounce buffers on a card; on a CPU straight into the tensors.
+        if self.host_copy is not None:
+            source = contextlib.nullcontext(self.host_copy)
+        else:
+            source = Staging(self.spec.device) if cuda else contextlib.nullcontext()
         with self._phase("weights"):
             with source as staging:
                 self.weights = read_rank(ck, layout, self.rank, self.spec.device, progress=tick, staging=staging)
@@ -116,7 +119,7 @@ class RankWorker:
         took = self.startup["weights"][1] - self.startup["weights"][0]
         log.info("rank %d: loaded %d tensors (%.1f MiB) in %.2f s (%.1f GB/s, %s)", self.rank, self.total,
                  nbytes / 2**20, took, nbytes / max(took, 1e-9) / 1e9,
-                 {"HostCopy": "pinned files", "Staging": "bounce buffers"}.get(type(source).__name__, "direct"))
+                 "pinned files" if self.host_copy is not None else "bounce buffers" if cuda else "direct")
         return {"rank": self.rank, "tensors": self.total, "bytes": nbytes, "seconds": time.time() - t0}
 
     def progress(self) -> tuple[int, int]:
