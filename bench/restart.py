@@ -200,11 +200,6 @@ class Session:
 
 
 # ---- the load and the kills ---------------------------------------------------------------------------------------
-def spares_pending(st: dict) -> bool:
-    """Whether a worker's spare rank sets (its FrontEnd.status() `st`) are still being made."""
-    return st.get("spares_ready", 0) < st.get("spares", 0)
-
-
 def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: int, kills: int, kill_rank: int,
           gap_ms: float, deadline_ms: float, seed: int, restart_timeout_s: float, kills_during_restart: int = 0,
           second_kill_at: float = 0.5) -> dict:
@@ -214,19 +209,15 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
     import ray
 
     from support import workload
+    from support.at_rest import spares_pending, wait_for_spares
     work = workload.stream(cfg, seed=seed, n_requests=requests)
     reqs = [Request(cfg.sliding_window, limits_rows) for _ in range(requests)]
     sess = Session(endpoint, reqs, timeout_s=max(120.0, 4 * deadline_ms / 1e3))
     sess.open(time.monotonic() + 120)
     # The first kill, as every later one (settle), finds the worker at rest: its spare ranks ready.
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < restart_timeout_s:
-        st = ray.get(fe.status.remote(), timeout=30)
-        if not spares_pending(st):
-            break
-        time.sleep(0.5)
+    st, waited = wait_for_spares(fe, restart_timeout_s)
     if st.get("spares"):
-        log(f"{st['spares_ready']} of {st['spares']} spare rank sets ready after {time.monotonic() - t0:.1f} s")
+        log(f"{st['spares_ready']} of {st['spares']} spare rank sets ready after {waited:.1f} s")
     steps: list[dict] = []          # per STEP: t_send, t_recv, codes (one per entry, or a request's error)
     checks: list[dict] = []         # per STEP with OK answers: t_send, [(request, entry, fresh insert, answer)]
     done: list[dict] = []           # the kills, as they happened

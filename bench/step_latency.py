@@ -71,9 +71,9 @@ def main() -> None:
                          "trunk forward between two decode rounds: ~10-50 ms); 0: back to back")
     ap.add_argument("--ring-spin-us", type=float, default=None,
                     help="PairSpec.ring_spin_us: how long the ranks and the front-end poll before they sleep "
-                         "(default: the spec's, 2 ms on a GPU host)")
+                         "(default: the spec's, 100 ms on a GPU host)")
     ap.add_argument("--spare-ranks", type=int, default=None,
-                    help="PairSpec.spare_ranks (default: the spec's, 2 on a GPU); the timing starts once they are ready")
+                    help="PairSpec.spare_ranks (default: the spec's, 2 on a GPU); timing starts once they are ready")
     ap.add_argument("--repeats", type=int, default=1, help="deploy a fresh pair this many times (per variant)")
     ap.add_argument("--pin-ab", action="store_true",
                     help="alternate unpinned deployments with ones pinned as --rank-cpus / --frontend-cpus / "
@@ -90,6 +90,7 @@ def main() -> None:
     import msgspec
 
     from support import workload
+    from support.at_rest import spares_pending, wait_for_spares
     from support.batches import Batcher, entry
     from dspark_ray.actors.placement import deploy, teardown
     from dspark_ray.spec import PairSpec
@@ -154,24 +155,17 @@ def main() -> None:
     pinning = {"ranks": a.rank_cpus, "frontend": a.frontend_cpus, "client": a.client_cpu}
     unpinned = {"ranks": None, "frontend": None, "client": None}
 
-    def wait_for_spares(fe, limit_s: float = 300.0) -> None:
-        """Time the worker at rest: spares still starting would share its card and cores with the timed rounds."""
-        t0 = time.monotonic()
-        while (st := ray.get(fe.status.remote())).get("spares_ready", 0) < st.get("spares", 0):
-            if time.monotonic() - t0 > limit_s:
-                raise RuntimeError(f"spare ranks not ready after {limit_s:.0f} s: {st.get('spares_ready')} of "
-                                   f"{st.get('spares')}")
-            time.sleep(0.2)
-        if st.get("spares"):
-            log(f"{st['spares']} spare rank sets ready after {time.monotonic() - t0:.1f} s")
-
     def deploy_and_step(pins: dict) -> dict:
         """One fresh deployment: the warm-up and timed rounds over TCP; the stamps of every party."""
         spec = dataclasses.replace(base, rank_cpus=pins["ranks"], frontend_cpus=pins["frontend"])
         log(f"deploying the pair ({spec.backend}, {spec.device}; pinned {pins})")
         fe, endpoint = deploy(spec, name="bench")
         log(f"serving on {endpoint}")
-        wait_for_spares(fe)
+        st, waited = wait_for_spares(fe, limit_s=300.0, poll_s=0.2)     # time the worker at rest
+        if spares_pending(st):
+            raise RuntimeError(f"spare ranks not ready after {waited:.0f} s: {st['spares_ready']} of {st['spares']}")
+        if st.get("spares"):
+            log(f"{st['spares']} spare rank sets ready after {waited:.1f} s")
         host, port = endpoint.rsplit(":", 1)
         client = []                               # per round: (sent, received), stamps.now
         sent = []                                 # per round: the client's encode and send call, ns
@@ -273,7 +267,8 @@ def main() -> None:
                    "requests": R, "rows_per_round": a.rows,
                    "n_out": 5, "rounds": a.rounds, "warmup_rounds": warm, "repeats": a.repeats,
                    "pin_ab": a.pin_ab, "client_spin_us": a.client_spin_us, "gap_us": a.gap_us,
-                   "server_and_ring_spin_us": base.spin_us, "spare_ranks": base.spares, "markov_cache": base.markov_cache,
+                   "server_and_ring_spin_us": base.spin_us, "spare_ranks": base.spares,
+                   "markov_cache": base.markov_cache,
                    "pinned_vcpus": pinning, "step_graphs": step_graphs_enabled(),
                    "keep_warm_us": keep_warm_period_us() if keep_warm_enabled() else None,
                    "transport": "shm" if a.shm else "tcp"},
