@@ -54,6 +54,11 @@ def figures(tree: Path, a, scratch: Path, tag: str) -> dict:
     return out
 
 
+def on_gpu() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", required=True, type=Path)
@@ -69,7 +74,8 @@ def main() -> None:
     ap.add_argument("--resume", type=Path, help="an earlier run's JSON whose runs this one adds to")
     ap.add_argument("--out")
     a = ap.parse_args()
-    device = report.device(gpu="draft" in a.parts)
+    a.gpu = "draft" in a.parts or on_gpu()
+    device = report.device(gpu=a.gpu)
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     if a.resume:
         earlier = json.loads(a.resume.read_text())
@@ -92,7 +98,7 @@ def summary(a, runs: dict[str, list[dict]]) -> dict:
     med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items() if rs}
     ratio = ({k: round(med["after"][k] / med["before"][k], 3) for k in med["before"] if med["before"][k]}
              if len(med) == 2 else {})
-    return {**report.header(__file__, gpu="draft" in a.parts), "before": str(a.before), "after": str(a.after),
+    return {**report.header(__file__, gpu=a.gpu), "before": str(a.before), "after": str(a.after),
             "rounds": len(runs["before"]), "spare_ranks": a.spare_ranks, "medians": med,
             "ratio_after_over_before": ratio, "runs": runs}
 
