@@ -74,13 +74,12 @@ def main() -> None:
     ap.add_argument("--resume", type=Path, help="an earlier run's JSON whose runs this one adds to")
     ap.add_argument("--out")
     a = ap.parse_args()
-    a.gpu = "draft" in a.parts or on_gpu()
-    device = report.device(gpu=a.gpu)
+    head = report.header(__file__, gpu="draft" in a.parts or on_gpu())
     runs: dict[str, list[dict]] = {"before": [], "after": []}
     if a.resume:
         earlier = json.loads(a.resume.read_text())
-        if earlier["device"] != device:
-            sys.exit(f"--resume: {a.resume} ran on {earlier['device']}, this host has {device}")
+        if earlier["device"] != head["device"]:
+            sys.exit(f"--resume: {a.resume} ran on {earlier['device']}, this host has {head['device']}")
         runs = earlier["runs"]
     order = ("before", "after") if a.first == "before" else ("after", "before")
     with tempfile.TemporaryDirectory(prefix="dspark-ab-") as tmp:
@@ -89,16 +88,17 @@ def main() -> None:
                 tree = (a.before if side == "before" else a.after).resolve()
                 runs[side].append(figures(tree, a, Path(tmp), f"{side}{i}"))
                 print(f"[ab] {side} {i}: {json.dumps(runs[side][-1])}", file=sys.stderr, flush=True)
-                report.save(summary(a, runs), a.out)     # a call cut short keeps its finished sides
-    report.write(summary(a, runs), a.out)
+                report.save(summary(head, a, runs), a.out)     # a call cut short keeps its finished sides
+    report.write(summary(head, a, runs), a.out)
 
 
-def summary(a, runs: dict[str, list[dict]]) -> dict:
-    """Each figure's median per tree over its runs so far, and after / before where both have run."""
+def summary(head: dict, a, runs: dict[str, list[dict]]) -> dict:
+    """The run's header, each figure's median per tree over its runs so far, and after / before where both have
+    run."""
     med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items() if rs}
     ratio = ({k: round(med["after"][k] / med["before"][k], 3) for k in med["before"] if med["before"][k]}
              if len(med) == 2 else {})
-    return {**report.header(__file__, gpu=a.gpu), "before": str(a.before), "after": str(a.after),
+    return {**head, "before": str(a.before), "after": str(a.after),
             "rounds": len(runs["before"]), "spare_ranks": a.spare_ranks, "medians": med,
             "ratio_after_over_before": ratio, "runs": runs}
 
