@@ -25,6 +25,14 @@ log = logging.getLogger("dspark_ray.pool")
 
 
 @dataclass
+class PoolPendingStep:
+    """A STEP sent by `DrafterPool.step_begin`, its answers not all read yet."""
+    entries: list[Entry]
+    results: list[EntryResult | None]                # filled in as the answers are read (some at once: refused)
+    sent: list = field(default_factory=list)         # (worker index, entry indices, the client's PendingStep)
+
+
+@dataclass
 class _Worker:
     endpoint: str | None                             # None: not serving anywhere now (from_deployment only)
     name: str | None = None
@@ -58,6 +66,7 @@ class DrafterPool:
         self._identity: dict = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
+        self._pending: PoolPendingStep | None = None
 
     @classmethod
     def from_deployment(cls, address: str | None = None, name: str = "dspark", *, resolve_timeout_s: float = 2.0,
@@ -199,6 +208,7 @@ class DrafterPool:
     def close(self) -> None:
         with self._lock:
             self._closed.set()
+            self._pending = None
             for w in self.workers:
                 if w.client is not None:
                     w.client.close()
@@ -223,6 +233,7 @@ class DrafterPool:
             raise ClientError(f"acquire: n {n} < 1 (ask for at least one slot)", Code.BAD_ENTRY)
         with self._lock:
             self._need_hello()
+            self._need_idle()
             most = self.stride * len(self.workers)
             if n > most:
                 raise ClientError(f"acquire: n {n} > the pool's {len(self.workers)} workers x {self.stride} slots: "
@@ -256,6 +267,7 @@ class DrafterPool:
     def release(self, slots: Sequence[int]) -> list[int]:
         """Give pool slots back; returns those released (a slot lost with its worker is only forgotten)."""
         with self._lock:
+            self._need_idle()
             return self._release_locked(slots)
 
     def _release_locked(self, slots: Sequence[int]) -> list[int]:
@@ -278,8 +290,14 @@ class DrafterPool:
     def step(self, entries: Sequence[Entry], deadline_ms: float = 100.0) -> list[EntryResult]:
         """One result per entry, in order. An entry whose slot the pool does not hold answers BAD_ENTRY, one lost
         with its worker UNAVAILABLE; the rest still run."""
+        return self.step_end(self.step_begin(entries, deadline_ms))
+
+    def step_begin(self, entries: Sequence[Entry], deadline_ms: float = 100.0) -> "PoolPendingStep":
+        """Send the STEP to every worker it names without waiting for an answer; `step_end` reads them. Until then
+        the pool takes no other request (RuntimeError)."""
         with self._lock:
             self._need_hello()
+            self._need_idle()
             results: list[EntryResult | None] = [None] * len(entries)
             groups: dict[int, list[int]] = {}
             owns: list[int] = [0] * len(entries)
@@ -289,23 +307,38 @@ class DrafterPool:
                     groups.setdefault(i, []).append(k)
                 else:
                     results[k] = error_result(*why, e.generation)
-            sent = []
+            pending = PoolPendingStep(list(entries), results)
             for i, ks in groups.items():
                 w = self.workers[i]
                 mine = [msgspec.structs.replace(entries[k], slot=owns[k]) for k in ks]
                 try:
-                    sent.append((i, ks, w.client.step_begin(mine, deadline_ms)))
+                    pending.sent.append((i, ks, w.client.step_begin(mine, deadline_ms)))
                 except ClientError as e:
                     self._fail(i, ks, entries, results, e)
-            for i, ks, pending in sent:
+            self._pending = pending if pending.sent else None
+            return pending
+
+    def step_end(self, pending: "PoolPendingStep") -> list[EntryResult]:
+        """The answers to a `step_begin`'s STEP, in its entries' order."""
+        with self._lock:
+            if pending.sent and self._pending is not pending:
+                raise RuntimeError("step_end: that STEP was already read")
+            self._pending = None
+            for i, ks, sent in pending.sent:
                 try:
-                    got = self.workers[i].client.step_end(pending)
+                    got = self.workers[i].client.step_end(sent)
                 except ClientError as e:
-                    self._fail(i, ks, entries, results, e)
+                    self._fail(i, ks, pending.entries, pending.results, e)
                     continue
                 for k, r in zip(ks, got):
-                    results[k] = r
-            return results        # type: ignore[return-value]
+                    pending.results[k] = r
+            pending.sent = []
+            return pending.results        # type: ignore[return-value]
+
+    @property
+    def pending(self) -> "PoolPendingStep | None":
+        """The STEP sent by `step_begin` whose answers are not read yet."""
+        return self._pending
 
     def _fail(self, i: int, ks: list[int], entries, results, e: ClientError) -> None:
         """Worker i's entries answer its refusal of the STEP, or UNAVAILABLE when its connection is gone."""
@@ -321,6 +354,11 @@ class DrafterPool:
     def _need_hello(self) -> None:
         if self.hello_reply is None:
             raise ClientError("HELLO first: call hello()")
+
+    def _need_idle(self) -> None:
+        """A worker's connection carries one request at a time: a pending STEP is read before the next request."""
+        if self._pending is not None:
+            raise RuntimeError("a STEP sent by step_begin is not read yet: call step_end first")
 
     def worker_of(self, slot: int) -> str | None:
         """The endpoint of the worker that holds pool slot `slot` now, or None."""

@@ -1,13 +1,15 @@
-"""The exllamav3 adapter's bookkeeping against a real tiny deployment (Ray, tp2 over gloo, STEP over TCP), driven by
-the calls exllamav3's generator makes (support/generator_calls.py, plain tensors: no exllamav3 on the CPU). Every
-draft it returns as OK equals what the in-process reference drafts for the same context and seed."""
+"""The exllamav3 adapter against a real tiny deployment (Ray, one rank, STEP over TCP), driven by the calls
+exllamav3's generator makes (support/generator_calls.py: its jobs, pages, prefix cache and call order on plain
+tensors; no exllamav3 on the CPU). Every draft it returns as OK equals what the in-process reference drafts for the
+same context and seed; no schedule and no failure makes it raise into the generator."""
 from __future__ import annotations
 
+import logging
+import socket
 import time
 
 import numpy as np
 import pytest
-import torch
 
 from dspark_ray.actors.placement import teardown
 from dspark_ray.contract import Code
@@ -20,34 +22,42 @@ from support.generator_calls import GeneratorCalls
 from conftest import deploy_pair
 
 SLOTS = 3
+FAULT_DEADLINE_MS = 400.0      # the fault tests' STEP budget: a tiny one-rank step takes tens of ms on this CPU
 
 
 @pytest.fixture(scope="module")
 def worker(ray_cluster, tiny_ckpt):
-    fe, host, port = deploy_pair(ray_cluster, tiny_ckpt, "engine", n_slots=SLOTS, collective_timeout_s=1.5)
+    # One rank: a frozen rank then holds its STEP past the deadline without a peer's collective timing out.
+    fe, host, port = deploy_pair(ray_cluster, tiny_ckpt, "engine", tp=1, n_slots=SLOTS, collective_timeout_s=1.5)
     yield fe, f"{host}:{port}"
     teardown("engine")
 
 
+def make_engine(worker, cfg, **kw):
+    calls = GeneratorCalls(cfg.n_taps, cfg.hidden_size, cfg.vocab_size, window=cfg.block_size)
+    calls.draft_model = RemoteDrafter(worker[1], cfg, **({"deadline_ms": 30_000, "timeout_s": 60} | kw))
+    calls.draft_model.bind(calls)
+    return calls
+
+
 @pytest.fixture
 def engine(worker, cfg):
-    calls = GeneratorCalls(cfg.n_taps, cfg.hidden_size, cfg.vocab_size)
-    calls.drafter = RemoteDrafter(worker[1], cfg, deadline_ms=30_000, timeout_s=60, spin_us=0,
-                                  tokens=calls.token_ids)
+    calls = make_engine(worker, cfg)
     yield calls
     calls.drafter.close()
 
 
 class Reference:
-    """The in-process drafter: a fresh slot given a sequence's last window and its seed, every time."""
+    """The in-process drafter (one rank, as deployed): a fresh slot given a sequence's last window and its seed."""
 
     def __init__(self, cfg, ckpt):
-        self.cfg, self.driver = cfg, Driver(RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 1))
+        self.cfg, self.driver = cfg, Driver(RankEngine(make_drafter(cfg, "tp1", ckpt=ckpt), 1))
 
     def drafts(self, seq) -> list[int]:
-        start = max(0, seq.kv - self.cfg.sliding_window)
-        e = entry(slot=0, seed_token=seq.tokens[-1], n_out=self.cfg.block_size, start_pos=start,
-                  token_ids=np.asarray(seq.tokens[start:seq.kv]), taps=np.stack(seq.taps[start:seq.kv]))
+        kv = seq.kv_position
+        start = max(0, kv - self.cfg.sliding_window)
+        e = entry(slot=0, seed_token=seq.tokens[kv], n_out=self.cfg.block_size, start_pos=start,
+                  token_ids=np.asarray(seq.tokens[start:kv]), taps=np.stack(seq.taps[start:kv]) if kv else None)
         (r,) = self.driver.step([e], resets=[0])
         assert r.code == Code.OK, r.reason
         return r.drafts_array().tolist()
@@ -58,67 +68,197 @@ def reference(cfg, ckpt):
     return Reference(cfg, ckpt)
 
 
-def draft_round(calls, ref, seqs, accepted):
-    """One round: draft, check every OK row against the reference, verify with `accepted` drafts a row. Returns the
-    rows' codes and the draft_confidence_len the generator read."""
-    drafts, conf = calls.draft(seqs)
-    codes = list(calls.drafter.last_codes)
-    for i, (s, code) in enumerate(zip(seqs, codes)):
-        if code == Code.OK:
-            assert drafts[i].tolist() == ref.drafts(s), (i, s.kv)
-        else:                                    # no drafts from the service: the seed stands in, never a guess
-            assert drafts[i].tolist() == [s.tokens[-1]] * drafts.shape[1]
-    calls.verify(seqs, drafts if conf else None, accepted)
-    return codes, conf
+class Checked:
+    """A round's check: every OK row drafts as the reference, every other row drafts nothing (the seed stands in,
+    never a guess); the codes of each round are kept."""
+
+    def __init__(self, calls, ref):
+        self.calls, self.ref, self.codes, self.ok = calls, ref, [], 0
+
+    def __call__(self, rnd) -> None:
+        codes = list(self.calls.drafter.last_codes)
+        assert len(codes) == len(rnd.jobs)
+        self.codes.append(codes)
+        for i, (job, code) in enumerate(zip(rnd.jobs, codes)):
+            if code == Code.OK:
+                assert rnd.drafts[i].tolist() == self.ref.drafts(job.seq), (i, job.seq.kv_position)
+                self.ok += 1
+            else:
+                assert rnd.drafts[i].tolist() == [job.seq.tokens[-1]] * rnd.drafts.shape[1]
+
+
+def test_a_mixed_schedule_drafts_as_the_reference_and_never_raises(engine, reference, worker, ray_cluster, cfg):
+    """The schedule that crashed the generator (issue 62): short and long prompts (one past a page and a prefill
+    chunk), jobs ending at different times on max_new_tokens or a stop token, jobs joining mid-generation, a repeated
+    prompt starting on the prefix cache's pages, more live jobs than the service's slots."""
+    engine.chunk = 300
+    long_prompt = engine.prompt(700)
+    check = Checked(engine, reference)
+    stop = 7
+    engine.start(3, max_new=3)
+    engine.start(long_prompt, max_new=40)
+    engine.start(40, max_new=30, stop={stop}, prefill=False)
+    engine.start(1, max_new=9)
+    bonus = iter(list(range(100, 140)) + [stop] + list(range(200, 600)))
+    accept = iter([2, 0, 1, 5, 0, 3] * 100)
+    rounds = 0
+    while engine.active_jobs:
+        engine.iterate(accept=lambda j: next(accept), bonus=lambda j: next(bonus), check=check)
+        rounds += 1
+        if rounds == 3:                                    # joining mid-generation: a repeat of the long prompt
+            repeat = engine.start(long_prompt + engine.prompt(3), max_new=10, prefill=False)
+            assert repeat.cached_positions == 512          # ... on two pages of the prefix cache
+        if rounds == 5:
+            engine.start(260, max_new=16)
+    stats = engine.drafter.stats
+    assert stats["failures"] == 0 and stats["unmatched_rows"] == 0
+    assert check.ok >= 20 and stats["prefix_hits"] == 1
+    assert max(len(c) for c in check.codes) > SLOTS          # more live jobs than slots: some rows waited
+    # every job ended in a verification: its slot came back there, with no draft call after it
+    assert ray_cluster.get(worker[0].status.remote())["slots"]["held"] == 0
+
+
+def wait_for(cond, timeout_s: float, what: str) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout_s, f"waited {timeout_s} s for: {what}"
+        time.sleep(0.05)
 
 
 def held(worker, ray_cluster) -> int:
     return ray_cluster.get(worker[0].status.remote())["slots"]["held"]
 
 
-def test_generator_rounds_draft_as_the_reference_and_ended_jobs_give_their_slots_back(engine, reference, worker,
-                                                                                     ray_cluster, cfg):
-    W = cfg.sliding_window
-    # prompts shorter and longer than the window, one prefilled in chunks (the generator's shared chunk size)
-    seqs = [engine.start(5), engine.start(3 * W + 2, chunk=W), engine.start(W + 1)]
-    for rnd, acc in enumerate([[5, 0, 2], [1, 5, 0], [3, 3, 3], [0, 0, 0], [5, 5, 5]]):
-        codes, conf = draft_round(engine, reference, seqs, acc)
-        assert codes == [Code.OK] * 3, (rnd, codes)
-        assert conf is not None and 0 <= conf <= cfg.block_size
-    assert held(worker, ray_cluster) == 3
-    # a job ends: the next round without it gives its slot back; a new job takes its pages and a slot
-    engine.end(seqs.pop(0))
-    codes, _ = draft_round(engine, reference, seqs, [2, 4])
-    assert codes == [Code.OK] * 2 and held(worker, ray_cluster) == 2
-    assert engine.drafter.stats["released"] == 1
-    seqs.append(engine.start(W // 2))
-    for acc in ([1, 1, 1], [4, 0, 5]):
-        codes, _ = draft_round(engine, reference, seqs, acc)
-        assert codes == [Code.OK] * 3
-    assert engine.drafter.stats["unknown_rows"] == engine.drafter.stats["partial_windows"] == 0
+def schedule(calls, check, rounds: int = 8) -> list:
+    """Three jobs, a fourth joining at the third round; the drafts and codes of every round."""
+    calls.start(11, max_new=40)
+    calls.start(4, max_new=40)
+    calls.start(30, max_new=40)
+    out = []
+    for k in range(rounds):
+        if k == 2:
+            calls.cancel(calls.active_jobs[0])
+            calls.start(9, max_new=40)
+        r = calls.iterate(accept=lambda j: j.identifier % 4, check=check)
+        out.append((r.drafts.tolist(), list(calls.drafter.last_codes)))
+    return out
 
 
-def test_a_failed_batch_verifies_without_drafts_and_the_next_round_re_inserts_the_last_window(engine, reference,
-                                                                                             worker, ray_cluster):
-    seqs = [engine.start(11), engine.start(4)]
-    assert draft_round(engine, reference, seqs, [2, 2])[0] == [Code.OK] * 2
-    ray_cluster.get(worker[0].set_fault.remote(0, "raise", count=1))
-    codes, conf = draft_round(engine, reference, seqs, [0, 0])
-    assert codes == [Code.INTERNAL] * 2 and conf == 0            # the generator skips drafting this round
-    for acc in ([3, 1], [5, 5]):                                  # resynced slots: each re-inserts its last window
-        assert draft_round(engine, reference, seqs, acc)[0] == [Code.OK] * 2
+def test_the_early_step_changes_no_draft_and_forward_only_reads_it(worker, reference, cfg):
+    """The same schedule with the STEP sent at verification and from `forward` (blocking): the same drafts and codes
+    every round. Early, each round's STEP left at the previous verification; only a job's first draft (a new job,
+    its prefill just done) takes a second STEP."""
+    runs = {}
+    for early in (True, False):
+        calls = make_engine(worker, cfg, early=early)
+        check = Checked(calls, reference)
+        runs[early] = schedule(calls, check)
+        stats = calls.drafter.stats
+        calls.drafter.close()
+        assert stats["failures"] == 0 and check.ok == stats["rows"] == 3 * 8
+        if early:
+            assert stats["second_steps"] == 2 and stats["early_used"] == stats["rows"] - 4
+        else:
+            assert stats["early_entries"] == 0 and stats["second_steps"] == 8
+    assert runs[True] == runs[False]
+
+
+def test_a_job_that_leaves_between_verification_and_draft_gives_its_slot_back(engine, reference, worker,
+                                                                                ray_cluster):
+    check = Checked(engine, reference)
+    a, b = engine.start(12, max_new=40), engine.start(20, max_new=40)
+    for _ in range(2):
+        engine.iterate(accept=2, check=check)
+    sent = engine.drafter.stats["early_entries"]
+    engine.cancel(b)                                   # its entry left with the early STEP already
+    engine.iterate(accept=2, check=check)
+    assert engine.drafter.stats["early_entries"] == sent + 1 and held(worker, ray_cluster) == 1
+    assert check.codes[-1] == [Code.OK] and check.ok == 5
+
+
+@pytest.mark.parametrize("fault", ["deadline", "internal", "unavailable"])
+def test_an_early_step_answered_other_than_ok_drafts_nothing_that_round_and_drafting_resumes(
+        worker, reference, ray_cluster, cfg, fault):
+    """DEADLINE: the rank froze past the STEP's budget (its late answer is dropped); INTERNAL: the batch failed;
+    UNAVAILABLE: the connection was lost with the early STEP in flight (the worker is reconnected and new slots
+    acquired). Every round after it drafts as the reference wherever it drafts, and drafting resumes."""
+    calls = make_engine(worker, cfg, deadline_ms=FAULT_DEADLINE_MS)
+    try:
+        check = Checked(calls, reference)
+        calls.start(14, max_new=200)
+        calls.start(6, max_new=200)
+        for _ in range(2):
+            calls.iterate(accept=1, check=check)
+        assert check.codes[-1] == [Code.OK] * 2
+
+        def arm(rnd):            # after this round's draft, before its verification sends the next STEP
+            check(rnd)
+            if fault == "deadline":
+                ray_cluster.get(worker[0].set_fault.remote(0, "stall", count=1, seconds=1.5))
+            elif fault == "internal":
+                ray_cluster.get(worker[0].set_fault.remote(0, "raise", count=1))
+
+        calls.iterate(accept=1, check=arm)
+        assert calls.drafter.pool.pending is not None                  # the early STEP the fault strikes
+        if fault == "unavailable":
+            calls.drafter.pool.workers[0].client._sock.shutdown(socket.SHUT_RDWR)
+        calls.iterate(accept=1, check=check)
+        want = {"deadline": Code.DEADLINE, "internal": Code.INTERNAL, "unavailable": Code.UNAVAILABLE}[fault]
+        assert check.codes[-1] == [want] * 2, check.codes[-1]
+        if fault == "unavailable":          # the pool reconnects in the background (retry_s)
+            wait_for(lambda: calls.drafter.pool.status()[0]["down"] is None, 30, "the worker reconnected")
+        resumed = None
+        for k in range(60):
+            calls.iterate(accept=1, check=check)
+            if check.codes[-1] == [Code.OK] * 2:
+                resumed = k
+                break
+        assert resumed is not None, check.codes[-8:]
+        assert calls.drafter.stats["failures"] == 0
+    finally:
+        calls.drafter.close()
+        ray_cluster.get(worker[0].set_fault.remote(0, None))
+
+
+def test_a_failure_inside_the_adapter_costs_its_rounds_only_and_is_logged_once(engine, reference, caplog):
+    check = Checked(engine, reference)
+    engine.start(10, max_new=100)
+    engine.start(17, max_new=100)
+    for _ in range(2):
+        engine.iterate(accept=1, check=check)
+    pool = engine.drafter.pool
+    real, left = pool.step_end, [2]
+
+    def failing_step_end(pending):
+        results = real(pending)                     # read, so the connection stays in step
+        if left[0]:
+            left[0] -= 1
+            raise RuntimeError("injected")
+        return results
+
+    pool.step_end = failing_step_end
+    with caplog.at_level(logging.ERROR, logger="dspark_ray.engines.exllamav3"):
+        failed = [engine.iterate(accept=1, check=check) for _ in range(2)]
+    assert [r.confidence_len for r in failed] == [0, 0]              # no drafts: verified without them
+    assert check.codes[-2:] == [[None, None], [None, None]]
+    assert engine.drafter.stats["failures"] == 2
+    assert sum("forward failed" in r.getMessage() for r in caplog.records) == 1
+    engine.iterate(accept=1, check=check)
+    assert check.codes[-1] == [Code.OK] * 2                          # the next round re-inserted and drafted
 
 
 def test_a_sequence_without_a_free_slot_drafts_nothing_until_one_is_given_back(engine, reference, worker,
                                                                              ray_cluster):
-    seqs = [engine.start(6 + k) for k in range(SLOTS + 1)]
+    check = Checked(engine, reference)
+    jobs = [engine.start(6 + k, max_new=100) for k in range(SLOTS + 1)]
     for _ in range(3):
-        codes, _ = draft_round(engine, reference, seqs, [1] * len(seqs))
-        assert codes.count(Code.OK) == SLOTS and codes[-1] is None    # the pool ran out: the last row waits ...
+        engine.iterate(accept=1, check=check)
+        assert check.codes[-1].count(Code.OK) == SLOTS and check.codes[-1][-1] is None   # the last row waits ...
     assert engine.drafter.stats["acquire_refused"] == 1             # ... without asking again every round
-    engine.end(seqs.pop(0))
-    codes, _ = draft_round(engine, reference, seqs, [2] * len(seqs))
-    assert codes == [Code.OK] * SLOTS                             # the freed slot went to the waiting sequence
+    engine.cancel(jobs[0])
+    engine.iterate(accept=2, check=check)
+    assert check.codes[-1] == [Code.OK] * SLOTS                    # the freed slot went to the waiting sequence
+    assert held(worker, ray_cluster) == SLOTS
 
 
 def test_a_model_with_another_tap_count_is_refused_at_construction(worker, cfg):

@@ -1,113 +1,259 @@
-"""The calls exllamav3 1.6.5's generator makes on a DSpark drafter, made on plain tensors (no exllamav3, no CUDA).
+"""exllamav3 1.6.5's generator as a DSpark drafter meets it, on plain tensors (no exllamav3, no CUDA).
 
-What `generator/job.py` and `generator/generator.py` hand the drafter, reproduced: a sequence's physical cache pages
-(256 positions each) from a shared pool, its block table row; after each prefill chunk
-`update_kv_from_target(taps, cache, {block_table: the sequence's row, cache_seqlens: [chunk start]})`; each round
-`forward(seed ids (rows, 1), {block_table, cache_seqlens: kv positions})` then `sample_from_state`, and after the
-verification `update_kv_from_target(taps (rows, 1 + window, hidden) per tapped layer, lengths=accepted)`. The trunk
-here is a stand-in: random taps, and it accepts the number of drafts the test says, then samples a random bonus token.
+What `generator/generator.py` and `generator/job.py` hold and hand the drafter, reproduced: jobs with one sequence
+each (`sequence_ids`, `kv_position`, `block_index_tensor` holding only the pages that job was given: its prompt plus
+`max_new_tokens` plus a draft window, so widths differ from job to job), `active_jobs` in start order, a page pool
+with a prefix cache (a new job's full prompt pages that an earlier job filled with the same tokens are reused, and
+its prefill starts after them). Each round (`iterate`): at most one prefill chunk for a job still ingesting its
+prompt (`update_kv_from_target` without lengths, its own block row), then for the jobs whose prefill is done the
+draft call (`forward` then `sample_from_state`, the batch's block table padded to 16 pages with zeros) and the
+verification (`update_kv_from_target` with the accepted lengths, after every row was sampled; jobs that hit a stop
+token or `max_new_tokens` are still in the batch then, and leave `active_jobs` after it).
+
+The trunk is a stand-in: a row's taps are a function of its position and the tokens up to it (a repeated prefix has
+the same taps, as a real trunk's would), it accepts as many drafts as the test says, and samples a bonus token from
+the test's stream.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
 PAGE = 256
+TABLE_PAGES = 16          # the batch block table's width is padded to a multiple of this (generator.py)
+
+
+class SequenceIds:
+    """The part of exllamav3's SequenceIds the drafter reads."""
+
+    def __init__(self, ids):
+        self.ids = [int(t) for t in ids]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def torch_slice(self, a: int, b: int | None) -> torch.Tensor:
+        return torch.tensor([self.ids[a:b]], dtype=torch.long)
+
+    def append(self, t: int) -> None:
+        self.ids.append(int(t))
+
+
+@dataclass(eq=False)
+class Sequence:
+    sequence_ids: SequenceIds
+    pages: list[int]
+    kv_position: int = 0
+    taps: list[np.ndarray] = field(default_factory=list)     # the trunk's row at each position below kv_position
+
+    def __post_init__(self):
+        self.block_index_tensor = torch.tensor([self.pages], dtype=torch.int32)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.sequence_ids.ids
+
+
+@dataclass(eq=False)
+class Job:
+    sequences: list[Sequence]
+    identifier: int
+    max_new_tokens: int
+    stop_tokens: frozenset = frozenset()
+    new_tokens: int = 0
+    is_finished: bool = False
+    cached_positions: int = 0        # prompt positions the prefix cache already held
+
+    @property
+    def seq(self) -> Sequence:
+        return self.sequences[0]
+
+    def is_prefill_done(self) -> bool:
+        return all(s.kv_position == len(s.sequence_ids) - 1 for s in self.sequences)
 
 
 @dataclass
-class Sequence:
-    tokens: list[int]                            # the whole context, the last one the next seed
-    taps: list[np.ndarray] = field(default_factory=list)     # one (taps_width,) fp16 row per position with a row
-    pages: list[int] = field(default_factory=list)
-
-    @property
-    def kv(self) -> int:
-        """Positions with rows (the generator's kv_position): every token but the seed."""
-        return len(self.taps)
-
-    def block_row(self) -> torch.Tensor:
-        return torch.tensor(self.pages, dtype=torch.int32)
+class Round:
+    """What one iterate did: the drafting rows (jobs), their drafts and the confidence length the generator read
+    (None: no draft call this round), and the jobs it ended."""
+    jobs: list[Job]
+    drafts: torch.Tensor | None
+    confidence_len: int | None
+    ended: list[Job]
 
 
 class GeneratorCalls:
-    """`drafter` is set after construction: the drafter takes `token_ids` (this engine's token source)."""
+    """The generator; `draft_model` is set by the test (the drafter's `bind` checks it)."""
 
-    def __init__(self, n_taps: int, hidden: int, vocab: int, n_pages: int = 64, seed: int = 0):
-        self.drafter = None
-        self.n_taps, self.hidden, self.vocab = n_taps, hidden, vocab
+    def __init__(self, n_taps: int, hidden: int, vocab: int, n_pages: int = 96, seed: int = 0,
+                 chunk: int = 2048, window: int = 5):
+        self.draft_model = None
+        self.cpu_page_cache = None
+        self.n_taps, self.hidden, self.vocab, self.chunk, self.window = n_taps, hidden, vocab, chunk, window
         self.rng = np.random.default_rng(seed)
         self.free = [int(p) for p in self.rng.permutation(n_pages)]
-        self.live: list[Sequence] = []
+        self.hashed: dict[bytes, int] = {}           # prefix hash of a full page -> the page holding it
+        self.page_hash: dict[int, bytes] = {}
+        self.active_jobs: list[Job] = []
         self.cache = object()
+        self._serial = 0
 
-    def _rows(self, n: int) -> np.ndarray:
-        return (0.5 * self.rng.standard_normal((n, self.n_taps * self.hidden))).astype(np.float16)
+    @property
+    def drafter(self):
+        return self.draft_model
+
+    # ---- the trunk's stand-in ---------------------------------------------------------------------------------
+    def row(self, tokens: list[int], p: int) -> np.ndarray:
+        """The trunk's taps at position p: a function of p and the tokens up to it."""
+        key = hashlib.blake2b(np.asarray(tokens[max(0, p - 3):p + 1], np.int64).tobytes() + p.to_bytes(8, "little"),
+                              digest_size=8).digest()
+        r = np.random.default_rng(int.from_bytes(key, "little"))
+        return (0.5 * r.standard_normal(self.n_taps * self.hidden)).astype(np.float16)
 
     def _layers(self, taps: np.ndarray) -> list[torch.Tensor]:
         """(rows, positions, taps_width) -> one (rows, positions, hidden) tensor per tapped layer."""
-        t = torch.from_numpy(taps)
+        t = torch.from_numpy(np.ascontiguousarray(taps))
         return [t[..., k * self.hidden:(k + 1) * self.hidden].contiguous() for k in range(self.n_taps)]
 
-    def token_ids(self, block_row, start: int, n: int) -> np.ndarray:
-        """The drafter's token source: rows [start, start + n) of the live sequence holding the row's page there."""
-        page = int(block_row[start // PAGE])
-        (s,) = [s for s in self.live if len(s.pages) > start // PAGE and s.pages[start // PAGE] == page]
-        return np.asarray(s.tokens[start:start + n])
+    # ---- jobs and pages -------------------------------------------------------------------------------------
+    def prompt(self, n: int) -> list[int]:
+        return [int(t) for t in self.rng.integers(0, self.vocab, n)]
 
-    def start(self, prompt_len: int, max_len: int = 600, chunk: int = 2048) -> Sequence:
-        """A new job: pages for `max_len` positions, its prompt prefilled (all but the last token, the first seed)
-        in chunks of `chunk` rows."""
-        n_pages = -(-max_len // PAGE)
-        seq = Sequence(tokens=[int(t) for t in self.rng.integers(0, self.vocab, prompt_len)],
-                       pages=[self.free.pop() for _ in range(n_pages)])
-        self.live.append(seq)
-        rows = self._rows(prompt_len - 1)
-        for a in range(0, prompt_len - 1, chunk):
-            b = min(a + chunk, prompt_len - 1)
-            self.drafter.update_kv_from_target(self._layers(rows[None, a:b]), self.cache,
-                                               {"block_table": seq.block_row()[None],
+    def start(self, prompt, max_new: int = 200, stop=(), prefill: bool = True) -> Job:
+        """A new job (`prompt`: its token ids, or a length for random ones) with pages for the prompt, `max_new`
+        tokens and a draft window, full prompt pages taken from the prefix cache where they match; `prefill`: ingest
+        the whole prompt now (else one chunk a round, from `iterate`)."""
+        tokens = self.prompt(prompt) if isinstance(prompt, int) else [int(t) for t in prompt]
+        total = len(tokens) + max_new + self.window + 1
+        pages, cached = [], 0
+        for k in range((len(tokens) - 1) // PAGE):          # full pages below the seed
+            page = self.hashed.get(self._prefix_hash(tokens, (k + 1) * PAGE))
+            if page is None or page in pages:
+                break
+            pages.append(page)
+            if page in self.free:
+                self.free.remove(page)
+            cached = (k + 1) * PAGE
+        while len(pages) * PAGE < total:
+            page = self.free.pop(0)
+            self._forget_hash(page)
+            pages.append(page)
+        seq = Sequence(SequenceIds(tokens), pages, kv_position=cached)
+        seq.taps = [self.row(tokens, p) for p in range(cached)]
+        self._serial += 1
+        job = Job([seq], self._serial, max_new, frozenset(stop), cached_positions=cached)
+        self.active_jobs.append(job)
+        while prefill and not job.is_prefill_done():
+            self._prefill_chunk(job)
+        return job
+
+    def _prefill_chunk(self, job: Job) -> None:
+        seq = job.seq
+        a = seq.kv_position
+        b = min(a + self.chunk, len(seq.tokens) - 1)
+        rows = np.stack([self.row(seq.tokens, p) for p in range(a, b)])
+        self.draft_model.update_kv_from_target(self._layers(rows[None]), self.cache,
+                                               {"block_table": seq.block_index_tensor,
                                                 "cache_seqlens": torch.tensor([a], dtype=torch.int32)})
-            seq.taps += list(rows[a:b])
-        return seq
+        seq.taps += list(rows)
+        seq.kv_position = b
+        self._hash_full_pages(seq)
 
-    def end(self, seq: Sequence) -> None:
-        self.live.remove(seq)
-        self.free += seq.pages
-        seq.pages = []
+    def _prefix_hash(self, tokens, n: int) -> bytes:
+        return hashlib.blake2b(np.asarray(tokens[:n], np.int64).tobytes(), digest_size=16).digest()
 
-    def params(self, seqs) -> dict:
-        width = max(len(s.pages) for s in seqs)
-        table = torch.zeros((len(seqs), width), dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            table[i, :len(s.pages)] = s.block_row()
-        return {"block_table": table, "cache_seqlens": torch.tensor([s.kv for s in seqs], dtype=torch.int32),
-                "cache": self.cache}
+    def _hash_full_pages(self, seq: Sequence) -> None:
+        for k in range(seq.kv_position // PAGE):
+            h = self._prefix_hash(seq.tokens, (k + 1) * PAGE)
+            if h not in self.hashed:
+                self.hashed[h], self.page_hash[seq.pages[k]] = seq.pages[k], h
 
-    def draft(self, seqs) -> tuple[torch.Tensor, int | None]:
-        """One draft call for the batch: (drafts (rows, block), draft_confidence_len)."""
-        params = self.params(seqs)
-        state = self.drafter.forward(torch.tensor([[s.tokens[-1]] for s in seqs]), params)
-        ids = self.drafter.sample_from_state(state, params)
-        assert ids.shape == (len(seqs), self.drafter.config.block_size)
-        assert ids[:, 0].tolist() == [s.tokens[-1] for s in seqs]       # column 0: the seed
-        return ids[:, 1:], params.get("draft_confidence_len")
+    def _forget_hash(self, page: int) -> None:
+        h = self.page_hash.pop(page, None)
+        if h is not None:
+            self.hashed.pop(h, None)
 
-    def verify(self, seqs, drafts: torch.Tensor | None, accepted: list[int]) -> None:
-        """The trunk's verification: row i keeps its seed and `accepted[i]` drafts (the generator's length counts
-        the seed: lengths = accepted + 1), samples a bonus token, and the drafter is handed the kept rows' taps."""
-        window = 0 if drafts is None else drafts.shape[1]
-        params = self.params(seqs)
-        taps = np.zeros((len(seqs), 1 + window, self.n_taps * self.hidden), np.float16)
+    def cancel(self, job: Job) -> None:
+        """The generator's `cancel`: the job leaves between rounds, without a last verification."""
+        self._end(job)
+
+    def _end(self, job: Job) -> None:
+        self.active_jobs.remove(job)
+        shared = {p for j in self.active_jobs for p in j.seq.pages}
+        self.free += [p for p in job.seq.pages if p not in shared and p not in self.free]
+
+    # ---- one round ------------------------------------------------------------------------------------------
+    def batch_params(self, jobs: list[Job], kv: list[int]) -> dict:
+        width = -(-max(len(j.seq.pages) for j in jobs) // TABLE_PAGES) * TABLE_PAGES
+        table = torch.zeros((len(jobs), width), dtype=torch.int32)
+        for i, j in enumerate(jobs):
+            table[i, :len(j.seq.pages)] = j.seq.block_index_tensor[0]
+        return {"block_table": table, "cache_seqlens": torch.tensor(kv, dtype=torch.int32), "cache": self.cache}
+
+    def iterate(self, accept: Callable[[Job], int] | int = 0, bonus: Callable[[Job], int] | None = None,
+                draft: bool = True, check: Callable[[Round], None] | None = None) -> Round:
+        """One generator iteration. `accept(job)`: drafts the trunk accepts for that row (capped by the verified
+        window); `bonus(job)`: the token it samples after them (default: random); `draft` False: a round without
+        a draft call (the generator's row ceiling left no window). `check(round)` sees the drafts before the
+        verification."""
+        accept_of = accept if callable(accept) else (lambda j, a=accept: a)
+        prefilling = [j for j in self.active_jobs if not j.is_prefill_done()]
+        if prefilling:
+            self._prefill_chunk(prefilling[0])
+        jobs = [j for j in self.active_jobs if j.is_prefill_done()]
+        if not jobs:
+            return Round([], None, None, [])
+        drafts = conf = None
+        if draft:
+            params = self.batch_params(jobs, [j.seq.kv_position for j in jobs])
+            state = self.draft_model.forward(torch.tensor([[j.seq.tokens[-1]] for j in jobs]), params)
+            ids = self.draft_model.sample_from_state(state, params)
+            assert ids.shape == (len(jobs), self.draft_model.config.block_size)
+            assert ids[:, 0].tolist() == [j.seq.tokens[-1] for j in jobs]          # column 0: the seed
+            conf = params.get("draft_confidence_len")
+            drafts = ids[:, 1:]
+        rnd = Round(jobs, drafts, conf, [])
+        if check is not None:
+            check(rnd)
+        window = 0 if drafts is None or conf == 0 else min(self.window, conf if conf is not None else self.window)
+        kv0 = [j.seq.kv_position for j in jobs]
+        params = self.batch_params(jobs, kv0)
+        taps = np.zeros((len(jobs), 1 + window, self.n_taps * self.hidden), np.float16)
         lengths = []
-        for i, s in enumerate(seqs):
-            a = accepted[i] if drafts is not None else 0
-            kept = self._rows(1 + a)
-            taps[i, :1 + a] = kept
-            s.taps += list(kept)
-            s.tokens += [int(t) for t in drafts[i, :a]] if a else []
-            s.tokens.append(int(self.rng.integers(0, self.vocab)))
-            lengths.append(1 + a)
-        self.drafter.update_kv_from_target(self._layers(taps), self.cache, params, lengths=lengths)
+        for i, j in enumerate(jobs):
+            seq, n = j.seq, 0
+            taps[i, 0] = self.row(seq.tokens, seq.kv_position)        # the seed's row
+            want = min(accept_of(j), window)
+            sampled = [int(t) for t in drafts[i, :want]] if want else []
+            sampled.append(int(bonus(j)) if bonus is not None else int(self.rng.integers(0, self.vocab)))
+            for t in sampled:                       # receive_sample, token by token: stop at a stop condition
+                seq.sequence_ids.append(t)
+                seq.kv_position += 1
+                j.new_tokens += 1
+                n += 1
+                if n > 1:
+                    taps[i, n - 1] = self.row(seq.tokens, seq.kv_position - 1)
+                if t in j.stop_tokens or j.new_tokens >= j.max_new_tokens:
+                    j.is_finished = True
+                    break
+            seq.taps += list(taps[i, :n])
+            self._hash_full_pages(seq)
+            lengths.append(n)
+        self.draft_model.update_kv_from_target(self._layers(taps), self.cache,
+                                               {"block_table": params["block_table"],
+                                                "cache_seqlens": params["cache_seqlens"]}, lengths=lengths)
+        rnd.ended = [j for j in jobs if j.is_finished]
+        for j in rnd.ended:
+            self._end(j)
+        return rnd
+
+    def run(self, **kw) -> list[Round]:
+        """Iterate until no job is left."""
+        rounds = []
+        while self.active_jobs:
+            rounds.append(self.iterate(**kw))
+        return rounds
