@@ -174,6 +174,52 @@ def test_a_fault_inside_a_generation_leaves_its_tokens_unchanged_and_drafting_re
         assert _wait_serving(worker, ray_cluster)["worker_generation"] > gen0      # the pair was restarted
 
 
+def _mixed_specs(stops: dict[int, int] | None = None) -> list:
+    """Issue 62's schedule: prompts of 1 to past one prefill chunk (2048), `max_new_tokens` from 1 to 300, jobs
+    enqueued mid-generation, the longest prompt and a short one repeated (the repeat may start on the prefix cache),
+    stop tokens on three jobs (`stops`: job -> token)."""
+    import random
+    rng = random.Random(62)
+    prompt = lambda n: [rng.randrange(4, 4096) for _ in range(n)]     # noqa: E731
+    long_prompt, short = prompt(2100), prompt(40)
+    shape = [(prompt(1), 1, 0), (prompt(3), 200, 0), (prompt(17), 5, 0), (prompt(90), 64, 0), (prompt(300), 3, 0),
+             (long_prompt, 50, 0), (short, 120, 2), (prompt(700), 90, 5), (long_prompt, 30, 40), (short, 300, 60),
+             (prompt(9), 17, 70), (prompt(260), 40, 75)]
+    stops = stops or {}
+    return [E.JobSpec(p, n, (stops[i],) if i in stops else (), at) for i, (p, n, at) in enumerate(shape)]
+
+
+@pytest.fixture(scope="module")
+def mixed(trunk):
+    """The schedule, its stop tokens taken from an undrafted run: each stops its job about a third of the way."""
+    pre = E.generate(trunk, _mixed_specs(), mode="none", batch=4)
+    return _mixed_specs({i: pre.tokens[i][len(pre.tokens[i]) // 3] for i in (1, 7, 9)})
+
+
+@pytest.mark.parametrize("batch", [1, 2, 4, 8])
+def test_a_mixed_schedule_generates_the_undrafted_tokens_and_drafts_as_exllamav3(trunk, worker, mixed, batch):
+    """Short and long prompts, jobs ending at different times (max_new_tokens, stop tokens), jobs joining
+    mid-generation, repeated prompts, up to 8 jobs a batch: the tokens are the undrafted run's, wherever both
+    drafters drafted their drafts agree (or differ at a near-tie of ours), and the adapter never failed."""
+    base = E.generate(trunk, mixed, mode="none", batch=batch)
+    assert any(len(base.tokens[i]) < s.max_new for i, s in enumerate(mixed))       # a stop token ended a job
+    model, cache = E.own_drafter(trunk)
+    theirs = E.generate(trunk, mixed, mode="exllamav3", batch=batch, draft_model=model, draft_cache=cache)
+    del model, cache
+    torch.cuda.empty_cache()
+    d = remote(worker, trunk)
+    ours = E.generate(trunk, mixed, mode="dspark", batch=batch, draft_model=d, draft_cache=d.cache_for(trunk.cache))
+    d.close()
+    b_vs_a = E.compare(base, theirs)
+    c_vs_a = E.compare(base, ours, drafter_ref=theirs, margins=ours.margins)
+    report(f"mixed batch {batch} dspark vs none and exllamav3", c_vs_a | ours.summary())
+    assert b_vs_a["tokens_equal"] == c_vs_a["tokens_equal"] == len(mixed)
+    assert c_vs_a["unexplained"] == 0 and c_vs_a["rounds_compared"] >= 100
+    st = ours.drafter_stats
+    assert st["failures"] == st["unmatched_rows"] == st["partial_windows"] == st["unknown_rows"] == 0, st
+    assert st["early_used"] > 0.5 * st["rows"]                      # most rounds' STEP left at verification
+
+
 def test_the_readmes_exllamav3_lines_generate_the_undrafted_tokens(model_dir, worker, undrafted, trunk):
     """The README's "From exllamav3" block, run as written (MODEL_DIR and ENDPOINT filled in), then one job."""
     import re

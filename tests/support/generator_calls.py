@@ -37,7 +37,8 @@ class SequenceIds:
         return len(self.ids)
 
     def torch_slice(self, a: int, b: int | None) -> torch.Tensor:
-        return torch.tensor([self.ids[a:b]], dtype=torch.long)
+        """As exllamav3's (a `narrow`): a range past the end raises."""
+        return torch.tensor([self.ids], dtype=torch.long).narrow(1, a, (len(self.ids) if b is None else b) - a)
 
     def append(self, t: int) -> None:
         self.ids.append(int(t))

@@ -67,6 +67,9 @@ class Run:
     margins: dict[tuple[int, int], list[float]] = field(default_factory=dict)   # (prompt, kv) -> ours, if asked
     verify_ms: list[float] = field(default_factory=list)       # per generation pass (the trunk's forward, sampling,
     update_ms: list[float] = field(default_factory=list)       # ... and the drafter's update_kv_from_target in it)
+    timeline: list[dict] = field(default_factory=list)         # per draft phase: perf_counter stamps (see summary)
+    steps: list[dict] = field(default_factory=list)            # per STEP the drafter sent: its stamps
+    in_draft: bool = False
     iterations: int = 0
     wall_s: float = 0.0
     drafter_stats: dict = field(default_factory=dict)
@@ -88,15 +91,87 @@ class Run:
                 "draft_phases": len(self.draft_ms),
                 "verify_phase_ms_p50": round(statistics.median(self.verify_ms), 4) if self.verify_ms else None,
                 "update_ms_p50": round(statistics.median(self.update_ms), 4) if self.update_ms else None,
+                **self.round_timeline(),
                 **({"drafter": self.drafter_stats} if self.drafter_stats else {})}
 
+    def round_timeline(self) -> dict:
+        """Where a round's time goes around the draft phase: the generator's host work from the end of one
+        verification to the next draft call; the draft phase of rounds with no job drafting for the first time
+        (their STEP can leave at verification) and of the rest; the STEPs' flight (sent to read) and how often an
+        early STEP's answer was there already when the draft call read it."""
+        t = self.timeline
+        gaps = [(b["draft_start"] - a["verified_at"]) * 1e3 for a, b in zip(t, t[1:]) if "verified_at" in a]
+        steady = [(r["draft_end"] - r["draft_start"]) * 1e3 for r in t if not r["first_drafts"]]
+        first = [(r["draft_end"] - r["draft_start"]) * 1e3 for r in t if r["first_drafts"]]
+        early = [s for s in self.steps if not s["in_draft"]]
+        out = {"host_gap_ms_p50": _pct(gaps, 50), "host_gap_ms_p99": _pct(gaps, 99),
+               "draft_phase_steady_ms_p50": _pct(steady, 50), "draft_phase_steady_ms_p99": _pct(steady, 99),
+               "draft_phase_first_ms_p50": _pct(first, 50), "draft_phase_first_ms_p99": _pct(first, 99),
+               "first_draft_phases": len(first)}
+        if self.steps:
+            out |= {"steps_early": len(early), "steps_in_draft": len(self.steps) - len(early),
+                    "early_step_flight_ms_p50": _pct([(s["read_end"] - s["sent"]) * 1e3 for s in early], 50),
+                    "early_step_ready_when_read": round(sum(s["ready"] for s in early) / len(early), 4)
+                    if early else None,
+                    "early_step_read_wait_ms_p50": _pct([(s["read_end"] - s["read_start"]) * 1e3 for s in early], 50),
+                    "early_step_read_wait_ms_p99": _pct([(s["read_end"] - s["read_start"]) * 1e3 for s in early], 99)}
+        return out
 
-def generate(trunk: Trunk, prompt_ids: list[list[int]], *, mode: str, batch: int, max_new: int = 64,
+
+def _pct(xs: list[float], q: int) -> float | None:
+    return round(sorted(xs)[int(q / 100 * (len(xs) - 1))], 4) if xs else None
+
+
+def _stamp_steps(drafter, run: "Run | None") -> None:
+    """Stamp each STEP the drafter's pool sends (instance wrappers over `step_begin` / `step_end`; `run` None takes
+    them off): when it left, whether its answer was readable when the read began, when the read ended."""
+    import select
+    pool = getattr(drafter, "pool", None)
+    if pool is None:
+        return
+    if run is None:
+        for name in ("step_begin", "step_end"):
+            pool.__dict__.pop(name, None)
+        return
+    begin, end = type(pool).step_begin.__get__(pool), type(pool).step_end.__get__(pool)
+
+    def step_begin(entries, deadline_ms=100.0):
+        pending = begin(entries, deadline_ms)
+        pending.stamp = {"sent": time.perf_counter(), "in_draft": run.in_draft, "entries": len(entries)}
+        return pending
+
+    def step_end(pending):
+        st = getattr(pending, "stamp", {"sent": time.perf_counter(), "in_draft": run.in_draft, "entries": 0})
+        socks = [pool.workers[i].client._sock for i, _, _ in pending.sent if pool.workers[i].client is not None]
+        st["read_start"] = time.perf_counter()
+        st["ready"] = bool(socks) and len(select.select(socks, [], [], 0)[0]) == len(socks)
+        try:
+            return end(pending)
+        finally:
+            st["read_end"] = time.perf_counter()
+            run.steps.append(st)
+
+    pool.step_begin, pool.step_end = step_begin, step_end
+
+
+@dataclass
+class JobSpec:
+    """One job of a schedule: its prompt, `max_new` tokens at most, stop tokens, enqueued at generator iteration
+    `at` (0: before the first)."""
+    prompt: list[int]
+    max_new: int = 64
+    stop: tuple[int, ...] = ()
+    at: int = 0
+
+
+def generate(trunk: Trunk, jobs: list[JobSpec] | list[list[int]], *, mode: str, batch: int, max_new: int = 64,
              draft_model=None, draft_cache=None, on_round=None) -> Run:
-    """Every prompt through one Generator, at most `batch` jobs at a time, greedy, exactly `max_new` tokens each.
-    `on_round(run, generator)` is called after every iterate (fault injection hooks in there)."""
+    """Every job through one Generator, at most `batch` at a time, greedy (`jobs`: specs, or prompts that each
+    generate exactly `max_new` tokens). `on_round(run, generator)` is called after every iterate (fault injection
+    hooks in there). The drafter's STEP, where it has a pool, is stamped (`Run.timeline`)."""
     from exllamav3 import Generator, Job
     from exllamav3.generator.sampler import ArgmaxSampler
+    specs = [j if isinstance(j, JobSpec) else JobSpec(list(j), max_new) for j in jobs]
     gen = Generator(trunk.model, trunk.cache, trunk.tokenizer, max_batch_size=batch, draft_model=draft_model,
                     draft_cache=draft_cache, record_draft_stats=True, enable_defrag=True)
     if hasattr(draft_model, "bind"):
@@ -109,8 +184,13 @@ def generate(trunk: Trunk, prompt_ids: list[list[int]], *, mode: str, batch: int
         def timed(results, window):
             jobs = [j for j in gen.active_jobs if j.is_prefill_done()]
             t0 = time.perf_counter()
+            run.in_draft = True
             out = inner(results, window)
+            run.in_draft = False
             run.draft_ms.append((time.perf_counter() - t0) * 1e3)
+            run.timeline.append({"draft_start": t0, "draft_end": time.perf_counter(), "rows": len(jobs),
+                                 "first_drafts": sum(j.identifier not in drafted for j in jobs)})
+            drafted.update(j.identifier for j in jobs)
             if out is not None:
                 for k, j in enumerate(jobs):
                     verified[(j.identifier, j.sequences[0].kv_position)] = out[k].tolist()
@@ -127,8 +207,12 @@ def generate(trunk: Trunk, prompt_ids: list[list[int]], *, mode: str, batch: int
             update(*args, **kw)
             if kw.get("lengths") is not None:
                 run.update_ms.append((time.perf_counter() - t0) * 1e3)
+                if run.timeline:
+                    run.timeline[-1]["verified_at"] = time.perf_counter()
 
         draft_model.update_kv_from_target = timed_update
+        drafted: set[int] = set()
+        _stamp_steps(draft_model, run)
     inner_gen = gen.iterate_gen
 
     def timed_gen(results, draft_tokens=None):
@@ -137,14 +221,18 @@ def generate(trunk: Trunk, prompt_ids: list[list[int]], *, mode: str, batch: int
         run.verify_ms.append((time.perf_counter() - t0) * 1e3)
 
     gen.iterate_gen = timed_gen
-    jobs = [Job(input_ids=torch.tensor([p], dtype=torch.long), max_new_tokens=max_new, stop_conditions=[],
-                sampler=ArgmaxSampler(), identifier=i) for i, p in enumerate(prompt_ids)]
-    for i in range(len(prompt_ids)):
+    jobs = [Job(input_ids=torch.tensor([s.prompt], dtype=torch.long), max_new_tokens=s.max_new,
+                stop_conditions=list(s.stop), sampler=ArgmaxSampler(), identifier=i) for i, s in enumerate(specs)]
+    for i in range(len(specs)):
         run.tokens[i] = []
+    waiting = sorted(range(len(specs)), key=lambda i: specs[i].at)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    gen.enqueue(jobs)
-    while gen.num_remaining_jobs():
+    while waiting or gen.num_remaining_jobs():
+        due = [i for i in waiting if specs[i].at <= run.iterations or not gen.num_remaining_jobs()]
+        if due:
+            gen.enqueue([jobs[i] for i in due])
+            waiting = [i for i in waiting if i not in due]
         for r in gen.iterate():
             if r.get("stage") == "streaming" and "token_ids" in r:
                 run.tokens[r["identifier"]] += r["token_ids"].reshape(-1).tolist()
@@ -154,11 +242,12 @@ def generate(trunk: Trunk, prompt_ids: list[list[int]], *, mode: str, batch: int
     torch.cuda.synchronize()
     run.wall_s = time.perf_counter() - t0
     for j in jobs:       # draft_stats: (new tokens after the round, window, drafts accepted) per drafted round
-        kv0 = len(prompt_ids[j.identifier]) - 1
+        kv0 = len(specs[j.identifier].prompt) - 1
         run.rounds[j.identifier] = {kv0 + n - acc - 1: (verified.get((j.identifier, kv0 + n - acc - 1)), acc)
                                     for n, _, acc in j.draft_stats}
     if draft_model is not None:
         del draft_model.update_kv_from_target          # the instance's own method again
+        _stamp_steps(draft_model, None)
     if hasattr(draft_model, "stats"):
         run.drafter_stats = json.loads(json.dumps(draft_model.stats))
     if hasattr(gen, "close"):
