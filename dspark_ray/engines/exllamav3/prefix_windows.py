@@ -9,24 +9,51 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 
+PAGE_SIZE = 256              # exllamav3's cache page (generator/pagetable.py)
 
-def prefix_key(tokens: np.ndarray) -> bytes:
-    """The tokens before a boundary name the rows there: the trunk's taps are a function of them."""
-    return hashlib.blake2b(np.ascontiguousarray(tokens, np.int64).tobytes(), digest_size=16).digest()
+
+class PrefixKeys:
+    """One sequence's keys, page by page: a boundary's key hashes the one before it and the page's tokens (the
+    trunk's taps are a function of the tokens before them), so each page is hashed once however long the prompt."""
+
+    def __init__(self, tokens: Callable[[int, int], np.ndarray]):
+        self.tokens = tokens                 # token ids at positions [a, b)
+        self.reset()
+
+    def reset(self) -> None:
+        """The tokens may have changed (a rewind): hash from the start again."""
+        self.at, self.key = 0, b""
+
+    def at_boundary(self, b: int) -> bytes:
+        if b < self.at:
+            self.reset()
+        ids = np.ascontiguousarray(self.tokens(self.at, b), np.dtype("<i8"))
+        for p in range(0, b - self.at, PAGE_SIZE):
+            self.key = hashlib.blake2b(self.key + ids[p:p + PAGE_SIZE].tobytes(), digest_size=16).digest()
+        self.at = b
+        return self.key
 
 
 class PrefixWindows:
-    """At most `capacity` windows, the least recently used dropped first (0: keeps none)."""
+    """At most `capacity` windows of `window` rows, the least recently used dropped first (0: keeps none)."""
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
+    def __init__(self, capacity: int, window: int):
+        self.capacity, self.window = capacity, window
         self._windows: OrderedDict[bytes, tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._windows)
+
+    def boundaries(self, start: int, end: int) -> range:
+        """The page boundaries b in (start, end] with a whole window before them."""
+        if self.capacity <= 0:
+            return range(0)
+        first = max(-(-(start + 1) // PAGE_SIZE), -(-self.window // PAGE_SIZE)) * PAGE_SIZE
+        return range(first, end + 1, PAGE_SIZE)
 
     def put(self, key: bytes, ids: np.ndarray, taps: np.ndarray) -> None:
         if self.capacity <= 0:
@@ -42,6 +69,3 @@ class PrefixWindows:
         if found is not None:
             self._windows.move_to_end(key)
         return found
-
-    def clear(self) -> None:
-        self._windows.clear()

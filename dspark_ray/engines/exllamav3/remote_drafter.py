@@ -20,12 +20,11 @@ from ...contract import Code, Entry, EntryResult, error_result
 from ...pool import DrafterPool, PoolPendingStep
 from .draft_cache import DraftCache
 from .generator_rows import GeneratorRows, Row, token_ids
-from .prefix_windows import PrefixWindows, prefix_key
+from .prefix_windows import PAGE_SIZE, PrefixKeys, PrefixWindows
 from .row_window import RowWindow
 
 log = logging.getLogger("dspark_ray.engines.exllamav3")
 
-PAGE_SIZE = 256              # exllamav3's cache page (generator/pagetable.py)
 ACQUIRE_RETRY_ROUNDS = 16    # after a refused ACQUIRE (sooner when a slot of ours frees)
 PREFIX_WINDOWS = 64          # page boundaries remembered at most (full width: 3.9 MB each)
 
@@ -35,6 +34,7 @@ class _Sequence:
     """What the adapter keeps of one of the generator's sequences."""
     source: object               # the generator's Sequence (its identity names the row)
     window: RowWindow
+    keys: PrefixKeys
     slot: RequestSlot | None = None
 
 
@@ -101,7 +101,7 @@ class RemoteDrafter:
         self._width = lim.taps_width
         self._keep = lim.sliding_window + lim.max_rows_per_entry      # a re-insert window plus one insert
         self._seqs: dict[int, _Sequence] = {}                          # by id() of the generator's sequence
-        self._prefixes = PrefixWindows(prefix_windows)
+        self._prefixes = PrefixWindows(prefix_windows, lim.sliding_window)
         self._copies: list[_Copy] = []
         self._early: _EarlyStep | None = None
         self._pinned: torch.Tensor | None = None
@@ -192,12 +192,8 @@ class RemoteDrafter:
             row = rows_of.prefilling(block_table)
             if row is None:
                 self._unmatched(1)
-                return
-            n = target_hidden[0].shape[1]
-            keep = min(n, self._keep)
-            taps = torch.cat([t[0, n - keep:] for t in target_hidden], dim=-1).cpu().numpy()
-            a = starts[0] + n - keep
-            self._append(self._sequence(row, starts[0]), a, row.ids(a, starts[0] + n), taps)
+            else:
+                self._take_prefill(self._sequence(row, starts[0]), starts[0], target_hidden)
             return
         rows = rows_of.batch(block_table, [s + n for s, n in zip(starts, lengths)])
         kept = []                           # (sequence, batch row, first kept position, accepted, kept ids)
@@ -223,25 +219,45 @@ class RemoteDrafter:
         if self.early:
             self._send_early([(seq, rows[i]) for seq, i, *_ in kept])
 
+    def _take_prefill(self, seq: _Sequence, s0: int, target_hidden: list) -> None:
+        """A prefill chunk's rows: its last ones into the window, and the window before each page boundary in it;
+        only those rows are copied to the host, in one gather."""
+        n = target_hidden[0].shape[1]
+        end = s0 + n
+        tail = end - min(n, self._keep)
+        W = self.limits.sliding_window
+        spans = [(max(b - W, s0), b) for b in self._prefixes.boundaries(s0, end)] + [(tail, end)]
+        pos = np.unique(np.concatenate([np.arange(a, b) for a, b in spans]))
+        index = torch.from_numpy(pos - s0).to(target_hidden[0].device)
+        taps = torch.cat([t[0].index_select(0, index) for t in target_hidden], dim=-1).cpu().numpy()
+        ids = token_ids(seq.source, s0, end)[pos - s0]
+
+        def rows(a: int, b: int):                          # positions [a, b), all gathered
+            i = int(np.searchsorted(pos, a))
+            return ids[i:i + b - a], taps[i:i + b - a]
+
+        self._keep_windows(seq, s0, end, rows)
+        seq.window.append(tail, *rows(tail, end))
+
     def _append(self, seq: _Sequence, start: int, ids: np.ndarray, taps: np.ndarray) -> None:
-        """Rows from `start` into the sequence's window, the window before each page boundary they cross kept."""
-        w = seq.window
-        end = start + len(ids)
-        if self._prefixes.capacity > 0:
-            W = self.limits.sliding_window
-            for b in range(-(-(start + 1) // PAGE_SIZE) * PAGE_SIZE, end + 1, PAGE_SIZE):
-                if b < W:
+        """A verification's accepted rows from `start` into the sequence's window."""
+        self._keep_windows(seq, start, start + len(ids), lambda a, b: (ids[a - start:b - start],
+                                                                       taps[a - start:b - start]))
+        seq.window.append(start, ids, taps)
+
+    def _keep_windows(self, seq: _Sequence, start: int, end: int, new_rows) -> None:
+        """The window before each page boundary in (start, end], from the sequence's window (positions before
+        `start`) and `new_rows(a, b)` (from `start` on), for prompts that start there later."""
+        W = self.limits.sliding_window
+        for b in self._prefixes.boundaries(start, end):
+            parts = [new_rows(max(b - W, start), b)]
+            if b - W < start:
+                before = seq.window.rows(b - W, start) if seq.window.end == start else None
+                if before is None:
                     continue
-                if b - W >= start:
-                    got = ids[b - W - start:b - start], taps[b - W - start:b - start]
-                else:
-                    before = w.rows(b - W, start) if w.end == start else None
-                    if before is None:
-                        continue
-                    got = (np.concatenate([before[0], ids[:b - start]]),
-                           np.concatenate([before[1], taps[:b - start]]))
-                self._prefixes.put(prefix_key(token_ids(seq.source, 0, b)), *got)
-        w.append(start, ids, taps)
+                parts.insert(0, before)
+            self._prefixes.put(seq.keys.at_boundary(b), np.concatenate([p[0] for p in parts]),
+                               np.concatenate([p[1] for p in parts]))
 
     def _sequence(self, row: Row, at: int) -> _Sequence:
         """The adapter's state of `row`'s sequence, its window ending at `at` (a sequence that rows never reached
@@ -251,10 +267,12 @@ class RemoteDrafter:
         if fresh:
             if seq is not None:                             # an ended sequence's id, reused
                 self._give_back([seq] if seq.slot is not None else [])
-            seq = self._seqs[id(row.seq)] = _Sequence(row.seq, RowWindow(self._width, self._keep, at))
+            seq = self._seqs[id(row.seq)] = _Sequence(row.seq, RowWindow(self._width, self._keep, at),
+                                                      PrefixKeys(lambda a, b, s=row.seq: token_ids(s, a, b)))
         if fresh or seq.window.end != at:
             seq.window.restart(at)
-            found = self._prefixes.get(prefix_key(token_ids(row.seq, 0, at))) if at and at % PAGE_SIZE == 0 else None
+            seq.keys.reset()
+            found = self._prefixes.get(seq.keys.at_boundary(at)) if at and at % PAGE_SIZE == 0 else None
             if found is not None:
                 seq.window.append(at - len(found[0]), *found)
                 self.stats["prefix_hits"] += 1
