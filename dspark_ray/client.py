@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import msgspec
+
 from .contract import (SHM_RING_PREFIX, Acquire, AcquireReply, Code, Entry, EntryResult, ErrorReply, Hello,
                        HelloReply, Limits, Release, ReleaseReply, ShmAttach, ShmAttachReply, SlotGrant, Step,
                        StepReply, make_entry)
@@ -123,7 +125,10 @@ class DrafterClient:
         except BaseException:
             self._lock.release()
             raise
-        return PendingStep(request_id, chunks[1:], deadline_ms)
+        # The chunks sent later must not see their caller's arrays change meanwhile (entries may view them).
+        rest = [[msgspec.structs.replace(e, token_ids=bytes(e.token_ids), taps=bytes(e.taps)) for e in c]
+                for c in chunks[1:]]
+        return PendingStep(request_id, rest, deadline_ms)
 
     def step_end(self, pending: "PendingStep") -> list[EntryResult]:
         """The answers to a `step_begin`'s STEP (and to the STEPs its entries were split into beyond the limits)."""
@@ -285,7 +290,7 @@ class RequestSlot:
         start = max(first, end - lim.sliding_window) if self.fresh else self.held    # the drafter reads no further
         return make_entry(slot=self.grant.slot, generation=self.grant.generation, seed_token=seed, start_pos=start,
                           token_ids=ids[start - first:], taps=taps[start - first:], n_out=self.n_out,
-                          want_margins=self.want_margins)
+                          want_margins=self.want_margins, copy=False)
 
     def answer(self, r: EntryResult) -> EntryResult:
         """Take the answer to `entry`'s entry: the slot holds the context when OK; a new generation empties it."""

@@ -194,9 +194,12 @@ def _as_numpy(x: Any) -> np.ndarray:
 
 
 def make_entry(*, slot: int, generation: int, seed_token: int, start_pos: int = 0, token_ids: Any = (),
-               taps: Any = None, rollback_to: int = -1, n_out: int = 5, want_margins: bool = False) -> Entry:
+               taps: Any = None, rollback_to: int = -1, n_out: int = 5, want_margins: bool = False,
+               copy: bool = True) -> Entry:
     """An Entry from numpy arrays or torch tensors: token_ids (rows,) integers, taps (rows, taps_width) float16
-    (never cast here: a cast could round or overflow what the trunk produced); the other fields as in Entry."""
+    (never cast here: a cast could round or overflow what the trunk produced); the other fields as in Entry.
+    `copy` False: the entry views contiguous little-endian arrays in place (a window's 4 MB at full width is not
+    copied twice): leave them unchanged until the entry is sent."""
     ids = _as_numpy(token_ids)
     if ids.size:
         if ids.dtype == object and all(isinstance(t, int) for t in ids.flat):      # Python ints beyond 64 bits
@@ -206,14 +209,18 @@ def make_entry(*, slot: int, generation: int, seed_token: int, start_pos: int = 
         lo, hi = int(ids.min()), int(ids.max())
         if lo < -(1 << 31) or hi >= 1 << 31:     # a cast would wrap it into some other, valid-looking id
             raise ValueError(f"token id {lo if lo < -(1 << 31) else hi} does not fit int32")
+
+    def as_bytes(a: np.ndarray):
+        return a.tobytes() if copy or not a.size else memoryview(a).cast("B")
+
     tap_bytes = b""
     if taps is not None:
         t = _as_numpy(taps)
         if t.dtype != np.float16:
             raise TypeError(f"taps must be float16, got {t.dtype} (convert on the trunk side, e.g. .half())")
-        tap_bytes = np.ascontiguousarray(t, TAP_DTYPE).tobytes()
+        tap_bytes = as_bytes(np.ascontiguousarray(t, TAP_DTYPE))
     return Entry(slot=int(slot), generation=int(generation), seed_token=int(seed_token), start_pos=int(start_pos),
-                 token_ids=np.ascontiguousarray(ids, TOKEN_DTYPE).tobytes(), taps=tap_bytes,
+                 token_ids=as_bytes(np.ascontiguousarray(ids, TOKEN_DTYPE)), taps=tap_bytes,
                  rollback_to=int(rollback_to), n_out=int(n_out), want_margins=bool(want_margins))
 
 
