@@ -24,6 +24,19 @@ def token_matches(expected: str, given: str) -> bool:
     return hmac.compare_digest(expected.encode(), given.encode())
 
 
+def token_refusal(expected: str | None, given: str, carrier: str) -> str | None:
+    """Why `carrier` ("the HELLO", "the request") holding `given` is refused, or None (`expected` None: no token is
+    needed). The reason names the rule, never either token."""
+    if expected is None:
+        return None
+    if not given:
+        return (f"token: {carrier} carries none, and this endpoint serves only holders of its deployment's token "
+                f"(`dspark-ray status` says where it is kept)")
+    if not token_matches(expected, given):
+        return f"token: {carrier}'s is not this deployment's (docs/operations.md, \"Security\")"
+    return None
+
+
 def check_token(token: str, where: str) -> str:
     """`token` if it is one line of printable ASCII, at least MIN_TOKEN_CHARS long; else ValueError naming `where`
     and the rule (never the token)."""

@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 
-from ..access_token import token_matches
+from ..access_token import token_refusal
 from ..contract import (MAX_HELLO_FRAME_BYTES, MESSAGE_TYPES, Acquire, Code, ErrorReply, Hello, HelloReply, MsgType,
                         ShmAttach, ShmAttachReply, Step, StepHandler)
 from ..observers import ServerObserver
@@ -40,18 +40,6 @@ _TYPE_OF = {cls: t for t, cls in MESSAGE_TYPES.items()}
 
 class Unauthorized(Exception):
     """A HELLO without this deployment's token: answered UNAUTHORIZED, then the connection closes."""
-
-
-def unauthorized(expected: str | None, given: str) -> str | None:
-    """Why a HELLO carrying `given` may not open a session, or None; never says anything of either token."""
-    if expected is None:
-        return None
-    if not given:
-        return ("token: the HELLO carries none, and this endpoint serves only holders of its deployment's token "
-                "(DrafterClient(token=...), `dspark-ray status` says where it is kept)")
-    if not token_matches(expected, given):
-        return "token: the HELLO's is not this deployment's (docs/operations.md, \"Security\")"
-    return None
 
 
 class _Summary:
@@ -256,7 +244,7 @@ class TcpServer:
 
     def _greet(self, conn: _Conn, msg: Hello, request_id: int, writer: FrameWriter) -> None:
         """Check a stranger's token (Unauthorized, after answering it), then open its session with the front-end."""
-        why = unauthorized(self.token, msg.token)
+        why = token_refusal(self.token, msg.token, "the HELLO")
         if why:
             self.counts["unauthorized"] += 1
             _try_send(writer, conn.sock, HelloReply(ok=False, code=Code.UNAUTHORIZED, reason=why), request_id)
