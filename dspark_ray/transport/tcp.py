@@ -271,7 +271,10 @@ class TcpServer:
         try:
             while True:
                 if not conn.greeted:       # the HELLO's bound counts from the connection's start, not per frame
-                    reader.idle_timeout_s = max(0.0, conn.opened + self.frame_timeout_s - time.monotonic())
+                    left = conn.opened + self.frame_timeout_s - time.monotonic()
+                    if left <= 0:
+                        raise IdleTimeout("no accepted HELLO")
+                    reader.idle_timeout_s = left
                 try:
                     request_id, msg, received_ns = reader.read()
                 except PayloadError as e:
