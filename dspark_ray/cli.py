@@ -209,15 +209,25 @@ def kept_token_path(name: str) -> Path:
     return _cache_dir() / "tokens" / name
 
 
+def check_token_flags(a) -> None:
+    """ValueError, saying how to make a token, for `serve`'s token flags that cannot serve: checked before anything
+    starts."""
+    from .access_token import MAKE_ONE
+    if a.insecure and a.token_file:
+        raise ValueError("--insecure and --token-file: one or the other")
+    if not (a.insecure or a.token_file or is_loopback(a.host)):
+        raise ValueError(f"--host {a.host} serves beyond this host, to engines that must hold the deployment's "
+                         f"token: make one with `{MAKE_ONE}`, give it to them, and serve with --token-file PATH "
+                         f"(or --insecure: any peer that reaches the port may draft; docs/operations.md, \"Security\")")
+
+
 def deployment_token(a) -> tuple[str | None, dict]:
-    """(the token every HELLO must carry, where an operator finds it) for `serve`'s flags; ValueError saying how to
-    make one. A token made here is kept for the next `serve` of the same name, so engines keep theirs."""
+    """(the token every HELLO must carry, where an operator finds it) for `serve`'s flags (check_token_flags); a
+    token made here is kept for the next `serve` of the same name, so engines keep theirs. ValueError: a bad file."""
     import socket
-    from .access_token import (MAKE_ONE, new_token, read_token_file, readable_by_others, write_token_file)
+    from .access_token import new_token, read_token_file, readable_by_others, write_token_file
     host = socket.gethostname()
     if a.insecure:
-        if a.token_file:
-            raise ValueError("--insecure and --token-file: one or the other")
         return None, {"token": False, "insecure": True}
     if a.token_file:
         token = read_token_file(a.token_file)
@@ -225,10 +235,6 @@ def deployment_token(a) -> tuple[str | None, dict]:
         if loose:
             print(f"dspark-ray serve: warning: {loose}", file=sys.stderr)
         return token, {"token": True, "token_file": os.path.abspath(a.token_file), "host": host}
-    if not is_loopback(a.host):
-        raise ValueError(f"--host {a.host} serves beyond this host, to engines that must hold the deployment's "
-                         f"token: make one with `{MAKE_ONE}`, give it to them, and serve with --token-file PATH "
-                         f"(or --insecure: any peer that reaches the port may draft; docs/operations.md, \"Security\")")
     path = kept_token_path(a.name)
     try:
         token = read_token_file(path)
@@ -245,7 +251,7 @@ def cmd_serve(a, *, then=None) -> int:
         print(f"dspark-ray serve: --pairs {a.pairs}: at least 1", file=sys.stderr)
         return 2
     try:
-        token, auth = deployment_token(a)
+        check_token_flags(a)
     except ValueError as e:
         print(f"dspark-ray serve: {e}", file=sys.stderr)
         return 2
@@ -259,6 +265,11 @@ def cmd_serve(a, *, then=None) -> int:
                         markov_cache=a.markov_cache, max_connections=a.max_connections,
                         idle_timeout_s=a.idle_timeout or None, spare_ranks=a.spare_ranks,
                         ring_spin_us=None if a.spin_ms is None else a.spin_ms * 1e3)
+    except ValueError as e:
+        print(f"dspark-ray serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        token, auth = deployment_token(a)
     except ValueError as e:
         print(f"dspark-ray serve: {e}", file=sys.stderr)
         return 2
