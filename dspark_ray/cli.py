@@ -513,7 +513,12 @@ def cmd_step(a) -> int:
     except ValueError as e:
         print(f"dspark-ray step: {e}", file=sys.stderr)
         return 2
-    run(a.endpoint, rounds=a.rounds, requests=a.requests, seed=a.seed, shm=a.shm, token=token)
+    from .client import ClientError
+    try:
+        run(a.endpoint, rounds=a.rounds, requests=a.requests, seed=a.seed, shm=a.shm, token=token)
+    except ClientError as e:
+        print(f"dspark-ray step: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

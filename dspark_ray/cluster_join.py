@@ -13,8 +13,6 @@ import logging
 import os
 import stat
 
-log = logging.getLogger("dspark_ray.cluster_join")
-
 AUTH_MODE = "RAY_AUTH_MODE"
 RAY_TOKEN_PLACES = "~/.ray/auth_token, a file RAY_AUTH_TOKEN_PATH names, or RAY_AUTH_TOKEN"
 
@@ -62,7 +60,13 @@ def token_for_new_cluster() -> str | None:
     from ray._private.authentication.authentication_token_setup import (_get_default_token_path,
                                                                         generate_and_save_token)
     path = _get_default_token_path()
-    generate_and_save_token()
+    quiet = logging.getLogger(generate_and_save_token.__module__)     # its INFO line: the caller says where
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        generate_and_save_token()
+    finally:
+        quiet.setLevel(level)
     os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)     # Ray writes it with the umask's mode, often 0644
     _token_mode()
     return str(path)
