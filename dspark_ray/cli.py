@@ -507,13 +507,13 @@ def cmd_stop(a) -> int:
 
 def cmd_step(a) -> int:
     from .access_token import read_token_file
+    from .client import ClientError
     from .demo import run
     try:
         token = read_token_file(a.token_file) if a.token_file else None
     except ValueError as e:
         print(f"dspark-ray step: {e}", file=sys.stderr)
         return 2
-    from .client import ClientError
     try:
         run(a.endpoint, rounds=a.rounds, requests=a.requests, seed=a.seed, shm=a.shm, token=token)
     except ClientError as e:

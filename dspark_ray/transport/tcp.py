@@ -47,12 +47,15 @@ class _Summary:
 
     def __init__(self, what: str):
         self.what, self.count, self.logged_at, self.logged_count = what, 0, -REFUSAL_LOG_S, 0
+        self._lock = threading.Lock()          # connection threads note concurrently
 
     def note(self, detail: str) -> None:
-        self.count += 1
-        if time.monotonic() - self.logged_at >= REFUSAL_LOG_S:
-            log.warning("%s %d connection(s) (the last %s)", self.what, self.count - self.logged_count, detail)
-            self.logged_at, self.logged_count = time.monotonic(), self.count
+        with self._lock:
+            self.count += 1
+            if time.monotonic() - self.logged_at < REFUSAL_LOG_S:
+                return
+            n, self.logged_at, self.logged_count = self.count - self.logged_count, time.monotonic(), self.count
+        log.warning("%s %d connection(s) (the last %s)", self.what, n, detail)
 
 
 def out_of_place(mtype: MsgType, greeted: bool, ring: bool = False) -> str | None:
