@@ -7,6 +7,7 @@
     dspark-ray endpoints [--address A]      a deployment's current STEP endpoints, read from the cluster's table
     dspark-ray step --endpoint HOST:PORT    the scripted demo client against a running endpoint (or several,
                                             comma-separated: one engine's slots spread over them)
+    dspark-ray token [--new PATH]           a deployment's token, read from the cluster; or a new token file
     dspark-ray synth --preset tiny|full --out DIR
     dspark-ray layout --preset tiny|full --tp 1|2 [--json]
 """
@@ -58,27 +59,43 @@ def _gpus() -> int:
         return 0
 
 
-def connect_ray(address: str | None, detach: bool) -> str:
-    """Join --address / RAY_ADDRESS or a running local cluster; else start one (`ray start --head` with --detach)."""
+def connect_ray(address: str | None, detach: bool, start: bool = True) -> str:
+    """Join --address / RAY_ADDRESS or the one cluster running on this host, with Ray's token where this process
+    holds one (cluster_join.py); else, with `start`, start one (`ray start --head` with --detach, token
+    authentication on). ConnectionError saying why it cannot join (several clusters here, none, Ray's token)."""
     import ray
-    address = address or os.environ.get("RAY_ADDRESS")
+    from .cluster_join import cluster_address, token_for_new_cluster, use_ray_token
+    from .endpoints import Directory
     kw = dict(namespace="dspark", log_to_driver=False, logging_level=logging.WARNING)
-    if address:
-        ray.init(address=address, **kw)
-        return f"joined Ray at {address}"
-    try:
-        ray.init(address="auto", **kw)
-        return "joined the running local Ray cluster"
-    except (ConnectionError, RuntimeError):
-        pass
+    found = cluster_address(address)
+    if found is not None:
+        use_ray_token()
+        Directory(found).check()        # a refusal said in a line now, not after Ray's 20 s of retries
+        ray.init(address=found, **kw)
+        return f"joined Ray at {found}"
+    if not start:
+        raise ConnectionError("no Ray cluster runs on this host: name one with --address (or RAY_ADDRESS)")
     if detach:
+        made = token_for_new_cluster()
         ray_bin = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
         subprocess.run([ray_bin, "start", "--head", "--disable-usage-stats"], check=True,
                        stdout=subprocess.DEVNULL)
         ray.init(address="auto", **kw)
-        return "started a Ray head (ray start --head) and joined it"
+        return ("started a Ray head (ray start --head, token authentication on" +
+                (f"; its token made at {made}" if made else "") + ") and joined it")
+    use_ray_token()
     ray.init(include_dashboard=False, **kw)
     return "started an embedded local Ray"
+
+
+def joined(cmd: str, address: str | None, detach: bool = False, start: bool = True, to=None) -> bool:
+    """connect_ray, its line printed (to stdout, or `to`); a refusal printed as `cmd`'s error instead (False)."""
+    try:
+        print(connect_ray(address, detach, start), file=to or sys.stdout, flush=True)
+        return True
+    except (ConnectionError, ValueError) as e:
+        print(f"dspark-ray {cmd}: {e}", file=sys.stderr)
+        return False
 
 
 def quiet_serve_logs() -> None:
@@ -177,11 +194,66 @@ def shut_down(name: str, why: str, bound_s: float) -> int:
     return 0
 
 
+def is_loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def kept_token_path(name: str) -> Path:
+    """Where `serve` keeps the token it made for the deployment `name` (this host, 0600)."""
+    return _cache_dir() / "tokens" / name
+
+
+def check_token_flags(a) -> None:
+    """ValueError, saying how to make a token, for `serve`'s token flags that cannot serve: checked before anything
+    starts."""
+    from .access_token import MAKE_ONE
+    if a.insecure and a.token_file:
+        raise ValueError("--insecure and --token-file: one or the other")
+    if not (a.insecure or a.token_file or is_loopback(a.host)):
+        raise ValueError(f"--host {a.host} serves beyond this host, to engines that must hold the deployment's "
+                         f"token: make one with `{MAKE_ONE}`, give it to them, and serve with --token-file PATH "
+                         f"(or --insecure: any peer that reaches the port may draft; docs/operations.md, \"Security\")")
+
+
+def deployment_token(a) -> tuple[str | None, dict]:
+    """(the token every HELLO must carry, where an operator finds it) for `serve`'s flags (check_token_flags); a
+    token made here is kept for the next `serve` of the same name, so engines keep theirs. ValueError: a bad file."""
+    import socket
+    from .access_token import new_token, read_token_file, readable_by_others, write_token_file
+    host = socket.gethostname()
+    if a.insecure:
+        return None, {"token": False, "insecure": True}
+    if a.token_file:
+        token = read_token_file(a.token_file)
+        loose = readable_by_others(a.token_file)
+        if loose:
+            print(f"dspark-ray serve: warning: {loose}", file=sys.stderr)
+        return token, {"token": True, "token_file": os.path.abspath(a.token_file), "host": host}
+    path = kept_token_path(a.name)
+    try:
+        token = read_token_file(path)
+    except ValueError:                       # none yet (or damaged): a new one
+        token = new_token()
+        write_token_file(path, token)
+    return token, {"token": True, "token_file": str(path), "host": host, "made_by_serve": True}
+
+
 def cmd_serve(a, *, then=None) -> int:
     from .spec import PairSpec
     from .transport.ring import remove_orphans
     if a.pairs < 1:
         print(f"dspark-ray serve: --pairs {a.pairs}: at least 1", file=sys.stderr)
+        return 2
+    try:
+        check_token_flags(a)
+    except ValueError as e:
+        print(f"dspark-ray serve: {e}", file=sys.stderr)
         return 2
     device = a.device or ("cuda" if _gpus() >= a.tp * a.pairs else "cpu")
     backend = a.backend or ("push" if device == "cuda" and a.tp == 2 else "gloo")
@@ -196,7 +268,13 @@ def cmd_serve(a, *, then=None) -> int:
     except ValueError as e:
         print(f"dspark-ray serve: {e}", file=sys.stderr)
         return 2
-    print(connect_ray(a.address, a.detach), flush=True)
+    try:
+        token, auth = deployment_token(a)
+    except ValueError as e:
+        print(f"dspark-ray serve: {e}", file=sys.stderr)
+        return 2
+    if not joined("serve", a.address, a.detach):
+        return 1
     if getattr(a, "http_port", None) is not None:
         from . import http_gateway as http
         try:                     # before placing: a refusal leaves the cluster as it was
@@ -209,19 +287,20 @@ def cmd_serve(a, *, then=None) -> int:
         print(f"removed {len(gone)} shared-memory ring(s) their dead owners left: {', '.join(gone)}", flush=True)
     with stopped_by_signals():
         try:
-            return _serve(a, spec, backend, device, then)
+            return _serve(a, spec, backend, device, then, token, auth)
         except Stop as e:
             return shut_down(a.name, f"{e.args[0] if e.args else 'SIGINT'} received", a.stop_timeout)
 
 
-def _serve(a, spec, backend: str, device: str, then) -> int:
+def _serve(a, spec, backend: str, device: str, then, token: str | None, auth: dict) -> int:
     from .actors.placement import deploy_workers
     from .endpoints import worker_names
     t0 = time.monotonic()
     progress = LoadProgress(a.tp * a.pairs)
     try:
         workers = deploy_workers(spec, a.pairs, host=a.host, port=a.port, name=a.name, detach=a.detach,
-                                 on_progress=progress, pending_ok=getattr(a, "pending", False))
+                                 on_progress=progress, pending_ok=getattr(a, "pending", False), token=token,
+                                 auth=auth)
     finally:
         progress.close()
     endpoint = ",".join(ep for _, ep in workers if ep)
@@ -236,13 +315,15 @@ def _serve(a, spec, backend: str, device: str, then) -> int:
     if waiting:
         print(f"waiting for room: {', '.join(waiting)} (each starts when a node with room joins the cluster)",
               flush=True)
+    print(token_line(auth, a.name), flush=True)
     if getattr(a, "http_port", None) is not None:
         from . import http_gateway as http
         quiet_serve_logs()
-        print(f"STEP over HTTP (Ray Serve): {http.start(a.name, endpoint, a.host, a.http_port)}", flush=True)
+        print(f"STEP over HTTP (Ray Serve): {http.start(a.name, endpoint, a.host, a.http_port, token=token)}",
+              flush=True)
     if then is not None:
         try:
-            rc = then(endpoint)
+            rc = then(endpoint, token)
         except Stop:
             raise
         except BaseException:
@@ -255,6 +336,18 @@ def _serve(a, spec, backend: str, device: str, then) -> int:
     print("serving; Ctrl-C or SIGTERM to stop", flush=True)
     while True:
         time.sleep(3600)
+
+
+def token_line(auth: dict | None, name: str) -> str:
+    """Where the deployment's token is, as `serve`, `status` and `endpoints` say it."""
+    if not auth:
+        return "token: not recorded"
+    if not auth.get("token"):
+        return ("token: NONE (served --insecure): whoever reaches an endpoint may HELLO, take slots and draft "
+                "(docs/operations.md, \"Security\")")
+    where = f"token file {auth['token_file']} on {auth['host']}" if auth.get("token_file") else "token: in the cluster"
+    return (f"{where} (every HELLO carries it: DrafterClient(token=...), `dspark-ray step --token-file`; "
+            f"DrafterPool.from_deployment and `dspark-ray token --name {name}` read it from the cluster)")
 
 
 def step_threads(facts: dict | None, prefix: str) -> str:
@@ -277,9 +370,11 @@ def cmd_status(a) -> int:
     """Every worker: where it runs, whether it serves, its front-end's account (exit codes: docs/operations.md)."""
     import ray
     from .actors.survey import SERVING, survey
-    print(connect_ray(a.address, False), file=sys.stderr)
+    if not joined("status", a.address, start=False, to=sys.stderr):
+        return 1
     try:
         rows = survey(a.name, timeout_s=STATUS_TIMEOUT_S)
+        auth = _auth_of(a.name)
     finally:
         ray.shutdown()          # sooner than Ray's own hook at exit
     if rows is None:
@@ -287,11 +382,12 @@ def cmd_status(a) -> int:
         return 1
     down = [r["worker"] for r in rows if r["state"] != SERVING]
     if a.json:
-        print(json.dumps({"name": a.name, "workers": rows, "serving": len(rows) - len(down), "down": down},
-                         indent=1, default=str))
+        print(json.dumps({"name": a.name, "workers": rows, "serving": len(rows) - len(down), "down": down,
+                          "auth": auth}, indent=1, default=str))
     else:
         print(f"{a.name}: {len(rows)} worker(s), {len(rows) - len(down)} serving"
               + (f", down: {', '.join(down)}" if down else ""))
+        print(token_line(auth, a.name))
         for r in rows:
             print(f"{r['worker']}: {r['state'].upper() if r['state'] != SERVING else r['state']}"
                   + (f" ({r['why']})" if r["why"] else "") + f"; {_where(r)}")
@@ -341,23 +437,59 @@ def _matmul(m: dict | None) -> str:
     return f"matmul {m['mode']}" + (f" (dense {m['dense']})" if m.get("dense") else "")
 
 
-def cmd_endpoints(a) -> int:
-    """The deployment's STEP endpoints from the endpoint table (only the GCS is asked, no Ray driver)."""
+def _auth_of(name: str) -> dict | None:
+    """The deployment record's account of its token (placement.deploy_workers), from the joined cluster."""
+    import ray
     from .endpoints import Directory
     try:
-        eps = Directory(a.address).endpoints(a.name)
+        return (Directory(ray.get_runtime_context().gcs_address).deployment(name) or {}).get("auth")
+    except ConnectionError:
+        return None
+
+
+def cmd_endpoints(a) -> int:
+    """The deployment's STEP endpoints from the endpoint table (only the GCS is asked, no Ray driver); where its
+    token is, on stderr."""
+    from .endpoints import Directory
+    try:
+        directory = Directory(a.address)
+        eps = directory.endpoints(a.name)
+        auth = (directory.deployment(a.name) or {}).get("auth")
     except (LookupError, ConnectionError, ValueError) as e:
         print(f"dspark-ray endpoints: {e}", file=sys.stderr)
         return 1
     print(json.dumps(eps) if a.json else ",".join(ep or "-" for ep in eps.values()))
+    print(token_line(auth, a.name), file=sys.stderr)
     return 0 if all(eps.values()) else 3
+
+
+def cmd_token(a) -> int:
+    """`--new PATH`: a new token file (0600). Else the deployment's token, read from the cluster's GCS."""
+    from .access_token import new_token, write_token_file
+    from .endpoints import Directory
+    if a.new:
+        write_token_file(a.new, new_token())
+        print(f"a new token in {a.new} (0600): serve with --token-file {a.new}; engines send its contents")
+        return 0
+    try:
+        token = Directory(a.address).token(a.name)
+    except (ConnectionError, ValueError) as e:
+        print(f"dspark-ray token: {e}", file=sys.stderr)
+        return 1
+    if token is None:
+        print(f"dspark-ray token: no token for {a.name!r} in the cluster (no such deployment, or one served "
+              f"--insecure)", file=sys.stderr)
+        return 1
+    print(token)
+    return 0
 
 
 def cmd_stop(a) -> int:
     from .actors.placement import find_workers, teardown
     from . import http_gateway as http
     from .transport.ring import remove_orphans
-    print(connect_ray(a.address, False), file=sys.stderr)
+    if not joined("stop", a.address, start=False, to=sys.stderr):
+        return 1
     quiet_serve_logs()
     names = [w for w, _ in find_workers(a.name)] or [a.name]
     had_http = http.stop(a.name)
@@ -374,14 +506,25 @@ def cmd_stop(a) -> int:
 
 
 def cmd_step(a) -> int:
+    from .access_token import read_token_file
+    from .client import ClientError
     from .demo import run
-    run(a.endpoint, rounds=a.rounds, requests=a.requests, seed=a.seed, shm=a.shm)
+    try:
+        token = read_token_file(a.token_file) if a.token_file else None
+    except ValueError as e:
+        print(f"dspark-ray step: {e}", file=sys.stderr)
+        return 2
+    try:
+        run(a.endpoint, rounds=a.rounds, requests=a.requests, seed=a.seed, shm=a.shm, token=token)
+    except ClientError as e:
+        print(f"dspark-ray step: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
 def cmd_demo(a) -> int:
     from .demo import run
-    return cmd_serve(a, then=lambda ep: (run(ep, rounds=a.rounds, requests=a.requests), 0)[1])
+    return cmd_serve(a, then=lambda ep, token: (run(ep, rounds=a.rounds, requests=a.requests, token=token), 0)[1])
 
 
 def cmd_layout(a) -> int:
@@ -464,6 +607,11 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--spin-ms", type=float,
                         help="how long the ranks and the front-end poll for the next STEP before they sleep "
                              "(default 100 on a GPU host: longer than a trunk's forward; 0.05 on a CPU)")
+        sp.add_argument("--token-file", help="the file holding the deployment's token, which every HELLO must carry "
+                                             "(`dspark-ray token --new PATH` makes one); without it, on a loopback "
+                                             "--host, serve makes one and keeps it in the cache folder")
+        sp.add_argument("--insecure", action="store_true",
+                        help="no token: any peer that reaches an endpoint may HELLO, take slots and draft")
 
     sp = sub.add_parser("serve", help="deploy one pair (or --pairs N) and serve STEP")
     serve_args(sp)
@@ -495,7 +643,13 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--requests", type=int, default=2)
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--shm", action="store_true", help="requests through shared memory (the endpoint's host only)")
+    sp.add_argument("--token-file", help="the deployment's token (`dspark-ray status` says where it is)")
     sp.set_defaults(fn=cmd_step)
+    sp = sub.add_parser("token", help="print a deployment's token (read from the cluster), or make a token file")
+    sp.add_argument("--address")
+    sp.add_argument("--name", default="dspark")
+    sp.add_argument("--new", metavar="PATH", help="write a new token to PATH (0600) and print nothing of it")
+    sp.set_defaults(fn=cmd_token)
     # synth's own parser is weights/synth.py's (it imports torch): main() hands it its arguments first.
     sub.add_parser("synth", help="write a deterministic synthetic checkpoint (dspark-ray synth --help)")
     sp = sub.add_parser("layout", help="what each rank holds, from the layout table")

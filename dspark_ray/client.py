@@ -1,7 +1,7 @@
 """The drafter client a serving engine embeds: one blocking TCP connection, one request at a time (the protocol:
 docs/contract.md). It needs msgspec and numpy only, so an engine can vendor it.
 
-    with DrafterClient(host, port) as c:
+    with DrafterClient(host, port, token=TOKEN) as c:      # TOKEN: the deployment's (docs/operations.md, "Security")
         c.hello(config_digest=..., tp=2)
         grants = c.acquire(4)
         results = c.step([make_entry(slot=g.slot, generation=g.generation, ...) for g in grants], deadline_ms=5)
@@ -20,9 +20,9 @@ from typing import Sequence
 
 import msgspec
 
-from .contract import (SHM_RING_PREFIX, Acquire, AcquireReply, Code, Entry, EntryResult, ErrorReply, Hello,
-                       HelloReply, Limits, Release, ReleaseReply, ShmAttach, ShmAttachReply, SlotGrant, Step,
-                       StepReply, make_entry)
+from .contract import (MAX_HELLO_FRAME_BYTES, SHM_RING_PREFIX, Acquire, AcquireReply, Code, Entry, EntryResult,
+                       ErrorReply, Hello, HelloReply, Limits, Release, ReleaseReply, ShmAttach, ShmAttachReply,
+                       SlotGrant, Step, StepReply, make_entry)
 from .wire import (HEADER_SIZE, ConnectionClosed, FrameError, FrameReader, FrameWriter, bound_blocking_io,
                    decode_frame, spinning_recv_into)
 
@@ -41,12 +41,15 @@ class ClientError(RuntimeError):
 
 
 class DrafterClient:
-    def __init__(self, host: str, port: int, timeout_s: float = 5.0, spin_us: float = 0.0, shm: bool = False):
+    def __init__(self, host: str, port: int, timeout_s: float = 5.0, spin_us: float = 0.0, shm: bool = False,
+                 token: str | None = None):
         """`timeout_s`: the bound on each send and receive without progress. `spin_us`: how long to poll for a reply
         before blocking (waking a blocked thread costs tens of us; polling costs a core); ~3000 covers a GPU pair's
         step, 0 blocks at once. `shm`: after HELLO, send requests through a shared-memory ring (the drafter on this
-        host; HELLO raises ClientError when the server cannot attach it)."""
+        host; HELLO raises ClientError when the server cannot attach it). `token`: the deployment's, sent in HELLO
+        (None: none, for a deployment served --insecure)."""
         self.endpoint = f"{host}:{port}"
+        self._token = token or ""
         self.timeout_s = timeout_s
         self.spin_us = spin_us
         self._want_shm = shm
@@ -58,7 +61,7 @@ class DrafterClient:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         bound_blocking_io(self._sock, timeout_s)
         self._reader = FrameReader(spinning_recv_into(self._sock, spin_us))
-        self._writer = FrameWriter()
+        self._writer = FrameWriter(MAX_HELLO_FRAME_BYTES)      # a larger frame before HELLO closes the connection
         self._lock = threading.Lock()      # one request in flight: replies are matched by order and request id
         self._next_id = 1
         self._ring_seq = 0
@@ -73,10 +76,13 @@ class DrafterClient:
 
     def hello(self, *, model_digest: str | None = None, config_digest: str | None = None, tp: int | None = None,
               max_model_len: int | None = None, client: str = "dspark-ray-client") -> HelloReply:
-        """Open the session; raises ClientError(CONFIG_MISMATCH / UNAVAILABLE) when the worker refuses."""
+        """Open the session; raises ClientError(UNAUTHORIZED / CONFIG_MISMATCH) when the worker refuses (after
+        UNAUTHORIZED the connection is closed)."""
         reply = self._call(Hello(model_digest=model_digest, config_digest=config_digest, tp=tp,
-                                 max_model_len=max_model_len, client=client), HelloReply)
+                                 max_model_len=max_model_len, client=client, token=self._token), HelloReply)
         if not reply.ok:
+            if reply.code == Code.UNAUTHORIZED:
+                self.close()
             raise ClientError(f"HELLO refused by {self.endpoint}: {reply.code.name}: {reply.reason}", reply.code)
         self.hello_reply = reply
         self._reader.max_frame_bytes = self._writer.max_frame_bytes = reply.limits.max_frame_bytes

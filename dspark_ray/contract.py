@@ -13,7 +13,10 @@ import numpy as np
 
 from .finite import first_nonfinite_row
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+# Before an accepted HELLO a connection may send one frame of at most this many bytes, header included: a stranger
+# costs no buffer larger than a HELLO (docs/contract.md, section 1). A HELLO is a few hundred bytes.
+MAX_HELLO_FRAME_BYTES = 4096
 
 TOKEN_DTYPE = np.dtype("<i4")
 TAP_DTYPE = np.dtype("<f2")
@@ -30,6 +33,7 @@ class Code(enum.IntEnum):
     UNAVAILABLE = 5        # the pair is restarting or known bad: retry later (then expect STALE_GENERATION)
     OVERLOADED = 6         # ACQUIRE: n <= slot_capacity, but fewer than n slots are free now
     DEADLINE = 7           # the answer could not be given before the STEP's deadline: verify without drafts
+    UNAUTHORIZED = 8       # HELLO: no token, or not this deployment's; the connection is closed after the answer
 
 
 class MsgType(enum.IntEnum):
@@ -86,11 +90,16 @@ class Hello(_Strict, tag=int(MsgType.HELLO), kw_only=True):
     tp: int | None = None
     max_model_len: int | None = None     # the longest position the client will send; refused if > served
     client: str = ""
+    token: str = ""                      # the deployment's token; checked first, never logged
+
+    def __repr__(self) -> str:           # a HELLO in a log line or a test failure shows no token
+        shown = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__ if f != "token")
+        return f"Hello({shown}, token={'<set>' if self.token else '<none>'})"
 
 
 class HelloReply(_Strict, tag=int(MsgType.HELLO_REPLY), kw_only=True):
     ok: bool
-    code: Code = Code.OK                 # CONFIG_MISMATCH when refused (version 1 sends no other refusal)
+    code: Code = Code.OK                 # UNAUTHORIZED or CONFIG_MISMATCH when refused
     reason: str = ""
     protocol_version: int = PROTOCOL_VERSION
     model_digest: str | None = None

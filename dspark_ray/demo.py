@@ -13,9 +13,9 @@ from .pool import DrafterPool
 
 
 def run(endpoint: str, rounds: int = 8, requests: int = 2, seed: int = 0, n_out: int = 5, quiet: bool = False,
-        print_fn=print, shm: bool = False) -> dict:
+        print_fn=print, shm: bool = False, token: str | None = None) -> dict:
     rng = np.random.default_rng(seed)
-    with DrafterPool(endpoint, timeout_s=30, shm=shm) as c:
+    with DrafterPool(endpoint, timeout_s=30, shm=shm, token=token) as c:
         hello = c.hello(client="dspark-ray demo")
         lim = hello.limits
         live = [w for w in c.status() if w["down"] is None]

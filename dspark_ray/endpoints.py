@@ -1,15 +1,17 @@
 """A deployment's endpoint table in the Ray cluster's key-value store (the GCS, namespace "dspark"; keys, records and
-what a stale endpoint is: docs/contract.md, section 11). Read through a `GcsClient`, not a Ray driver, each call
-bounded, so nothing clashes with an engine's own Ray.
+what a stale endpoint is: docs/contract.md, section 11), and its token for the clients that can read the store. Read
+through a `GcsClient`, not a Ray driver, each call bounded, so nothing clashes with an engine's own Ray; with Ray's
+token where the process holds one (cluster_join.py).
 """
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import threading
 import time
+
+from .cluster_join import cluster_address, refusal, refused_by_ray, use_ray_token
 
 KV_NAMESPACE = b"dspark"
 
@@ -24,12 +26,11 @@ def worker_pattern(name: str) -> re.Pattern:
 
 
 def gcs_address(address: str | None) -> str:
-    """The GCS "host:port" of `address` ("HEAD:6379"; None: RAY_ADDRESS, else this host's latest cluster)."""
-    address = address or os.environ.get("RAY_ADDRESS") or "auto"
-    if address.startswith("ray://"):
-        raise ValueError(f"{address}: a Ray client address; name the cluster's GCS (HEAD:6379)")
-    from ray._private.services import canonicalize_bootstrap_address_or_die
-    return canonicalize_bootstrap_address_or_die(address)
+    """The GCS "host:port" of `address` ("HEAD:6379"; None: RAY_ADDRESS, else the one cluster on this host)."""
+    found = cluster_address(address)
+    if found is None:
+        raise ConnectionError("no Ray cluster runs on this host: name one with --address (or RAY_ADDRESS)")
+    return found
 
 
 class Directory:
@@ -50,16 +51,30 @@ class Directory:
                     socket.create_connection((host, int(port)), timeout=self.timeout_s).close()
                 except OSError as e:
                     raise ConnectionError(f"the Ray cluster's GCS at {self.address} does not answer: {e}") from None
+                use_ray_token()
                 from ray._raylet import GcsClient
-                self._gcs = GcsClient(address=self.address)
+                try:
+                    self._gcs = GcsClient(address=self.address)
+                except Exception as e:
+                    if refused_by_ray(e):
+                        raise ConnectionError(refusal(self.address)) from None
+                    raise ConnectionError(f"the Ray cluster's GCS at {self.address}: {type(e).__name__}: {e}") \
+                        from None
             return self._gcs
+
+    def check(self) -> None:
+        """ConnectionError unless the GCS answers and takes this process's Ray credentials."""
+        self._call("reading the table", lambda g: g.internal_kv_keys(b"deployment/", KV_NAMESPACE,
+                                                                       timeout=self.timeout_s))
 
     def _call(self, what: str, fn):
         try:
             return fn(self._client())
         except ConnectionError:
             raise
-        except Exception as e:          # ray.exceptions.RpcError and its kin: the GCS is slow or gone
+        except Exception as e:          # ray.exceptions.RpcError and its kin: the GCS is slow, gone or refuses us
+            if refused_by_ray(e):
+                raise ConnectionError(f"{what}: {refusal(self.address)}") from None
             raise ConnectionError(f"{what} from the GCS at {self.address}: {type(e).__name__}: {e}") from None
 
     def put(self, key: str, record: dict) -> None:
@@ -77,8 +92,19 @@ class Directory:
         self._call(f"removing worker/{worker}", lambda g: g.internal_kv_del(f"worker/{worker}".encode(), False,
                                                                            KV_NAMESPACE, timeout=self.timeout_s))
 
+    def publish_token(self, name: str, token: str) -> None:
+        """The deployment's token, for `token()`: readable by whoever may read the cluster's GCS."""
+        self._call("writing the token", lambda g: g.internal_kv_put(f"token/{name}".encode(), token.encode(), True,
+                                                                    KV_NAMESPACE, timeout=self.timeout_s))
+
+    def token(self, name: str) -> str | None:
+        """The token the deployment `name` was served with, None when it has none (served --insecure)."""
+        blob = self._call("reading the token", lambda g: g.internal_kv_get(f"token/{name}".encode(), KV_NAMESPACE,
+                                                                           timeout=self.timeout_s))
+        return None if blob is None else blob.decode()
+
     def remove(self, name: str) -> None:
-        """The deployment `name` and every record of its workers."""
+        """The deployment `name`, its token and every record of its workers."""
         pat = worker_pattern(name)
         keys = self._call("listing workers", lambda g: g.internal_kv_keys(b"worker/", KV_NAMESPACE,
                                                                             timeout=self.timeout_s))
@@ -86,8 +112,9 @@ class Directory:
             if pat.fullmatch(k.decode()[len("worker/"):]):
                 self._call(f"removing {k!r}", lambda g: g.internal_kv_del(k, False, KV_NAMESPACE,
                                                                            timeout=self.timeout_s))
-        self._call(f"removing deployment/{name}", lambda g: g.internal_kv_del(
-            f"deployment/{name}".encode(), False, KV_NAMESPACE, timeout=self.timeout_s))
+        for key in (f"token/{name}", f"deployment/{name}"):
+            self._call(f"removing {key}", lambda g: g.internal_kv_del(key.encode(), False, KV_NAMESPACE,
+                                                                       timeout=self.timeout_s))
 
     def deployment(self, name: str) -> dict | None:
         blob = self._call(f"reading deployment/{name}", lambda g: g.internal_kv_get(

@@ -11,10 +11,12 @@ round trip takes milliseconds: the per-round path is TCP or shm. Each HTTP sessi
 An entry is the contract's Entry with `token_ids` a list and the fp16 taps as base64 of their LE bytes (`taps_b64`);
 a body is as strict as a frame (required fields required, no coercion). A result: `code` (its name), `reason`,
 `generation`, `drafts`, `confidences` (exact fp32 as JSON numbers), `margins` (or null), `confident_len`. A refusal
-is {code, reason}: 409 the contract's refusal of a whole request (TCP's code and reason); 422 BAD_REQUEST (not JSON,
-or off the schema); 404 NO_SESSION / NOT_FOUND; 405 METHOD_NOT_ALLOWED; 413 TOO_LARGE (over `max_body_bytes`, from
-the Content-Length before reading); 408 BODY_TIMEOUT (stalled `body_stall_s`). A session unused for `session_ttl_s`
-is closed when the next one opens.
+is {code, reason}: 401 UNAUTHORIZED (no `Authorization: Bearer TOKEN` with the deployment's token, judged before a
+byte of the body is read); 409 the contract's refusal of a whole request (TCP's code and reason); 422 BAD_REQUEST
+(not JSON, or off the schema); 404 NO_SESSION / NOT_FOUND; 405 METHOD_NOT_ALLOWED; 413 TOO_LARGE (over
+`max_body_bytes`, from the Content-Length before reading); 408 BODY_TIMEOUT (stalled `body_stall_s`, or not whole
+within `body_timeout_s`). A body is read on the replica's event loop, so a slow one holds one of its
+`MAX_ONGOING_REQUESTS`, not its threads; a session unused for `session_ttl_s` is closed when the next one opens.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import time
 import msgspec
 import numpy as np
 
+from .access_token import token_refusal
 from .client import ClientError
 from .contract import Code, Step, make_entry, validate_step
 from .pool import DrafterPool
@@ -36,6 +39,10 @@ from .wire import DEFAULT_MAX_FRAME_BYTES
 ROUTE = "/dspark"
 SESSION_TTL_S = 300.0
 BODY_STALL_S = 5.0            # as TcpServer's stall_timeout_s: no progress for this long mid-request is a stall
+BODY_TIMEOUT_S = 10.0         # as TcpServer's frame_timeout_s: a body's bound, however it trickles
+# Requests the replica takes at once (Serve's default is 5: five trickling bodies held every other call); each slow
+# body holds one until its bound. Measured in docs/operations.md, "Security".
+MAX_ONGOING_REQUESTS = 128
 
 
 class _Json(msgspec.Struct, forbid_unknown_fields=True):
@@ -121,14 +128,14 @@ def entry_to_json(slot: int, generation: int, seed_token: int, token_ids, taps, 
 class _Sessions:
     """HTTP session token -> its DrafterPool (its slots over the deployment's workers); expired ones closed."""
 
-    def __init__(self, endpoints: str, ttl_s: float):
-        self.endpoints, self.ttl_s = endpoints, ttl_s
+    def __init__(self, endpoints: str, ttl_s: float, token: str | None = None):
+        self.endpoints, self.ttl_s, self.token = endpoints, ttl_s, token
         self.lock = threading.Lock()
         self.clients: dict[str, tuple[DrafterPool, list[float]]] = {}
 
     def open(self, hello: JsonHello) -> tuple[str, object]:
         self.expire()
-        c = DrafterPool(self.endpoints, timeout_s=30.0)
+        c = DrafterPool(self.endpoints, timeout_s=30.0, token=self.token)
         try:
             reply = c.hello(model_digest=hello.model_digest, config_digest=hello.config_digest, tp=hello.tp,
                             max_model_len=hello.max_model_len, client=hello.client)
@@ -163,12 +170,32 @@ class _Sessions:
             self.close(t)
 
 
-class BodyLimits:
-    """ASGI middleware reading a body whole within `max_bytes` (413) and `stall_s` without progress (408) before
-    the app sees it: FastAPI would otherwise read, and parse, whatever came."""
+class BearerToken:
+    """ASGI middleware: a request without `Authorization: Bearer TOKEN`, the deployment's token, is answered 401
+    before a byte of its body is read (compared in constant time, never logged)."""
 
-    def __init__(self, app, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_s: float = BODY_STALL_S):
-        self.app, self.max_bytes, self.stall_s = app, max_bytes, stall_s
+    def __init__(self, app, token: str):
+        self.app, self.token = app, token
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, given = header.partition(" ")
+        why = token_refusal(self.token, given.strip() if scheme.lower() == "bearer" else "",
+                            "the request's Authorization: Bearer header")
+        if why:
+            return await refuse(send, 401, "UNAUTHORIZED", why, [(b"www-authenticate", b"Bearer")])
+        return await self.app(scope, receive, send)
+
+
+class BodyLimits:
+    """ASGI middleware reading a body whole within `max_bytes` (413), `stall_s` without progress and `timeout_s` in
+    all (408) before the app sees it: FastAPI would otherwise read, and parse, whatever came, for as long as it came."""
+
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_s: float = BODY_STALL_S,
+                 timeout_s: float = BODY_TIMEOUT_S):
+        self.app, self.max_bytes, self.stall_s, self.timeout_s = app, max_bytes, stall_s, timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -181,13 +208,18 @@ class BodyLimits:
         if length is not None and length > self.max_bytes:
             return await refuse(send, 413, "TOO_LARGE", self._too_large(length))
         body, more = bytearray(), True
+        deadline = time.monotonic() + self.timeout_s
         while more:
+            left = deadline - time.monotonic()
             try:
-                msg = await asyncio.wait_for(receive(), self.stall_s)
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                msg = await asyncio.wait_for(receive(), min(self.stall_s, left))
             except asyncio.TimeoutError:
-                return await refuse(send, 408, "BODY_TIMEOUT", f"the request body stalled: {len(body)} of "
-                                    f"{length if length is not None else '?'} bytes, then none for "
-                                    f"{self.stall_s:g} s")
+                of = f"{len(body)} of {length if length is not None else '?'} bytes"
+                return await refuse(send, 408, "BODY_TIMEOUT", f"the request body stalled: {of}, then none for "
+                                    f"{self.stall_s:g} s" if left > self.stall_s else
+                                    f"the request body did not arrive within {self.timeout_s:g} s: {of}")
             if msg["type"] == "http.disconnect":
                 return
             body += msg.get("body", b"")
@@ -209,12 +241,12 @@ class BodyLimits:
         return f"request body of {size} > the limit of {self.max_bytes} (the STEP endpoint's max_frame_bytes)"
 
 
-async def refuse(send, status: int, code: str, reason: str) -> None:
+async def refuse(send, status: int, code: str, reason: str, headers=()) -> None:
     """A refusal in the endpoint's one shape, {code, reason}, sent from the ASGI level."""
     body = json.dumps({"code": code, "reason": reason}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                            (b"connection", b"close"), *headers]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -222,8 +254,10 @@ _STATUS_CODES = {404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED"}
 
 
 def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S, max_body_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-              body_stall_s: float = BODY_STALL_S):
-    """The Serve app for `endpoint` ("host:port", or the workers' comma-separated), to run at `ROUTE`."""
+              body_stall_s: float = BODY_STALL_S, body_timeout_s: float = BODY_TIMEOUT_S, token: str | None = None,
+              max_ongoing_requests: int = MAX_ONGOING_REQUESTS):
+    """The Serve app for `endpoint` ("host:port", or the workers' comma-separated), to run at `ROUTE`; `token`: the
+    deployment's, which every request must carry and the app's clients send (None: none)."""
     from fastapi import Body, FastAPI, HTTPException
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
@@ -231,7 +265,9 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S, max_body_byte
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     api = FastAPI(title="dspark-ray STEP over HTTP")
-    api.add_middleware(BodyLimits, max_bytes=max_body_bytes, stall_s=body_stall_s)
+    api.add_middleware(BodyLimits, max_bytes=max_body_bytes, stall_s=body_stall_s, timeout_s=body_timeout_s)
+    if token is not None:                    # added last, so it runs first: before the body is read
+        api.add_middleware(BearerToken, token=token)
 
     @api.exception_handler(StarletteHTTPException)
     async def flat(request, e):
@@ -255,11 +291,11 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S, max_body_byte
     def bad(e: ValueError) -> HTTPException:
         return HTTPException(422, {"code": "BAD_REQUEST", "reason": str(e)})
 
-    @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+    @serve.deployment(num_replicas=1, max_ongoing_requests=max_ongoing_requests, ray_actor_options={"num_cpus": 0})
     @serve.ingress(api)
     class DrafterHttp:
-        def __init__(self, endpoint: str, ttl_s: float):
-            self.sessions = _Sessions(endpoint, ttl_s)
+        def __init__(self, endpoint: str, ttl_s: float, token: str | None):
+            self.sessions = _Sessions(endpoint, ttl_s, token)
 
         def _client(self, s: str) -> DrafterPool:
             c = self.sessions.get(s)
@@ -320,7 +356,7 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S, max_body_byte
         def close_session(self, s: str) -> dict:
             return {"closed": self.sessions.close(s)}
 
-    return DrafterHttp.bind(endpoint, session_ttl_s)
+    return DrafterHttp.bind(endpoint, session_ttl_s, token)
 
 
 class ProxyElsewhere(RuntimeError):
@@ -342,7 +378,8 @@ def check_address(host: str, port: int) -> None:
 
 
 def start(name: str, endpoint: str, host: str, port: int, **limits) -> str:
-    """Run `name`'s app on Serve at host:port (`limits`: build_app's keywords); returns the sessions URL."""
+    """Run `name`'s app on Serve at host:port (`limits`: build_app's keywords, `token` among them); returns the
+    sessions URL."""
     from ray import serve
     check_address(host, port)
     serve.start(http_options={"host": host, "port": port})

@@ -17,7 +17,8 @@ ANSWER_CODES = ("ok", "bad_entry", "stale", "internal", "unavailable", "deadline
 TCP_COUNTERS = {"connections": "connections accepted by the STEP endpoint",
                 "bad_frames": "connections closed for a bad frame",
                 "connections_refused": "connections refused at the endpoint's limit (serve --max-connections)",
-                "idle_sessions_closed": "sessions closed after serve --idle-timeout without a request"}
+                "idle_sessions_closed": "sessions closed after serve --idle-timeout without a request",
+                "unauthorized": "HELLOs refused UNAUTHORIZED: no token, or not the deployment's"}
 # From an instant pair's host path to the CPU test pair's tens of ms.
 STEP_SECONDS_BOUNDS = [5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5, 2.0]
 RESTART_SECONDS_BOUNDS = [1, 2, 5, 10, 20, 60]

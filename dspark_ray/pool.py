@@ -51,15 +51,16 @@ class _Worker:
 
 class DrafterPool:
     def __init__(self, endpoints: Sequence[str] | str, *, timeout_s: float = 5.0, spin_us: float = 0.0,
-                 shm: bool = False, retry_s: float = 1.0):
+                 shm: bool = False, retry_s: float = 1.0, token: str | None = None):
         """`endpoints`: the workers' "host:port" (a list, or one string with commas). `timeout_s`, `spin_us`,
-        `shm`: as for each worker's DrafterClient. `retry_s`: how often a down worker is tried again."""
+        `shm`, `token`: as for each worker's DrafterClient. `retry_s`: how often a down worker is tried again."""
         if isinstance(endpoints, str):
             endpoints = [e for e in endpoints.split(",") if e.strip()]
         if not endpoints:
             raise ValueError("a pool needs at least one endpoint")
         self.workers = [_Worker(e.strip()) for e in endpoints]
         self.timeout_s, self.spin_us, self.shm, self.retry_s = timeout_s, spin_us, shm, retry_s
+        self._token = token
         self._resolve = None
         self.stride = 0
         self.hello_reply: HelloReply | None = None
@@ -70,14 +71,18 @@ class DrafterPool:
 
     @classmethod
     def from_deployment(cls, address: str | None = None, name: str = "dspark", *, resolve_timeout_s: float = 2.0,
-                        **kw) -> "DrafterPool":
+                        token: str | None = None, **kw) -> "DrafterPool":
         """A pool over the deployment `name`, its workers found through the GCS at `address` ("HEAD:6379"; None:
-        RAY_ADDRESS or this host's cluster), each read bounded by `resolve_timeout_s`. `kw`: the constructor's.
-        LookupError: no such deployment; ConnectionError: the GCS does not answer."""
+        RAY_ADDRESS or the one cluster on this host), each read bounded by `resolve_timeout_s`; `token`: the
+        deployment's, read from the cluster where None (only holders of Ray's token may read it, where the cluster
+        has token authentication). `kw`: the constructor's. LookupError: no such deployment; ConnectionError: the
+        GCS does not answer, or refuses this process (Ray's token)."""
         from .endpoints import Directory
         directory = Directory(address, timeout_s=resolve_timeout_s)
         found = directory.endpoints(name)
-        pool = cls(["-"] * len(found), **kw)
+        if token is None:
+            token = directory.token(name)
+        pool = cls(["-"] * len(found), token=token, **kw)
         for w, (worker, ep) in zip(pool.workers, found.items()):
             w.name, w.endpoint = worker, ep
         pool._resolve = lambda: directory.endpoints(name)
@@ -128,7 +133,8 @@ class DrafterPool:
         if w.endpoint is None:
             return None, f"worker {w.name} does not serve now (waiting for room, starting, or its node lost)"
         try:
-            c = DrafterClient(*_split(w.endpoint), timeout_s=self.timeout_s, spin_us=self.spin_us, shm=self.shm)
+            c = DrafterClient(*_split(w.endpoint), timeout_s=self.timeout_s, spin_us=self.spin_us, shm=self.shm,
+                              token=self._token)
         except ClientError as e:
             return None, str(e)
         try:

@@ -1,5 +1,6 @@
 """Length-prefixed frames: a 24-byte header (docs/contract.md, "The frame"), then one msgpack contract message.
-A reader checks the whole header before it allocates or reads a byte of payload, so a hostile length costs nothing.
+A reader checks the whole header (and whether such a frame may come now) before it reads a byte of payload, and its
+buffer grows with the bytes that arrive, not with the length a header claims: a hostile length costs nothing.
 """
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from typing import Callable, NamedTuple
 
 import msgspec
 
-from .contract import MESSAGE_TYPES, PROTOCOL_VERSION, Message, MsgType
+from .contract import MAX_HELLO_FRAME_BYTES, MESSAGE_TYPES, PROTOCOL_VERSION, Message, MsgType
 
 MAGIC = b"DSPK"
 HEADER = struct.Struct("<4sHHHHQI")
 HEADER_SIZE = HEADER.size
 DEFAULT_MAX_FRAME_BYTES = 64 << 20
+# A new reader's and writer's buffer: a HELLO fits; each grows as larger frames come (and never shrinks).
+FIRST_BUFFER_BYTES = MAX_HELLO_FRAME_BYTES
 
 
 class FrameError(Exception):
@@ -110,7 +113,7 @@ class FrameWriter:
     def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES):
         self.max_frame_bytes = max_frame_bytes
         self._enc = msgspec.msgpack.Encoder()
-        self._buf = bytearray(64 << 10)
+        self._buf = bytearray(FIRST_BUFFER_BYTES)
 
     def pack(self, msg: object, request_id: int) -> int:
         mtype = _TYPE_OF.get(type(msg))
@@ -148,20 +151,27 @@ def encode(msg: object, request_id: int = 0, max_frame_bytes: int = DEFAULT_MAX_
 
 class FrameReader:
     """Reads one header, then its payload, into reused buffers; `recv_into` has socket.recv_into's contract.
-    A recv without progress within the socket's timeout is a FrameError mid-frame. Between frames it passes through,
-    or with `wait_between_frames` the reader waits on, up to `idle_timeout_s` (IdleTimeout; None: for ever).
+    A recv without progress within the socket's timeout is a FrameError mid-frame, and so is a frame not whole within
+    `frame_timeout_s` of its first bytes (None: no bound). `admit(type, frame bytes)` judges each header before any
+    payload is read: a reason it returns is a FrameError. Between frames the reader passes a timeout through, or with
+    `wait_between_frames` waits on, up to `idle_timeout_s` (IdleTimeout; None: for ever).
     """
 
     def __init__(self, recv_into: Callable[[memoryview], int], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 wait_between_frames: bool = False, idle_timeout_s: float | None = None):
+                 wait_between_frames: bool = False, idle_timeout_s: float | None = None,
+                 frame_timeout_s: float | None = None,
+                 admit: Callable[[MsgType, int], str | None] | None = None):
         self.max_frame_bytes = max_frame_bytes
         self._recv_into = recv_into
         self._restart = getattr(recv_into, "restart", None)
         self._wait_between_frames = wait_between_frames
         self.idle_timeout_s = idle_timeout_s
+        self.frame_timeout_s = frame_timeout_s
+        self.admit = admit
         self._waiting_since = 0.0
+        self._deadline: float | None = None        # monotonic s by which the frame being read must be whole
         self._header = memoryview(bytearray(HEADER_SIZE))
-        self._payload = bytearray(64 << 10)       # grows to the largest frame seen, never shrinks
+        self._payload = bytearray(FIRST_BUFFER_BYTES)     # grows with what arrived, never shrinks
         self.last_length = 0
 
     def read(self) -> Frame:
@@ -169,13 +179,17 @@ class FrameReader:
         if self._restart is not None:        # a polling recv spins from here (spinning_recv_into)
             self._restart()
         self._waiting_since = time.monotonic()
-        self._fill(self._header, at_boundary=True)
+        self._deadline = None
+        self._fill(self._header, "header")
         received_ns = time.monotonic_ns()
         mtype, request_id, length = parse_header(self._header, self.max_frame_bytes)
-        if length > len(self._payload):
-            self._payload = bytearray(length)
-        payload = memoryview(self._payload)[:length]
-        self._fill(payload, at_boundary=False)
+        if self.admit is not None:
+            why = self.admit(mtype, HEADER_SIZE + length)
+            if why:
+                raise FrameError(why)
+        if self._deadline is None and self.frame_timeout_s is not None:
+            self._deadline = received_ns / 1e9 + self.frame_timeout_s
+        payload = self._read_payload(length)
         self.last_length = length
         try:
             return Frame(request_id, decode_payload(mtype, payload), received_ns)
@@ -187,9 +201,29 @@ class FrameReader:
         """The last frame's payload, in the reader's buffer (the next `read` overwrites it)."""
         return memoryview(self._payload)[:self.last_length]
 
-    def _fill(self, view: memoryview, at_boundary: bool) -> None:
+    def _read_payload(self, length: int) -> memoryview:
+        buf = self._payload
+        if length <= len(buf):
+            view = memoryview(buf)[:length]
+            self._fill(view, "payload")
+            return view
+        # A header's length is a claim: the buffer doubles only as arriving bytes fill it. A new buffer each time,
+        # as the last frame's decoded message may still view the old one.
         got = 0
-        part = "header" if at_boundary else "payload"
+        while got < length:
+            if got == len(buf):
+                grown = bytearray(min(length, 2 * len(buf)))
+                grown[:got] = buf
+                buf = grown
+            got += self._fill(memoryview(buf)[got:min(length, len(buf))], "payload", got, length)
+        self._payload = buf
+        return memoryview(buf)[:length]
+
+    def _fill(self, view: memoryview, part: str, done: int = 0, total: int | None = None) -> int:
+        """Fill `view` whole: bytes `done` .. `done + len(view)` of the frame's `total`-byte `part`."""
+        got = 0
+        total = len(view) if total is None else total
+        at_boundary = part == "header"
         while got < len(view):
             try:
                 n = self._recv_into(view[got:])
@@ -201,12 +235,20 @@ class FrameReader:
                     if idle is not None and time.monotonic() - self._waiting_since >= idle:
                         raise IdleTimeout(f"no request for {idle:g} s") from None
                     continue
-                raise FrameError(f"stalled frame: no progress after {got} of {len(view)} {part} bytes") from None
+                raise FrameError(f"stalled frame: no progress after {done + got} of {total} {part} bytes") from None
             if n == 0:
                 if at_boundary and got == 0:
                     raise ConnectionClosed("peer closed the connection")
-                raise FrameError(f"truncated frame: stream ended after {got} of {len(view)} {part} bytes")
+                raise FrameError(f"truncated frame: stream ended after {done + got} of {total} {part} bytes")
             got += n
+            if got < len(view) and self.frame_timeout_s is not None:     # a part of a frame: its clock runs
+                now = time.monotonic()
+                if self._deadline is None:
+                    self._deadline = now + self.frame_timeout_s
+                elif now > self._deadline:
+                    raise FrameError(f"slow frame: {done + got} of {total} {part} bytes after the frame's bound of "
+                                     f"{self.frame_timeout_s:g} s")
+        return got
 
 
 def bound_blocking_io(sock: socket.socket, timeout_s: float | None) -> None:

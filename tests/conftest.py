@@ -35,7 +35,7 @@ from dspark_ray.contract import Code  # noqa: E402
 HOST_TMP = tempfile.gettempdir()
 SESSION_TMP = tempfile.mkdtemp(prefix="dsr-tests-")      # short: Ray's socket paths live under it
 OURS = ("dsr-*", "dr-*", "dspark*", "*.bells")            # names our code and tests give, in the host's temp folder
-SESSION_OWN = ("pytest", "ray")                           # pytest's and Ray's, in the session's folder
+SESSION_OWN = ("pytest", "ray", "ray-auth-token")         # pytest's and Ray's, in the session's folder
 
 
 def listing(places) -> dict[str, set[str]]:
@@ -52,6 +52,12 @@ BEFORE_SHM, BEFORE_HOST = listing(["/dev/shm"]), listing([HOST_TMP])
 os.environ["TMPDIR"] = SESSION_TMP
 tempfile.tempdir = SESSION_TMP
 os.environ.setdefault("RAY_TMPDIR", SESSION_TMP)
+# Ray 2.60 starts every ray.init() cluster with token authentication and, finding no token, writes one to
+# ~/.ray/auth_token, where every later `ray start --head` of this user finds it. The session's token is its own.
+if "RAY_AUTH_TOKEN" not in os.environ and "RAY_AUTH_TOKEN_PATH" not in os.environ:
+    from dspark_ray.access_token import new_token, write_token_file  # noqa: E402
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(write_token_file(os.path.join(SESSION_TMP, "ray-auth-token"),
+                                                             new_token()))
 
 
 def pytest_configure(config):

@@ -124,3 +124,26 @@ def test_the_kuberay_manifest_puts_one_nvlink_pair_in_a_pod_and_serves_from_the_
     env = {e["name"]: e["value"] for e in head["env"]}
     a = parsed_serve(monkeypatch, serve_args(command, env))
     assert a.detach and a.pending and a.host == "0.0.0.0" and a.pairs == group["replicas"]
+
+
+# ---- Ray's token authentication and the deployment's token (issue 63) ---------------------------------------------
+def test_every_cluster_file_runs_ray_with_token_authentication_and_serves_with_a_token(monkeypatch):
+    """The environment files turn Ray's token authentication on; the launcher copies Ray's token to every host; the
+    KubeRay manifest asks the operator for it; each serve beyond loopback names its token file, made if missing."""
+    for env_file in ("dspark.env", "dspark.systemd.env"):
+        assert re.search(r"^(export )?RAY_AUTH_MODE=token$", (CLUSTER / env_file).read_text(), re.M), env_file
+    cfg = load("ray-cluster.yaml")
+    assert cfg["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    serve = cfg["head_start_ray_commands"][-1]
+    assert "dspark-ray token --new ~/.dspark-ray/step-token" in serve
+    assert parsed_serve(monkeypatch, serve_args(serve)).token_file == "~/.dspark-ray/step-token"
+    m = load("kuberay-raycluster.yaml")
+    assert m["spec"]["authOptions"] == {"mode": "token"}
+    (head,) = m["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    command = head["lifecycle"]["postStart"]["exec"]["command"][-1]
+    env = {e["name"]: e["value"] for e in head["env"]}
+    assert command.index("dspark-ray token --new") < command.index("dspark-ray serve")
+    assert parsed_serve(monkeypatch, serve_args(command, env)).token_file == "~/.dspark-ray/step-token"
+    head_sh, worker_sh = (CLUSTER / "start-head.sh").read_text(), (CLUSTER / "start-worker.sh").read_text()
+    assert "ray get-auth-token --generate" in head_sh and 'dspark-ray token --new "$token"' in head_sh
+    assert 'dspark-ray serve --detach --token-file "$token"' in head_sh and "~/.ray/auth_token" in worker_sh

@@ -197,7 +197,7 @@ SERVED = dict(model_digest="m1", config_digest="c1", tp=2, max_model_len=8192)
 @pytest.mark.parametrize("hello,reason", [
     (C.Hello(), None),
     (C.Hello(model_digest="m1", config_digest="c1", tp=2, max_model_len=8192), None),
-    (C.Hello(protocol_version=2), "protocol_version: client speaks 2, server speaks 1"),
+    (C.Hello(protocol_version=1), "protocol_version: client speaks 1, server speaks 2"),
     (C.Hello(model_digest="m2"), "model_digest: client expects 'm2', server serves 'm1'"),
     (C.Hello(config_digest="c2"), "config_digest: client expects 'c2', server serves 'c1'"),
     (C.Hello(tp=1), "tp: client expects 1, server serves 2"),
@@ -290,8 +290,8 @@ def test_the_optional_fields_take_their_documented_defaults():
     (got,) = step.entries
     assert (got.rows, bytes(got.taps), got.rollback_to, got.want_margins) == (0, b"", -1, False)
     hello = wire.decode_payload(C.MsgType.HELLO, msgspec.msgpack.encode({"type": int(C.MsgType.HELLO)}))
-    assert hello == C.Hello(protocol_version=1, model_digest=None, config_digest=None, tp=None, max_model_len=None,
-                            client="")
+    assert hello == C.Hello(protocol_version=2, model_digest=None, config_digest=None, tp=None, max_model_len=None,
+                            client="", token="")
 
 
 # ---- framing: every way a frame can be wrong ------------------------------------------------------------------------
@@ -306,7 +306,7 @@ def _frame(msg=C.Acquire(n=1), **header) -> bytes:
 
 @pytest.mark.parametrize("data,message", [
     (_frame(magic=b"HTTP"), "bad magic b'HTTP'"),
-    (_frame(version=2), "protocol version 2 in frame header, this side speaks 1"),
+    (_frame(version=1), "protocol version 1 in frame header, this side speaks 2"),
     (_frame(mtype=99), "unknown message type 99"),
     (_frame(flags=1), "unknown flags 0x0001"),
     (_frame(reserved=3), "reserved header field is 3, must be 0"),
@@ -315,7 +315,7 @@ def _frame(msg=C.Acquire(n=1), **header) -> bytes:
     (_frame()[:10], "truncated frame: stream ended after 10 of 24 header bytes"),
     (_frame(C.Release(slots=[1, 2, 3]))[:-2], "truncated frame: stream ended after 15 of 17 payload bytes"),
     (_frame(mtype=int(C.MsgType.STEP)), "undecodable STEP payload"),
-    (wire.HEADER.pack(wire.MAGIC, 1, int(C.MsgType.ACQUIRE), 0, 0, 1, 3) + b"\xc1\xc1\xc1",
+    (wire.HEADER.pack(wire.MAGIC, C.PROTOCOL_VERSION, int(C.MsgType.ACQUIRE), 0, 0, 1, 3) + b"\xc1\xc1\xc1",
      "undecodable ACQUIRE payload"),
 ], ids=["magic", "version", "type", "flags", "reserved", "oversize", "oversize-4GiB", "truncated-header", "truncated-payload",
         "wrong-payload-type", "garbage-payload"])

@@ -22,8 +22,10 @@ from dspark_ray.transport.tcp import TcpServer
 from conftest import EnginePair
 
 HEADER = struct.Struct("<4sHHHHQI")      # section 1: magic, version, type, flags, reserved, request id, length
+VERSION = 2                              # section 8
 HELLO, HELLO_REPLY, ACQUIRE, ACQUIRE_REPLY, RELEASE, RELEASE_REPLY, STEP, STEP_REPLY, ERROR_REPLY = range(1, 10)
-OK, BAD_ENTRY, STALE_GENERATION, OVERLOADED = 0, 1, 2, 6
+OK, BAD_ENTRY, STALE_GENERATION, OVERLOADED, UNAUTHORIZED = 0, 1, 2, 6, 8
+TOKEN = "a-deployment-token-for-the-doc-client"
 
 
 class DocClient:
@@ -36,7 +38,7 @@ class DocClient:
         rid = self.next_id if request_id is None else request_id
         self.next_id += 1
         payload = msgspec.msgpack.encode(fields if "type" in fields else {"type": mtype, **fields})
-        self.sock.sendall(HEADER.pack(b"DSPK", 1, mtype, 0, 0, rid, len(payload)) + payload)
+        self.sock.sendall(HEADER.pack(b"DSPK", VERSION, mtype, 0, 0, rid, len(payload)) + payload)
         return rid
 
     def _exactly(self, n: int) -> bytes:
@@ -49,7 +51,7 @@ class DocClient:
 
     def receive(self) -> tuple[int, int, dict]:
         magic, version, mtype, flags, reserved, rid, length = HEADER.unpack(self._exactly(HEADER.size))
-        assert (magic, version, flags, reserved) == (b"DSPK", 1, 0, 0)
+        assert (magic, version, flags, reserved) == (b"DSPK", VERSION, 0, 0)
         msg = msgspec.msgpack.decode(self._exactly(length))
         assert msg["type"] == mtype                     # the payload names its own type
         return mtype, rid, msg
@@ -75,7 +77,7 @@ def worker(cfg, ckpt):
         svc = StepService(Identity("model", cfg.digest(), 2, cfg.max_model_len),
                           C.Limits.for_config(cfg, slot_capacity=4),
                           EnginePair(engine), window=cfg.sliding_window)
-        return TcpServer(svc).start()
+        return TcpServer(svc, token=TOKEN).start()
     made = [make(), make()]
     yield made
     for srv in made:
@@ -85,10 +87,15 @@ def worker(cfg, ckpt):
 def test_a_client_written_from_the_doc_alone_is_served(worker, cfg):
     doc_srv, twin_srv = worker
     c = DocClient(doc_srv.port)
+    # section 1: a HELLO without the deployment's token is answered UNAUTHORIZED, and the connection closed
+    t, msg = c.call(HELLO, {"client": "doc"})
+    assert t == HELLO_REPLY and msg["ok"] is False and msg["code"] == UNAUTHORIZED and msg["limits"] is None
+    assert c.sock.recv(1) == b""
+    c = DocClient(doc_srv.port)
     # section 2: HELLO, refused on a mismatch (and may be sent again), then accepted with the limits
-    t, msg = c.call(HELLO, {"tp": 1})
+    t, msg = c.call(HELLO, {"tp": 1, "token": TOKEN})
     assert t == HELLO_REPLY and msg["ok"] is False and msg["code"] == 3 and msg["limits"] is None
-    t, msg = c.call(HELLO, {"client": "doc", "config_digest": cfg.digest(), "tp": 2})
+    t, msg = c.call(HELLO, {"client": "doc", "config_digest": cfg.digest(), "tp": 2, "token": TOKEN})
     assert t == HELLO_REPLY and msg["ok"] is True and msg["code"] == OK and msg["worker_generation"] == 0
     lim = msg["limits"]
     assert lim["sliding_window"] == cfg.sliding_window and lim["slot_capacity"] == 4
@@ -126,7 +133,7 @@ def test_a_client_written_from_the_doc_alone_is_served(worker, cfg):
     assert got[2][1]["code"] == BAD_ENTRY and "named by entries 0 and 1" in got[2][1]["reason"]
     assert got[4][0]["drafts"] == got[3][0]["drafts"][:8]           # the prefix property, bit for bit
     # the project's own client, on a twin worker, gets the same bits
-    with DrafterClient("127.0.0.1", twin_srv.port) as own:
+    with DrafterClient("127.0.0.1", twin_srv.port, token=TOKEN) as own:
         own.hello()
         [g, _] = own.acquire(2)
         for entries, results in zip(rounds, got):

@@ -1,30 +1,42 @@
-"""The HTTP endpoint's bounds and refusals (http_gateway.py, issue 51 item 2): a body over the TCP frame limit is
-refused 413 before it is read, a stalled body 408, every refusal is {code, reason}, and a bad STEP is refused over
-HTTP exactly as over TCP. The middleware alone (no Ray), then the app on Ray Serve in front of a tiny tp1 worker."""
+"""The HTTP endpoint's bounds and refusals (http_gateway.py, issues 51 and 63): a request without the deployment's
+token is refused 401 before its body is read, a body over the TCP frame limit 413 before it is read, a stalled or slow
+body 408, and slow bodies do not hold the replica from others; every refusal is {code, reason}, and a bad STEP is
+refused over HTTP exactly as over TCP. The middleware alone (no Ray), then the app on Ray Serve in front of a tiny
+tp1 worker."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import math
 import socket
+import statistics
+import threading
 import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
+from dspark_ray import access_token
 from dspark_ray import contract as C
 from dspark_ray import wire
 from dspark_ray import http_gateway as http
 from dspark_ray.wire import DEFAULT_MAX_FRAME_BYTES
 
 STALL_S = 1.0
+BODY_TIMEOUT_S = 4.0
+TOKEN = access_token.new_token()
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
 
 
 # ---- the body's bounds, at the ASGI level -------------------------------------------------------------------------
-def through_limits(chunks, content_length=None, max_bytes=1000, stall_s=0.2, gaps_s=()):
-    """Send a POST whose body comes in `chunks` (a None chunk: the client stops sending) through BodyLimits in front
-    of an app that echoes the body's length; returns (status, JSON answer, what the app saw, chunks read)."""
+def through_limits(chunks, content_length=None, max_bytes=1000, stall_s=0.2, timeout_s=10.0, gap_s=0.0,
+                   headers=(), token=None):
+    """Send a POST whose body comes in `chunks`, `gap_s` apart (a None chunk: the client stops sending), through
+    BodyLimits (and BearerToken when `token` is set) in front of an app that echoes the body's length; returns
+    (status, JSON answer, what the app saw, chunks read)."""
     seen, read = [], [0]
 
     async def app(scope, receive, send):
@@ -42,14 +54,16 @@ def through_limits(chunks, content_length=None, max_bytes=1000, stall_s=0.2, gap
 
         async def receive():
             read[0] += 1
+            await asyncio.sleep(gap_s)
             return await queue.get()                 # a client that stopped sending: waits for ever
         sent = []
 
         async def send(m):
             sent.append(m)
-        headers = [] if content_length is None else [(b"content-length", str(content_length).encode())]
-        await http.BodyLimits(app, max_bytes, stall_s)({"type": "http", "method": "POST", "headers": headers},
-                                                       receive, send)
+        head = list(headers) + ([] if content_length is None else [(b"content-length", str(content_length).encode())])
+        limits = http.BodyLimits(app, max_bytes, stall_s, timeout_s)
+        outer = limits if token is None else http.BearerToken(limits, token)
+        await outer({"type": "http", "method": "POST", "headers": head}, receive, send)
         return sent[0]["status"], json.loads(sent[1]["body"])
     status, answer = asyncio.run(run())
     return status, answer, seen, read[0]
@@ -78,6 +92,29 @@ def test_a_stalled_body_is_refused_408_after_the_stall_bound():
     assert "300 of 1000 bytes, then none for 0.2 s" in answer["reason"] and time.monotonic() - t0 < 2.0
 
 
+def test_a_trickling_body_is_refused_408_at_its_total_bound():
+    """A chunk every 0.1 s never stalls (0.2 s), yet the body is cut at its 0.5 s bound."""
+    t0 = time.monotonic()
+    status, answer, seen, read = through_limits([b"x"] * 100, content_length=100, stall_s=0.2, timeout_s=0.5,
+                                                gap_s=0.1)
+    assert status == 408 and answer["code"] == "BODY_TIMEOUT" and seen == [] and 3 <= read < 10
+    assert "did not arrive within 0.5 s" in answer["reason"] and 0.45 < time.monotonic() - t0 < 2.0
+
+
+@pytest.mark.parametrize("headers,why", [
+    ((), "carries none"), (((b"authorization", b"Bearer " + b"x" * 43),), "is not this deployment's"),
+    (((b"authorization", f"Bearer {access_token.new_token()}".encode()),), "is not this deployment's"),
+    (((b"authorization", f"Basic {TOKEN}".encode()),), "carries none"),
+], ids=["none", "wrong", "another-deployments", "not-bearer"])
+def test_a_request_without_the_token_is_refused_401_before_a_byte_of_its_body(headers, why):
+    status, answer, seen, read = through_limits([b"x" * 10], content_length=10, headers=headers, token=TOKEN)
+    assert status == 401 and answer["code"] == "UNAUTHORIZED" and why in answer["reason"], answer
+    assert TOKEN not in answer["reason"] and seen == [] and read == 0
+    ok = through_limits([b"x" * 10], content_length=10, token=TOKEN,
+                        headers=[(b"authorization", f"Bearer {TOKEN}".encode())])
+    assert ok[:2] == (200, {"length": 10})
+
+
 # ---- the app on Ray Serve -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def served(ray_cluster, tiny_ckpt):
@@ -87,21 +124,22 @@ def served(ray_cluster, tiny_ckpt):
 
     from conftest import deploy_pair
     from dspark_ray.actors.placement import teardown
-    _, host, port = deploy_pair(ray_cluster, tiny_ckpt, "http", tp=1)
+    _, host, port = deploy_pair(ray_cluster, tiny_ckpt, "http", tp=1, token=TOKEN)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         http_port = s.getsockname()[1]
     try:
-        yield host, port, http.start("http", f"{host}:{port}", "127.0.0.1", http_port, body_stall_s=STALL_S)
+        yield host, port, http.start("http", f"{host}:{port}", "127.0.0.1", http_port, body_stall_s=STALL_S,
+                                     body_timeout_s=BODY_TIMEOUT_S, token=TOKEN)
     finally:
         http.stop("http")
         serve.shutdown()
         teardown("http")
 
 
-def call(method: str, url: str, body=None, raw: bytes | None = None) -> tuple[int, dict]:
+def call(method: str, url: str, body=None, raw: bytes | None = None, auth: dict = BEARER) -> tuple[int, dict]:
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, method=method, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, method=method, data=data, headers={"Content-Type": "application/json", **auth})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -122,7 +160,7 @@ def raw_post(url: str, headers: dict, body: bytes, read_s: float) -> tuple[int, 
     host, port = hostport.split(":")
     with socket.create_connection((host, int(port)), timeout=read_s) as s:
         head = f"POST /{path} HTTP/1.1\r\nHost: {hostport}\r\nContent-Type: application/json\r\n" + \
-            "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+            "".join(f"{k}: {v}\r\n" for k, v in {**BEARER, **headers}.items()) + "\r\n"
         s.sendall(head.encode() + body)
         t0 = time.monotonic()
         got = b""
@@ -183,7 +221,7 @@ def tcp_answer(host: str, port: int, msg) -> object:
     """`msg`'s answer from the STEP endpoint, sent as it is (no client-side splitting or checks) after HELLO."""
     with socket.create_connection((host, port), timeout=60) as s:
         reader = wire.FrameReader(s.recv_into)
-        for i, m in enumerate((C.Hello(client="tcp side"), msg)):
+        for i, m in enumerate((C.Hello(client="tcp side", token=TOKEN), msg)):
             s.sendall(wire.encode(m, i + 1))
             _, reply, _ = reader.read()
         return reply
@@ -208,3 +246,94 @@ def test_a_bad_step_is_refused_over_http_exactly_as_over_tcp(served):
         else:
             assert isinstance(tcp, C.StepReply) and tcp.results == [] and (st, got) == (200, {"results": []}), \
                 (what, tcp, got)
+
+
+# ---- who may draft over HTTP, and slow bodies (issue 63) ----------------------------------------------------------
+def drafting_session(served) -> tuple[str, dict]:
+    """A session holding one slot with 4 rows inserted: (its URL, a STEP that drafts again from them, changing
+    nothing: its answer is the same every time)."""
+    st, opened = call("POST", served[2], {"client": "drafting"})
+    assert st == 200, opened
+    url, lim = f"{served[2]}/{opened['session']}", opened["limits"]
+    st, got = call("POST", f"{url}/acquire", {"n": 1})
+    (g,) = got["slots"]
+    rng = np.random.default_rng(5)
+    taps = rng.standard_normal((4, lim["n_taps"] * lim["hidden_size"])).astype("<f2")
+    first = {"slot": g["slot"], "generation": g["generation"], "seed_token": 1, "start_pos": 0, "n_out": 5,
+             "token_ids": [int(t) for t in rng.integers(0, lim["vocab_size"], 4)],
+             "taps_b64": base64.b64encode(taps.tobytes()).decode()}
+    st, got = call("POST", f"{url}/step", {"entries": [first], "deadline_ms": 60_000})
+    assert st == 200 and got["results"][0]["code"] == "OK", got
+    again = {"slot": g["slot"], "generation": g["generation"], "seed_token": 1, "start_pos": 4, "n_out": 5}
+    return url, {"entries": [again], "deadline_ms": 60_000}
+
+
+def drafts(url: str, step: dict) -> list[int]:
+    st, got = call("POST", f"{url}/step", step)
+    assert st == 200 and got["results"][0]["code"] == "OK", got
+    return got["results"][0]["drafts"]
+
+
+def test_http_requests_without_the_token_are_refused_401_and_a_holders_drafts_are_unchanged(served):
+    """No Authorization header, a wrong token, another deployment's, the token in the body instead of the header:
+    401 UNAUTHORIZED for opening a session and for a STEP; the holder's session drafts the same throughout."""
+    url, step = drafting_session(served)
+    want = drafts(url, step)
+    for auth in ({}, {"Authorization": "Bearer " + "x" * 43}, {"Authorization": f"Bearer {access_token.new_token()}"}):
+        for target, body in ((served[2], {"client": "stranger"}), (f"{url}/step", step),
+                             (served[2], {"client": "stranger", "token": TOKEN})):
+            st, got = call("POST", target, body, auth=auth)
+            assert (st, got["code"]) == (401, "UNAUTHORIZED") and TOKEN not in got["reason"], (auth, target, got)
+        assert drafts(url, step) == want
+
+
+def test_twenty_trickling_bodies_leave_a_step_answered_in_its_usual_time(served):
+    """20 token holders send STEP bodies a byte every 0.5 s (never a stall): meanwhile STEPs are answered, all of
+    them before the first trickler is refused (408 at its 4 s bound), in about their usual time. Serve's default of
+    5 requests a replica held every other call until the bodies' bound."""
+    url, step = drafting_session(served)
+
+    def timed() -> float:
+        t = time.monotonic()
+        drafts(url, step)
+        return time.monotonic() - t
+    usual = statistics.median(timed() for _ in range(5))
+    hostport, path = f"{url}/step".removeprefix("http://").split("/", 1)
+    host, port = hostport.split(":")
+    answers: list[tuple[float, bytes]] = []
+    lock, started = threading.Lock(), threading.Semaphore(0)
+
+    def trickle():
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(f"POST /{path} HTTP/1.1\r\nHost: {hostport}\r\nContent-Type: application/json\r\n"
+                      f"Authorization: Bearer {TOKEN}\r\nContent-Length: 1000\r\n\r\n{{".encode())
+            started.release()
+            s.settimeout(0.5)
+            while True:
+                try:
+                    got = s.recv(65536)
+                    break
+                except TimeoutError:
+                    s.sendall(b" ")
+            when = time.monotonic()
+            s.settimeout(30)
+            while chunk := s.recv(65536):          # the answer, to the server's close
+                got += chunk
+            with lock:
+                answers.append((when, got))
+    threads = [threading.Thread(target=trickle) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert started.acquire(timeout=30)
+    time.sleep(1.0)                                    # every body is under way
+    during = [timed() for _ in range(5)]
+    answered = time.monotonic()
+    for t in threads:
+        t.join(BODY_TIMEOUT_S + 30)
+    assert len(answers) == 20 and all(b" 408 " in got.split(b"\r\n")[0] and b"BODY_TIMEOUT" in got
+                                      for _, got in answers), answers
+    assert min(when for when, _ in answers) > answered            # the STEPs did not wait for the tricklers
+    print(f"STEP over HTTP: usual {usual * 1e3:.1f} ms; with 20 trickling bodies p50 "
+          f"{statistics.median(during) * 1e3:.1f} ms, max {max(during) * 1e3:.1f} ms")
+    assert statistics.median(during) < usual + 0.5, (usual, during)

@@ -221,14 +221,14 @@ def test_a_mixed_schedule_generates_the_undrafted_tokens_and_drafts_as_exllamav3
 
 
 def test_the_readmes_exllamav3_lines_generate_the_undrafted_tokens(model_dir, worker, undrafted, trunk):
-    """The README's "From exllamav3" block, run as written (MODEL_DIR and ENDPOINT filled in), then one job."""
+    """The README's "From exllamav3" block, run as written (MODEL_DIR, ENDPOINT, TOKEN filled in), then one job."""
     import re
     from pathlib import Path
     from exllamav3 import Job
     from exllamav3.generator.sampler import ArgmaxSampler
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "RemoteDrafter(" in b)
-    scope = {"MODEL_DIR": model_dir, "ENDPOINT": worker[1]}
+    scope = {"MODEL_DIR": model_dir, "ENDPOINT": worker[1], "TOKEN": None}      # its worker serves without one
     exec(compile(block, "README.md", "exec"), scope)
     gen, prompt = scope["generator"], E.prompts(1)[0]
     gen.enqueue(Job(input_ids=torch.tensor([prompt]), max_new_tokens=MAX_NEW, stop_conditions=[],

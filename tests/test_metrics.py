@@ -78,7 +78,8 @@ class _Sup:
 
 class _Server:
     def __init__(self):
-        self.counts = {"connections": 0, "bad_frames": 0, "connections_refused": 0, "idle_sessions_closed": 0}
+        self.counts = {"connections": 0, "bad_frames": 0, "connections_refused": 0, "idle_sessions_closed": 0,
+                       "unauthorized": 0}
         self.wake_ups = WakeUps("test", 0.0)
 
 
@@ -171,6 +172,7 @@ def test_levels_follow_the_service_and_restarts_are_counted_once(deployed):
     svc.unavailable, svc.worker_generation = "restarting (test)", 4
     sup.restart_seconds += [2.5, 7.0]
     server.counts["bad_frames"] += 1
+    server.counts["unauthorized"] += 2
     exp.export()
     exp.export()                                  # nothing new: no counter moves, no duration is observed again
     assert (g["slots_held"].value, g["sessions"].value, g["unavailable"].value) == (3, 1, 1)
@@ -178,6 +180,7 @@ def test_levels_follow_the_service_and_restarts_are_counted_once(deployed):
     assert exp.counters["restarts"].total() == 2
     assert [v for v, _ in exp.restart_seconds.calls] == [2.5, 7.0]
     assert exp.counters["bad_frames"].total() == 1 and exp.counters["connections"].calls == []
+    assert exp.counters["unauthorized"].total() == 2
     svc.unavailable = None
     sup.restart_seconds.append(1.5)
     exp.export()

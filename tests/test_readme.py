@@ -70,10 +70,11 @@ def run_readme(tmp: str) -> dict:
             why = f"exited {p.returncode}"
         elif line.startswith("dspark-ray serve"):
             m = re.search(r"STEP endpoint [\d.]+:(\d+)", out)
-            if m:
-                fill["PORT"] = m.group(1)
+            t = re.search(r"token file (\S+) on ", out)
+            if m and t:
+                fill["PORT"], fill["TOKEN"] = m.group(1), t.group(1)
             else:
-                why = "printed no STEP endpoint"
+                why = "printed no STEP endpoint or no token file"
         elif line.startswith("dspark-ray status") and "generation" not in out:
             why = "showed no worker generation"
         elif (line.startswith("dspark-ray step") or line == "bash run.sh") and \

@@ -30,7 +30,8 @@ def test_the_readme_client_loop_drafts_every_round_and_releases_its_slot(cfg, ck
     svc = StepService(Identity("model", cfg.digest(), 2, cfg.max_model_len), C.Limits.for_config(cfg, slot_capacity=4),
                       EnginePair(RankEngine(make_drafter(cfg, "split", ckpt=ckpt), 4)),
                       window=cfg.sliding_window)
-    srv = TcpServer(svc).start()
+    token = "readme-" + "t" * 36
+    srv = TcpServer(svc, token=token).start()
     rounds = []
 
     def prompt():
@@ -44,7 +45,8 @@ def test_the_readme_client_loop_drafts_every_round_and_releases_its_slot(cfg, ck
         return np.asarray(accepted, dtype=np.int64), taps, (None if len(rounds) == 6 else 20 + len(rounds))
 
     try:
-        exec(compile(loop, str(README), "exec"), {"PORT": srv.port, "prompt": prompt, "verify": verify})
+        exec(compile(loop, str(README), "exec"), {"PORT": srv.port, "TOKEN": token, "prompt": prompt,
+                                                  "verify": verify})
         assert rounds == [5] * 6                        # every round answered OK with its 5 drafts
         assert svc.status()["slots"]["held"] == 0       # and the slot given back
     finally:

@@ -21,8 +21,8 @@ def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "dspark_ray.cli", *args]
 
 
-def run_cli(ray_cluster, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cli(*args, "--address", address(ray_cluster)), cwd=ROOT, env=cli_env(),
+def run_cli(ray_cluster, *args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cli(*args, "--address", address(ray_cluster)), cwd=ROOT, env=env or cli_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -71,14 +71,16 @@ def test_a_signal_tears_down_everything_serve_started_and_exits_0(ray_cluster, t
     (systemctl stop) and SIGINT (Ctrl-C) both remove the HTTP app, the front-end and ranks, their placement group,
     the ring and its doorbells, within the bound, and exit 0. Its output, read off a terminal, has one line per
     phase (no progress bar redraws)."""
+    from dspark_ray.access_token import new_token, write_token_file
     name = f"sig{sig.value}"
     http_port = free_port()
     log = tmp_path / "serve.log"
+    token_file = write_token_file(tmp_path / "token", new_token())
     try:
         with open(log, "w") as out:
             p = subprocess.Popen(cli("serve", "--checkpoint", str(tiny_ckpt), "--tp", "1", "--name", name,
                                      "--http-port", str(http_port), "--address", address(ray_cluster),
-                                     "--stop-timeout", str(STOP_BOUND_S)),
+                                     "--stop-timeout", str(STOP_BOUND_S), "--token-file", str(token_file)),
                                  cwd=ROOT, env=cli_env(), stdout=out, stderr=subprocess.STDOUT, text=True)
             deadline = time.monotonic() + 300
             while "serving; Ctrl-C or SIGTERM to stop" not in open(log).read():
@@ -95,6 +97,7 @@ def test_a_signal_tears_down_everything_serve_started_and_exits_0(ray_cluster, t
         text = open(log).read()
         assert rc == 0 and took < STOP_BOUND_S, (rc, took, text)
         assert f"{sig.name} received: stopping {name}" in text and f"stopped {name} in" in text, text
+        assert f"token file {token_file} on " in text, text
         assert deployed(ray_cluster, name) == NOTHING
         # one line per phase off a terminal: no carriage-return redraws, the load said once begun and once done
         assert "\r" not in text and text.count("loading the weights on 1 rank(s)") == 1, text
@@ -104,18 +107,47 @@ def test_a_signal_tears_down_everything_serve_started_and_exits_0(ray_cluster, t
         serve.shutdown()
 
 
-def test_detached_serve_prints_no_warning_and_stop_removes_it_then_says_nothing_is_left(ray_cluster, tiny_ckpt):
+def test_detached_serve_prints_no_warning_and_stop_removes_it_then_says_nothing_is_left(ray_cluster, tiny_ckpt,
+                                                                                         tmp_path):
     """`serve --detach` returns once serving, with no Ray warning the operator cannot act on (the one about
-    restartable detached actors in a placement group: docs/operations.md says why it is safe here); `stop` removes
-    every worker and exits 0; `stop` again has nothing to remove: it says so and exits 1."""
+    restartable detached actors in a placement group: docs/operations.md says why it is safe here), having made the
+    deployment's token and kept it 0600 where it and `status` say; `stop` removes every worker and exits 0; `stop`
+    again has nothing to remove: it says so and exits 1."""
+    import stat
     name = "detached"
-    up = run_cli(ray_cluster, "serve", "--checkpoint", str(tiny_ckpt), "--tp", "1", "--name", name, "--detach")
+    env = dict(cli_env(), DSPARK_CACHE=str(tmp_path))
+    up = run_cli(ray_cluster, "serve", "--checkpoint", str(tiny_ckpt), "--tp", "1", "--name", name, "--detach",
+                 env=env)
     text = up.stdout + up.stderr
     assert up.returncode == 0, text
     assert "restartable detached actor" not in text and "WARNING" not in text and "\r" not in text, text
     assert deployed(ray_cluster, name)["actors"] == [f"{name}-frontend", f"{name}-rank0"]
+    kept = tmp_path / "tokens" / name
+    assert f"token file {kept} on " in text and stat.S_IMODE(os.stat(kept).st_mode) == 0o600, text
+    st = run_cli(ray_cluster, "status", "--name", name, env=env)
+    assert st.returncode == 0 and f"token file {kept} on " in st.stdout, st.stdout + st.stderr
     down = run_cli(ray_cluster, "stop", "--name", name)
     assert down.returncode == 0 and f"stopped {name}" in down.stdout, down.stdout + down.stderr
     assert deployed(ray_cluster, name) == NOTHING
     again = run_cli(ray_cluster, "stop", "--name", name)
     assert again.returncode == 1 and f"no deployment named {name!r}" in again.stderr, again.stdout + again.stderr
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--host", "0.0.0.0"], "--host 0.0.0.0 serves beyond this host, to engines that must hold the deployment's "
+                            "token: make one with `dspark-ray token --new PATH`"),
+    (["--insecure", "--token-file", "x"], "--insecure and --token-file: one or the other"),
+    (["--token-file", "/no/such/token"], "token file /no/such/token: No such file or directory"),
+])
+def test_serve_refuses_to_start_without_a_usable_token_and_says_how_to_make_one(capsys, tiny_ckpt, args, why):
+    """Before Ray or the checkpoint is touched: exit 2 and the reason."""
+    from dspark_ray.cli import main
+    assert main(["serve", "--checkpoint", str(tiny_ckpt), *args]) == 2
+    assert why in capsys.readouterr().err
+
+
+def test_status_says_where_the_token_is_or_that_there_is_none():
+    from dspark_ray.cli import token_line
+    assert token_line({"token": False, "insecure": True}, "d").startswith("token: NONE (served --insecure)")
+    assert token_line({"token": True, "token_file": "/k/t", "host": "h"}, "d").startswith("token file /k/t on h (")
+    assert "`dspark-ray token --name d` read it from the cluster" in token_line({"token": True}, "d")

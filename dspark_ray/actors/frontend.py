@@ -35,7 +35,8 @@ def frontend_actor_class():
     @ray.remote(max_concurrency=8)
     class FrontEnd:
         def __init__(self, spec: dict, host: str = "127.0.0.1", port: int = 0, name: str = "dspark",
-                     pg=None, rank_bundles=None, rank_resources=None, restart_threshold: int = 3):
+                     pg=None, rank_bundles=None, rank_resources=None, restart_threshold: int = 3,
+                     token: str | None = None):
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
             # A thread woken to answer a STEP by its deadline gets the GIL within 0.5 ms, not 5.
             sys.setswitchinterval(0.0005)
@@ -85,7 +86,7 @@ def frontend_actor_class():
                                             on_thread_start=lambda: pin_thread(cpus, f"front-end {name} endpoint"),
                                             observer=self.recorders["tcp"], advertise=self.node_ip,
                                             max_connections=self.spec.max_connections,
-                                            idle_timeout_s=self.spec.idle_timeout_s)
+                                            idle_timeout_s=self.spec.idle_timeout_s, token=token)
                     break
                 except OSError as e:
                     if not reconstructed or p == 0:
@@ -116,8 +117,10 @@ def frontend_actor_class():
             self.server.start()
             self.started = True
             self._publish("serving")
-            log.info("front-end %s serving STEP on %s (tp %d, %d slots, model %s)", self.name,
-                     self.server.endpoint, self.spec.tp, self.spec.n_slots, self.identity.model_digest)
+            log.info("front-end %s serving STEP on %s (tp %d, %d slots, model %s; %s)", self.name,
+                     self.server.endpoint, self.spec.tp, self.spec.n_slots, self.identity.model_digest,
+                     "HELLO needs the deployment's token" if self.server.token is not None
+                     else "no token: whoever reaches the endpoint may HELLO")
             return self.server.endpoint
 
         def _ports(self, port: int, reconstructed: bool) -> list[int]:
@@ -156,6 +159,7 @@ def frontend_actor_class():
                     "endpoint": self.server.endpoint if self.started else None, "node_ip": self.node_ip,
                     "node_id": self.node_id, "cards": [p["cards"] for p in self.pair.placement],
                     "tp": self.spec.tp, "backend": self.spec.backend, "model_digest": self.identity.model_digest,
+                    "token_required": self.server.token is not None,
                     "max_batch": self.limits.max_entries_per_replay,
                     "pid": os.getpid(), "env": {k: os.environ.get(k) for k in SAFE_ENV},
                     "settings": settings().to_dict(),

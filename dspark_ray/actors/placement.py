@@ -37,19 +37,22 @@ def bundles(tp: int, gpu: bool) -> tuple[list[dict], dict, dict]:
 
 
 def deploy(spec: PairSpec, *, host: str = "127.0.0.1", port: int = 0, name: str = "dspark", detach: bool = False,
-           restart_threshold: int = 3, on_progress=None, timeout_s: float = 600.0):
+           restart_threshold: int = 3, on_progress=None, timeout_s: float = 600.0, token: str | None = None):
     """Place and start one pair; returns (front-end actor handle, endpoint "host:port")."""
     ((fe, endpoint),) = deploy_workers(spec, 1, host=host, port=port, name=name, detach=detach,
                                        restart_threshold=restart_threshold, on_progress=on_progress,
-                                       timeout_s=timeout_s)
+                                       timeout_s=timeout_s, token=token)
     return fe, endpoint
 
 
 def deploy_workers(spec: PairSpec, n: int, *, host: str = "127.0.0.1", port: int = 0, name: str = "dspark",
                    detach: bool = False, restart_threshold: int = 3, on_progress=None, timeout_s: float = 600.0,
-                   pending_ok: bool = False, place_timeout_s: float | None = None) -> list[tuple[object, str | None]]:
+                   pending_ok: bool = False, place_timeout_s: float | None = None, token: str | None = None,
+                   auth: dict | None = None) -> list[tuple[object, str | None]]:
     """Place and start `n` workers at once (`port` 0: a free one each); returns [(front-end, "host:port")]. All or
-    nothing, except that with `pending_ok` a worker without room waits for a node to join (endpoint None)."""
+    nothing, except that with `pending_ok` a worker without room waits for a node to join (endpoint None).
+    `token`: the one every HELLO must carry (None: none), kept in the cluster for `DrafterPool.from_deployment`;
+    `auth`: where an operator finds it, for `status` (the deployment's record)."""
     import ray
     names = worker_names(name, n)
     if place_timeout_s is None:
@@ -59,7 +62,9 @@ def deploy_workers(spec: PairSpec, n: int, *, host: str = "127.0.0.1", port: int
                            f"first, or serve under another --name")
     directory = _directory()
     directory.remove(name)          # left behind by a driver that died
-    directory.publish_deployment(name, names, tp=spec.tp, device=spec.device)
+    directory.publish_deployment(name, names, tp=spec.tp, device=spec.device, auth=auth or {"token": token is not None})
+    if token is not None:
+        directory.publish_token(name, token)
     try:
         pgs = [_placement_group(spec, w, detach) for w in names]
         placed = _wait_placed(pgs, place_timeout_s)
@@ -70,7 +75,7 @@ def deploy_workers(spec: PairSpec, n: int, *, host: str = "127.0.0.1", port: int
             raise RuntimeError(f"placement group {pg.bundle_specs} of {w} did not place within {place_timeout_s:g} s:"
                                f" the cluster has {free} free (serve --pending lets a worker wait for a node with "
                                f"room)")
-        fes = [_frontend(spec, w, pg, host, port + i if port else 0, detach, restart_threshold)
+        fes = [_frontend(spec, w, pg, host, port + i if port else 0, detach, restart_threshold, token)
                for i, (w, pg) in enumerate(zip(names, pgs))]
         starts = [fe.start.remote() for fe in fes]
         _wait_started([s for s, ok in zip(starts, placed) if ok], [fe for fe, ok in zip(fes, placed) if ok],
@@ -125,7 +130,8 @@ def _placement_group(spec: PairSpec, name: str, detach: bool):
     return placement_group(bl, strategy="STRICT_PACK", name=f"{name}-pg", lifetime="detached" if detach else None)
 
 
-def _frontend(spec: PairSpec, name: str, pg, host: str, port: int, detach: bool, restart_threshold: int):
+def _frontend(spec: PairSpec, name: str, pg, host: str, port: int, detach: bool, restart_threshold: int,
+              token: str | None):
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from ..spec import SAFE_ENV
@@ -139,7 +145,7 @@ def _frontend(spec: PairSpec, name: str, pg, host: str, port: int, detach: bool,
         opts["lifetime"] = "detached"
         logging.getLogger("ray.actor").addFilter(_SAFE_HERE)
     return frontend_actor_class().options(**opts).remote(asdict(spec), host, port, name, pg, list(range(spec.tp)),
-                                                         rank_res, restart_threshold)
+                                                         rank_res, restart_threshold, token)
 
 
 def _directory():

@@ -1,7 +1,9 @@
 """STEP over TCP: one accept thread, one blocking thread per connection (why not asyncio: docs/engine.md,
 "Measurements behind the step path"). A connection is a session, its requests read and answered one at a time; what
-is answered, what closes a connection and the bounds per client: docs/contract.md, section 1. A session logs two
-lines, when it opens and when it closes, never one per frame.
+is answered, what closes a connection and the bounds per client: docs/contract.md, section 1. Before its HELLO is
+accepted a connection is a stranger: it may send one HELLO-sized frame within a bound, its token is checked before
+the front-end hears of it, and it costs no session. A session logs two lines, when it opens and when it closes,
+never one per frame; strangers turned away are logged in summary.
 """
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import socket
 import threading
 import time
 
-from ..contract import (MESSAGE_TYPES, Acquire, Code, ErrorReply, Hello, HelloReply, MsgType, ShmAttach,
-                        ShmAttachReply, Step, StepHandler)
+from ..access_token import token_refusal
+from ..contract import (MAX_HELLO_FRAME_BYTES, MESSAGE_TYPES, Acquire, Code, ErrorReply, Hello, HelloReply, MsgType,
+                        ShmAttach, ShmAttachReply, Step, StepHandler)
 from ..observers import ServerObserver
 from ..wire import (DEFAULT_MAX_FRAME_BYTES, ConnectionClosed, FrameError, FrameReader, FrameWriter, IdleTimeout,
                     PayloadError, VersionMismatch, bound_blocking_io, spinning_recv_into)
@@ -24,10 +27,35 @@ __all__ = ["TcpServer", "StepHandler"]
 REQUESTS = (MsgType.HELLO, MsgType.ACQUIRE, MsgType.RELEASE, MsgType.STEP, MsgType.SHM_ATTACH)
 # A connection costs a thread: 256 hold several engines' pools and HTTP sessions against a worker's 16 slots.
 MAX_CONNECTIONS = 256
+# Connections still to send an accepted HELLO, at once: strangers cannot take the places of token holders.
+MAX_UNGREETED = 32
 # An engine's live session steps every decode round; one back from a longer pause reconnects and re-inserts.
 IDLE_TIMEOUT_S = 600.0
+# A frame must be whole this long after its first bytes, and a HELLO must come this long after connecting: a 64 MiB
+# STEP needs 54 Mbit/s, a trickling peer holds a thread no longer.
+FRAME_TIMEOUT_S = 10.0
 REFUSAL_LOG_S = 10.0
 _TYPE_OF = {cls: t for t, cls in MESSAGE_TYPES.items()}
+
+
+class Unauthorized(Exception):
+    """A HELLO without this deployment's token: answered UNAUTHORIZED, then the connection closes."""
+
+
+class _Summary:
+    """One log line per REFUSAL_LOG_S for a kind of event that a flood repeats (a stranger, a full endpoint)."""
+
+    def __init__(self, what: str):
+        self.what, self.count, self.logged_at, self.logged_count = what, 0, -REFUSAL_LOG_S, 0
+        self._lock = threading.Lock()          # connection threads note concurrently
+
+    def note(self, detail: str) -> None:
+        with self._lock:
+            self.count += 1
+            if time.monotonic() - self.logged_at < REFUSAL_LOG_S:
+                return
+            n, self.logged_at, self.logged_count = self.count - self.logged_count, time.monotonic(), self.count
+        log.warning("%s %d connection(s) (the last %s)", self.what, n, detail)
 
 
 def out_of_place(mtype: MsgType, greeted: bool, ring: bool = False) -> str | None:
@@ -59,6 +87,7 @@ class _Conn:
         self.thread: threading.Thread | None = None
         self.opened = time.monotonic()
         self.client = ""
+        self.greeted = False
         self.transport = "tcp"
         self.counts = {"requests": 0, "steps": 0, "entries": 0, "refused": 0}
 
@@ -80,15 +109,22 @@ class TcpServer:
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, stall_timeout_s: float = 5.0, spin_us: float = 0.0,
                  max_pollers: int = 2, on_thread_start=None, observer: ServerObserver | None = None,
                  advertise: str | None = None, max_connections: int = MAX_CONNECTIONS,
-                 idle_timeout_s: float | None = IDLE_TIMEOUT_S):
+                 idle_timeout_s: float | None = IDLE_TIMEOUT_S, token: str | None = None,
+                 frame_timeout_s: float = FRAME_TIMEOUT_S, max_ungreeted: int = MAX_UNGREETED):
         """`spin_us`: how long a connection thread polls for its next frame before it blocks; at most `max_pollers`
         poll at once (every poll takes the interpreter lock). `on_thread_start`: run first in the accept thread
         (connection threads inherit its affinity). `observer` sees every connection's frames. `advertise`: the
-        address `endpoint` names for a wildcard `host`. `max_connections`, `idle_timeout_s` (None: none)."""
-        if max_connections < 1:
-            raise ValueError(f"max_connections {max_connections}: at least 1")
+        address `endpoint` names for a wildcard `host`. `max_connections`, `idle_timeout_s` (None: none). `token`:
+        the deployment's, which every HELLO must carry (None: anyone may HELLO). `frame_timeout_s`: a frame's
+        bound, and a HELLO's after connecting; at most `max_ungreeted` connections wait for theirs at once."""
+        if max_connections < 1 or max_ungreeted < 1:
+            raise ValueError(f"max_connections {max_connections}, max_ungreeted {max_ungreeted}: at least 1")
         self.max_connections, self.idle_timeout_s = max_connections, idle_timeout_s
-        self._refusals_logged = (0.0, 0)           # (when, count then)
+        self.max_ungreeted, self.frame_timeout_s = max_ungreeted, frame_timeout_s
+        self.token = token
+        self._at_limit = _Summary("refused at the connection limit:")
+        self._strangers = _Summary("closed before an accepted HELLO:")
+        self._ungreeted = 0
         self.observer = observer or ServerObserver()
         self.advertise = advertise if host in WILDCARD_HOSTS else None
         self.handler = handler
@@ -106,7 +142,8 @@ class TcpServer:
         self._conns: set[_Conn] = set()
         self._lock = threading.Lock()
         self._accept_thread: threading.Thread | None = None
-        self.counts = {"connections": 0, "bad_frames": 0, "connections_refused": 0, "idle_sessions_closed": 0}
+        self.counts = {"connections": 0, "bad_frames": 0, "connections_refused": 0, "idle_sessions_closed": 0,
+                       "unauthorized": 0}
 
     @property
     def wake_ups(self):
@@ -169,8 +206,11 @@ class TcpServer:
             bound_blocking_io(sock, self.stall_timeout_s)
             with self._lock:
                 full = len(self._conns) >= self.max_connections
-            if full:
-                self._refuse(sock, f"{addr[0]}:{addr[1]}")
+                crowded = self._ungreeted >= self.max_ungreeted
+                if not (full or crowded):
+                    self._ungreeted += 1
+            if full or crowded:
+                self._refuse(sock, f"{addr[0]}:{addr[1]}", full)
                 continue
             # A STEP reply is one small write answered by the next request: Nagle would hold it for an ACK.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -185,45 +225,75 @@ class TcpServer:
             self.counts["connections"] += 1
             conn.thread.start()
 
-    def _refuse(self, sock: socket.socket, peer: str) -> None:
-        """Tell a connection over the limit why, close it; log at most every REFUSAL_LOG_S (a flood is one event)."""
+    def _refuse(self, sock: socket.socket, peer: str, full: bool) -> None:
+        """Tell a connection over a limit why, close it; a flood is logged as one event (_Summary)."""
         self.counts["connections_refused"] += 1
-        _try_send(FrameWriter(self.max_frame_bytes), sock, ErrorReply(
-            code=Code.OVERLOADED, reason=f"this STEP endpoint holds its limit of {self.max_connections} connections "
-                                         f"(serve --max-connections): retry later or use another worker"))
+        why = (f"this STEP endpoint holds its limit of {self.max_connections} connections (serve --max-connections)"
+               if full else f"{self.max_ungreeted} connections to this STEP endpoint are waiting to HELLO")
+        _try_send(FrameWriter(MAX_HELLO_FRAME_BYTES), sock,
+                  ErrorReply(code=Code.OVERLOADED, reason=f"{why}: retry later or use another worker"))
         _shutdown(sock)
         sock.close()
-        when, seen = self._refusals_logged
-        if time.monotonic() - when >= REFUSAL_LOG_S:
-            log.warning("refused %d connection(s) at the limit of %d (the last from %s)",
-                        self.counts["connections_refused"] - seen, self.max_connections, peer)
-            self._refusals_logged = (time.monotonic(), self.counts["connections_refused"])
+        self._at_limit.note(f"from {peer}: {why}")
+
+    def _admit(self, conn: _Conn):
+        """The header check of docs/contract.md section 1: before an accepted HELLO, one HELLO-sized HELLO."""
+        def admit(mtype: MsgType, size: int) -> str | None:
+            why = out_of_place(mtype, conn.greeted)
+            if why is None and not conn.greeted and size > MAX_HELLO_FRAME_BYTES:
+                why = f"a frame of {size} bytes before an accepted HELLO > {MAX_HELLO_FRAME_BYTES} (a HELLO's limit)"
+            return why
+        return admit
+
+    def _greet(self, conn: _Conn, msg: Hello, request_id: int, writer: FrameWriter) -> None:
+        """Check a stranger's token (Unauthorized, after answering it), then open its session with the front-end."""
+        why = token_refusal(self.token, msg.token, "the HELLO")
+        if why:
+            self.counts["unauthorized"] += 1
+            _try_send(writer, conn.sock, HelloReply(ok=False, code=Code.UNAUTHORIZED, reason=why), request_id)
+            raise Unauthorized(why)
+        if conn.session is None:
+            conn.session = self.handler.open_session(conn.peer)
+            log.info("session %d open: %s", conn.session, conn.peer)
+
+    def _greeted(self, conn: _Conn, reader: FrameReader) -> None:
+        conn.greeted = True
+        reader.idle_timeout_s = self.idle_timeout_s
+        with self._lock:
+            self._ungreeted -= 1
 
     def _serve(self, conn: _Conn) -> None:
         sock = conn.sock
         recv = spinning_recv_into(sock, self.spin_us, self._pollers, self.observer.idle)
-        reader = FrameReader(recv, self.max_frame_bytes, wait_between_frames=True, idle_timeout_s=self.idle_timeout_s)
+        # Until its HELLO is accepted: HELLO-sized HELLOs (the reader's first buffer), within frame_timeout_s.
+        reader = FrameReader(recv, self.max_frame_bytes, wait_between_frames=True,
+                             frame_timeout_s=self.frame_timeout_s, admit=self._admit(conn))
         writer = FrameWriter(self.max_frame_bytes)
         observer = self.observer.session(recv, reader)
         why = "closed by peer"
         try:
-            conn.session = self.handler.open_session(conn.peer)
-            log.info("session %d open: %s", conn.session, conn.peer)
-            greeted = False
             while True:
+                if not conn.greeted:       # the HELLO's bound counts from the connection's start, not per frame
+                    left = conn.opened + self.frame_timeout_s - time.monotonic()
+                    if left <= 0:
+                        raise IdleTimeout("no accepted HELLO")
+                    reader.idle_timeout_s = left
                 try:
                     request_id, msg, received_ns = reader.read()
                 except PayloadError as e:
-                    writer.send(sock.sendall, self._refused(conn, refuse_payload(e, greeted)), e.request_id)
+                    writer.send(sock.sendall, self._refused(conn, refuse_payload(e, conn.greeted)), e.request_id)
                     continue
                 observer.read(received_ns)
-                if isinstance(msg, ShmAttach) and greeted:
+                if isinstance(msg, ShmAttach) and conn.greeted:
                     self._serve_shm(conn, msg, request_id, writer, observer)   # returns only when the ring refused
                     continue
-                reply = self._dispatch(conn, msg, received_ns, greeted)
+                if not conn.greeted:
+                    self._greet(conn, msg, request_id, writer)
+                reply = self._dispatch(conn, msg, received_ns, conn.greeted)
                 if isinstance(reply, HelloReply):
-                    greeted = greeted or reply.ok
                     conn.client = msg.client
+                    if reply.ok and not conn.greeted:
+                        self._greeted(conn, reader)
                 try:
                     writer.send(sock.sendall, reply, request_id)
                 except (FrameError, TypeError) as e:    # the front-end answered something unsendable: our bug
@@ -233,10 +303,15 @@ class TcpServer:
             if self._stopping.is_set():
                 why = "closed by server (stopping)"
         except IdleTimeout as e:
-            why = f"idle: {e}"
-            self.counts["idle_sessions_closed"] += 1
-            _try_send(writer, sock, ErrorReply(code=Code.UNAVAILABLE, reason=f"session {conn.session} closed: {e} "
-                                                                             f"(serve --idle-timeout)"))
+            if conn.greeted:
+                why = f"idle: {e}"
+                self.counts["idle_sessions_closed"] += 1
+                _try_send(writer, sock, ErrorReply(code=Code.UNAVAILABLE, reason=f"session {conn.session} closed: "
+                                                                                 f"{e} (serve --idle-timeout)"))
+            else:
+                why = f"bad frame: no HELLO within {self.frame_timeout_s:g} s of connecting"
+        except Unauthorized as e:
+            why = f"unauthorized: {e}"
         except VersionMismatch as e:
             why = f"bad frame: {e}"
             _try_send(writer, sock, ErrorReply(code=Code.CONFIG_MISMATCH, reason=str(e)))
@@ -248,19 +323,27 @@ class TcpServer:
             log.exception("connection %s session %s: server error", conn.peer, conn.session)
             why = f"server error: {e!r}"
         finally:
-            _shutdown(sock)
-            sock.close()
-            with self._lock:
-                self._conns.discard(conn)
-            freed = None
-            if conn.session is not None:
-                try:
-                    freed = self.handler.close_session(conn.session)
-                except Exception:
-                    log.exception("close_session(%d) failed", conn.session)
-            # A bad frame is worth a warning: it is a client bug or a stranger on the port.
-            if why.startswith("bad frame"):
-                self.counts["bad_frames"] += 1
+            self._close(conn, why)
+
+    def _close(self, conn: _Conn, why: str) -> None:
+        _shutdown(conn.sock)
+        conn.sock.close()
+        with self._lock:
+            self._conns.discard(conn)
+            if not conn.greeted:
+                self._ungreeted -= 1
+        freed = None
+        if conn.session is not None:
+            try:
+                freed = self.handler.close_session(conn.session)
+            except Exception:
+                log.exception("close_session(%d) failed", conn.session)
+        # A bad frame is a client bug or a stranger on the port.
+        if why.startswith("bad frame"):
+            self.counts["bad_frames"] += 1
+        if conn.session is None:
+            self._strangers.note(f"from {conn.peer}: {why}")
+        else:
             log.log(logging.WARNING if why.startswith("bad frame") else logging.INFO, "%s", conn.summary(why, freed))
 
     def _serve_shm(self, conn: _Conn, msg: ShmAttach, request_id: int, writer: FrameWriter,
@@ -325,8 +408,8 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
-def _try_send(writer: FrameWriter, sock: socket.socket, msg: object) -> None:
+def _try_send(writer: FrameWriter, sock: socket.socket, msg: object, request_id: int = 0) -> None:
     try:
-        writer.send(sock.sendall, msg, 0)
+        writer.send(sock.sendall, msg, request_id)
     except OSError:
         pass

@@ -66,15 +66,16 @@ class RemoteDrafter:
     def __init__(self, endpoints: Sequence[str] | str | DrafterPool, config, *, deadline_ms: float = 20.0,
                  timeout_s: float = 1.0, spin_us: float = 0.0, tp: int | None = None,
                  config_digest: str | None = None, margins: bool = False, early: bool = True,
-                 prefix_windows: int = PREFIX_WINDOWS):
+                 prefix_windows: int = PREFIX_WINDOWS, token: str | None = None):
         """`endpoints`: "host:port" (a list, or commas) or a `DrafterPool`. `config`: exllamav3's `Config` (or a
         `DrafterConfig`), checked against what the service serves. `deadline_ms`: each STEP's budget; `timeout_s`:
         after it a silent worker is marked down; `spin_us`: polling before blocking. `config_digest` / `tp`: pin the
         served drafter. `margins`: also keep each draft's top-1 minus top-2 logit (`last_margins`). `early`: send
         the STEP when verification ends (False: from `forward`, blocking). `prefix_windows`: page boundaries whose
-        last window is kept for prompts that start on the prefix cache."""
+        last window is kept for prompts that start on the prefix cache. `token`: the deployment's access token, sent
+        in every HELLO (docs/operations.md, "Security")."""
         self.pool = endpoints if isinstance(endpoints, DrafterPool) else \
-            DrafterPool(endpoints, timeout_s=timeout_s, spin_us=spin_us)
+            DrafterPool(endpoints, timeout_s=timeout_s, spin_us=spin_us, token=token)
         if self.pool.hello_reply is None:
             self.pool.hello(config_digest=config_digest, tp=tp, client="dspark-ray exllamav3 adapter")
         lim = self.limits = self.pool.limits
