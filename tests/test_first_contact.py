@@ -116,3 +116,40 @@ def test_ray_serves_pydantic_deprecations_are_filtered_by_the_pytest_configurati
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:]
     assert "Pydantic" not in p.stdout and "2 passed, 1 warning" in p.stdout, p.stdout[-3000:]
+
+
+def test_a_worker_killed_on_purpose_leaves_no_ansi_codes_in_the_output(ray_cluster, capfd, tmp_path):
+    """Ray's notice of a worker killed mid-task (as the supervision tests kill ranks) reaches the suite's output
+    in plain text: the suite's environment turns Ray's colours off."""
+    import signal
+    import time
+    ray = ray_cluster
+    started = tmp_path / "started"
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class Victim:
+        def pid(self) -> int:
+            return os.getpid()
+
+        def block(self, flag: str) -> None:
+            open(flag, "w").close()
+            time.sleep(120)
+
+    v = Victim.remote()
+    pid = ray.get(v.pid.remote(), timeout=120)
+    ref = v.block.remote(str(started))
+    deadline = time.monotonic() + 120
+    while not started.exists():
+        assert time.monotonic() < deadline, "the victim's task did not start"
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(ref, timeout=120)
+    text = ""
+    deadline = time.monotonic() + 60
+    while "A worker died or was killed" not in text:
+        assert time.monotonic() < deadline, f"no notice of the killed worker in:\n{text}"
+        out, err = capfd.readouterr()
+        text += out + err
+        time.sleep(0.1)
+    assert "\x1b[" not in text, repr(text)
