@@ -153,3 +153,15 @@ def test_a_worker_killed_on_purpose_leaves_no_ansi_codes_in_the_output(ray_clust
         text += out + err
         time.sleep(0.1)
     assert "\x1b[" not in text, repr(text)
+
+
+def test_the_readme_says_where_preset_writes_and_what_ray_stop_stops():
+    from pathlib import Path
+
+    from dspark_ray.settings import Settings
+    text = (Path(ROOT) / "README.md").read_text()
+    home = Path.home()
+    assert Settings().cache_dir == home / ".cache" / "dspark-ray"
+    assert "`serve --preset` writes its synthetic checkpoint under `~/.cache/dspark-ray`" in text
+    assert "Ray's own `ray stop` stops every Ray cluster on the host" in text
+    assert "pip install -e '.[serve]'" in text
