@@ -147,7 +147,7 @@ def loaded_tensors(per_rank: list[int]) -> str:
     tensor it holds, so a sum over ranks would count each tensor once per rank."""
     if len(set(per_rank)) == 1:
         return f"{per_rank[0]} tensors of the checkpoint, each of {len(per_rank)} rank(s) reading its cut"
-    return f"{', '.join(map(str, per_rank))} tensors of the checkpoint on ranks {', '.join(map(str, range(len(per_rank))))}"
+    return "tensors of the checkpoint read by rank: " + ", ".join(f"{r}: {n}" for r, n in enumerate(per_rank))
 
 
 SERVE_EXTRA = "pip install -e '.[serve]'"
@@ -670,8 +670,9 @@ def parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("serve", help="deploy one pair (or --pairs N) and serve STEP")
     serve_args(sp)
-    sp.add_argument("--http-port", type=number(int, 1, 65535), help="also serve STEP as JSON over HTTP through Ray Serve on this port "
-                                                  "(milliseconds a call: the convenience path)")
+    sp.add_argument("--http-port", type=number(int, 1, 65535),
+                    help="also serve STEP as JSON over HTTP through Ray Serve on this port (milliseconds a call: the "
+                         "convenience path; the `serve` extra: pip install -e '.[serve]')")
     sp.add_argument("--detach", action="store_true", help="leave detached actors behind (starts `ray start --head` "
                                                           "when no cluster runs)")
     sp.add_argument("--pending", action="store_true",
