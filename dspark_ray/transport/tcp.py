@@ -61,7 +61,7 @@ class _Summary:
             self.last = detail
             if self._timer is None:
                 self._timer = threading.Timer(self.window_s, self._flush)
-                self._timer.name, self._timer.daemon = f"tcp-summary:{self.what}", True
+                self._timer.name, self._timer.daemon = "dspark-refusal-log", True      # not a tcp- endpoint thread
                 self._timer.start()
 
     def close(self) -> None:
