@@ -1,4 +1,4 @@
-"""dspark-ray: serve | status | stop | step | demo | synth | layout.
+"""dspark-ray: demo | serve | status | stop | endpoints | step | token | synth | layout.
 
     dspark-ray demo                         the main job on the embedded default: local Ray, tiny drafter pair,
                                             scripted client rounds, shut down
@@ -26,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+from .argtypes import NON_NEGATIVE_INT, NON_NEGATIVE_S, PORT, POSITIVE_INT, POSITIVE_S, number
 from .transport.tcp import IDLE_TIMEOUT_S, MAX_CONNECTIONS
 
 log = logging.getLogger("dspark_ray")
@@ -132,13 +133,37 @@ class LoadProgress:
         if len(p) == self.ranks and all(n == t > 0 for n, t in p):
             self.close()
             self.done = True
-            print(f"weights loaded: {total} tensors, {time.monotonic() - self.t0:.1f} s into the start-up",
-                  file=self.stream, flush=True)
+            print(f"weights loaded: {loaded_tensors([t for _, t in p])}, {time.monotonic() - self.t0:.1f} s into "
+                  f"the start-up", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def loaded_tensors(per_rank: list[int]) -> str:
+    """What the ranks read, in the checkpoint's tensors (as `synth` counts them): each rank reads its cut of every
+    tensor it holds, so a sum over ranks would count each tensor once per rank."""
+    if len(set(per_rank)) == 1:
+        return f"{per_rank[0]} tensors of the checkpoint, each of {len(per_rank)} rank(s) reading its cut"
+    return "tensors of the checkpoint read by rank: " + ", ".join(f"{r}: {n}" for r, n in enumerate(per_rank))
+
+
+SERVE_EXTRA = "pip install -e '.[serve]'"
+
+
+def missing_serve_extra() -> str | None:
+    """Why `--http-port` cannot serve in this environment (Ray Serve's packages, the `serve` extra, not installed),
+    or None; asked before Ray is joined, so the refusal is one line and leaves the cluster as it was."""
+    try:
+        import fastapi  # noqa: F401
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        return (f"--http-port needs Ray Serve's packages, the `serve` extra ({e.name or e} is not installed): "
+                f"{SERVE_EXTRA}")
+    return None
 
 
 class Stop(KeyboardInterrupt):
@@ -247,13 +272,14 @@ def deployment_token(a) -> tuple[str | None, dict]:
 def cmd_serve(a, *, then=None) -> int:
     from .spec import PairSpec
     from .transport.ring import remove_orphans
-    if a.pairs < 1:
-        print(f"dspark-ray serve: --pairs {a.pairs}: at least 1", file=sys.stderr)
-        return 2
     try:
         check_token_flags(a)
     except ValueError as e:
         print(f"dspark-ray serve: {e}", file=sys.stderr)
+        return 2
+    why = missing_serve_extra() if getattr(a, "http_port", None) is not None else None
+    if why:
+        print(f"dspark-ray serve: {why}", file=sys.stderr)
         return 2
     device = a.device or ("cuda" if _gpus() >= a.tp * a.pairs else "cpu")
     backend = a.backend or ("push" if device == "cuda" and a.tp == 2 else "gloo")
@@ -331,7 +357,9 @@ def _serve(a, spec, backend: str, device: str, then, token: str | None, auth: di
             raise
         return shut_down(a.name, "done", a.stop_timeout) or rc
     if a.detach:
-        print(f"detached: `dspark-ray status --name {a.name}` / `dspark-ray stop --name {a.name}`")
+        import ray
+        at = f"--name {a.name} --address {ray.get_runtime_context().gcs_address}"
+        print(f"detached: `dspark-ray status {at}` / `dspark-ray stop {at}`")
         return 0
     print("serving; Ctrl-C or SIGTERM to stop", flush=True)
     while True:
@@ -410,7 +438,7 @@ def _print_status(st: dict) -> None:
     print(f"  slots {st['slots']['held']}/{st['slots']['capacity']} held, {st['sessions']} sessions; "
           f"steps {st['stats']['steps']}, batches {st['stats']['batches']} (up to {st.get('max_batch')} entries "
           f"each), entries {st['stats']['entries']}")
-    print(f"  supervisor: {st['supervisor']}")
+    print(f"  supervisor: {supervisor_words(st['supervisor'])}")
     if st.get("spares"):
         print(f"  spare ranks: {st.get('spares_ready', 0)} of {st['spares']} sets ready (a restart takes one)")
     if st.get("settings"):
@@ -423,6 +451,26 @@ def _print_status(st: dict) -> None:
               f"{asleep(r.get('wake_ups'))}; {_matmul(r.get('matmul'))}; {_markov_cache(r.get('markov_cache'))}")
     for e in st["last_errors"]:
         print(f"  error: {e}")
+
+
+def supervisor_words(sv: dict | None) -> str:
+    """The supervisor's account (supervisor.py's status) in a line of words; keys it does not know are left out."""
+    if not isinstance(sv, dict):
+        return "?"
+    words = ["restarting now" if sv.get("restarting") else "not restarting"]
+    if "restarts" in sv:
+        took = sv.get("restart_seconds") or []
+        words.append(f"{sv['restarts']} restart(s) so far" +
+                     (f" (took {', '.join(f'{t:.1f}' for t in took)} s)" if took else ""))
+    if "consecutive_failures" in sv:
+        words.append(f"{sv['consecutive_failures']} failed step(s) in a row"
+                     + (f" (a restart at {sv['threshold']})" if "threshold" in sv else ""))
+    last = sv.get("last_restart") or {}
+    if last:
+        seen, back = last.get("failure_seen"), last.get("serving")
+        words.append(f"the last for {last.get('why') or '?'}: {len(last.get('attempts') or [])} attempt(s), "
+                     + (f"serving again {back - seen:.1f} s after the failure" if seen and back else "not serving yet"))
+    return "; ".join(words)
 
 
 def _markov_cache(m: dict | None) -> str:
@@ -557,6 +605,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["synth"]:
         from .weights.synth import synth_main
         return synth_main(argv[1:])
+    a = parser().parse_args(argv)
+    return a.fn(a)
+
+
+def parser() -> argparse.ArgumentParser:
+    """Every command's arguments but synth's (weights/synth.py's own parser)."""
     p = argparse.ArgumentParser(prog="dspark-ray", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -566,16 +620,16 @@ def main(argv: list[str] | None = None) -> int:
         g.add_argument("--preset", choices=["tiny", "full"], default="tiny")
         g.add_argument("--checkpoint", help="a checkpoint directory in the DeepSeek-V4 namespace")
         sp.add_argument("--tp", type=int, choices=[1, 2], default=2)
-        sp.add_argument("--pairs", type=int, default=1,
+        sp.add_argument("--pairs", type=POSITIVE_INT, default=1,
                         help="workers to place side by side (pairs at --tp 2, one card each at --tp 1), each with "
                              "its own STEP endpoint; a client spreads its slots over them (pool.DrafterPool)")
         sp.add_argument("--host", default="127.0.0.1",
                         help="the STEP endpoints' interface (0.0.0.0: every interface, each endpoint then names its "
                              "worker's node IP, for clients on other hosts of a multi-node cluster)")
-        sp.add_argument("--port", type=int, default=0, help="the STEP port (0: a free one; with --pairs N: "
+        sp.add_argument("--port", type=PORT, default=0, help="the STEP port (0: a free one; with --pairs N: "
                                                              "PORT, PORT+1, ...)")
-        sp.add_argument("--slots", type=int, default=16)
-        sp.add_argument("--max-batch", type=int, default=16,
+        sp.add_argument("--slots", type=POSITIVE_INT, default=16, help="slots (live requests) a worker holds")
+        sp.add_argument("--max-batch", type=POSITIVE_INT, default=16,
                         help="entries one replay takes (at most --slots): a wider STEP runs in several batches; each "
                              "bucket above 4 requests is one more captured graph pair per margins setting")
         sp.add_argument("--dense", choices=["auto", "triton", "cublas"], default="auto",
@@ -590,21 +644,22 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--device", choices=["cpu", "cuda"])
         # No choices=: comm.factory would cost `status` torch's import; PairSpec checks it.
         sp.add_argument("--backend", help="the pair's collectives: gloo (CPU) or push (NVLink)")
-        sp.add_argument("--collective-timeout", type=float, default=10.0)
+        sp.add_argument("--collective-timeout", type=POSITIVE_S, default=10.0,
+                        help="seconds a rank's collective waits for its peer before the step fails closed")
         sp.add_argument("--rank-cpus", type=cpu_list, help="vCPUs for the ranks' step loops, one per rank: 9,12")
         sp.add_argument("--frontend-cpus", type=cpu_list, help="vCPUs for the front-end's endpoint threads")
-        sp.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+        sp.add_argument("--max-connections", type=POSITIVE_INT, default=MAX_CONNECTIONS,
                         help="connections a STEP endpoint holds at once (one thread each); one more is refused with "
                              "an OVERLOADED frame")
-        sp.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT_S,
+        sp.add_argument("--idle-timeout", type=NON_NEGATIVE_S, default=IDLE_TIMEOUT_S,
                         help="seconds a session may go without a request before it is closed and its slots freed "
                              "(0: never)")
-        sp.add_argument("--spare-ranks", type=int,
+        sp.add_argument("--spare-ranks", type=number(int, 0, 4),
                         help="spare rank processes kept per rank, started ahead so a restart skips the process "
                              "start, the imports and the CUDA context, and on a GPU reads the weights from the "
                              "checkpoint's pages the spares keep pinned (default 2 on a GPU, 0 on a CPU; each costs a "
                              "process with torch loaded and, on a GPU, a CUDA context)")
-        sp.add_argument("--spin-ms", type=float,
+        sp.add_argument("--spin-ms", type=NON_NEGATIVE_S,
                         help="how long the ranks and the front-end poll for the next STEP before they sleep "
                              "(default 100 on a GPU host: longer than a trunk's forward; 0.05 on a CPU)")
         sp.add_argument("--token-file", help="the file holding the deployment's token, which every HELLO must carry "
@@ -615,33 +670,38 @@ def main(argv: list[str] | None = None) -> int:
 
     sp = sub.add_parser("serve", help="deploy one pair (or --pairs N) and serve STEP")
     serve_args(sp)
-    sp.add_argument("--http-port", type=int, help="also serve STEP as JSON over HTTP through Ray Serve on this port "
-                                                  "(milliseconds a call: the convenience path)")
+    sp.add_argument("--http-port", type=number(int, 1, 65535),
+                    help="also serve STEP as JSON over HTTP through Ray Serve on this port (milliseconds a call: the "
+                         "convenience path; the `serve` extra: pip install -e '.[serve]')")
     sp.add_argument("--detach", action="store_true", help="leave detached actors behind (starts `ray start --head` "
                                                           "when no cluster runs)")
     sp.add_argument("--pending", action="store_true",
                     help="a worker that finds no room waits for it (Ray places it when a node with room joins, e.g. "
                          "one the autoscaler adds) instead of failing the deployment")
     sp.set_defaults(fn=cmd_serve)
-    sp.add_argument("--stop-timeout", type=float, default=60.0,
+    sp.add_argument("--stop-timeout", type=POSITIVE_S, default=60.0,
                     help="on SIGTERM or SIGINT: the longest the teardown may take (seconds) before serve gives up "
                          "and exits 1")
     sp = sub.add_parser("demo", help="the main job on the embedded default: serve, run the demo client, stop")
     serve_args(sp)
-    sp.add_argument("--rounds", type=int, default=8)
-    sp.add_argument("--requests", type=int, default=2)
+    sp.add_argument("--rounds", type=POSITIVE_INT, default=8)
+    sp.add_argument("--requests", type=POSITIVE_INT, default=2)
     sp.set_defaults(fn=cmd_demo, detach=False, stop_timeout=60.0)
-    for name, fn in (("status", cmd_status), ("stop", cmd_stop), ("endpoints", cmd_endpoints)):
-        sp = sub.add_parser(name)
+    for name, fn, what in (
+            ("status", cmd_status, "each worker of a deployment: where it runs, whether it serves, its front-end's "
+                                   "account (--json: the same as JSON)"),
+            ("stop", cmd_stop, "remove a deployment: every worker, its HTTP app, its placement groups"),
+            ("endpoints", cmd_endpoints, "a deployment's STEP endpoints, read from the cluster's table")):
+        sp = sub.add_parser(name, help=what, description=what)
         sp.add_argument("--address")
         sp.add_argument("--name", default="dspark")
         sp.add_argument("--json", action="store_true")
         sp.set_defaults(fn=fn)
     sp = sub.add_parser("step", help="the scripted demo client against a running endpoint")
     sp.add_argument("--endpoint", required=True, help="HOST:PORT, or several comma-separated (a DrafterPool)")
-    sp.add_argument("--rounds", type=int, default=8)
-    sp.add_argument("--requests", type=int, default=2)
-    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--rounds", type=POSITIVE_INT, default=8)
+    sp.add_argument("--requests", type=POSITIVE_INT, default=2)
+    sp.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)
     sp.add_argument("--shm", action="store_true", help="requests through shared memory (the endpoint's host only)")
     sp.add_argument("--token-file", help="the deployment's token (`dspark-ray status` says where it is)")
     sp.set_defaults(fn=cmd_step)
@@ -657,8 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--tp", type=int, choices=[1, 2], default=2)
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(fn=cmd_layout)
-    a = p.parse_args(argv)
-    return a.fn(a)
+    return p
 
 
 if __name__ == "__main__":

@@ -33,11 +33,13 @@ _ENTRY_OVERHEAD = 160
 
 
 class ClientError(RuntimeError):
-    """A refused request (`code` says why) or a lost / broken connection (`code` is None)."""
+    """A refused request (`code` says why) or a lost / broken connection (`code` is None). `reason`: the refusal's
+    own words, as the server sent them (the message adds who refused); the message itself where this side refused."""
 
-    def __init__(self, message: str, code: Code | None = None):
+    def __init__(self, message: str, code: Code | None = None, reason: str | None = None):
         super().__init__(message)
         self.code = code
+        self.reason = message if reason is None else reason
 
 
 class DrafterClient:
@@ -83,7 +85,8 @@ class DrafterClient:
         if not reply.ok:
             if reply.code == Code.UNAUTHORIZED:
                 self.close()
-            raise ClientError(f"HELLO refused by {self.endpoint}: {reply.code.name}: {reply.reason}", reply.code)
+            raise ClientError(f"HELLO refused by {self.endpoint}: {reply.code.name}: {reply.reason}", reply.code,
+                              reply.reason)
         self.hello_reply = reply
         self._reader.max_frame_bytes = self._writer.max_frame_bytes = reply.limits.max_frame_bytes
         if self._want_shm and self._ring is None:
@@ -202,7 +205,8 @@ class DrafterClient:
             self.close()
             raise ClientError(f"{name} to {self.endpoint}: reply to request {got_id}, expected {request_id}")
         if isinstance(reply, ErrorReply):
-            raise ClientError(f"{name} refused by {self.endpoint}: {reply.code.name}: {reply.reason}", reply.code)
+            raise ClientError(f"{name} refused by {self.endpoint}: {reply.code.name}: {reply.reason}", reply.code,
+                              reply.reason)
         if not isinstance(reply, reply_type):
             self.close()
             raise ClientError(f"{name} to {self.endpoint}: got {type(reply).__name__}, expected {reply_type.__name__}")

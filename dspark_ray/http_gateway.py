@@ -12,8 +12,10 @@ An entry is the contract's Entry with `token_ids` a list and the fp16 taps as ba
 a body is as strict as a frame (required fields required, no coercion). A result: `code` (its name), `reason`,
 `generation`, `drafts`, `confidences` (exact fp32 as JSON numbers), `margins` (or null), `confident_len`. A refusal
 is {code, reason}: 401 UNAUTHORIZED (no `Authorization: Bearer TOKEN` with the deployment's token, judged before a
-byte of the body is read); 409 the contract's refusal of a whole request (TCP's code and reason); 422 BAD_REQUEST
-(not JSON, or off the schema); 404 NO_SESSION / NOT_FOUND; 405 METHOD_NOT_ALLOWED; 413 TOO_LARGE (over
+byte of the body is read); 409 the contract's refusal of a whole request (TCP's code and reason); 422 BAD_ENTRY (a
+body that does not decode: not JSON, or off the schema; TCP's code for a payload that does not decode, its reason
+naming the field in the JSON form: docs/contract.md, "Over HTTP"); 400 BAD_REQUEST (a Content-Length that is not a
+number); 404 NO_SESSION / NOT_FOUND; 405 METHOD_NOT_ALLOWED; 413 TOO_LARGE (over
 `max_body_bytes`, from the Content-Length before reading); 408 BODY_TIMEOUT (stalled `body_stall_s`, or not whole
 within `body_timeout_s`). A body is read on the replica's event loop, so a slow one holds one of its
 `MAX_ONGOING_REQUESTS`, not its threads; a session unused for `session_ttl_s` is closed when the next one opens.
@@ -83,31 +85,38 @@ class JsonHello(_Json, kw_only=True):
 
 
 class BadBody(ValueError):
-    """A request body that breaks the contract's schema (HTTP 422)."""
+    """A request body that breaks the contract's schema (HTTP 422 BAD_ENTRY, as TCP answers an undecodable payload)."""
+
+
+def undecodable(what: str, why: str) -> BadBody:
+    """TCP's words for a payload that does not decode (wire.decode_payload), for a body: the same msgspec error
+    after them where the JSON form has the frame's field."""
+    return BadBody(f"undecodable {what} body: {why}")
 
 
 def parse_body(body, kind: type, what: str):
-    """`body` (parsed JSON) as `kind`, or BadBody naming the field and the rule."""
+    """`body` (parsed JSON) as `kind`, or BadBody naming the field and the rule; `what`: the message type's name."""
     try:
         return msgspec.convert(body, kind)
     except msgspec.ValidationError as e:
-        raise BadBody(f"{what}: {e}") from None
+        raise undecodable(what, str(e)) from None
 
 
-def entry_from_json(e: dict | JsonEntry):
-    """The contract's Entry from its JSON form, or BadBody (the taps' length is the contract's check)."""
+def entry_from_json(e: dict | JsonEntry, i: int = 0):
+    """The contract's Entry from its JSON form (entries[i] of a STEP), or BadBody (the taps' length is the
+    contract's check)."""
     if not isinstance(e, JsonEntry):
-        e = parse_body(e, JsonEntry, "entry")
+        e = parse_body(e, JsonEntry, "STEP entry")
     try:
         taps = np.frombuffer(base64.b64decode(e.taps_b64, validate=True), dtype="<f2")
     except ValueError as x:      # binascii.Error is a ValueError; an odd byte count too
-        raise BadBody(f"entry: taps_b64: {x}") from None
+        raise undecodable("STEP", f"{x} - at `$.entries[{i}].taps_b64`") from None
     try:
         return make_entry(slot=e.slot, generation=e.generation, seed_token=e.seed_token, start_pos=e.start_pos,
                           token_ids=e.token_ids, taps=taps, rollback_to=e.rollback_to, n_out=e.n_out,
                           want_margins=e.want_margins)
     except ValueError as x:      # a token id beyond int32 (a cast would wrap it)
-        raise BadBody(f"entry: token_ids: {x}") from None
+        raise undecodable("STEP", f"{x} - at `$.entries[{i}].token_ids`") from None
 
 
 def result_to_json(r) -> dict:
@@ -278,18 +287,20 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S, max_body_byte
 
     @api.exception_handler(RequestValidationError)
     async def malformed(request, e):
-        """A body that is not JSON (or not an object) is refused as a schema error is: 422 BAD_REQUEST."""
+        """A body that is not JSON (or not an object) is refused as a schema error is: 422 BAD_ENTRY."""
         why = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg')}" for err in e.errors())
-        return JSONResponse({"code": "BAD_REQUEST", "reason": why or "malformed body"}, status_code=422)
+        return JSONResponse({"code": "BAD_ENTRY", "reason": f"undecodable body: {why or 'malformed'}"},
+                            status_code=422)
 
     def refused(e: ClientError) -> HTTPException:
-        return HTTPException(409, {"code": e.code.name if e.code is not None else "CONNECTION", "reason": str(e)})
+        """A worker's refusal in its own words (TCP's reason), or the pool's where the pool refused."""
+        return HTTPException(409, {"code": e.code.name if e.code is not None else "CONNECTION", "reason": e.reason})
 
     def refused_whole(code: Code, reason: str) -> HTTPException:
         return HTTPException(409, {"code": code.name, "reason": reason})
 
     def bad(e: ValueError) -> HTTPException:
-        return HTTPException(422, {"code": "BAD_REQUEST", "reason": str(e)})
+        return HTTPException(422, {"code": Code.BAD_ENTRY.name, "reason": str(e)})
 
     @serve.deployment(num_replicas=1, max_ongoing_requests=max_ongoing_requests, ray_actor_options={"num_cpus": 0})
     @serve.ingress(api)
@@ -306,7 +317,7 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S, max_body_byte
         @api.post("/v1/sessions")
         def open_session(self, hello: dict = Body(default={})) -> dict:
             try:
-                token, r = self.sessions.open(parse_body(hello, JsonHello, "hello"))
+                token, r = self.sessions.open(parse_body(hello, JsonHello, "HELLO"))
             except BadBody as e:
                 raise bad(e) from None
             except ClientError as e:
@@ -319,7 +330,7 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S, max_body_byte
         def acquire(self, s: str, body: dict = Body(...)) -> dict:
             c = self._client(s)
             try:
-                grants = c.acquire(parse_body(body, JsonAcquire, "acquire").n)
+                grants = c.acquire(parse_body(body, JsonAcquire, "ACQUIRE").n)
             except BadBody as e:
                 raise bad(e) from None
             except ClientError as e:
@@ -330,7 +341,7 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S, max_body_byte
         def release(self, s: str, body: dict = Body(...)) -> dict:
             c = self._client(s)
             try:
-                return {"released": c.release(parse_body(body, JsonRelease, "release").slots)}
+                return {"released": c.release(parse_body(body, JsonRelease, "RELEASE").slots)}
             except BadBody as e:
                 raise bad(e) from None
             except ClientError as e:
@@ -340,8 +351,8 @@ def build_app(endpoint: str, session_ttl_s: float = SESSION_TTL_S, max_body_byte
         def step(self, s: str, body: dict = Body(...)) -> dict:
             c = self._client(s)
             try:
-                msg = parse_body(body, JsonStep, "step")
-                entries = [entry_from_json(e) for e in msg.entries]
+                msg = parse_body(body, JsonStep, "STEP")
+                entries = [entry_from_json(e, i) for i, e in enumerate(msg.entries)]
             except BadBody as e:
                 raise bad(e) from None
             why = validate_step(Step(entries=entries, deadline_ms=msg.deadline_ms), c.limits)

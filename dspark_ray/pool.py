@@ -241,9 +241,10 @@ class DrafterPool:
             self._need_hello()
             self._need_idle()
             most = self.stride * len(self.workers)
-            if n > most:
-                raise ClientError(f"acquire: n {n} > the pool's {len(self.workers)} workers x {self.stride} slots: "
-                                  f"can never be granted", Code.BAD_ENTRY)
+            if n > most:         # a worker's own words (contract.validate_acquire), for the pool's workers together
+                over = f"slot_capacity {self.stride}" + (f" x {len(self.workers)} workers" if len(self.workers) > 1
+                                                         else "")
+                raise ClientError(f"acquire: n {n} > {over}: can never be granted", Code.BAD_ENTRY)
             free = {i: w.hello.limits.slot_capacity - len(w.held) for i, w in enumerate(self.workers)
                     if w.down is None}
             grants: list[SlotGrant] = []

@@ -154,14 +154,18 @@ class FrameReader:
     A recv without progress within the socket's timeout is a FrameError mid-frame, and so is a frame not whole within
     `frame_timeout_s` of its first bytes (None: no bound). `admit(type, frame bytes)` judges each header before any
     payload is read: a reason it returns is a FrameError. Between frames the reader passes a timeout through, or with
-    `wait_between_frames` waits on, up to `idle_timeout_s` (IdleTimeout; None: for ever).
+    `wait_between_frames` waits on, up to `idle_timeout_s` (IdleTimeout; None: for ever). `idle_wait(left)`, called
+    before each read at a frame boundary with the idle bound's seconds left, may wait for bytes itself and return
+    False when none came within them: the bound then holds to the poll's precision, not to the socket's timeout.
     """
 
     def __init__(self, recv_into: Callable[[memoryview], int], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
                  wait_between_frames: bool = False, idle_timeout_s: float | None = None,
                  frame_timeout_s: float | None = None,
-                 admit: Callable[[MsgType, int], str | None] | None = None):
+                 admit: Callable[[MsgType, int], str | None] | None = None,
+                 idle_wait: Callable[[float], bool] | None = None):
         self.max_frame_bytes = max_frame_bytes
+        self.idle_wait = idle_wait
         self._recv_into = recv_into
         self._restart = getattr(recv_into, "restart", None)
         self._wait_between_frames = wait_between_frames
@@ -225,6 +229,10 @@ class FrameReader:
         total = len(view) if total is None else total
         at_boundary = part == "header"
         while got < len(view):
+            if at_boundary and got == 0 and self._wait_between_frames and self.idle_wait is not None and \
+                    self.idle_timeout_s is not None:
+                if not self.idle_wait(self.idle_timeout_s - (time.monotonic() - self._waiting_since)):
+                    raise IdleTimeout(f"no request for {self.idle_timeout_s:g} s")
             try:
                 n = self._recv_into(view[got:])
             except (TimeoutError, BlockingIOError):

@@ -1,13 +1,14 @@
 """What a serving engine embeds: HELLO with the model identity it expects, one slot per live request, one STEP per
-decode round. Run against a running endpoint:  python examples/client.py HOST:PORT [DEADLINE_MS [TOKEN_FILE]]
+decode round. Run against a running endpoint:
+    python examples/client.py HOST:PORT --token-file TOKEN_FILE [--deadline-ms MS]
 
-DEADLINE_MS is each STEP's budget (default 50: a GPU pair answers in about 2 ms; the tiny drafter on a CPU takes
-tens of milliseconds a STEP, so give it a second or two there). The trunk here is a stand-in: random taps, and it
+TOKEN_FILE: the deployment's token file, which `serve` and `dspark-ray status` name (leave it out for a deployment
+served --insecure). MS is each STEP's budget (default 1000: a GPU pair answers in 1-2 ms, the tiny drafter on a CPU
+in 70-150 ms; an engine sets its round's budget, a few ms on GPUs). The trunk here is a stand-in: random taps, and it
 accepts the seed and the first draft each round. `RequestSlot` (`c.request()`) sends what the slot lacks; an answer
-that is not OK carries no drafts, and the round is verified without them. TOKEN_FILE: the deployment's token file,
-which `serve` and `dspark-ray status` name (none: a deployment served --insecure).
+that is not OK carries no drafts, and the round is verified without them.
 """
-import sys
+import argparse
 
 import numpy as np
 
@@ -15,9 +16,14 @@ from dspark_ray.access_token import read_token_file
 from dspark_ray.client import DrafterClient
 from dspark_ray.contract import Code
 
-host, port = sys.argv[1].rsplit(":", 1)
-deadline_ms = float(sys.argv[2]) if len(sys.argv) > 2 else 50.0
-token = read_token_file(sys.argv[3]) if len(sys.argv) > 3 else None
+ap = argparse.ArgumentParser(description="one request drafting five rounds against a STEP endpoint")
+ap.add_argument("endpoint", help="HOST:PORT, as `dspark-ray serve` printed it")
+ap.add_argument("--token-file", help="the deployment's token file")
+ap.add_argument("--deadline-ms", type=float, default=1000.0, help="each STEP's budget (default %(default)g)")
+a = ap.parse_args()
+host, port = a.endpoint.rsplit(":", 1)
+deadline_ms = a.deadline_ms
+token = read_token_file(a.token_file) if a.token_file else None
 rng = np.random.default_rng(0)
 with DrafterClient(host, int(port), token=token) as c:
     lim = c.hello(client="example engine").limits       # pass model_digest= / config_digest= / tp= to pin them

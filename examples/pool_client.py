@@ -2,11 +2,11 @@
 requests' slots spread over the workers, one STEP per decode round. A request whose worker went away answers
 UNAVAILABLE; the engine verifies that round without drafts, takes a new slot (on a worker that serves) and inserts
 the request's context there. Run against running workers:
-    python examples/pool_client.py HOST:PORT,HOST:PORT [DEADLINE_MS [TOKEN_FILE]]
-(DEADLINE_MS and TOKEN_FILE as in examples/client.py: default 50, a second or two for the tiny drafter on a CPU.
+    python examples/pool_client.py HOST:PORT,HOST:PORT --token-file TOKEN_FILE [--deadline-ms MS]
+(--token-file and --deadline-ms as in examples/client.py: default 1000 ms, which fits the tiny drafter on a CPU.
 `DrafterPool.from_deployment(HEAD:6379, NAME)` finds the workers and the token by the deployment's name instead.)
 """
-import sys
+import argparse
 
 import numpy as np
 
@@ -14,9 +14,14 @@ from dspark_ray.access_token import read_token_file
 from dspark_ray.contract import Code, make_entry
 from dspark_ray.pool import DrafterPool
 
-deadline_ms = float(sys.argv[2]) if len(sys.argv) > 2 else 50.0
-token = read_token_file(sys.argv[3]) if len(sys.argv) > 3 else None
-with DrafterPool(sys.argv[1], token=token) as pool:
+ap = argparse.ArgumentParser(description="four requests drafting five rounds over several STEP endpoints")
+ap.add_argument("endpoints", help="HOST:PORT,HOST:PORT,..., as `dspark-ray serve --pairs N` printed them")
+ap.add_argument("--token-file", help="the deployment's token file")
+ap.add_argument("--deadline-ms", type=float, default=1000.0, help="each STEP's budget (default %(default)g)")
+a = ap.parse_args()
+deadline_ms = a.deadline_ms
+token = read_token_file(a.token_file) if a.token_file else None
+with DrafterPool(a.endpoints, token=token) as pool:
     hello = pool.hello(client="example engine")          # pass model_digest= / config_digest= / tp= to pin them
     width, vocab = hello.limits.taps_width, hello.limits.vocab_size
     rng = np.random.default_rng(0)

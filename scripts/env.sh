@@ -2,8 +2,12 @@
 # CPU hosts get the CPU build of torch pinned to 2.13.0 (an unpinned torch pulls a multi-GB CUDA build); a GPU host
 # keeps the torch it already has (its own CUDA build) by creating the venv with --system-site-packages. Every other
 # package is pinned by constraints.txt, so a fresh clone gets the versions the suite passed with, not today's.
+# Sourced into an interactive shell it must leave that shell's options as they were (a `set -e` left on would close
+# the terminal at the next failing command): the set-up runs under `set -e` in a subshell, the exports after it.
+_dspark_env_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+(
 set -e
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$_dspark_env_root"
 VENV="${DSPARK_VENV:-$ROOT/.venv}"
 STAMP="$VENV/.dspark-installed"
 CONSTRAINTS="$ROOT/constraints.txt"
@@ -34,5 +38,9 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || [ "$ROOT/cons
   "$VENV/bin/python" -c "import torch, ray, safetensors, msgspec" || { echo "[env] install failed" >&2; exit 1; }
   touch "$STAMP"
 fi
+) || { _dspark_env_rc=$?; unset _dspark_env_root; return $_dspark_env_rc 2>/dev/null || exit $_dspark_env_rc; }
+ROOT="$_dspark_env_root"
+VENV="${DSPARK_VENV:-$ROOT/.venv}"
+unset _dspark_env_root
 export PATH="$VENV/bin:$PATH"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

@@ -21,6 +21,9 @@ os.environ.setdefault("RAY_ACCEPT_CALLBACKS", "0")
 # Set before dspark_ray is imported: its settings are read once, and the front-end hands them to every actor.
 os.environ.setdefault("DSPARK_KEEP_WARM_US", "0")
 os.environ.setdefault("DSPARK_KEEP_WARM_HOLD_US", "0")      # from the step's end on, not 250 us after it
+# Ray prints what it tells the driver (a worker killed on purpose: "(raylet) A worker died ...") in ANSI colours,
+# which land raw in the suite's summary off a terminal; 0 keeps them plain (read by this process's Ray at each print).
+os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 from dspark_ray import records as M  # noqa: E402
 from dspark_ray.contract import Code  # noqa: E402

@@ -203,9 +203,9 @@ def test_a_stalled_body_is_refused_408_and_its_connection_freed(served):
 def test_every_refusal_is_a_code_and_a_reason(served):
     url = session(served)
     cases = {
-        "not JSON": ("POST", f"{url}/step", None, b"{not json", 422, "BAD_REQUEST"),
-        "not an object": ("POST", f"{url}/acquire", None, b"[1, 2]", 422, "BAD_REQUEST"),
-        "a missing field": ("POST", f"{url}/step", {"entries": []}, None, 422, "BAD_REQUEST"),
+        "not JSON": ("POST", f"{url}/step", None, b"{not json", 422, "BAD_ENTRY"),
+        "not an object": ("POST", f"{url}/acquire", None, b"[1, 2]", 422, "BAD_ENTRY"),
+        "a missing field": ("POST", f"{url}/step", {"entries": []}, None, 422, "BAD_ENTRY"),
         "an unknown session": ("POST", f"{served[2]}/nope/acquire", {"n": 1}, None, 404, "NO_SESSION"),
         "an unknown route": ("POST", f"{url}/no/such/route", {}, None, 404, "NOT_FOUND"),
         "a wrong method": ("GET", f"{url}/step", None, None, 405, "METHOD_NOT_ALLOWED"),
@@ -246,6 +246,66 @@ def test_a_bad_step_is_refused_over_http_exactly_as_over_tcp(served):
         else:
             assert isinstance(tcp, C.StepReply) and tcp.results == [] and (st, got) == (200, {"results": []}), \
                 (what, tcp, got)
+
+
+def tcp_raw_answer(host: str, port: int, fields: dict) -> object:
+    """The answer to a payload as it is (`fields`, its `type` among them, which need not decode), after HELLO."""
+    import msgspec
+    payload = msgspec.msgpack.encode(fields)
+    frame = wire.HEADER.pack(wire.MAGIC, C.PROTOCOL_VERSION, fields["type"], 0, 0, 2, len(payload)) + payload
+    with socket.create_connection((host, port), timeout=60) as s:
+        reader = wire.FrameReader(s.recv_into)
+        s.sendall(wire.encode(C.Hello(client="tcp side", token=TOKEN), 1))
+        reader.read()
+        s.sendall(frame)
+        return reader.read()[1]
+
+
+def test_http_refuses_a_bad_request_with_tcps_code_and_reason(served):
+    """The same bad requests over both (issue 64): a payload that does not decode is BAD_ENTRY on both (HTTP 422),
+    with the same decoder's words for the field after "undecodable STEP payload (N bytes): " / "undecodable STEP
+    body: "; ACQUIRE n over the capacity or under 1 and a HELLO for another tp are HTTP 409 with TCP's code and
+    reason, word for word."""
+    import msgspec
+    host, port, sessions = served
+    url = session(served)
+    st, opened = call("POST", sessions, {})
+    capacity = opened["limits"]["slot_capacity"]
+    one = {"slot": 0, "generation": 0, "seed_token": 1, "start_pos": 0, "n_out": 1}
+
+    def tcp_step(entry: dict, **top) -> dict:
+        d = msgspec.msgpack.decode(msgspec.msgpack.encode(C.Step(entries=[C.make_entry(**one)], deadline_ms=100.0)))
+        d["entries"][0].update(entry)
+        return {k: v for k, v in {**d, **top}.items() if v is not None}
+    undecodable = {     # what: (TCP payload, HTTP route, HTTP body)
+        "a slot that is a string": (tcp_step({"slot": "0"}), "step",
+                                    {"entries": [{**one, "slot": "0"}], "deadline_ms": 100.0}),
+        "no deadline": (tcp_step({}, deadline_ms=None), "step", {"entries": [one]}),
+        "an unknown entry field": (tcp_step({"temperature": 0.5}), "step",
+                                   {"entries": [{**one, "temperature": 0.5}], "deadline_ms": 100.0}),
+        "an ACQUIRE with an unknown field": ({"type": int(C.MsgType.ACQUIRE), "n": 1, "pool": "a"}, "acquire",
+                                             {"n": 1, "pool": "a"}),
+        "n that is a float": ({"type": int(C.MsgType.ACQUIRE), "n": 1.5}, "acquire", {"n": 1.5}),
+    }
+    for what, (fields, route, body) in undecodable.items():
+        tcp = tcp_raw_answer(host, port, fields)
+        st, got = call("POST", f"{url}/{route}", body)
+        kind = C.MsgType(fields["type"]).name
+        assert isinstance(tcp, C.ErrorReply) and tcp.reason.startswith(f"undecodable {kind} payload ("), (what, tcp)
+        assert got["reason"].startswith(f"undecodable {kind} body: "), (what, got)
+        assert (st, got["code"]) == (422, tcp.code.name) and \
+            got["reason"].split(" body: ", 1)[1] == tcp.reason.split(" bytes): ", 1)[1], (what, tcp, got)
+    for n in (capacity + 1, 0):
+        tcp = tcp_answer(host, port, C.Acquire(n=n))
+        st, got = call("POST", f"{url}/acquire", {"n": n})
+        assert isinstance(tcp, C.ErrorReply) and (st, got) == (409, {"code": tcp.code.name, "reason": tcp.reason}), \
+            (n, tcp, got)
+    with socket.create_connection((host, port), timeout=60) as s:
+        s.sendall(wire.encode(C.Hello(client="tcp side", token=TOKEN, tp=opened["tp"] + 1), 1))
+        tcp = wire.FrameReader(s.recv_into).read()[1]
+    st, got = call("POST", sessions, {"tp": opened["tp"] + 1})
+    assert not tcp.ok and (st, got) == (409, {"code": tcp.code.name, "reason": tcp.reason}), (tcp, got)
+    assert got["code"] == "CONFIG_MISMATCH" and got["reason"].startswith("tp: client expects "), got
 
 
 # ---- who may draft over HTTP, and slow bodies (issue 63) ----------------------------------------------------------

@@ -155,7 +155,7 @@ def test_acquire_is_all_or_nothing(workers):
     ws = workers(2)
     with pool_of(ws) as pool:
         # More than every worker's slots together, or less than one, can never be granted: a bad request.
-        for n, why in ((5, "acquire: n 5 > the pool's 2 workers x 2 slots: can never be granted"),
+        for n, why in ((5, "acquire: n 5 > slot_capacity 2 x 2 workers: can never be granted"),
                        (0, "acquire: n 0 < 1")):
             with pytest.raises(ClientError, match=why) as e:
                 pool.acquire(n)

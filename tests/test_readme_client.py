@@ -1,6 +1,6 @@
 """The README's client loop, run as written against a real front-end over TCP (`StepService` before an in-process
-engine, as a rank runs it): a README whose client breaks fails CI. Only the deadline is widened (the README's 50 ms
-is for a GPU pair; the tiny drafter on this CPU takes tens of ms a STEP)."""
+engine, as a rank runs it): a README whose client breaks fails CI. Its deadline too: the tiny drafter on this CPU
+takes tens of ms a STEP, and the README's budget must fit it as it fits a GPU pair."""
 from __future__ import annotations
 
 import re
@@ -23,8 +23,6 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def test_the_readme_client_loop_drafts_every_round_and_releases_its_slot(cfg, ckpt):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     loop = next(b for b in blocks if "DrafterClient(" in b and "verify(" in b)
-    assert "deadline_ms=50" in loop
-    loop = loop.replace("deadline_ms=50", "deadline_ms=10_000")
     width = cfg.n_taps * cfg.hidden_size
     rng = np.random.default_rng(0)
     svc = StepService(Identity("model", cfg.digest(), 2, cfg.max_model_len), C.Limits.for_config(cfg, slot_capacity=4),

@@ -124,8 +124,14 @@ def test_detached_serve_prints_no_warning_and_stop_removes_it_then_says_nothing_
     assert deployed(ray_cluster, name)["actors"] == [f"{name}-frontend", f"{name}-rank0"]
     kept = tmp_path / "tokens" / name
     assert f"token file {kept} on " in text and stat.S_IMODE(os.stat(kept).st_mode) == 0o600, text
+    # the endpoint said once, in serve's own line; the hint names the cluster it joined (issue 64)
+    endpoint = text.split("STEP endpoint ", 1)[1].split()[0]
+    assert text.count(endpoint) == 1, text
+    at = f"--name {name} --address {address(ray_cluster)}"
+    assert f"`dspark-ray status {at}` / `dspark-ray stop {at}`" in text, text
     st = run_cli(ray_cluster, "status", "--name", name, env=env)
     assert st.returncode == 0 and f"token file {kept} on " in st.stdout, st.stdout + st.stderr
+    assert "  supervisor: not restarting; 0 restart(s) so far" in st.stdout and "{'" not in st.stdout, st.stdout
     down = run_cli(ray_cluster, "stop", "--name", name)
     assert down.returncode == 0 and f"stopped {name}" in down.stdout, down.stdout + down.stderr
     assert deployed(ray_cluster, name) == NOTHING

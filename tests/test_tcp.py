@@ -668,3 +668,82 @@ def test_a_session_logs_one_line_when_it_opens_and_one_with_its_counts_when_it_c
         "client 'test' over tcp" in lines[1] and \
         "8 requests (5 STEPs, 10 entries, 1 refused whole)" in lines[1], lines[1]
     assert len(caplog.records) == 2, [r.getMessage() for r in caplog.records]
+
+
+# ---- refusal floods and the idle timer (issue 64, item 5) -----------------------------------------------------------
+def wait_until(cond, what: str, bound_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + bound_s
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {bound_s:g} s: {what}"
+        time.sleep(0.01)
+
+
+def summary_lines(caplog, what: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(what)]
+
+
+def test_a_refusal_flood_is_logged_as_its_count_once_per_window(caplog):
+    """3,000 refusals from 4 threads in one window: one line, counting all 3,000; then 2 in the next window: one
+    more line counting 2; closing with nothing pending adds none, closing with one pending logs it at once."""
+    import logging
+    from dspark_ray.transport.tcp import _Summary
+    flood = _Summary("refused at the connection limit:", window_s=0.5)
+    with caplog.at_level(logging.WARNING, logger="dspark_ray.transport.tcp"):
+        workers = [threading.Thread(target=lambda k=k: [flood.note(f"from peer {k}") for _ in range(750)])
+                   for k in range(4)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(WAIT_S)
+        wait_until(lambda: summary_lines(caplog, "refused at"), "the first window's line")
+        flood.note("from peer 5")
+        flood.note("from peer 6")
+        wait_until(lambda: len(summary_lines(caplog, "refused at")) == 2, "the second window's line")
+        flood.close()
+        flood.note("from peer 7")
+        flood.close()
+    lines = summary_lines(caplog, "refused at")
+    assert len(lines) == 3 and len(caplog.records) == 3, lines
+    assert lines[0].startswith("refused at the connection limit: 3000 connection(s) within 0.5 s (the last from "
+                               "peer "), lines[0]
+    assert lines[1] == "refused at the connection limit: 2 connection(s) within 0.5 s (the last from peer 6)"
+    assert lines[2] == "refused at the connection limit: 1 connection(s) within 0.5 s (the last from peer 7)"
+
+
+def test_four_connections_refused_at_the_limit_are_one_line_counting_four(front, caplog):
+    """Each is answered OVERLOADED and closed; the log has one line for the four, none per connection."""
+    import logging
+    srv = TcpServer(front, max_frame_bytes=LIMITS.max_frame_bytes, max_connections=1, refusal_log_s=0.5).start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dspark_ray.transport.tcp"):
+            holder = connect(srv)
+            for _ in range(4):
+                with pytest.raises(ClientError, match="OVERLOADED"):
+                    connect(srv)
+            wait_until(lambda: summary_lines(caplog, "refused at"), "the window's line")
+            holder.close()
+    finally:
+        srv.stop(timeout_s=WAIT_S)
+    assert srv.counts["connections_refused"] == 4
+    lines = summary_lines(caplog, "refused at")
+    assert len(lines) == 1 and lines[0].startswith("refused at the connection limit: 4 connection(s) within 0.5 s"), \
+        [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("idle_s", [1.5, 7.0])
+def test_the_idle_timeout_closes_a_session_within_a_second_of_its_value(front, idle_s):
+    """An idle bound that is not a multiple of the 5 s stall tick (7 s: the tick would close at 10 s) closes the
+    session between its value and a second later, measured from the session's last request."""
+    srv = TcpServer(front, max_frame_bytes=LIMITS.max_frame_bytes, stall_timeout_s=5.0, idle_timeout_s=idle_s).start()
+    try:
+        c = connect(srv)
+        c.acquire(1)
+        t0 = time.monotonic()
+        wait_until(lambda: front.closed == [1], "the idle session closed", idle_s + 5)
+        took = time.monotonic() - t0
+        assert idle_s <= took <= idle_s + 1.0, took
+        with pytest.raises(ClientError, match=rf"UNAVAILABLE: session 1 closed: no request for {idle_s:g} s"):
+            c.acquire(1)
+        c.close()
+    finally:
+        srv.stop(timeout_s=WAIT_S)

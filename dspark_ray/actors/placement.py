@@ -90,7 +90,7 @@ def deploy_workers(spec: PairSpec, n: int, *, host: str = "127.0.0.1", port: int
             log.warning("worker %s waits for room: no node has %s free; it starts when one joins", wname,
                         pg.bundle_specs)
             continue
-        log.info("worker %s serving on %s", wname, ep)
+        log.debug("worker %s serving on %s", wname, ep)      # `serve` prints the endpoints in its own line
         if ep.split(":")[0] not in ("127.0.0.1", "localhost"):
             continue
         node = ray.get(fe.node.remote(), timeout=30)

@@ -3,11 +3,13 @@
 is answered, what closes a connection and the bounds per client: docs/contract.md, section 1. Before its HELLO is
 accepted a connection is a stranger: it may send one HELLO-sized frame within a bound, its token is checked before
 the front-end hears of it, and it costs no session. A session logs two lines, when it opens and when it closes,
-never one per frame; strangers turned away are logged in summary.
+never one per frame; strangers and refused connections are logged in summary (their count per window).
 """
 from __future__ import annotations
 
 import logging
+import math
+import select
 import socket
 import threading
 import time
@@ -43,19 +45,38 @@ class Unauthorized(Exception):
 
 
 class _Summary:
-    """One log line per REFUSAL_LOG_S for a kind of event that a flood repeats (a stranger, a full endpoint)."""
+    """A kind of event that a flood repeats (a stranger, a full endpoint), logged as one line per window of
+    `window_s` that had any, with its count: the window opens at its first event and its line comes when it ends
+    (or at `close`), so a flood of thousands costs a line, and so does a lone event."""
 
-    def __init__(self, what: str):
-        self.what, self.count, self.logged_at, self.logged_count = what, 0, -REFUSAL_LOG_S, 0
+    def __init__(self, what: str, window_s: float = REFUSAL_LOG_S):
+        self.what, self.window_s = what, window_s
+        self.count, self.last = 0, ""
+        self._timer: threading.Timer | None = None
         self._lock = threading.Lock()          # connection threads note concurrently
 
     def note(self, detail: str) -> None:
         with self._lock:
             self.count += 1
-            if time.monotonic() - self.logged_at < REFUSAL_LOG_S:
-                return
-            n, self.logged_at, self.logged_count = self.count - self.logged_count, time.monotonic(), self.count
-        log.warning("%s %d connection(s) (the last %s)", self.what, n, detail)
+            self.last = detail
+            if self._timer is None:
+                self._timer = threading.Timer(self.window_s, self._flush)
+                self._timer.name, self._timer.daemon = "dspark-refusal-log", True      # not a tcp- endpoint thread
+                self._timer.start()
+
+    def close(self) -> None:
+        """Log what the open window holds now, and open no other (the server stops)."""
+        with self._lock:
+            timer = self._timer
+        if timer is not None:
+            timer.cancel()
+        self._flush()
+
+    def _flush(self) -> None:
+        with self._lock:
+            n, detail, self.count, self._timer = self.count, self.last, 0, None
+        if n:
+            log.warning("%s %d connection(s) within %g s (the last %s)", self.what, n, self.window_s, detail)
 
 
 def out_of_place(mtype: MsgType, greeted: bool, ring: bool = False) -> str | None:
@@ -110,20 +131,22 @@ class TcpServer:
                  max_pollers: int = 2, on_thread_start=None, observer: ServerObserver | None = None,
                  advertise: str | None = None, max_connections: int = MAX_CONNECTIONS,
                  idle_timeout_s: float | None = IDLE_TIMEOUT_S, token: str | None = None,
-                 frame_timeout_s: float = FRAME_TIMEOUT_S, max_ungreeted: int = MAX_UNGREETED):
+                 frame_timeout_s: float = FRAME_TIMEOUT_S, max_ungreeted: int = MAX_UNGREETED,
+                 refusal_log_s: float = REFUSAL_LOG_S):
         """`spin_us`: how long a connection thread polls for its next frame before it blocks; at most `max_pollers`
         poll at once (every poll takes the interpreter lock). `on_thread_start`: run first in the accept thread
         (connection threads inherit its affinity). `observer` sees every connection's frames. `advertise`: the
         address `endpoint` names for a wildcard `host`. `max_connections`, `idle_timeout_s` (None: none). `token`:
         the deployment's, which every HELLO must carry (None: anyone may HELLO). `frame_timeout_s`: a frame's
-        bound, and a HELLO's after connecting; at most `max_ungreeted` connections wait for theirs at once."""
+        bound, and a HELLO's after connecting; at most `max_ungreeted` connections wait for theirs at once.
+        `refusal_log_s`: the window over which refused connections and strangers are counted into one log line."""
         if max_connections < 1 or max_ungreeted < 1:
             raise ValueError(f"max_connections {max_connections}, max_ungreeted {max_ungreeted}: at least 1")
         self.max_connections, self.idle_timeout_s = max_connections, idle_timeout_s
         self.max_ungreeted, self.frame_timeout_s = max_ungreeted, frame_timeout_s
         self.token = token
-        self._at_limit = _Summary("refused at the connection limit:")
-        self._strangers = _Summary("closed before an accepted HELLO:")
+        self._at_limit = _Summary("refused at the connection limit:", refusal_log_s)
+        self._strangers = _Summary("closed before an accepted HELLO:", refusal_log_s)
         self._ungreeted = 0
         self.observer = observer or ServerObserver()
         self.advertise = advertise if host in WILDCARD_HOSTS else None
@@ -180,6 +203,8 @@ class TcpServer:
             if c.thread is not None:
                 c.thread.join(max(0.0, deadline - time.monotonic()))
         alive = [c.peer for c in conns if c.thread is not None and c.thread.is_alive()]
+        self._at_limit.close()
+        self._strangers.close()
         if alive:
             log.warning("tcp server stop: %d connection thread(s) still in the handler after %.1f s: %s",
                         len(alive), timeout_s, ", ".join(alive))
@@ -256,6 +281,20 @@ class TcpServer:
             conn.session = self.handler.open_session(conn.peer)
             log.info("session %d open: %s", conn.session, conn.peer)
 
+    def _idle_wait(self, sock: socket.socket):
+        """FrameReader's idle_wait: the socket's stall timeout ticks while more than one tick of the idle bound is
+        left (no poll on the step path); within the last tick, a poll for the time left, so an idle session closes
+        at its bound (`--idle-timeout 7`: at 7 s, not at the 5 s tick after it)."""
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        tick = self.stall_timeout_s
+
+        def wait(left: float) -> bool:
+            if tick is not None and left >= tick:
+                return True
+            return bool(poller.poll(max(0, math.ceil(left * 1e3))))
+        return wait
+
     def _greeted(self, conn: _Conn, reader: FrameReader) -> None:
         conn.greeted = True
         reader.idle_timeout_s = self.idle_timeout_s
@@ -267,7 +306,8 @@ class TcpServer:
         recv = spinning_recv_into(sock, self.spin_us, self._pollers, self.observer.idle)
         # Until its HELLO is accepted: HELLO-sized HELLOs (the reader's first buffer), within frame_timeout_s.
         reader = FrameReader(recv, self.max_frame_bytes, wait_between_frames=True,
-                             frame_timeout_s=self.frame_timeout_s, admit=self._admit(conn))
+                             frame_timeout_s=self.frame_timeout_s, admit=self._admit(conn),
+                             idle_wait=self._idle_wait(sock))
         writer = FrameWriter(self.max_frame_bytes)
         observer = self.observer.session(recv, reader)
         why = "closed by peer"

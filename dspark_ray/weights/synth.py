@@ -366,13 +366,14 @@ def write_checkpoint(specs: list[StoredSpec], config: dict, config_digest: str, 
 
 
 def synth_main(argv: list[str] | None = None) -> int:
+    from ..argtypes import NON_NEGATIVE_INT, POSITIVE_S, number
     ap = argparse.ArgumentParser(prog="dspark-ray synth", description="Write a deterministic synthetic checkpoint.")
     ap.add_argument("--preset", choices=["tiny", "full"], required=True)
     ap.add_argument("--out", required=True, help="checkpoint directory (created; earlier model files replaced)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)
     ap.add_argument("--device", default=None, help="where values are drawn (default: cuda if present, else cpu); "
                                                    "the bytes are the same either way")
-    ap.add_argument("--shard-gb", type=float, default=DEFAULT_SHARD_BYTES / (1 << 30),
+    ap.add_argument("--shard-gb", type=POSITIVE_S, default=DEFAULT_SHARD_BYTES / (1 << 30),
                     help="largest shard in GiB (default %(default)s)")
     ap.add_argument("--format", choices=["bf16", "exl3"], default="bf16",
                     help="bf16: plain tensors; exl3: the Linears as exllamav3 1.6.5 stores them (default %(default)s)")
@@ -382,7 +383,7 @@ def synth_main(argv: list[str] | None = None) -> int:
                     help="a whole model an engine runs: the preset's drafter over a small sliding-window trunk, a "
                          "tokenizer, trunk and drafter agreeing on a bigram (weights/engine_model.py; exllamav3 "
                          "loads it as DeepseekV4ForCausalLM)")
-    ap.add_argument("--disagree", type=float, default=0.25,
+    ap.add_argument("--disagree", type=number(float, 0, 1), default=0.25,
                     help="with --with-trunk: the share of ids whose next token the drafter predicts differently "
                          "(sets the acceptance; default %(default)s)")
     a = ap.parse_args(argv)
@@ -390,8 +391,6 @@ def synth_main(argv: list[str] | None = None) -> int:
         ap.error("--with-trunk writes its own storage (FP8 Linears at full width): leave --format out")
     if not a.with_trunk and a.disagree != 0.25:
         ap.error("--disagree: only with --with-trunk")
-    if a.shard_gb <= 0:
-        ap.error(f"--shard-gb {a.shard_gb}: must be > 0")
     if a.bits is not None and a.format != "exl3":
         ap.error(f"--bits {a.bits}: only with --format exl3")
     bits = a.bits or DEFAULT_MIX
