@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))          # support.workload
 
 from bench import report  # noqa: E402
-from dspark_ray.graphs import step_graphs_enabled      # noqa: E402
+from dspark_ray.rank.graphs import step_graphs_enabled      # noqa: E402
 from dspark_ray.kernels.fused_ops import pdl_capable  # noqa: E402
 
 SEED000 = ((1, 5), (1, 4), (2, 5), (2, 4), (3, 5), (3, 4), (4, 5), (4, 4))
@@ -106,13 +106,13 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
     """Capture and time one mode in this process (pair: one rank; its peer runs the same code)."""
     from dspark_ray.comm.local import LocalCollectives
     from dspark_ray.comm.solo import SoloCollectives
-    from dspark_ray.graphs import GraphSet
+    from dspark_ray.rank.graphs import GraphSet
     from dspark_ray.kernels.gemm import dense_for, describe, kernels_for
     from dspark_ray.model.drafter import Drafter
     from dspark_ray.model.layout import Layout
-    from dspark_ray.modes import read_rank
-    from dspark_ray.recorders import StepMarks
-    from dspark_ray.stamps import now
+    from dspark_ray.rank.modes import read_rank
+    from dspark_ray.observe.recorders import StepMarks
+    from dspark_ray.observe.stamps import now
     from dspark_ray.weights.loader import Checkpoint
     ck = Checkpoint(args.ckpt)
     cfg = ck.config

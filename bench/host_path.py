@@ -23,14 +23,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      # support.instant_pair
 
 from bench import report                                                    # noqa: E402
-from dspark_ray import contract as C                                        # noqa: E402
-from dspark_ray import records as M                                 # noqa: E402
+from dspark_ray.protocol import contract as C                                        # noqa: E402
+from dspark_ray.protocol import records as M                                 # noqa: E402
 from dspark_ray.comm.local import LocalCollectives                         # noqa: E402
 from dspark_ray.config import full                                          # noqa: E402
-from dspark_ray.step_service import Identity, StepService                       # noqa: E402
-from dspark_ray.graphs import GraphSet                                      # noqa: E402
+from dspark_ray.frontend.step_service import Identity, StepService                       # noqa: E402
+from dspark_ray.rank.graphs import GraphSet                                      # noqa: E402
 from dspark_ray.model.state import SlotState                                # noqa: E402
-from dspark_ray.wire import HEADER_SIZE, FrameWriter, decode_payload        # noqa: E402
+from dspark_ray.protocol.wire import HEADER_SIZE, FrameWriter, decode_payload        # noqa: E402
 from support.instant_pair import InstantPair                                # noqa: E402
 
 

@@ -202,10 +202,10 @@ class RouterMargins:
 
 
 def run_format(preset: str, fmt: str, args, root: Path) -> dict:
-    from dspark_ray.engine import RankEngine
+    from dspark_ray.rank.engine import RankEngine
     from support.batches import Driver, entry
     from dspark_ray.kernels.gemm import describe, kernels_for
-    from dspark_ray.modes import make_drafter
+    from dspark_ray.rank.modes import make_drafter
     from dspark_ray.weights.loader import Checkpoint
     d = ensure(preset, fmt, root)
     ck = Checkpoint(d)

@@ -62,7 +62,7 @@ import numpy as np                                               # noqa: E402
 
 from bench.report import commit as _commit, cpu as _device      # noqa: E402
 from dspark_ray.client import ClientError, DrafterClient         # noqa: E402
-from dspark_ray.contract import Code, Entry, EntryResult, make_entry   # noqa: E402
+from dspark_ray.protocol.contract import Code, Entry, EntryResult, make_entry   # noqa: E402
 
 # The H200 target (issue 51): a killed rank's one-card worker (full preset) serves again within 8 s, p50; a kill
 # during the restart within twice that.
@@ -503,7 +503,7 @@ def measure(spec, *, name: str = "restart-bench", requests: int = 2, rounds: int
     answer against a fresh deployment of the same spec. Returns the figures (no device or commit: main adds them)."""
     from dspark_ray.actors.placement import deploy_workers, teardown
     from dspark_ray.config import load_config
-    from dspark_ray.contract import Limits
+    from dspark_ray.protocol.contract import Limits
     if not 0 <= kill_rank < spec.tp:
         raise ValueError(f"kill_rank {kill_rank}: a rank of the pair, 0..{spec.tp - 1}")
     if requests > spec.n_slots:

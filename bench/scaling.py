@@ -118,8 +118,8 @@ def main() -> None:
     from dspark_ray.actors.placement import bundles, deploy_workers, teardown
     from dspark_ray.spec import PairSpec
     from dspark_ray.cli import resolve_checkpoint
-    from dspark_ray.contract import Code, make_entry
-    from dspark_ray.pool import DrafterPool
+    from dspark_ray.protocol.contract import Code, make_entry
+    from dspark_ray.client.pool import DrafterPool
     from dspark_ray.weights.loader import Checkpoint
 
     gpu = torch.cuda.is_available()

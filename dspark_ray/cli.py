@@ -64,8 +64,8 @@ def connect_ray(address: str | None, detach: bool, start: bool = True) -> str:
     holds one (cluster_join.py); else, with `start`, start one (`ray start --head` with --detach, token
     authentication on). ConnectionError saying why it cannot join (several clusters here, none, Ray's token)."""
     import ray
-    from .cluster_join import cluster_address, token_for_new_cluster, use_ray_token
-    from .endpoints import Directory
+    from .client.cluster_join import cluster_address, token_for_new_cluster, use_ray_token
+    from .client.endpoints import Directory
     kw = dict(namespace="dspark", log_to_driver=False, logging_level=logging.WARNING)
     found = cluster_address(address)
     if found is not None:
@@ -212,7 +212,7 @@ def kept_token_path(name: str) -> Path:
 def check_token_flags(a) -> None:
     """ValueError, saying how to make a token, for `serve`'s token flags that cannot serve: checked before anything
     starts."""
-    from .access_token import MAKE_ONE
+    from .protocol.access_token import MAKE_ONE
     if a.insecure and a.token_file:
         raise ValueError("--insecure and --token-file: one or the other")
     if not (a.insecure or a.token_file or is_loopback(a.host)):
@@ -225,7 +225,7 @@ def deployment_token(a) -> tuple[str | None, dict]:
     """(the token every HELLO must carry, where an operator finds it) for `serve`'s flags (check_token_flags); a
     token made here is kept for the next `serve` of the same name, so engines keep theirs. ValueError: a bad file."""
     import socket
-    from .access_token import new_token, read_token_file, readable_by_others, write_token_file
+    from .protocol.access_token import new_token, read_token_file, readable_by_others, write_token_file
     host = socket.gethostname()
     if a.insecure:
         return None, {"token": False, "insecure": True}
@@ -294,7 +294,7 @@ def cmd_serve(a, *, then=None) -> int:
 
 def _serve(a, spec, backend: str, device: str, then, token: str | None, auth: dict) -> int:
     from .actors.placement import deploy_workers
-    from .endpoints import worker_names
+    from .client.endpoints import worker_names
     t0 = time.monotonic()
     progress = LoadProgress(a.tp * a.pairs)
     try:
@@ -440,7 +440,7 @@ def _matmul(m: dict | None) -> str:
 def _auth_of(name: str) -> dict | None:
     """The deployment record's account of its token (placement.deploy_workers), from the joined cluster."""
     import ray
-    from .endpoints import Directory
+    from .client.endpoints import Directory
     try:
         return (Directory(ray.get_runtime_context().gcs_address).deployment(name) or {}).get("auth")
     except ConnectionError:
@@ -450,7 +450,7 @@ def _auth_of(name: str) -> dict | None:
 def cmd_endpoints(a) -> int:
     """The deployment's STEP endpoints from the endpoint table (only the GCS is asked, no Ray driver); where its
     token is, on stderr."""
-    from .endpoints import Directory
+    from .client.endpoints import Directory
     try:
         directory = Directory(a.address)
         eps = directory.endpoints(a.name)
@@ -465,8 +465,8 @@ def cmd_endpoints(a) -> int:
 
 def cmd_token(a) -> int:
     """`--new PATH`: a new token file (0600). Else the deployment's token, read from the cluster's GCS."""
-    from .access_token import new_token, write_token_file
-    from .endpoints import Directory
+    from .protocol.access_token import new_token, write_token_file
+    from .client.endpoints import Directory
     if a.new:
         write_token_file(a.new, new_token())
         print(f"a new token in {a.new} (0600): serve with --token-file {a.new}; engines send its contents")
@@ -506,9 +506,9 @@ def cmd_stop(a) -> int:
 
 
 def cmd_step(a) -> int:
-    from .access_token import read_token_file
-    from .client import ClientError
-    from .demo import run
+    from .protocol.access_token import read_token_file
+    from .client.drafter_client import ClientError
+    from .client.demo import run
     try:
         token = read_token_file(a.token_file) if a.token_file else None
     except ValueError as e:
@@ -523,7 +523,7 @@ def cmd_step(a) -> int:
 
 
 def cmd_demo(a) -> int:
-    from .demo import run
+    from .client.demo import run
     return cmd_serve(a, then=lambda ep, token: (run(ep, rounds=a.rounds, requests=a.requests, token=token), 0)[1])
 
 

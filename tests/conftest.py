@@ -22,8 +22,8 @@ os.environ.setdefault("RAY_ACCEPT_CALLBACKS", "0")
 os.environ.setdefault("DSPARK_KEEP_WARM_US", "0")
 os.environ.setdefault("DSPARK_KEEP_WARM_HOLD_US", "0")      # from the step's end on, not 250 us after it
 
-from dspark_ray import records as M  # noqa: E402
-from dspark_ray.contract import Code  # noqa: E402
+from dspark_ray.protocol import records as M  # noqa: E402
+from dspark_ray.protocol.contract import Code  # noqa: E402
 
 
 # ---- what the session leaves behind --------------------------------------------------------------------------------
@@ -55,7 +55,7 @@ os.environ.setdefault("RAY_TMPDIR", SESSION_TMP)
 # Ray 2.60 starts every ray.init() cluster with token authentication and, finding no token, writes one to
 # ~/.ray/auth_token, where every later `ray start --head` of this user finds it. The session's token is its own.
 if "RAY_AUTH_TOKEN" not in os.environ and "RAY_AUTH_TOKEN_PATH" not in os.environ:
-    from dspark_ray.access_token import new_token, write_token_file  # noqa: E402
+    from dspark_ray.protocol.access_token import new_token, write_token_file  # noqa: E402
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(write_token_file(os.path.join(SESSION_TMP, "ray-auth-token"),
                                                              new_token()))
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from dspark_ray.actors.placement import teardown
-from dspark_ray.contract import Code
-from dspark_ray.engine import RankEngine
+from dspark_ray.protocol.contract import Code
+from dspark_ray.rank.engine import RankEngine
 from dspark_ray.engines.exllamav3 import RemoteDrafter
-from dspark_ray.modes import make_drafter
+from dspark_ray.rank.modes import make_drafter
 from support.batches import Driver, entry
 from support.generator_calls import GeneratorCalls
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from dspark_ray.config import load_config
-from dspark_ray.engine import RankEngine
-from dspark_ray.modes import make_drafter
+from dspark_ray.rank.engine import RankEngine
+from dspark_ray.rank.modes import make_drafter
 from dspark_ray.weights.engine_model import (MARKOV_GAIN, drafter_successor, successor, trunk_specs,
                                              write_engine_model)
 from dspark_ray.weights.loader import Checkpoint

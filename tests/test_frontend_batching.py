@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from dspark_ray import contract as C
-from dspark_ray.records import RingBatch
-from dspark_ray.step_service import Identity, PairLate, StepService
+from dspark_ray.protocol import contract as C
+from dspark_ray.protocol.records import RingBatch
+from dspark_ray.frontend.step_service import Identity, PairLate, StepService
 
 WINDOW = 8
 

@@ -359,7 +359,7 @@ def drafter_checks(ckpt_dir: str, dev: str) -> dict:
     drafters of one checkpoint, one on each kernel set, drafting over the same slots (filled on the exact path)."""
     from dspark_ray.config import load_config
     from dspark_ray.kernels.gemm import kernels_for
-    from dspark_ray.modes import make_drafter
+    from dspark_ray.rank.modes import make_drafter
     from dspark_ray.weights.loader import Checkpoint
     cfg = load_config(ckpt_dir)
     d = make_drafter(cfg, "tp1", ckpt=Checkpoint(ckpt_dir), device=dev)

@@ -9,7 +9,7 @@ import torch
 
 from support import workload
 from support.batches import placed
-from dspark_ray.modes import make_drafter
+from dspark_ray.rank.modes import make_drafter
 from dspark_ray import settings
 
 pytestmark = pytest.mark.gpu
@@ -70,7 +70,7 @@ def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt, kernels):
     """Every graph equals the eager step; every batch bucket gives each request its one-request answer; drafts
     for n_out = k are the first k of n_out = B; inserts through the pool (any row count, chunked past 128, pad rows
     to the scratch slot) write the eager rows."""
-    from dspark_ray.graphs import GraphSet
+    from dspark_ray.rank.graphs import GraphSet
     d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda", kernels=kernels)
     gs = GraphSet(d, n_slots=8)
     gs.capture()
@@ -123,7 +123,7 @@ def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt, kernels):
 def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, kernels, monkeypatch):
     """Every step graph (the insert block by block beside the draft, each part joined by its block's attention)
     writes the eager insert's rows and drafts the eager bits, over rounds that wrap the slots' rings."""
-    from dspark_ray.graphs import GraphSet
+    from dspark_ray.rank.graphs import GraphSet
     monkeypatch.delenv("DSPARK_STEP_GRAPHS", raising=False)
     settings.reread()
     d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda", kernels=kernels)
@@ -167,7 +167,7 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, kernels,
 def test_wide_buckets_replay_the_eager_bits_for_every_width(cfg, ckpt, kernels):
     """5-16 requests replay a wide bucket's graph (6, 8, 12, 16), padded with copies of the first request and drafted
     at n_out = B: for every width, the eager batch's bits and each request's one-request answer, bit for bit."""
-    from dspark_ray.graphs import GraphSet
+    from dspark_ray.rank.graphs import GraphSet
     d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda", kernels=kernels)
     gs = GraphSet(d, n_slots=16)
     gs.capture()

@@ -11,12 +11,12 @@ import torch
 
 from support import workload
 from support.batches import Driver, entry
-from dspark_ray import records as M
-from dspark_ray.contract import make_entry
-from dspark_ray.engine import RankEngine
-from dspark_ray.graphs import GraphSet, HostDraft
+from dspark_ray.protocol import records as M
+from dspark_ray.protocol.contract import make_entry
+from dspark_ray.rank.engine import RankEngine
+from dspark_ray.rank.graphs import GraphSet, HostDraft
 from dspark_ray.model.heads import confident_prefix
-from dspark_ray.modes import make_drafter
+from dspark_ray.rank.modes import make_drafter
 from dspark_ray import settings
 
 N_SLOTS = 6

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from dspark_ray import access_token
+from dspark_ray.protocol import access_token
 from dspark_ray.transport.tcp import TcpServer
 
 from test_tcp import FakeFrontEnd

@@ -345,7 +345,7 @@ def _through(source: str, ck, device: str):
 
 def _read_rank_through(ck, tp, rank, source, device):
     from dspark_ray.model.layout import Layout
-    from dspark_ray.modes import read_rank
+    from dspark_ray.rank.modes import read_rank
     layout = Layout(ck.config, tp)
     with _through(source, ck, device) as st:
         staged = read_rank(ck, layout, rank, device=device, staging=st)

@@ -125,7 +125,7 @@ def check_forward(d: Path, ck: Checkpoint, dev, n_rounds: int, ref_device) -> di
     rounds."""
     from exllamav3 import Cache, Config, Model
 
-    from dspark_ray.modes import make_drafter
+    from dspark_ray.rank.modes import make_drafter
     cfg = ck.config
     rounds = rounds_for(cfg, n_rounds, 0)
     pages = -(-(sum(n for _, n, _, _ in rounds) + cfg.block_size + 1) // PAGE)

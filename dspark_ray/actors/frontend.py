@@ -8,16 +8,16 @@ import os
 import sys
 import time
 
-from ..endpoints import Directory
-from ..keep_warm import KeepWarm
-from ..metrics import Exporter
-from ..recorders import DriverRecorder, ServerRecorder, ServiceRecorder
-from ..records import ring_slot_bytes
-from ..ring_driver import RingDriver
+from ..client.endpoints import Directory
+from ..observe.keep_warm import KeepWarm
+from ..observe.metrics import Exporter
+from ..observe.recorders import DriverRecorder, ServerRecorder, ServiceRecorder
+from ..protocol.records import ring_slot_bytes
+from ..frontend.ring_driver import RingDriver
 from ..scheduling import pin_thread, process_facts, raise_priority
 from ..settings import current as settings
 from ..spec import SAFE_ENV, PairSpec
-from ..step_service import StepService
+from ..frontend.step_service import StepService
 from ..transport.ring import StepRing, remove_orphans
 from .pair import PairLauncher
 
@@ -42,9 +42,9 @@ def frontend_actor_class():
             sys.setswitchinterval(0.0005)
             import ray
             from ..config import load_config
-            from ..contract import Limits
-            from ..step_service import Identity
-            from ..supervisor import Supervisor
+            from ..protocol.contract import Limits
+            from ..frontend.step_service import Identity
+            from ..frontend.supervisor import Supervisor
             from ..transport.tcp import TcpServer
             from ..weights.loader import Checkpoint
             self.spec = PairSpec(**spec)

@@ -8,9 +8,9 @@ them). `placed` does the same for a bare graph set's inserts.
 """
 from __future__ import annotations
 
-from dspark_ray import contract as C
-from dspark_ray.records import RingBatch, RingEntry
-from dspark_ray.slot_cursor import SlotCursor
+from dspark_ray.protocol import contract as C
+from dspark_ray.protocol.records import RingBatch, RingEntry
+from dspark_ray.protocol.slot_cursor import SlotCursor
 
 
 def entry(*, slot: int, seed_token: int, n_out: int, **kw) -> C.Entry:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dspark_ray import contract as C
+from dspark_ray.protocol import contract as C
 
 
 class InstantPair:

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark_ray import contract as C
+from dspark_ray.protocol import contract as C
 from dspark_ray.model import ops
 from dspark_ray.model.drafter import Drafter
 
-from .batches import Batcher
+from tests.support.batches import Batcher
 
 
 @dataclass

@@ -12,10 +12,10 @@ from typing import Iterator
 
 import torch
 
-from dspark_ray import contract as C
+from dspark_ray.protocol import contract as C
 from dspark_ray.config import DrafterConfig
 
-from .batches import entry
+from tests.support.batches import entry
 
 
 def make_taps(cfg: DrafterConfig, rows: int, gen: torch.Generator) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import time
 
-from .settings import current as settings
+from ..settings import current as settings
 
 now = time.monotonic_ns
 # DSPARK_STAMP_CPU=1: thread CPU time beside some stamps, so a slow hop shows whether its thread worked or waited.

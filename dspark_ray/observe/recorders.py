@@ -3,7 +3,7 @@ keep-warm rehearsals between steps (keep_warm.py; disabled, `idle` stays None an
 """
 from __future__ import annotations
 
-from .contract import Step, StepReply
+from ..protocol.contract import Step, StepReply
 from .keep_warm import KeepWarm, rehearse_frame, rehearse_rank_step, rehearse_ring_coding
 from .observers import DriverObserver, RankObserver, ServerObserver, ServiceObserver
 from .stamps import Stamps, cpu_now, now

@@ -12,13 +12,13 @@ import warnings
 import numpy as np
 import torch
 
-from .comm.base import CollectiveError, Collectives
-from .contract import EntryResult
+from ..comm.base import CollectiveError, Collectives
+from ..protocol.contract import EntryResult
 from .graphs import MAX_REQUESTS, GraphSet, HostDraft
-from .model.drafter import Drafter
-from .model.state import SlotState
-from .observers import RankObserver
-from .records import RingBatch, RingEntry
+from ..model.drafter import Drafter
+from ..model.state import SlotState
+from ..observe.observers import RankObserver
+from ..protocol.records import RingBatch, RingEntry
 
 log = logging.getLogger("dspark_ray.engine")
 

@@ -12,10 +12,10 @@ import threading
 import time
 from typing import Callable
 
-from . import records as M
-from .contract import MsgType, Step, StepReply
-from .settings import current as settings
-from .wire import FrameWriter, decode_payload, encode_payload
+from ..protocol import records as M
+from ..protocol.contract import MsgType, Step, StepReply
+from ..settings import current as settings
+from ..protocol.wire import FrameWriter, decode_payload, encode_payload
 
 log = logging.getLogger("dspark_ray.keep_warm")
 

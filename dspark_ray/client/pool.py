@@ -16,8 +16,8 @@ from typing import Sequence
 
 import msgspec
 
-from .client import ClientError, DrafterClient
-from .contract import Code, Entry, EntryResult, HelloReply, Limits, SlotGrant, error_result
+from .drafter_client import ClientError, DrafterClient
+from ..protocol.contract import Code, Entry, EntryResult, HelloReply, Limits, SlotGrant, error_result
 
 __all__ = ["DrafterPool"]
 

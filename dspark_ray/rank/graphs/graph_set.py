@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..model import ops
-from ..model.drafter import DraftOut, Drafter
-from ..model.state import SlotState
-from ..observers import RankObserver
+from ...model import ops
+from ...model.drafter import DraftOut, Drafter
+from ...model.state import SlotState
+from ...observe.observers import RankObserver
 from .buckets import INSERT_BUCKETS, MAX_REQUESTS, Buckets, step_graphs_enabled
 from .capture import GraphCapture
 from .copies import Copies

@@ -9,12 +9,12 @@ import contextlib
 import time
 from typing import Callable
 
-from . import records as M
-from .contract import EntryResult
-from .observers import DriverObserver
-from .stamps import now
+from ..protocol import records as M
+from ..protocol.contract import EntryResult
+from ..observe.observers import DriverObserver
+from ..observe.stamps import now
 from .step_service import PairFailure, PairLate
-from .transport.ring import RingError, RingTimeout, StepRing
+from ..transport.ring import RingError, RingTimeout, StepRing
 
 
 def batch_shape(batch: M.RingBatch) -> tuple[int, int, bool]:

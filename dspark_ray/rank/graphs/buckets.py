@@ -4,8 +4,8 @@ insert runs in the smallest of the INSERT_BUCKETS that holds it; a decode round'
 """
 from __future__ import annotations
 
-from ..records import STEP_INSERT_ROWS
-from ..settings import current as settings
+from ...protocol.records import STEP_INSERT_ROWS
+from ...settings import current as settings
 
 INSERT_BUCKETS = (8, 16, 32, 64, 128)
 EXACT_REQUESTS = 4

@@ -20,10 +20,10 @@ from typing import Sequence
 
 import msgspec
 
-from .contract import (MAX_HELLO_FRAME_BYTES, SHM_RING_PREFIX, Acquire, AcquireReply, Code, Entry, EntryResult,
+from ..protocol.contract import (MAX_HELLO_FRAME_BYTES, SHM_RING_PREFIX, Acquire, AcquireReply, Code, Entry, EntryResult,
                        ErrorReply, Hello, HelloReply, Limits, Release, ReleaseReply, ShmAttach, ShmAttachReply,
                        SlotGrant, Step, StepReply, make_entry)
-from .wire import (HEADER_SIZE, ConnectionClosed, FrameError, FrameReader, FrameWriter, bound_blocking_io,
+from ..protocol.wire import (HEADER_SIZE, ConnectionClosed, FrameError, FrameReader, FrameWriter, bound_blocking_io,
                    decode_frame, spinning_recv_into)
 
 __all__ = ["DrafterClient", "ClientError", "PendingStep", "RequestSlot", "make_entry"]
@@ -91,7 +91,7 @@ class DrafterClient:
         return reply
 
     def _attach_shm(self) -> None:
-        from .transport.ring import StepRing
+        from ..transport.ring import StepRing
         # A slot holds a decode round's STEP (a larger one spills); a completion the largest STEP_REPLY.
         ring = StepRing.create(SHM_RING_PREFIX, 1, slot_bytes=1 << 20, n_slots=2, completion_bytes=256 << 10,
                                spin_us=max(self.spin_us, 50.0), max_message_bytes=self.limits.max_frame_bytes)
@@ -233,7 +233,7 @@ class DrafterClient:
         return got_id, reply
 
     def _send_ring(self, msg: object, request_id: int, name: str) -> None:
-        from .transport.ring import RingError
+        from ..transport.ring import RingError
         try:
             seqs: list[int] = []        # the frame is a view of the writer's buffer: published (copied) at once
             self._writer.send(lambda frame: seqs.append(self._ring.publish(frame, self.timeout_s)), msg, request_id)
@@ -246,8 +246,8 @@ class DrafterClient:
         self._ring_seq = seqs[0]
 
     def _receive_ring(self, name: str) -> tuple[int, object]:
-        from .transport.ring import RingError
-        from .transport.shm import STATUS_BAD_FRAME
+        from ..transport.ring import RingError
+        from ..transport.shm import STATUS_BAD_FRAME
         try:
             ((status, payload),) = self._ring.wait_completions(self._ring_seq, self.timeout_s, self.spin_us or None)
         except RingError as e:

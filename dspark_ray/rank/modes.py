@@ -8,13 +8,13 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from .comm.base import Collectives
-from .comm.local import LocalCollectives
-from .comm.solo import SoloCollectives
-from .comm.emulated import ThreadCollectives
-from .config import DrafterConfig
-from .model.drafter import Drafter, Weights
-from .model.layout import Layout
+from ..comm.base import Collectives
+from ..comm.local import LocalCollectives
+from ..comm.solo import SoloCollectives
+from ..comm.emulated import ThreadCollectives
+from ..config import DrafterConfig
+from ..model.drafter import Drafter, Weights
+from ..model.layout import Layout
 
 MODES = ("tp1", "split", "emulated", "solo", "pair")
 
@@ -33,7 +33,7 @@ def read_rank(ckpt, layout: Layout, rank: int, device="cpu", shared: Weights | N
               staging=None) -> Weights:
     """Rank `rank`'s slices from a checkpoint; `shared`: replicated tensors another rank read. `exl3_kernels`
     (default: on CUDA where exllamav3 imports) keeps EXL3 Linears as stored, for exllamav3's kernels."""
-    from .kernels import exl3_gemm
+    from ..kernels import exl3_gemm
     if exl3_kernels is None:        # importing exllamav3 costs seconds of a restart: only for EXL3
         exl3_kernels = str(device).startswith("cuda") and any(exl3_gemm.on_kernels(ckpt, n) for n in ckpt.names()) \
             and exl3_gemm.available()

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from .contract import Code, make_entry
+from ..protocol.contract import Code, make_entry
 from .pool import DrafterPool
 
 

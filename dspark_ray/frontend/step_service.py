@@ -11,11 +11,11 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from . import contract as C
-from .observers import ServiceObserver
-from .records import RingBatch, RingEntry
-from .slot_cursor import SlotCursor
-from .stamps import now
+from ..protocol import contract as C
+from ..observe.observers import ServiceObserver
+from ..protocol.records import RingBatch, RingEntry
+from ..protocol.slot_cursor import SlotCursor
+from ..observe.stamps import now
 
 log = logging.getLogger("dspark_ray.step_service")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..model import ops
-from ..model.drafter import Drafter
+from ...model import ops
+from ...model.drafter import Drafter
 from .inputs import StepInputs
 
 

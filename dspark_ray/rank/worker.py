@@ -18,20 +18,20 @@ import threading  # noqa: E402
 
 import torch  # noqa: E402
 
-from . import records as M
-from .model import ops
-from .scheduling import pin_thread, process_facts, raise_priority
+from ..protocol import records as M
+from ..model import ops
+from ..scheduling import pin_thread, process_facts, raise_priority
 from .engine import EngineBroken, RankEngine, StepFailed
-from .observers import RankObserver
-from .settings import current as settings
-from .spec import SAFE_ENV, PairSpec
+from ..observe.observers import RankObserver
+from ..settings import current as settings
+from ..spec import SAFE_ENV, PairSpec
 
 log = logging.getLogger("dspark_ray.rank")
 
 
 class RankWorker:
     def __init__(self, spec: PairSpec | dict, rank: int, observer: RankObserver | None = None):
-        from .transport.ring import process_started_at
+        from ..transport.ring import process_started_at
         now_s = time.time()
         self.spec = spec if isinstance(spec, PairSpec) else PairSpec(**spec)
         self.rank = rank
@@ -66,9 +66,9 @@ class RankWorker:
         with self._prepare_lock:
             if self.ckpt is not None:
                 return
-            for module in ("comm.factory", "model.drafter", "model.layout", "modes", "weights.staging"):
-                importlib.import_module(f"{__package__}.{module}")
-            from .weights.loader import Checkpoint
+            for module in ("..comm.factory", "..model.drafter", "..model.layout", ".modes", "..weights.staging"):
+                importlib.import_module(module, __package__)
+            from ..weights.loader import Checkpoint
             cuda = self.spec.device.startswith("cuda")
             if cuda:
                 with self._phase("cuda_context"):
@@ -77,7 +77,7 @@ class RankWorker:
                     torch.cuda.synchronize()
             ck = Checkpoint(self.spec.checkpoint)
             if cuda or self.spec.matmul != "auto":
-                from .kernels.gemm import dense_for, describe, kernels_for
+                from ..kernels.gemm import dense_for, describe, kernels_for
                 with self._phase("kernels"):
                     cfg = ck.config
                     self.kernels = kernels_for(self.spec.matmul,
@@ -85,14 +85,14 @@ class RankWorker:
                                                          self.spec.dense))
                 log.info("rank %d: matmul %s", self.rank, describe(self.kernels))
             if cuda and pin_files:
-                from .weights.host_copy import HostCopy
+                from ..weights.host_copy import HostCopy
                 self.host_copy = HostCopy.open(ck.spans(), self.spec.device)
             self.ckpt = ck
 
     def load(self) -> dict:
-        from .model.layout import Layout
+        from ..model.layout import Layout
         from .modes import read_rank
-        from .weights.staging import Staging
+        from ..weights.staging import Staging
         self.prepare()
         cuda = self.spec.device.startswith("cuda")
         t0 = time.time()
@@ -129,8 +129,8 @@ class RankWorker:
         """Meet the peer (both ranks at once) and build the engine. `first` (a restart: the last batches' (requests,
         n_out, margins)): a one-card rank captures only their graphs before it serves. A pair captures everything
         first: its captures run collectives, so both ranks must capture the same graph at the same point."""
-        from .comm.factory import connect
-        from .model.drafter import Drafter
+        from ..comm.factory import connect
+        from ..model.drafter import Drafter
         cfg = self.ckpt.config
         with self._phase("connect"):
             coll = connect(self.spec.backend, self.rank, self.spec.tp, init_method=init_method,
@@ -192,7 +192,7 @@ class RankWorker:
         self.markov_cache = {"rows": rows, "bytes": drafter.markov_cache_bytes}
 
     def serve(self, ring_handle) -> None:
-        from .transport.ring import StepRing
+        from ..transport.ring import StepRing
         with self._phase("serve"):
             self.reader = StepRing.attach(ring_handle, self.rank)
             self._thread = threading.Thread(target=self._loop, name=f"dspark-rank{self.rank}", daemon=True)
@@ -200,7 +200,7 @@ class RankWorker:
 
     # -- the step loop ---------------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        from .transport.ring import RingClosed, RingTimeout
+        from ..transport.ring import RingClosed, RingTimeout
         raise_priority(f"rank {self.rank} step loop")     # this thread only: loading and capture stay at Ray's 15
         if self.spec.rank_cpus:
             pin_thread([self.spec.rank_cpus[self.rank]], f"rank {self.rank} step loop")

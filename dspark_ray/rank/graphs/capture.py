@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from ..model import ops
+from ...model import ops
 
 
 @dataclass

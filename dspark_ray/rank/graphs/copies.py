@@ -29,7 +29,7 @@ def copier(like: torch.Tensor) -> Callable[..., None] | None:
     """copy(*(dst, src, nbytes)): capturable host-device copies, one kernel with Triton (a memcpy node waits for a
     copy engine), else CuPy memcpy nodes; None without either."""
     try:
-        from ..kernels.host_copy import copy_bytes
+        from ...kernels.host_copy import copy_bytes
     except ImportError:             # no Triton
         copy_bytes = None
     if copy_bytes is not None:

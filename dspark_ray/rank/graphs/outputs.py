@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.drafter import DraftOut
+from ...model.drafter import DraftOut
 
 
 @dataclass
