@@ -15,7 +15,7 @@ kill (`--kills` in all).
 
 Where the time goes: per kill, `phases_s` lays the restart out from the kill to the first OK answer, phase by phase,
 from real stamps (wall-clock seconds, one host): the supervisor's (failure seen, serving again), the front-end's
-(old ranks gone, new actors asked for) and each new rank's own (rank_worker.py: its process's start, imports, CUDA
+(old ranks gone, new actors asked for) and each new rank's own (rank/worker.py: its process's start, imports, CUDA
 context, kernels, weights, the collectives' handshake, the drafter, the Markov rows, the graphs, the ring). Each
 phase runs from the end of the one before to its own end (its slowest rank's), so they add up to the kill's time to
 the first OK answer. `phases_p50_s` takes the median of each phase over the kills.

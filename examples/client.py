@@ -12,8 +12,7 @@ import sys
 import numpy as np
 
 from dspark_ray.protocol.access_token import read_token_file
-from dspark_ray.client import DrafterClient
-from dspark_ray.protocol.contract import Code
+from dspark_ray.client import Code, DrafterClient
 
 host, port = sys.argv[1].rsplit(":", 1)
 deadline_ms = float(sys.argv[2]) if len(sys.argv) > 2 else 50.0

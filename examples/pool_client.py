@@ -12,7 +12,7 @@ import numpy as np
 
 from dspark_ray.protocol.access_token import read_token_file
 from dspark_ray.protocol.contract import Code, make_entry
-from dspark_ray.client.pool import DrafterPool
+from dspark_ray.client import DrafterPool
 
 deadline_ms = float(sys.argv[2]) if len(sys.argv) > 2 else 50.0
 token = read_token_file(sys.argv[3]) if len(sys.argv) > 3 else None

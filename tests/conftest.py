@@ -183,7 +183,7 @@ def flip_stored_byte(file, name: str, offset: int) -> None:
 
 # ---- STEPs against the in-process reference (the deployment and pool tests) -------------------------------------
 class EnginePair:
-    """A worker's pair in this process (frontend.Pair): the rank loop's decode, step and encode (rank_worker.py)
+    """A worker's pair in this process (frontend.Pair): the rank loop's decode, step and encode (rank/worker.py)
     around one engine; `delay_s` stands for a slow step."""
 
     def __init__(self, engine, delay_s: float = 0.0):
