@@ -104,7 +104,7 @@ def weight_bytes(weights: dict) -> tuple[int, int, int]:
 
 def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None) -> dict:
     """Capture and time one mode in this process (pair: one rank; its peer runs the same code)."""
-    from dspark_ray.comm.local import LocalCollectives
+    from dspark_ray.model.collectives import LocalCollectives
     from dspark_ray.comm.solo import SoloCollectives
     from dspark_ray.rank.graphs import GraphSet
     from dspark_ray.kernels.gemm import dense_for, describe, kernels_for

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      
 from bench import report                                                    # noqa: E402
 from dspark_ray.protocol import contract as C                                        # noqa: E402
 from dspark_ray.protocol import records as M                                 # noqa: E402
-from dspark_ray.comm.local import LocalCollectives                         # noqa: E402
+from dspark_ray.model.collectives import LocalCollectives                         # noqa: E402
 from dspark_ray.config import full                                          # noqa: E402
 from dspark_ray.frontend.step_service import Identity, StepService                       # noqa: E402
 from dspark_ray.rank.graphs import GraphSet                                      # noqa: E402

@@ -241,7 +241,7 @@ def _kernel_checks(dev: str, use) -> dict:
                      rope.inv_freq, rd), s2[i:i + 1]) for i in range(n2))
     # The Markov head loop on two vocabulary shards: a tie planted across the shard boundary (ids 250 and 300 the
     # largest logits, equal), a NaN logit (id 10), margins and kept logits.
-    from dspark_ray.comm.local import LocalCollectives
+    from dspark_ray.model.collectives import LocalCollectives
     from dspark_ray.model.heads import DraftHead, VocabShard
     V, r, hd_ = 512, 32, 64
     head_w, w2 = rn(V, hd_, s=hd_ ** -0.5).half(), rn(V, r, s=r ** -0.5).half()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from support import parity, workload
-from dspark_ray.comm.base import combine_max, combine_top2
+from dspark_ray.model.collectives import combine_max, combine_top2
 from dspark_ray.config import ConfigError, full, tiny
 from dspark_ray.model.layout import Layout, vocab_split
 from dspark_ray.rank.modes import make_drafter, make_emulated, read_rank, run_pair

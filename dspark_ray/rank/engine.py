@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import torch
 
-from ..comm.base import CollectiveError, Collectives
+from ..model.collectives import CollectiveError, Collectives
 from ..protocol.contract import EntryResult
 from .graphs import MAX_REQUESTS, GraphSet, HostDraft
 from ..model.drafter import Drafter

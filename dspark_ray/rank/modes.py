@@ -8,8 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from ..comm.base import Collectives
-from ..comm.local import LocalCollectives
+from ..model.collectives import Collectives, LocalCollectives
 from ..comm.solo import SoloCollectives
 from ..comm.emulated import ThreadCollectives
 from ..config import DrafterConfig

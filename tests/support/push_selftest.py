@@ -314,7 +314,7 @@ def sc_strict(v):
 
 
 def _expect_failure(pc, timeout_s=None):
-    from dspark_ray.comm.base import CollectiveError
+    from dspark_ray.model.collectives import CollectiveError
     t = time.monotonic()
     try:
         pc.check_error(timeout_s)
@@ -422,7 +422,7 @@ def sc_cancel(v):
 def sc_exhaustion(v):
     """Forced near-exhaustion: epochs 0xFFFFFFFE and 0xFFFFFFFF are exact; the next launch fails closed with
     bit 16 on both ranks without touching the peer's receive buffer; the host refuses a replay past the end."""
-    from dspark_ray.comm.base import CollectiveError
+    from dspark_ray.model.collectives import CollectiveError
     v.reset_pair()
     v.pc._debug_force_epoch(0xFFFFFFFD)
     v.barrier()
@@ -484,7 +484,7 @@ def sc_poison(v):
     """A timed-out idle wait poisons: launches, graph replays, resets and new instances are refused; cancel still
     unblocks the parked collective. Poisons the process: run last."""
     import torch
-    from dspark_ray.comm.base import CollectiveError
+    from dspark_ray.model.collectives import CollectiveError
     from dspark_ray.comm.push import PushCollectives
     x = rand_partial(10, v.rank, 5 * H, v.pc.device)
     g = torch.cuda.CUDAGraph()

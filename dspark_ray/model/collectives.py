@@ -1,5 +1,7 @@
-"""The interface every backend implements, and the exact rules by which two ranks' partials combine: sums in
-rank order with no further rounding (replicated residuals never diverge), argmax ties to the lower id (rank 0).
+"""The reductions the model takes from outside: the interface every backend implements (the backends live in
+`comm/`, which imports this; the model imports nothing of `comm/`), the exact rules by which two ranks' partials
+combine (sums in rank order with no further rounding, so replicated residuals never diverge; argmax ties to the
+lower id, rank 0), and `LocalCollectives`, the model's own default when every shard is in the caller's hands.
 """
 from __future__ import annotations
 
@@ -109,3 +111,27 @@ class Collectives(ABC):
     def check_status(self, words) -> None:
         """check() from the status_region() words, copied behind the step's work on a synchronised stream."""
         self.check()
+
+
+class LocalCollectives(Collectives):
+    """Every shard of the group is in the caller's hands: `tp1` (one unsplit rank), or the split reference (one
+    caller computing both ranks' partials and adding them in rank order, as the pair does)."""
+
+    capturable = True
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.local_ranks = tuple(range(world_size))
+        self.name = "tp1" if world_size == 1 else "split"
+
+    def all_reduce(self, parts):
+        self.check_parts(parts)
+        return reduce_in_rank_order(parts)
+
+    def max_exchange(self, parts):
+        self.check_parts(parts)
+        return fold(parts, combine_max)
+
+    def top2_exchange(self, parts):
+        self.check_parts(parts)
+        return fold(parts, combine_top2)
