@@ -555,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["synth"]:
-        from .weights.synth import synth_main
+        from .weights.synth_command import synth_main
         return synth_main(argv[1:])
     p = argparse.ArgumentParser(prog="dspark-ray", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -650,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--name", default="dspark")
     sp.add_argument("--new", metavar="PATH", help="write a new token to PATH (0600) and print nothing of it")
     sp.set_defaults(fn=cmd_token)
-    # synth's own parser is weights/synth.py's (it imports torch): main() hands it its arguments first.
+    # synth's own parser is weights/synth_command.py's (it imports torch): main() hands it its arguments first.
     sub.add_parser("synth", help="write a deterministic synthetic checkpoint (dspark-ray synth --help)")
     sp = sub.add_parser("layout", help="what each rank holds, from the layout table")
     sp.add_argument("--preset", choices=["tiny", "full"], default="full")

@@ -32,7 +32,8 @@ from dspark_ray.weights import exl3
 from dspark_ray.weights.loader import Checkpoint, CheckpointError, canonical_name
 from dspark_ray.weights.manifest import MANIFEST_NAME, ManifestError, read_manifest, scan_safetensors
 from dspark_ray.weights.mix import MixError, parse_mix
-from dspark_ray.weights.synth import save_tensors, synth_main, synthesize
+from dspark_ray.weights.synth import save_tensors, synthesize
+from dspark_ray.weights.synth_command import synth_main
 
 from conftest import deploy_pair, step_as_reference, flip_stored_byte
 
