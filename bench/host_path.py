@@ -20,7 +20,6 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      # support.instant_pair
 
 from bench import report                                                    # noqa: E402
 from dspark_ray.protocol import contract as C                                        # noqa: E402
@@ -31,7 +30,7 @@ from dspark_ray.frontend.step_service import Identity, StepService              
 from dspark_ray.rank.graphs import GraphSet                                      # noqa: E402
 from dspark_ray.model.state import SlotState                                # noqa: E402
 from dspark_ray.protocol.wire import HEADER_SIZE, FrameWriter, decode_payload        # noqa: E402
-from support.instant_pair import InstantPair                                # noqa: E402
+from dspark_ray.testing.instant_pair import InstantPair                                # noqa: E402
 
 
 def between_calls(kind: str):
@@ -191,7 +190,7 @@ def measure_in_actor(rows: int, n: int) -> dict:
     import ray
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {"PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
 
     @ray.remote(num_cpus=1, runtime_env={"env_vars": env})
     def run():

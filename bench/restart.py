@@ -55,7 +55,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))          # support.workload
 
 import msgspec                                                   # noqa: E402
 import numpy as np                                               # noqa: E402
@@ -208,8 +207,8 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
     (times are time.monotonic()), the OK answers with what was sent, and the kills."""
     import ray
 
-    from support import workload
-    from support.at_rest import spares_pending, wait_for_spares
+    from dspark_ray.testing import workload
+    from dspark_ray.testing.at_rest import spares_pending, wait_for_spares
     work = workload.stream(cfg, seed=seed, n_requests=requests)
     reqs = [Request(cfg.sliding_window, limits_rows) for _ in range(requests)]
     sess = Session(endpoint, reqs, timeout_s=max(120.0, 4 * deadline_ms / 1e3))

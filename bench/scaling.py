@@ -29,7 +29,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      # support.workload
 
 from bench import report                                    # noqa: E402
 
@@ -114,7 +113,7 @@ def main() -> None:
     import ray
     import torch
 
-    from support import workload
+    from dspark_ray.testing import workload
     from dspark_ray.actors.placement import bundles, deploy_workers, teardown
     from dspark_ray.spec import PairSpec
     from dspark_ray.cli import resolve_checkpoint

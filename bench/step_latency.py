@@ -28,7 +28,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      # support.workload
 
 from bench import report                                     # noqa: E402
 from dspark_ray.cli import cpu_list                          # noqa: E402
@@ -89,9 +88,9 @@ def main() -> None:
 
     import msgspec
 
-    from support import workload
-    from support.at_rest import spares_pending, wait_for_spares
-    from support.batches import Batcher, entry
+    from dspark_ray.testing import workload
+    from dspark_ray.testing.at_rest import spares_pending, wait_for_spares
+    from dspark_ray.testing.batches import Batcher, entry
     from dspark_ray.actors.placement import deploy, teardown
     from dspark_ray.spec import PairSpec
     from dspark_ray.cli import resolve_checkpoint

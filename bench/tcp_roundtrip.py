@@ -41,7 +41,6 @@ import timeit
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      # support.instant_pair
 
 from bench import report                            # noqa: E402
 from dspark_ray.protocol import contract as C                 # noqa: E402
@@ -170,7 +169,7 @@ def _serve_service(conn, spin_us: float, ray_address: str | None = None, metrics
     from dspark_ray.observe.recorders import ServerRecorder, ServiceRecorder
     from dspark_ray.frontend.step_service import Identity, StepService
     from dspark_ray.transport.tcp import TcpServer
-    from support.instant_pair import InstantPair
+    from dspark_ray.testing.instant_pair import InstantPair
     if ray_address is not None:
         import logging
 
@@ -236,7 +235,7 @@ def bench_service(rows: int, iters: int, warmup: int, spin_us: float, shm: bool 
     p.join(10)
     return {"round_trip": _stats(times), "server_hops": hops,
             "config": {"preset": "full", "rows": rows, "taps_bytes": taps.nbytes, "spin_us": spin_us,
-                       "iters": iters, "pair": "instant (tests/support/instant_pair.py)",
+                       "iters": iters, "pair": "instant (dspark_ray/testing/instant_pair.py)",
                        "transport": "shm" if shm else "tcp", "gap_us": gap_us,
                        "server": "no Ray" if ray_address is None else
                        f"in a Ray driver, metrics exporter {'on' if metrics else 'off'}", "exporter": exports}}

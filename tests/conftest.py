@@ -202,7 +202,7 @@ def to_entry(e, slot, gen, **over):
 
 def step_as_reference(c, ref, grants, batch) -> None:
     """One STEP of `batch` (request i on grants[i]) over the wire: every answer OK and the in-process reference's
-    (a `support.batches.Driver`) bit for bit."""
+    (a `dspark_ray.testing.batches.Driver`) bit for bit."""
     want = ref.step(batch)
     got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)], deadline_ms=60_000)
     for w, g in zip(want, got):

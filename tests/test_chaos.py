@@ -12,7 +12,7 @@ from dspark_ray.actors.placement import teardown
 from dspark_ray.client import DrafterClient
 from dspark_ray.protocol.contract import Code
 from dspark_ray.rank.engine import RankEngine
-from support.batches import Driver
+from dspark_ray.testing.batches import Driver
 from dspark_ray.rank.modes import make_drafter
 
 from conftest import deploy_pair

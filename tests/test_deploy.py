@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from support import workload
+from dspark_ray.testing import workload
 from dspark_ray.actors.placement import teardown
 from dspark_ray.scheduling import pin_thread, thread_deltas, thread_niceness, threads_named
 from dspark_ray.client import ClientError, DrafterClient
 from dspark_ray.protocol.contract import Code, make_entry
 from dspark_ray.rank.engine import RankEngine
-from support.batches import Driver, entry
+from dspark_ray.testing.batches import Driver, entry
 from dspark_ray.model.layout import Layout
 from dspark_ray.rank.modes import make_drafter
 from dspark_ray import settings

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from support import workload
-from support.batches import Driver
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import Driver
 from dspark_ray.protocol.contract import Code
 from dspark_ray.rank.engine import RankEngine
 from dspark_ray.model import attention, heads, mhc, moe, ops

@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from support import workload
-from support.batches import placed
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import placed
 from dspark_ray.rank.graphs import GraphSet
 from dspark_ray.model import ops
 from dspark_ray.model.drafter import Drafter

@@ -15,7 +15,7 @@ from dspark_ray.weights.engine_model import (MARKOV_GAIN, drafter_successor, suc
                                              write_engine_model)
 from dspark_ray.weights.loader import Checkpoint
 from dspark_ray.weights.manifest import scan_safetensors
-from support.batches import Driver, entry
+from dspark_ray.testing.batches import Driver, entry
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from support import parity, workload
+from dspark_ray.testing import parity, workload
 from dspark_ray.actors.placement import teardown
 from dspark_ray.client import DrafterClient
 from dspark_ray.config import tiny
 from dspark_ray.rank.engine import RankEngine
-from support.batches import Driver
+from dspark_ray.testing.batches import Driver
 from dspark_ray.model.layout import Layout
 from dspark_ray.rank.modes import make_drafter, make_emulated, read_rank, run_pair
 from dspark_ray.weights import exl3

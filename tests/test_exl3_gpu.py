@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import assert_set_drafts_like_eager
 
-from support import workload
-from support.batches import placed
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import placed
 from dspark_ray.kernels import exl3_gemm
 from dspark_ray.model.layout import Layout
 from dspark_ray.rank.modes import make_drafter, read_rank

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from support import parity, workload
+from dspark_ray.testing import parity, workload
 from dspark_ray.rank.modes import make_drafter, make_emulated, run_pair
 
 pytestmark = pytest.mark.gpu

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from support import workload
-from support.batches import placed
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import placed
 from dspark_ray.rank.modes import make_drafter
 from dspark_ray import settings
 

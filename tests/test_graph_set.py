@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from support import workload
-from support.batches import Driver, entry
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import Driver, entry
 from dspark_ray.protocol import records as M
 from dspark_ray.protocol.contract import make_entry
 from dspark_ray.rank.engine import RankEngine

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from support import workload
-from support.batches import Driver
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import Driver
 from dspark_ray.transport.ring import RingTimeout, StepRing
 from dspark_ray.rank.engine import RankEngine
 from dspark_ray.observe.keep_warm import KeepWarm, launch_rehearsal_period_us

@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import assert_set_drafts_like_eager
 
-from support import parity, workload
-from support.batches import placed
+from dspark_ray.testing import parity, workload
+from dspark_ray.testing.batches import placed
 from dspark_ray.model.heads import markov_cache_rows
 from dspark_ray.rank.modes import make_drafter
 

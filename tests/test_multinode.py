@@ -16,8 +16,8 @@ import msgspec
 import pytest
 import torch
 
-from support import workload
-from support.batches import Driver, entry
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import Driver, entry
 from dspark_ray.actors.placement import deploy_workers, teardown
 from dspark_ray.actors.survey import survey
 from dspark_ray.client import ClientError

@@ -10,10 +10,10 @@ import time
 import pytest
 
 from dspark_ray.protocol import contract as C
-from support import workload
+from dspark_ray.testing import workload
 from dspark_ray.client import ClientError
 from dspark_ray.rank.engine import RankEngine
-from support.batches import Driver
+from dspark_ray.testing.batches import Driver
 from dspark_ray.frontend.step_service import Identity, StepService
 from dspark_ray.rank.modes import make_drafter
 from dspark_ray.client.pool import DrafterPool

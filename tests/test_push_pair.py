@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch
 
-from support import parity, workload
+from dspark_ray.testing import parity, workload
 from dspark_ray.rank.modes import make_emulated, run_pair
 
 pytestmark = [pytest.mark.gpu,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from bench.restart import Request, differs, measure
-from support import workload
+from dspark_ray.testing import workload
 from dspark_ray.protocol.contract import Code, EntryResult
 
 

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 import torch
 
-from support import workload
-from support.batches import Driver, entry
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import Driver, entry
 from dspark_ray.protocol import contract as C
 from dspark_ray.actors.placement import teardown
 from dspark_ray.client import DrafterClient

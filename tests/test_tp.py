@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from support import parity, workload
+from dspark_ray.testing import parity, workload
 from dspark_ray.model.collectives import combine_max, combine_top2
 from dspark_ray.config import ConfigError, full, tiny
 from dspark_ray.model.layout import Layout, vocab_split

@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.parity_exl3 import rounds_for  # noqa: E402
 from dspark_ray.config import preset  # noqa: E402
 from dspark_ray.model.layout import Layout  # noqa: E402
+from dspark_ray.testing.workload import rounds_for  # noqa: E402
 from dspark_ray.weights import exl3  # noqa: E402
 from dspark_ray.weights.loader import Checkpoint  # noqa: E402
 from dspark_ray.weights.mix import DEFAULT_MIX  # noqa: E402

@@ -26,7 +26,7 @@ from dspark_ray.protocol import contract as C
 from dspark_ray.model import ops
 from dspark_ray.model.drafter import Drafter
 
-from tests.support.batches import Batcher
+from .batches import Batcher
 
 
 @dataclass

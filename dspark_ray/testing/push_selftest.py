@@ -8,7 +8,7 @@
 Each scenario is one SPMD function run by both ranks (`sc_*`, taking a `RankView`); it raises AssertionError on a
 wrong result and returns a small dict of what it saw. Harnesses run in spawned processes, so the test process never
 touches CUDA and a poisoned process is thrown away. tests/test_push_gpu.py drives them;
-`python tests/support/push_selftest.py single|pair [scenario ...]` runs them by hand.
+`python -m dspark_ray.testing.push_selftest single|pair [scenario ...]` runs them by hand.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import torch
 from dspark_ray.protocol import contract as C
 from dspark_ray.config import DrafterConfig
 
-from tests.support.batches import entry
+from .batches import entry
 
 
 def make_taps(cfg: DrafterConfig, rows: int, gen: torch.Generator) -> torch.Tensor:
@@ -63,3 +63,33 @@ def stream(cfg: DrafterConfig, *, seed: int = 0, n_requests: int = 2, first_rows
                 want_margins=bool(margins_every) and r % margins_every == 0))
             pos[i] = start + n
         yield batch
+
+
+# The exl3 parity bench's rounds (bench/parity_exl3.py), also what tools/exl3_device_check.py replays.
+def _taps_and_seed(cfg, n: int, g: torch.Generator):
+    """One request's round: n rows of fp16 taps, then its seed token, drawn from g in that order."""
+    taps = torch.randn(n, cfg.n_taps * cfg.hidden_size, generator=g).to(torch.float16)
+    return taps, int(torch.randint(0, cfg.vocab_size, (1,), generator=g))
+
+
+def rounds_for(cfg, n_rounds: int, seed: int):
+    """(start, rows, taps, seed token) per round: 6 rows first, then 1..B rows."""
+    g = torch.Generator().manual_seed(seed)
+    pos, out = 0, []
+    for r in range(n_rounds):
+        n = 6 if r == 0 else int(torch.randint(1, cfg.block_size + 1, (1,), generator=g))
+        out.append((pos, n, *_taps_and_seed(cfg, n, g)))
+        pos += n
+    return out
+
+
+def lockstep_rounds(cfg, n_rounds: int, seeds: list[int]):
+    """rounds_for of the first seed; each other seed draws its own taps and seed token for the same rows a round.
+    One list of (start, rows, [taps per seed], [seed token per seed]) a round."""
+    lead = rounds_for(cfg, n_rounds, seeds[0])
+    gens = [torch.Generator().manual_seed(s) for s in seeds[1:]]
+    out = []
+    for start, n, taps, tok in lead:
+        more = [_taps_and_seed(cfg, n, g) for g in gens]
+        out.append((start, n, [taps] + [t for t, _ in more], [tok] + [k for _, k in more]))
+    return out
