@@ -17,12 +17,6 @@ from .step_service import PairFailure, PairLate
 from ..transport.ring import RingError, RingTimeout, StepRing
 
 
-def batch_shape(batch: M.RingBatch) -> tuple[int, int, bool]:
-    """A batch as the ranks' graphs key it: its requests, the widest n_out, whether any entry wants margins."""
-    es = batch.entries
-    return len(es), max((e.n_out for e in es), default=0), any(e.want_margins for e in es)
-
-
 class RingDriver:
     def __init__(self, ring: StepRing, step_bound_s: float, on_fail: Callable[[], None],
                  observer: DriverObserver | None = None):
@@ -47,7 +41,7 @@ class RingDriver:
             self.observer.posting()
             seq = self.ring.publish(payload, timeout_s=self.step_bound_s)
         self.observer.published(seq)
-        self.shapes.append(batch_shape(batch))
+        self.shapes.append(batch.shape())
         bound = time.monotonic() + self.step_bound_s
         return self._collect(batch, payload, seq, bound, deadline_ns)
 

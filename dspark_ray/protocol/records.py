@@ -48,6 +48,12 @@ class RingBatch(msgspec.Struct, array_like=True, gc=False):
     resets: list[int]                   # slots whose context is forgotten before the entries run (acquire, resync)
     entries: list[RingEntry]            # a slot at most once
 
+    def shape(self) -> tuple[int, int, bool]:
+        """The batch as the ranks' graphs key it: its requests, the widest n_out, whether any entry wants margins
+        (the one definition: the front-end records it, a rank drafts by it)."""
+        es = self.entries
+        return len(es), max((e.n_out for e in es), default=0), any(e.want_margins for e in es)
+
     def head(self, n: int) -> "RingBatch":
         """The batch's first n entries (keep_warm.py rehearses a sample)."""
         return RingBatch(self.resets, self.entries[:n])

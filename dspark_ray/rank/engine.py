@@ -183,7 +183,8 @@ class RankEngine:
             return
         es = batch.entries
         inserts = [(self.slots[e.slot], self.slots[e.slot].position, t) for e in es if len(t := self._taps(e))]
-        self.graphs.rehearse(inserts, [self.slots[e.slot] for e in es], *_draft_args(es))
+        _, n_out, margins = batch.shape()
+        self.graphs.rehearse(inserts, [self.slots[e.slot] for e in es], [e.seed_token for e in es], n_out, margins)
 
     def _run(self, batch: RingBatch):
         """Place the slots, then the inserts and one batched draft (eager for a batch wider than the graph set)."""
@@ -193,7 +194,8 @@ class RankEngine:
             # A rollback is the placement: rows past the new position are simply not read (and overwritten later).
             st.place(e.base, e.position)
         inserts = [(st, e.start_pos, t) for e, st in zip(es, states) if len(t := self._taps(e))]
-        seeds, n_out, margins = _draft_args(es)
+        seeds = [e.seed_token for e in es]
+        _, n_out, margins = batch.shape()
         if self.graphs is None:
             for st, start, taps in inserts:
                 self._insert(st, start, taps)
@@ -227,12 +229,6 @@ class RankEngine:
                             "capture_s": round(self.graphs.capture_seconds, 3),
                             "bytes": self.graphs.graph_bytes, "request_buckets": self.graphs.request_buckets}
         return st
-
-
-def _draft_args(es: list[RingEntry]) -> tuple[list[int], int, bool]:
-    """A batch's draft as the graph set and the drafter take it: the seeds, the batch's n_out, whether any entry
-    wants margins."""
-    return [e.seed_token for e in es], max(e.n_out for e in es), any(e.want_margins for e in es)
 
 
 def _le(a: np.ndarray, dtype: str) -> bytes:

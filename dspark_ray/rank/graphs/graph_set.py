@@ -161,11 +161,11 @@ class GraphSet(GraphCapture):
         # The last chunk runs in the draft's step graph when it fits there (a decode round's rows always do).
         beside_rows = self._beside_rows(chunks, len(states))
         beside = chunks.pop() if beside_rows else None
+        key = self.buckets.key(len(states), n_out, want_margins) if states else None
         if self.pending:                # graphs this step needs and the set has not captured yet: now, before staging
             need = [("insert", self.buckets.of_rows[sum(len(t) for _, _, t in c)]) for c in chunks]
             if states:
-                need.append(("step" if beside is not None else "draft",
-                             self.buckets.key(len(states), n_out, want_margins)))
+                need.append(("step" if beside is not None else "draft", key))
             for kk in need:
                 if kk in self.pending and kk[1] not in self._graphs(kk[0]):
                     self._capture_pending(kk)
@@ -180,7 +180,6 @@ class GraphSet(GraphCapture):
             inp.mark()
         if not states:
             return None
-        key = self.buckets.key(len(states), n_out, want_margins)
         if beside is not None:          # one graph: the insert beside the draft; both staged before it starts
             if chunks:
                 inp.writable()
