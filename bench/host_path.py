@@ -138,8 +138,7 @@ def measure(rows: int, n: int) -> dict:
         pos[0] += rows
         if pos[0] > cfg.max_model_len - 2 * rows:
             pos[0] = 0
-            service._resync(grant.slot)
-            service.slots[grant.slot].owner = session
+            service.table.grant(grant.slot, session)
         e.generation = service.slots[grant.slot].cursor.generation
         r = service.step(session, C.Step(entries=[e], deadline_ms=100.0), time.monotonic_ns())
         assert r.results[0].code == C.Code.OK, r.results[0].reason

@@ -1,6 +1,6 @@
-"""The front-end's logic (the `FrontEnd` actor is a shell around it): sessions, slots, the only contract checks
-(the ranks run what the ring hands them), batching, and the failure policy of docs/contract.md section 7.
-A STEP finding the pair idle and nobody queued runs on its own thread: a hand-off to another costs a wake-up.
+"""The front-end's logic (the `FrontEnd` actor is a shell around it): sessions, the only contract checks (the
+ranks run what the ring hands them), and the failure policy of docs/contract.md section 7, over two parts: the
+slots (`slot_table.py`) and the turns on the pair (`batcher.py`).
 """
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from typing import Callable, Protocol
 from ..protocol import contract as C
 from ..observe.observers import ServiceObserver
 from ..protocol.records import RingBatch, RingEntry
-from ..protocol.slot_cursor import SlotCursor
 from ..observe.stamps import now
+from .batcher import Batcher
+from .slot_table import SlotTable
 
 log = logging.getLogger("dspark_ray.step_service")
 
@@ -51,19 +52,12 @@ class Identity:
 
 
 @dataclass
-class _Slot:
-    cursor: SlotCursor
-    owner: int | None = None
-    busy: bool = False
-
-
-@dataclass
 class _Pending:
     index: int
     entry: C.Entry
     deadline_ns: int
     run: RingEntry                  # what the ranks run, with the placement computed at admission
-    done: bool = False              # a plain flag, waited on through `_turn`: an Event per entry cost every STEP
+    done: bool = False              # a plain flag, waited on through the batcher's turn
     result: C.EntryResult | None = None
     seq: int | None = None          # the pair's step (ring seq) it ran in
     taken: bool = False             # in a batch (no longer in the queue)
@@ -75,14 +69,11 @@ class StepService(C.StepHandler):
                  observer: ServiceObserver | None = None):
         self.identity, self.limits, self.pair = identity, limits, pair
         self.observer = observer or ServiceObserver()
-        self.slots = [_Slot(SlotCursor(window, limits.max_rows_per_entry)) for _ in range(limits.slot_capacity)]
+        self.table = SlotTable(limits.slot_capacity, window, limits.max_rows_per_entry)
+        self.batcher = Batcher(limits.max_entries_per_replay, self._run_turn, self._expire)
         self.sessions: dict[int, dict] = {}
         self._ids = itertools.count(1)
-        self.lock = threading.Lock()
-        self.queue: collections.deque[_Pending] = collections.deque()
-        self._turn = threading.Condition()         # guards the queue and `_running`; notified when a batch ends
-        self._running = False                      # a batch is on the pair
-        self.pending_resets: set[int] = set()
+        self.lock = threading.Lock()                # guards the sessions, the slot table and the stats
         self.worker_generation = 0
         self.unavailable: str | None = None if pair is not None else "starting"
         self.on_failure = on_failure
@@ -93,6 +84,18 @@ class StepService(C.StepHandler):
         # Arrival-to-reply ns per STEP; metrics.py drains it every second (the bound bites only if nothing drains).
         self.step_ns: collections.deque[int] = collections.deque(maxlen=1 << 16)
         self.last_errors: list[str] = []
+
+    @property
+    def slots(self):
+        return self.table.slots
+
+    @property
+    def queue(self):
+        return self.batcher.queue
+
+    @property
+    def pending_resets(self) -> set[int]:
+        return self.table.pending_resets
 
     # -- sessions --------------------------------------------------------------------------------------------------
     def open_session(self, peer: str) -> int:
@@ -127,51 +130,35 @@ class StepService(C.StepHandler):
         if why:
             return C.ErrorReply(code=C.Code.BAD_ENTRY, reason=why)
         with self.lock:
-            free = [i for i, s in enumerate(self.slots) if s.owner is None]
+            free = self.table.free()
             if msg.n > len(free):
                 self.stats["overloaded"] += 1
                 return C.ErrorReply(code=C.Code.OVERLOADED,
-                                    reason=f"asked for {msg.n} slots, {len(free)} of {len(self.slots)} free")
-            grants = []
-            for i in free[:msg.n]:
-                self._resync(i)
-                self.slots[i].owner = session
-                grants.append(C.SlotGrant(slot=i, generation=self.slots[i].cursor.generation))
+                                    reason=f"asked for {msg.n} slots, {len(free)} of {len(self.table)} free")
+            grants = [C.SlotGrant(slot=i, generation=self.table.grant(i, session)) for i in free[:msg.n]]
         return C.AcquireReply(slots=grants)
 
     def release(self, session: int, msg: C.Release):
         with self.lock:
             done = []
             for i in msg.slots:
-                if 0 <= i < len(self.slots) and self.slots[i].owner == session:
-                    self._free(i)
+                if 0 <= i < len(self.table) and self.table[i].owner == session:
+                    self.table.release(i)
                     done.append(i)
         return C.ReleaseReply(released=done)
 
     def close_session(self, session: int) -> int:
         """Free the session's slots; returns how many."""
         with self.lock:
-            held = [i for i, s in enumerate(self.slots) if s.owner == session]
+            held = self.table.held_by(session)
             for i in held:
-                self._free(i)
+                self.table.release(i)
             self.sessions.pop(session, None)
         return len(held)
 
-    def _free(self, i: int) -> None:
-        self.slots[i].owner = None
-        self._resync(i)
-
-    def _resync(self, i: int) -> None:
-        """Forget slot i's context here now and on the ranks with the next batch. Caller holds the lock."""
-        c = self.slots[i].cursor
-        c.reset()
-        c.generation += 1
-        self.pending_resets.add(i)
-
     def resync_all(self) -> None:
         with self.lock:
-            for i in range(len(self.slots)):
-                self._resync(i)
+            self.table.resync_all()
 
     # -- STEP ------------------------------------------------------------------------------------------------------
     def step(self, session: int, msg: C.Step, received_ns: int):
@@ -195,21 +182,12 @@ class StepService(C.StepHandler):
                 if isinstance(run, C.EntryResult):
                     results[k] = run
                 else:
-                    self.slots[e.slot].busy = True
+                    self.table[e.slot].busy = True
                     pend.append(_Pending(k, e, deadline, run))
         observer.admitted()
-        with self._turn:
-            alone = 0 < len(pend) <= self.limits.max_entries_per_replay and not self._running and not self.queue
-            if alone:
-                self._running = True
-                for p in pend:
-                    p.taken = True
-            else:
-                self.queue.extend(pend)
-        if alone:
-            self._take_turn(pend)
+        self.batcher.submit(pend)
         for p in pend:
-            self._drive(p)
+            self.batcher.wait(p)
             results[p.index] = p.result
         reply = C.StepReply(results=results)  # type: ignore[arg-type]
         observer.replied(pend[0].seq if pend else None)
@@ -225,9 +203,9 @@ class StepService(C.StepHandler):
         """The stateful checks (caller holds the lock): the entry as the ranks run it, or its answer."""
         if why:
             self.stats["bad_entry"] += 1
-            known = 0 <= e.slot < len(self.slots)      # every answer for a real slot carries its generation
-            return C.error_result(C.Code.BAD_ENTRY, why, self.slots[e.slot].cursor.generation if known else 0)
-        slot = self.slots[e.slot]
+            known = 0 <= e.slot < len(self.table)      # every answer for a real slot carries its generation
+            return C.error_result(C.Code.BAD_ENTRY, why, self.table[e.slot].cursor.generation if known else 0)
+        slot = self.table[e.slot]
         gen = slot.cursor.generation
         if self.unavailable:
             self.stats["unavailable"] += 1
@@ -248,70 +226,40 @@ class StepService(C.StepHandler):
             self.stats["bad_entry"] += 1
             return C.error_result(C.Code.BAD_ENTRY, f"slot {e.slot}: {w}", gen)
         placed = slot.cursor.after(e.start_pos, e.rows, e.rollback_to)
-        w = C.draft_reach(e.slot, placed[1], e.n_out, self.limits.max_model_len)
+        # With rows the seed's position is start_pos + rows, checked statelessly; without, the slot's placement says.
+        w = None if e.rows else C.draft_reach(e.slot, placed[1], e.n_out, self.limits.max_model_len)
         if w:
             self.stats["bad_entry"] += 1
             return C.error_result(C.Code.BAD_ENTRY, w, gen)
         return RingEntry.of(e, placed)
 
-    # -- batches ---------------------------------------------------------------------------------------------------
-    def _drive(self, p: _Pending) -> None:
-        """Return once `p` is answered, by its deadline; run a batch on this thread whenever the pair is free."""
-        while not p.done:
-            with self._turn:
-                while self._running and not p.done:
-                    left_ns = p.deadline_ns - now()
-                    if left_ns <= 0:
-                        self._expire(p)
-                        return
-                    self._turn.wait(min(left_ns / 1e9, 1.0))
-                if p.done:
-                    return
-                self._running = True
-                batch = self._take_batch()
-            self._take_turn(batch)
-
+    # -- batches (the batcher calls these on its turn) -------------------------------------------------------------
     def _expire(self, p: _Pending) -> None:
-        """Past the deadline (caller holds `_turn`): in a batch its slot is resynced, as the ranks may still run it."""
+        """Past the deadline (the batcher holds its turn): in a batch its slot is resynced, as the ranks may still
+        run it."""
         with self.lock:
             if p.done:
                 return
             self.stats["deadline"] += 1
-            slot = self.slots[p.entry.slot]
+            slot = self.table[p.entry.slot]
             if not p.taken:
-                self.queue.remove(p)
+                self.batcher.dequeue(p)
                 reason = "deadline passed before the entry could run"
             else:
-                self._resync(p.entry.slot)
+                self.table.resync(p.entry.slot)
                 reason = "deadline passed while the entry ran on the pair: its slot was resynced"
             slot.busy = False
             p.result = C.error_result(C.Code.DEADLINE, reason, slot.cursor.generation)
             p.done = True
 
-    def _take_turn(self, batch: list[_Pending]) -> None:
-        """Run `batch` (caller set `_running`); free the pair after, unless a reaper now holds it."""
-        handed_off = False
+    def _run_turn(self, batch: list[_Pending]) -> bool:
+        """Run `batch` on the batcher's turn; True when a reaper now holds the pair (it ends the turn)."""
         try:
-            handed_off = self._dispatch(batch)
+            return self._dispatch(batch)
         except Exception as e:          # a bug, not a pair failure (those answer INTERNAL in _run): still answer
             log.exception("batch of %d entries failed in the front-end", len(batch))
             self._answer_internal(batch, f"front-end error: {type(e).__name__}: {e}")
-        finally:
-            if not handed_off:
-                self._end_turn()
-
-    def _end_turn(self) -> None:
-        with self._turn:
-            self._running = False
-            self._turn.notify_all()
-
-    def _take_batch(self) -> list[_Pending]:
-        """Oldest queued entries first (caller holds `_turn`); admission keeps one entry per slot in flight."""
-        n = min(len(self.queue), self.limits.max_entries_per_replay)
-        batch = [self.queue.popleft() for _ in range(n)]
-        for p in batch:
-            p.taken = True
-        return batch
+            return False
 
     def _dispatch(self, batch: list[_Pending]) -> bool:
         """True when the batch was handed to a reaper (it then ends the turn)."""
@@ -332,8 +280,7 @@ class StepService(C.StepHandler):
             live = [p for p in live if not p.done and not self._resynced(p)]
             if not live:
                 return False
-            resets = sorted(self.pending_resets)
-            self.pending_resets.clear()
+            resets = self.table.take_resets()
         rb = RingBatch(resets, [p.run for p in live])
         self.stats["batches"] += 1
         self.stats["entries"] += len(live)
@@ -349,7 +296,7 @@ class StepService(C.StepHandler):
 
     def _resynced(self, p: _Pending) -> bool:
         """`p`'s slot was resynced since admission, voiding its placement: STALE_GENERATION (caller holds the lock)."""
-        slot = self.slots[p.entry.slot]
+        slot = self.table[p.entry.slot]
         if p.entry.generation == slot.cursor.generation:
             return False
         self.stats["stale"] += 1
@@ -364,12 +311,7 @@ class StepService(C.StepHandler):
         """A reaper thread waits on for the late batch and ends the turn; entries past their deadline answer now."""
         log.warning("a batch of %d entries is still on the pair at its deadline: answering DEADLINE, waiting on "
                     "for the ranks (watchdog)", len(live))
-        with self._turn:
-            t = now()
-            for p in live:
-                if p.deadline_ns <= t:
-                    self._expire(p)
-            self._turn.notify_all()
+        self.batcher.expire_due(live)
 
         def reap() -> None:
             try:
@@ -381,7 +323,7 @@ class StepService(C.StepHandler):
                 log.exception("the reaper of a late batch failed")
                 self._answer_internal(live, f"front-end error: {type(e).__name__}: {e}")
             finally:
-                self._end_turn()
+                self.batcher.end_turn()
         threading.Thread(target=reap, name="dspark-late-batch", daemon=True).start()
 
     def _finish_batch(self, live: list[_Pending], resets: list[int], results: list[C.EntryResult]) -> None:
@@ -394,7 +336,7 @@ class StepService(C.StepHandler):
             for p, r in zip(live, results):
                 if p.done:                 # its waiter answered DEADLINE and resynced the slot
                     continue
-                slot = self.slots[p.entry.slot]
+                slot = self.table[p.entry.slot]
                 gen = slot.cursor.generation
                 slot.busy = False
                 if self._resynced(p):      # released or resynced while it ran: the reset rides the next batch
@@ -412,10 +354,9 @@ class StepService(C.StepHandler):
         log.warning("%s; its entries still waiting answer INTERNAL, their slots are resynced", msg)
         with self.lock:                      # before any answer wakes a client
             if f.kind != "step":             # a rank's state may differ from its peer's: resync everything
-                for i in range(len(self.slots)):
-                    self._resync(i)
+                self.table.resync_all()
             else:
-                self.pending_resets.update(resets)   # the failed batch may not have applied its resets
+                self.table.owe_resets(resets)        # the failed batch may not have applied its resets
         self._answer_internal(live, msg)
         if self.on_failure:
             self.on_failure(f, [p.entry.slot for p in live])
@@ -427,9 +368,9 @@ class StepService(C.StepHandler):
                 if p.done:
                     continue
                 self.stats["internal"] += 1
-                self._resync(p.entry.slot)
-                self.slots[p.entry.slot].busy = False
-                p.result = C.error_result(C.Code.INTERNAL, msg, self.slots[p.entry.slot].cursor.generation)
+                self.table.resync(p.entry.slot)
+                self.table[p.entry.slot].busy = False
+                p.result = C.error_result(C.Code.INTERNAL, msg, self.table[p.entry.slot].cursor.generation)
                 p.done = True
 
     def _finish(self, p: _Pending, stat: str, code: C.Code, reason: str) -> None:
@@ -438,14 +379,14 @@ class StepService(C.StepHandler):
             if p.done:
                 return
             self.stats[stat] += 1
-            slot = self.slots[p.entry.slot]
+            slot = self.table[p.entry.slot]
             slot.busy = False
             p.result = C.error_result(code, reason, slot.cursor.generation)
             p.done = True
 
     def status(self) -> dict:
         with self.lock:
-            held = sum(s.owner is not None for s in self.slots)
+            held = self.table.held()
         return {"worker_generation": self.worker_generation, "unavailable": self.unavailable,
-                "slots": {"capacity": len(self.slots), "held": held}, "sessions": len(self.sessions),
+                "slots": {"capacity": len(self.table), "held": held}, "sessions": len(self.sessions),
                 "stats": dict(self.stats), "last_errors": list(self.last_errors)}
