@@ -7,17 +7,15 @@ bench/restart.py. A restarted one-card rank serves first and makes the rest betw
 from __future__ import annotations
 
 import contextlib
+import importlib
+import logging
+import os
+import threading
 import time
 
-IMPORTS_BEGAN = time.time()          # (before torch and the rest: the start-up's "imports" phase)
+import torch
 
-import importlib  # noqa: E402
-import logging  # noqa: E402
-import os  # noqa: E402
-import threading  # noqa: E402
-
-import torch  # noqa: E402
-
+from . import IMPORTS_BEGAN
 from ..protocol import records as M
 from ..model import ops
 from ..scheduling import pin_thread, process_facts, raise_priority
