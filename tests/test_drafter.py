@@ -261,7 +261,7 @@ def test_graph_set_gathers_the_windows_of_drafter_window_inputs_across_the_ring_
     W = cfg.sliding_window
     for pos in [3, W, W + 1, gs.capacity - 1, gs.capacity, gs.capacity + 1, 2 * gs.capacity + 5, 1000]:
         a.position = pos
-        gs._stage_draft([a, b], [1, 2])
+        gs.stage_draft([a, b], [1, 2])
         gs.inp.upload(gs.inp.off["taps"][0])
         got, got_valid = gs.fns.windows(2)
         want, want_valid = tp1.window_inputs([a, b])

@@ -9,6 +9,7 @@ import torch
 
 from dspark_ray.testing import workload
 from dspark_ray.testing.batches import placed
+from dspark_ray.observe.keep_warm import rehearse_launch
 from dspark_ray.rank.modes import make_drafter
 from dspark_ray import settings
 
@@ -146,7 +147,7 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, kernels,
             d.insert(eager[r], pos, taps)
         seeds = [int(x) for x in torch.randint(0, cfg.vocab_size, (bsz,), generator=g)]
         launches += not gs.inp.in_use                # (the inserts-only runs above leave their upload in flight)
-        gs.rehearse_launch()                         # keep_warm's launch between steps changes no bit
+        rehearse_launch(gs)                          # keep_warm's launch between steps changes no bit
         got = gs.run(placed(inserts), gs.slots[:bsz], seeds, n_out, margins)
         want = d.draft(eager[:bsz], seeds, n_out, margins)
         for k in ("drafts", "confidences", "confident_len") + (("margins",) if margins else ()):
@@ -158,7 +159,7 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, kernels,
     assert launches >= len(gs.step_graphs) - 1
     assert int(gs._noop_buf) == 1 + launches       # its warm-up, then one launch before each step with none in flight
     gs.inp.in_use = True                           # as while a step is in flight: no launch
-    gs.rehearse_launch()
+    rehearse_launch(gs)
     torch.cuda.synchronize()
     assert int(gs._noop_buf) == 1 + launches
     gs.inp.in_use = False

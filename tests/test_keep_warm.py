@@ -14,7 +14,7 @@ from dspark_ray.testing import workload
 from dspark_ray.testing.batches import Driver
 from dspark_ray.transport.ring import RingTimeout, StepRing
 from dspark_ray.rank.engine import RankEngine
-from dspark_ray.observe.keep_warm import KeepWarm, launch_rehearsal_period_us
+from dspark_ray.observe.keep_warm import KeepWarm, launch_rehearsal_period_us, rehearse_engine
 from dspark_ray.rank.modes import make_drafter
 from dspark_ray.protocol.records import RingBatch, RingEntry
 from dspark_ray.protocol.wire import spinning_recv_into
@@ -143,7 +143,7 @@ def test_a_rehearsing_graph_engine_answers_and_writes_the_bits_of_one_that_does_
         unplaced = RingBatch([], [RingEntry.of(e, (-1, 0)) for e in batch])     # (a rehearsal reads no placement)
         for rehearsed in (last, unplaced):
             before = staged.copy()
-            warm.rehearse(rehearsed)
+            rehearse_engine(warm, rehearsed)
             n_staged += not np.array_equal(before, staged)
         _same_step(plain, warm, batch)
         last = unplaced
@@ -151,7 +151,7 @@ def test_a_rehearsing_graph_engine_answers_and_writes_the_bits_of_one_that_does_
     assert n_staged >= 10
     warm.graphs.inp.in_use = True                    # as while a GPU upload is in flight
     before = staged.copy()
-    warm.rehearse(last)
+    rehearse_engine(warm, last)
     assert np.array_equal(before, staged)
     warm.graphs.inp.in_use = False
 
@@ -257,11 +257,12 @@ def test_waits_that_outlast_their_spin_are_counted_and_a_mostly_asleep_party_say
     assert len(hints) == 1 and hints[0].startswith("rank 9: 75% of the last 100 STEPs found it asleep")
 
 
-def test_a_wide_batch_is_rehearsed_by_its_first_entries(cfg):
+def test_a_wide_batch_is_rehearsed_by_its_first_entries(cfg, monkeypatch):
     """Every entry runs the same code, so the rank and the STEP server rehearse a wide batch's first
     REHEARSAL_ENTRIES entries: a piece's cost stays bounded (a STEP arriving during it waits for it)."""
     from dspark_ray.protocol import contract as C
     from dspark_ray.protocol import records as M
+    from dspark_ray.observe import keep_warm
     from dspark_ray.observe.keep_warm import REHEARSAL_ENTRIES
     from dspark_ray.observe.recorders import RankRecorder, ServerRecorder
     from dspark_ray.protocol.wire import FrameReader
@@ -271,9 +272,8 @@ def test_a_wide_batch_is_rehearsed_by_its_first_entries(cfg):
 
     class Engine:
         graphs = None
-
-        def rehearse(self, batch):
-            seen.append(("rank", [e.slot for e in batch.entries]))
+    monkeypatch.setattr(keep_warm, "rehearse_engine",
+                        lambda engine, batch: seen.append(("rank", [e.slot for e in batch.entries])))
     rank = RankRecorder(0, 0.0, KeepWarm("rank", every_us=0, enabled=True))
     rank.serving(Engine())
     batch = M.RingBatch([3], [M.RingEntry.of(C.make_entry(slot=s, generation=1, seed_token=5, token_ids=[1, 2],

@@ -9,7 +9,7 @@ import sys
 import time
 
 from ..client.endpoints import Directory
-from ..observe.keep_warm import KeepWarm
+from ..observe.keep_warm import KeepWarm, step_checks
 from ..observe.metrics import Exporter
 from ..observe.recorders import DriverRecorder, ServerRecorder, ServiceRecorder
 from ..protocol.records import ring_slot_bytes
@@ -70,7 +70,7 @@ def frontend_actor_class():
             self.service = StepService(self.identity, self.limits, None, window=cfg.sliding_window,
                                        observer=self.recorders["service"])
             self.recorders["tcp"] = ServerRecorder(f"front-end {name} endpoint", self.spec.spin_us, self.keep_warm,
-                                                   checks=self.service.rehearse)
+                                                   checks=step_checks(self.limits))
             # A restarted one-card rank captures the last batches' shapes first.
             self.supervisor = Supervisor(self.service, lambda: self.pair.restart(self.driver.recent_shapes()),
                                          threshold=restart_threshold)

@@ -194,11 +194,6 @@ class StepService(C.StepHandler):
         self.step_ns.append(now() - received_ns)
         return reply
 
-    def rehearse(self, msg: C.Step) -> None:
-        """The stateless checks of a STEP, without admitting it: keeps them warm between frames (keep_warm.py)."""
-        C.validate_step(msg, self.limits)
-        C.validate_entries(msg, self.limits)
-
     def _admit(self, session: int, e: C.Entry, why: str | None) -> C.EntryResult | RingEntry:
         """The stateful checks (caller holds the lock): the entry as the ranks run it, or its answer."""
         if why:

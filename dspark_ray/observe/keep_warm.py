@@ -13,7 +13,7 @@ import time
 from typing import Callable
 
 from ..protocol import records as M
-from ..protocol.contract import MsgType, Step, StepReply
+from ..protocol.contract import Limits, MsgType, Step, StepReply, validate_entries, validate_step
 from ..settings import current as settings
 from ..protocol.wire import FrameWriter, decode_payload, encode_payload
 
@@ -129,8 +129,16 @@ class KeepWarm:
 
 
 # -- what each party rehearses, from a sample of its last step (its recorder takes the samples: recorders.py) ---------
+def step_checks(limits: Limits) -> Callable[[Step], None]:
+    """The step service's stateless checks of a STEP, without admitting it (`rehearse_frame`'s `checks`)."""
+    def checks(msg: Step) -> None:
+        validate_step(msg, limits)
+        validate_entries(msg, limits)
+    return checks
+
+
 def rehearse_frame(warm: KeepWarm, payload, reply: StepReply, checks: Callable[[Step], object] | None) -> None:
-    """A STEP server's connection threads: the STEP's decode, the service's checks (`checks`, its `rehearse`) and
+    """A STEP server's connection threads: the STEP's decode, the service's checks (`checks`: `step_checks`) and
     the reply's encoding, from the frame's `payload` (the reader's buffer: its first entries are copied out). Three
     pieces, so a frame that arrives during a rehearsal waits for one of them at most; the reply is encoded into a
     writer of its own, since any connection's thread may run it."""
@@ -156,7 +164,7 @@ def rehearse_ring_coding(warm: KeepWarm, batch: M.RingBatch, reply: bytes) -> No
 
 
 def rehearse_rank_step(warm: KeepWarm, engine, batch: M.RingBatch, results: list | None) -> None:
-    """A rank's step loop: the batch's decode, the engine's host work (`engine.rehearse`), a graph launch on a GPU
+    """A rank's step loop: the batch's decode, the engine's host work (`rehearse_engine`), a graph launch on a GPU
     (at its own period, `launch_rehearsal_period_us`), and with `results` (rank 0's) the answer's encoding. From
     the batch's first entries, encoded into bytes of their own (the decoded batch views the ring's slot, which is
     the ring's again once the step is complete)."""
@@ -165,10 +173,45 @@ def rehearse_rank_step(warm: KeepWarm, engine, batch: M.RingBatch, results: list
     def decode():
         decoded[:] = [M.decode_batch(sample)]
     warm.set("decode", decode)
-    warm.set("engine", lambda: decoded and engine.rehearse(decoded[0]))
+    warm.set("engine", lambda: decoded and rehearse_engine(engine, decoded[0]))
     launch_every = launch_rehearsal_period_us()
     if engine.graphs is not None and engine.graphs.cuda and launch_every is not None:
-        warm.set("launch", engine.graphs.rehearse_launch, launch_every)
+        graphs = engine.graphs
+        warm.set("launch", lambda: rehearse_launch(graphs), launch_every)
     if results is not None:
         results = results[:REHEARSAL_ENTRIES]
         warm.set("reply", lambda: M.encode(M.RingReply(results)))
+
+
+def rehearse_engine(engine, batch: M.RingBatch) -> None:
+    """The host side of `engine.step(batch)` (a `RankEngine` on graphs) without running it or changing a slot."""
+    gs = engine.graphs
+    if engine.broken or gs is None or not batch.entries or len(batch.entries) > gs.max_requests:
+        return
+    es, slots = batch.entries, engine.slots
+    inserts = [(slots[e.slot], slots[e.slot].position, t) for e in es if len(t := e.taps_array(engine.width))]
+    _, n_out, margins = batch.shape()
+    rehearse_graphs(gs, inserts, [slots[e.slot] for e in es], [e.seed_token for e in es], n_out, margins)
+
+
+def rehearse_graphs(gs, inserts: list, states: list, seeds: list[int], n_out: int, want_margins: bool) -> None:
+    """`GraphSet.run`'s host work without a replay, a stamp or a change to a slot. It writes the pinned buffer only
+    while no upload can read it: every step stages all it uploads before it launches."""
+    from ..rank.graphs.outputs import packed_size, read_outputs     # (a rank's: the front-end never imports torch)
+    if not gs.inp.in_use:
+        chunks = list(gs.chunks(inserts))
+        if chunks:
+            gs.stage_insert(chunks[-1], gs.beside_rows(chunks, len(states)))
+        if states:
+            gs.stage_draft(states, seeds)
+    if states:
+        b, drafted, _ = gs.buckets.key(len(states), n_out, want_margins)
+        read_outputs(gs.copies.out_np, packed_size(b, drafted, want_margins), len(states), n_out, drafted,
+                     want_margins, True)
+
+
+def rehearse_launch(gs) -> None:
+    """Launch a graph set's one-kernel graph between steps to keep the driver's launch path warm (docs/engine.md).
+    Through the collectives' guard: a poisoned rank launches nothing."""
+    if gs.noop is not None and not gs.inp.in_use:
+        gs.coll.replay(gs.noop, 0)

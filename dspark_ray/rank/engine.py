@@ -177,15 +177,6 @@ class RankEngine:
             raise StepFailed(self.last_error) from e
         return results
 
-    def rehearse(self, batch: RingBatch) -> None:
-        """The host side of `step(batch)` without running it or changing a slot (keep_warm.py)."""
-        if self.broken or self.graphs is None or not batch.entries or len(batch.entries) > self.graphs.max_requests:
-            return
-        es = batch.entries
-        inserts = [(self.slots[e.slot], self.slots[e.slot].position, t) for e in es if len(t := self._taps(e))]
-        _, n_out, margins = batch.shape()
-        self.graphs.rehearse(inserts, [self.slots[e.slot] for e in es], [e.seed_token for e in es], n_out, margins)
-
     def _run(self, batch: RingBatch):
         """Place the slots, then the inserts and one batched draft (eager for a batch wider than the graph set)."""
         es = batch.entries

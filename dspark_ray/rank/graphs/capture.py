@@ -33,7 +33,7 @@ class GraphCapture:
         # The step graphs: a draft key's draft with an insert of up to buckets.step_rows[requests] rows beside it.
         self.step_graphs: dict[tuple[int, int, bool], Graph] = {}
         self.mempool = None
-        self._noop: torch.cuda.CUDAGraph | None = None      # for rehearse_launch, captured with the set on a GPU
+        self.noop: torch.cuda.CUDAGraph | None = None       # keep_warm.rehearse_launch, captured with the set on a GPU
         self.capture_seconds = 0.0
         self.captured_first = 0             # graphs captured by `capture` (before serving)
         self.graph_bytes = 0
@@ -95,7 +95,7 @@ class GraphCapture:
                 if progress:
                     progress(done, total)
         if self.cuda:
-            self._noop = self._capture_noop()
+            self.noop = self._capture_noop()
             torch.cuda.synchronize()
             self.graph_bytes = max(0, free0 - torch.cuda.mem_get_info()[0])
 
@@ -156,7 +156,7 @@ class GraphCapture:
         self._graphs(kind)[key] = g
 
     def _capture_noop(self) -> torch.cuda.CUDAGraph:
-        """A graph of one kernel on a buffer of its own, for `rehearse_launch`."""
+        """A graph of one kernel on a buffer of its own, for keep_warm.rehearse_launch."""
         self._noop_buf = torch.zeros(1, dtype=torch.int32, device=self.inp.dev.device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -15,7 +15,7 @@ from .buckets import INSERT_BUCKETS, MAX_REQUESTS, Buckets, step_graphs_enabled
 from .capture import GraphCapture
 from .copies import Copies
 from .inputs import StepInputs
-from .outputs import HostDraft, packed_size, read_outputs
+from .outputs import HostDraft, read_outputs
 from .step_functions import StepFunctions
 
 
@@ -70,8 +70,8 @@ class GraphSet(GraphCapture):
         self.fns = StepFunctions(drafter, self.pool, self.inp, self.W, c.n_blocks, self.T)
         self._init_capture()
 
-    # -- staging ---------------------------------------------------------------------------------------------------
-    def _stage_draft(self, states: list[SlotState], seeds: list[int]) -> None:
+    # -- staging (a step's host work; keep_warm.py rehearses it between steps) -----------------------------------------
+    def stage_draft(self, states: list[SlotState], seeds: list[int]) -> None:
         """Write the draft's inputs into the pinned buffer. Pad requests repeat the first request's inputs, so they
         read no other experts' weights (every kernel is row-invariant: their dropped answers change no bit)."""
         h, W = self.inp.h, self.W
@@ -85,7 +85,7 @@ class GraphSet(GraphCapture):
             win_h[:, r] = self._ring_rows[s.index, :, first:first + W]
             self._valid_h[r] = self._valid_from[held:held + W]
 
-    def _chunks(self, inserts):
+    def chunks(self, inserts):
         """The inserts' rows in chunks of at most the largest bucket, as runs (slot, first position, taps rows);
         an entry may straddle two chunks (a row's kv depends on that row alone, so chunking changes no bit)."""
         top = self.buckets.inserts[-1]
@@ -103,7 +103,7 @@ class GraphSet(GraphCapture):
         if chunk:
             yield chunk
 
-    def _stage_insert(self, chunk, bucket: int | None = None) -> tuple[int, int]:
+    def stage_insert(self, chunk, bucket: int | None = None) -> tuple[int, int]:
         """Stage a chunk into the pinned buffer, padded to `bucket` (default: the smallest that holds it) with rows
         aimed at the scratch slot; returns (the chunk's rows, bucket)."""
         pos, dst, taps = self.inp.h["ins_pos"], self._ins_dst, self._ins_taps
@@ -124,7 +124,7 @@ class GraphSet(GraphCapture):
         self._ins_dst[:] = self._scratch_rows
         self.inp.h["ins_pos"][:] = 0
 
-    def _beside_rows(self, chunks: list, n_states: int) -> int | None:
+    def beside_rows(self, chunks: list, n_states: int) -> int | None:
         """The step graph's insert rows for the last chunk beside a draft of `n_states`, or None (an insert graph)."""
         rows = self.buckets.step_rows_for(n_states)
         if chunks and rows and sum(len(t) for _, _, t in chunks[-1]) <= rows:
@@ -157,9 +157,9 @@ class GraphSet(GraphCapture):
         self._status_fresh = False
         inp.writable()
         stamp("writable")
-        chunks = list(self._chunks(inserts))
+        chunks = list(self.chunks(inserts))
         # The last chunk runs in the draft's step graph when it fits there (a decode round's rows always do).
-        beside_rows = self._beside_rows(chunks, len(states))
+        beside_rows = self.beside_rows(chunks, len(states))
         beside = chunks.pop() if beside_rows else None
         key = self.buckets.key(len(states), n_out, want_margins) if states else None
         if self.pending:                # graphs this step needs and the set has not captured yet: now, before staging
@@ -172,7 +172,7 @@ class GraphSet(GraphCapture):
         for k, chunk in enumerate(chunks):
             if k:
                 inp.writable()
-            rows, bucket = self._stage_insert(chunk)
+            rows, bucket = self.stage_insert(chunk)
             self._upload(inp.insert_bytes(rows))
             self.observer.stamp_first("first_launch")
             self._replay(self.insert_graphs[bucket])
@@ -183,8 +183,8 @@ class GraphSet(GraphCapture):
         if beside is not None:          # one graph: the insert beside the draft; both staged before it starts
             if chunks:
                 inp.writable()
-            self._stage_insert(beside, beside_rows)
-            self._stage_draft(states, seeds)
+            self.stage_insert(beside, beside_rows)
+            self.stage_draft(states, seeds)
             stamp("draft_staged")
             for k in ("first_launch", "insert_launched"):
                 self.observer.stamp_first(k, like="draft_staged")
@@ -193,7 +193,7 @@ class GraphSet(GraphCapture):
         else:
             # Staged while the GPU runs the inserts: their uploads copy this region but never read it, and the draft
             # graph uploads it behind them in stream order, after these writes.
-            self._stage_draft(states, seeds)
+            self.stage_draft(states, seeds)
             stamp("draft_staged")
             self._upload(inp.draft_bytes)
             self.observer.stamp_first("first_launch")
@@ -217,25 +217,3 @@ class GraphSet(GraphCapture):
     def fresh_status(self) -> np.ndarray | None:
         """The collectives' control words the last run's draft graph downloaded, or None."""
         return self.copies.status_np if self._status_fresh else None
-
-    # -- between steps ---------------------------------------------------------------------------------------------
-    def rehearse(self, inserts: list[tuple[SlotState, int, np.ndarray]], states: list[SlotState],
-                 seeds: list[int], n_out: int, want_margins: bool) -> None:
-        """`run`'s host work without a replay, a stamp or a change to a slot (keep_warm.py). It writes the pinned
-        buffer only while no upload can read it: every step stages all it uploads before it launches."""
-        if not self.inp.in_use:
-            chunks = list(self._chunks(inserts))
-            if chunks:
-                self._stage_insert(chunks[-1], self._beside_rows(chunks, len(states)))
-            if states:
-                self._stage_draft(states, seeds)
-        if states:
-            b, drafted, _ = self.buckets.key(len(states), n_out, want_margins)
-            read_outputs(self.copies.out_np, packed_size(b, drafted, want_margins), len(states), n_out, drafted,
-                         want_margins, True)
-
-    def rehearse_launch(self) -> None:
-        """Launch a one-kernel graph between steps to keep the driver's launch path warm (docs/engine.md). Through
-        the collectives' guard: a poisoned rank launches nothing."""
-        if self._noop is not None and not self.inp.in_use:
-            self.coll.replay(self._noop, 0)
