@@ -67,7 +67,7 @@ from dspark_ray.protocol.contract import Code, Entry, EntryResult, make_entry   
 # during the restart within twice that.
 TARGET_S = 8.0
 # A restart's phases in the order they run: (name, where its end is stamped). "rank:" names the new ranks' own
-# stamps (rank_worker.RankWorker.startup; the slowest rank's end), the others the supervisor's and the front-end's.
+# stamps (rank/worker.py RankWorker.startup; the slowest rank's end), the others the supervisor's and the front-end's.
 PHASES = (("detect", "supervisor:failure_seen"), ("old_ranks_gone", "front_end:old_ranks_gone"),
           ("process_start", "rank:process"), ("imports", "rank:imports"), ("cuda_context", "rank:cuda_context"),
           ("kernels", "rank:kernels"), ("weights", "rank:weights"), ("connect", "rank:connect"),

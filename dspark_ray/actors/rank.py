@@ -1,4 +1,4 @@
-"""`RankActor`: the Ray actor of one rank, a thin shell around `rank_worker.RankWorker`."""
+"""`RankActor`: the Ray actor of one rank, a thin shell around `rank/worker.py`'s `RankWorker`."""
 from __future__ import annotations
 
 import logging
