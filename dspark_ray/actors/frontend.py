@@ -66,7 +66,8 @@ def frontend_actor_class():
             step_bound_s = self.spec.step_timeout_s or self.spec.collective_timeout_s * 2 + 5.0
             self.keep_warm = KeepWarm(f"front-end {name}")
             self.recorders = {"service": ServiceRecorder(), "ring": DriverRecorder(self.keep_warm)}
-            self.driver = RingDriver(self.ring, step_bound_s, on_fail=self.pair.kill, observer=self.recorders["ring"])
+            self.driver = RingDriver(self.ring, step_bound_s, on_fail=self.pair.kill)
+            self.recorders["ring"].seam(self.driver)
             self.service = StepService(self.identity, self.limits, None, window=cfg.sliding_window,
                                        observer=self.recorders["service"])
             self.recorders["tcp"] = ServerRecorder(f"front-end {name} endpoint", self.spec.spin_us, self.keep_warm,

@@ -11,19 +11,15 @@ from typing import Callable
 
 from ..protocol import records as M
 from ..protocol.contract import EntryResult
-from ..observe.observers import DriverObserver
 from ..observe.stamps import now
 from .step_service import PairFailure, PairLate
 from ..transport.ring import RingError, RingTimeout, StepRing
 
 
 class RingDriver:
-    def __init__(self, ring: StepRing, step_bound_s: float, on_fail: Callable[[], None],
-                 observer: DriverObserver | None = None):
-        """`observer` (observers.DriverObserver; the front-end's records stamps and rehearses the batch's coding
-        while it waits for the completions) sees every batch."""
+    def __init__(self, ring: StepRing, step_bound_s: float, on_fail: Callable[[], None]):
+        """A recorder looks in from outside (`DriverRecorder.seam`: it wraps `ring` and `run`, seams.py)."""
         self.ring, self.step_bound_s, self.on_fail = ring, step_bound_s, on_fail
-        self.observer = observer or DriverObserver()
         self.last_seq: int | None = None
         # The last batches' shapes: what a restarted one-card rank captures first.
         self.shapes: collections.deque = collections.deque(maxlen=256)
@@ -34,16 +30,11 @@ class RingDriver:
     def run(self, batch: M.RingBatch, deadline_ns: int | None = None) -> list[EntryResult]:
         """One step through the ring. Still running at `deadline_ns`: PairLate, whose resume() waits on (the same
         bound, counted from the publish)."""
-        # The observer is told before each hand-off (a stamp taken after one can trail the reader's).
-        self.observer.publishing()
         with self._failing_closed("ring slot"):
-            payload = M.encode(batch)
-            self.observer.posting()
-            seq = self.ring.publish(payload, timeout_s=self.step_bound_s)
-        self.observer.published(seq)
+            seq = self.ring.publish(M.encode(batch), timeout_s=self.step_bound_s)
         self.shapes.append(batch.shape())
         bound = time.monotonic() + self.step_bound_s
-        return self._collect(batch, payload, seq, bound, deadline_ns)
+        return self._collect(seq, bound, deadline_ns)
 
     @contextlib.contextmanager
     def _failing_closed(self, waited_for: str):
@@ -56,11 +47,10 @@ class RingDriver:
             self.on_fail()
             raise PairFailure("broken", str(e)) from None
 
-    def _collect(self, batch: M.RingBatch, payload: bytes, seq: int, bound: float,
-                 deadline_ns: int | None, late: bool = False) -> list[EntryResult]:
+    def _collect(self, seq: int, bound: float, deadline_ns: int | None, late: bool = False) -> list[EntryResult]:
         # A batch past its deadline (the reaper's wait) is waited for asleep: spinning and rehearsing there would
         # hold the GIL against the connection threads that answer the next STEPs by their deadlines.
-        wait = dict(spin_us=0.0, idle=None) if late else dict(idle=self.observer.idle)
+        spin_us = 0.0 if late else None
         with self._failing_closed("completion"):
             while True:
                 # Slices of the bound, so a dead or failed rank is noticed within ~0.1 s instead of at the bound,
@@ -69,7 +59,7 @@ class RingDriver:
                 if deadline_ns is not None:
                     left = min(left, (deadline_ns - now()) / 1e9)
                 try:
-                    comps = self.ring.wait_completions(seq, timeout_s=min(0.1, max(0.0, left)), **wait)
+                    comps = self.ring.wait_completions(seq, timeout_s=min(0.1, max(0.0, left)), spin_us=spin_us)
                     break
                 except RingTimeout:
                     dead = self.ring.dead_readers()
@@ -87,12 +77,11 @@ class RingDriver:
                     if time.monotonic() >= bound:
                         raise
                     if deadline_ns is not None and now() >= deadline_ns:
-                        raise PairLate(lambda: self._collect(batch, payload, seq, bound, None, late=True)) from None
+                        raise PairLate(lambda: self._collect(seq, bound, None, late=True)) from None
         statuses = [s for s, _ in comps]
         if any(s == M.STATUS_BROKEN for s in statuses) or any(s == M.STATUS_STEP_FAILED for s in statuses):
             kind = "broken" if M.STATUS_BROKEN in statuses else "step"
             errs = "; ".join(f"rank {r}: {M.decode_reply(p).error}" for r, (s, p) in enumerate(comps) if s)
             raise PairFailure(kind, errs)
-        self.observer.collected(batch, payload, comps[0][1])
         self.last_seq = seq
         return M.decode_reply(comps[0][1]).results

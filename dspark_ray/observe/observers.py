@@ -1,6 +1,7 @@
 """The named points at which each party of the step path lets an observer look in. These are the null observers
-(every hook does nothing, `idle` is None), so a party built without one runs its algorithm alone; the actors hand
-in `recorders.py`'s. Concurrent callers take a view of their own (`session`, `step`).
+(every hook does nothing, `idle` is None, a `seam...` installs nothing), so a party built without one runs its
+algorithm alone; the actors hand in `recorders.py`'s, whose seams (`seams.py`) wrap the ring and the engine from
+outside. Concurrent callers take a view of their own (`session`, `step`).
 """
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ class DriverObserver:
 
     idle: Idle | None = None
 
+    def seam(self, driver) -> None:
+        """Look in on `driver` (a `RingDriver`) at its ring's seam from now on (seams.RingOut); once, when built."""
+
     def publishing(self) -> None:
         """A batch is handed to the ring: its encoding begins."""
 
@@ -56,8 +60,8 @@ class DriverObserver:
     def published(self, seq: int) -> None:
         """The batch is in the ring as step `seq`."""
 
-    def collected(self, batch, payload: bytes, reply: bytes) -> None:
-        """Every rank completed the batch (encoded as `payload`); rank 0 answered `reply`."""
+    def collected(self, batch, size: int, reply: bytes) -> None:
+        """Every rank completed the batch (encoded in `size` bytes); rank 0 answered `reply`."""
 
 
 class RankObserver:
@@ -65,8 +69,12 @@ class RankObserver:
 
     idle: Idle | None = None
 
-    def serving(self, engine) -> None:
-        """The step loop starts serving `engine`."""
+    def seam_ring(self, reader):
+        """The rank's reader of the step ring as its loop uses it: `reader` itself, or a wrapper (seams.RingIn)."""
+        return reader
+
+    def seam_engine(self, engine) -> None:
+        """Look in on `engine` (a `RankEngine`) at its step from now on (seams.observe_engine); once, when built."""
 
     def got(self, seq: int, sleeps: int) -> None:
         """Ring step `seq` has come; the ring's waits have slept `sleeps` times so far."""

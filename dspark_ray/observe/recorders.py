@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..protocol.contract import Step, StepReply
 from .keep_warm import KeepWarm, rehearse_frame, rehearse_rank_step, rehearse_ring_coding
 from .observers import DriverObserver, RankObserver, ServerObserver, ServiceObserver
+from .seams import RingIn, RingOut, observe_driver_run, observe_engine
 from .stamps import Stamps, cpu_now, now
 from .wake_ups import WakeUps
 
@@ -94,6 +95,10 @@ class DriverRecorder(DriverObserver):
         self.keep_warm = self.idle = _warm(keep_warm)
         self.row: dict = {}
 
+    def seam(self, driver) -> None:
+        driver.ring = out = RingOut(driver.ring, self)
+        observe_driver_run(driver, self, out)
+
     def publishing(self) -> None:
         self.row = {"publish": now()}
 
@@ -103,12 +108,12 @@ class DriverRecorder(DriverObserver):
     def published(self, seq: int) -> None:
         self.row["seq"] = seq
 
-    def collected(self, batch, payload: bytes, reply: bytes) -> None:
+    def collected(self, batch, size: int, reply: bytes) -> None:
         row = self.row
         row["completions"], row["cpu_completions"] = now(), cpu_now()
         self.stamps.add(row)
         warm = self.keep_warm
-        if warm is not None and warm.wants_sample("batch", len(payload)):
+        if warm is not None and warm.wants_sample("batch", size):
             rehearse_ring_coding(warm, batch, reply)
 
 
@@ -142,6 +147,14 @@ class RankRecorder(StepMarks):
         self.idle = _warm(keep_warm)
         self._engine = None
         self._sleeps, self._woke = 0, False
+        self.batch = self.results = None        # the step in hand's, as the engine's seam saw them
+
+    def seam_ring(self, reader) -> RingIn:
+        return RingIn(reader, self)
+
+    def seam_engine(self, engine) -> None:
+        self.serving(engine)
+        observe_engine(engine, self)
 
     def serving(self, engine) -> None:
         self._engine = engine
@@ -149,6 +162,7 @@ class RankRecorder(StepMarks):
     def got(self, seq: int, sleeps: int) -> None:
         self.row = {"seq": seq, "got": now(), "cpu_got": cpu_now()}
         self._woke, self._sleeps = sleeps != self._sleeps, sleeps
+        self.batch = self.results = None
 
     def answered(self, batch, results, size: int) -> None:
         # stamped before the hand-off: the front-end may see the completion at once
@@ -158,6 +172,7 @@ class RankRecorder(StepMarks):
             rehearse_rank_step(warm, self._engine, batch, results if self.rank == 0 else None)
 
     def completed(self) -> None:
+        self.batch = self.results = None        # the batch viewed the ring's slot, the ring's again now
         if self.idle is not None:
             self.idle.ran()
         self.stamps.add(self.row)

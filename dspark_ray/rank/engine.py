@@ -104,14 +104,14 @@ class RankEngine:
                  progress=None, max_batch: int = MAX_REQUESTS, first: list[tuple[int, int, bool]] | None = None,
                  observer: RankObserver | None = None):
         self.drafter, self.rank = drafter, rank
-        self.observer = observer or RankObserver()
+        observer = observer or RankObserver()      # the graph set's (a recorder looks in on the step from outside)
         c = drafter.cfg
         self.width = c.n_taps * c.hidden_size
         self.coll = _CountingCollectives(drafter.coll)
         drafter.use_collectives(self.coll)
         self.graphs = None
         if graphs:
-            self.graphs = GraphSet(drafter, n_slots, max_batch, observer=self.observer)
+            self.graphs = GraphSet(drafter, n_slots, max_batch, observer=observer)
             self.graphs.capture(progress, first=first)     # `first`: only what those batches need, the rest later
             self.slots: list[SlotState] = self.graphs.slots     # the rings live in the graph set's pool
         else:
@@ -134,17 +134,18 @@ class RankEngine:
         if self.broken:
             raise EngineBroken(f"rank {self.rank} refuses steps: {self.broken}")
         self.steps += 1
-        self.observer.stamp("engine_in", cpu=True)
+        return self._step(batch)
+
+    def _step(self, batch: RingBatch) -> list[EntryResult]:
+        """The step past the latch's check: the engine's seam, where a recorder looks in (seams.observe_engine)."""
         self.coll.count = 0
         entries = batch.entries
         done = False       # every collective of the step has completed
         try:
             self._hook("start")
             self.reset_slots(batch.resets)
-            self.observer.stamp("started")
             results = []
-            res = self._run(batch) if entries else None
-            self.observer.stamp("ran")
+            res = self._run(batch)
             if entries:
                 for j, e in enumerate(entries):
                     # the all-confident prefix of the first k of the batch's n_out drafts (the loop never looks
@@ -163,7 +164,6 @@ class RankEngine:
                 self.coll.check()
             done = True
             self._hook("end")
-            self.observer.stamp("engine_out", cpu=True)
         except Exception as e:
             self.failed_steps += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -178,8 +178,11 @@ class RankEngine:
         return results
 
     def _run(self, batch: RingBatch):
-        """Place the slots, then the inserts and one batched draft (eager for a batch wider than the graph set)."""
+        """Place the slots, then the inserts and one batched draft (eager for a batch wider than the graph set);
+        None for a batch of resets alone."""
         es = batch.entries
+        if not es:
+            return None
         states = [self.slots[e.slot] for e in es]
         for e, st in zip(es, states):
             # A rollback is the placement: rows past the new position are simply not read (and overwritten later).

@@ -156,6 +156,7 @@ class RankWorker:
             self.engine = RankEngine(drafter, self.spec.n_slots, self.rank, graphs=graphs, progress=progress,
                                      max_batch=self.spec.batch_limit(cfg), first=first if later else None,
                                      observer=self.observer)
+            self.observer.seam_engine(self.engine)     # a recorder looks in on the engine's step (seams.py)
             if cuda:
                 torch.cuda.synchronize()
         self._later = self._after_serving(drafter, markov_rows, first) if later else None
@@ -192,7 +193,8 @@ class RankWorker:
     def serve(self, ring_handle) -> None:
         from ..transport.ring import StepRing
         with self._phase("serve"):
-            self.reader = StepRing.attach(ring_handle, self.rank)
+            # The ring as the loop uses it: with a recorder, its seam (seams.RingIn) stamps what crosses it.
+            self.reader = self.observer.seam_ring(StepRing.attach(ring_handle, self.rank))
             self._thread = threading.Thread(target=self._loop, name=f"dspark-rank{self.rank}", daemon=True)
             self._thread.start()
 
@@ -202,25 +204,23 @@ class RankWorker:
         raise_priority(f"rank {self.rank} step loop")     # this thread only: loading and capture stay at Ray's 15
         if self.spec.rank_cpus:
             pin_thread([self.spec.rank_cpus[self.rank]], f"rank {self.rank} step loop")
-        observer = self.observer
-        observer.serving(self.engine)
+        ring = self.reader
         spin_us, last_step = self.spec.spin_us, time.monotonic()
         while not self._stop:
             try:
                 if self._later is not None:  # a restart's work left: a look at the ring, else one more piece
-                    seq, view = self.reader.next(timeout_s=0.0, spin_us=0.0)
+                    seq, view = ring.next(timeout_s=0.0, spin_us=0.0)
                 else:
                     # The spin counts from the last step: an idle rank that wakes from a timeout sleeps again at once.
                     left_us = max(0.0, spin_us - (time.monotonic() - last_step) * 1e6)
-                    seq, view = self.reader.next(timeout_s=1.0, spin_us=left_us, idle=observer.idle)
+                    seq, view = ring.next(timeout_s=1.0, spin_us=left_us)
             except RingTimeout:
                 if self._later is not None:
                     self._work_later()
                 continue
             except RingClosed:
                 break
-            observer.got(seq, self.reader.sleeps)
-            status, payload, batch, results = M.STATUS_OK, b"", None, None
+            status, payload = M.STATUS_OK, b""
             try:
                 # The entries view the ring's slot: it stays ours until complete() below.
                 batch = M.decode_batch(view)
@@ -234,9 +234,7 @@ class RankWorker:
             except Exception as e:               # decoding or anything unforeseen: latch, the pair may be split
                 self.engine.broken = f"{type(e).__name__}: {e}"
                 status, payload = M.STATUS_BROKEN, M.encode(M.RingReply([], self.engine.broken))
-            observer.answered(batch, results if status == M.STATUS_OK else None, len(view))
-            self.reader.complete(seq, status, payload)
-            observer.completed()
+            ring.complete(seq, status, payload)
             last_step = time.monotonic()
 
     def _work_later(self) -> None:
