@@ -28,10 +28,10 @@ class RingOut:
         self.size = 0                                  # the batch in hand's payload bytes
 
     def publish(self, payload, timeout_s: float = 2.0) -> int:
-        self.size = len(payload)
         self.rec.posting()                             # the batch is encoded: the copy into the slot begins
         seq = self.inner.publish(payload, timeout_s=timeout_s)
         self.rec.published(seq)
+        self.size = len(payload)
         return seq
 
     def wait_completions(self, seq: int, timeout_s: float = 2.0, spin_us: float | None = None, idle=None):
@@ -66,8 +66,8 @@ class RingIn:
     def next(self, timeout_s: float, spin_us: float | None = None, idle=None):
         # The recorder's keep-warm hook runs between the spin's checks (a look without a spin never calls it).
         seq, view = self.inner.next(timeout_s=timeout_s, spin_us=spin_us, idle=self.idle)
-        self.size = len(view)
         self.rec.got(seq, self.inner.sleeps)
+        self.size = len(view)
         return seq, view
 
     def complete(self, seq: int, status: int = 0, payload=b"") -> None:
@@ -89,8 +89,8 @@ def observe_engine(engine, rec) -> None:
     stamp = rec.stamp
 
     def observed_step(batch):
-        rec.batch = batch
         stamp("engine_in", cpu=True)
+        rec.batch = batch
         results = step(batch)
         stamp("engine_out", cpu=True)
         rec.results = results
