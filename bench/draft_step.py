@@ -34,10 +34,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))          # support.workload
 
 from bench import report  # noqa: E402
-from dspark_ray.graphs import step_graphs_enabled      # noqa: E402
+from dspark_ray.rank.graphs import step_graphs_enabled      # noqa: E402
 from dspark_ray.kernels.fused_ops import pdl_capable  # noqa: E402
 
 SEED000 = ((1, 5), (1, 4), (2, 5), (2, 4), (3, 5), (3, 4), (4, 5), (4, 4))
@@ -73,7 +72,7 @@ def ensure_checkpoint(preset: str, path: str) -> None:
 def _slots(gs, cfg, n, rows, start):
     """The first n slots of the graph set, each holding `rows` context rows at [start, start + rows): full
     windows (inserted through the insert graphs)."""
-    from support import workload
+    from dspark_ray.testing import workload
     out = []
     for i in range(n):
         st = gs.slots[i]
@@ -104,15 +103,15 @@ def weight_bytes(weights: dict) -> tuple[int, int, int]:
 
 def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None) -> dict:
     """Capture and time one mode in this process (pair: one rank; its peer runs the same code)."""
-    from dspark_ray.comm.local import LocalCollectives
+    from dspark_ray.model.collectives import LocalCollectives
     from dspark_ray.comm.solo import SoloCollectives
-    from dspark_ray.graphs import GraphSet
+    from dspark_ray.rank.graphs import GraphSet
     from dspark_ray.kernels.gemm import dense_for, describe, kernels_for
     from dspark_ray.model.drafter import Drafter
     from dspark_ray.model.layout import Layout
-    from dspark_ray.modes import read_rank
-    from dspark_ray.recorders import StepMarks
-    from dspark_ray.stamps import now
+    from dspark_ray.rank.modes import read_rank
+    from dspark_ray.observe.recorders import StepMarks
+    from dspark_ray.observe.stamps import now
     from dspark_ray.weights.loader import Checkpoint
     ck = Checkpoint(args.ckpt)
     cfg = ck.config
@@ -199,7 +198,7 @@ def run_mode(mode: str, args, rank: int = 0, coll=None, barrier=None, share=None
         res["draft"][f"{bsz},{n_out}"]["bytes_read"] = read
         res["draft"][f"{bsz},{n_out}"]["byte_bound_ms"] = round(read / (HBM_TBPS * 1e12) * 1e3, 4)
         log(f"{mode} rank {rank}: {bsz} req n_out {n_out}: p50 {res['draft'][f'{bsz},{n_out}']['p50_ms']:.3f} ms")
-    from support import workload
+    from dspark_ray.testing import workload
     st = gs.slots[len(states)]
     for rows in INSERT_ROWS:             # the taps' upload + the insert replay (rows scattered into the pool)
         taps = workload.make_taps(cfg, rows, torch.Generator().manual_seed(rows))

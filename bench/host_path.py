@@ -20,18 +20,17 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      # support.instant_pair
 
 from bench import report                                                    # noqa: E402
-from dspark_ray import contract as C                                        # noqa: E402
-from dspark_ray import records as M                                 # noqa: E402
-from dspark_ray.comm.local import LocalCollectives                         # noqa: E402
+from dspark_ray.protocol import contract as C                                        # noqa: E402
+from dspark_ray.protocol import records as M                                 # noqa: E402
+from dspark_ray.model.collectives import LocalCollectives                         # noqa: E402
 from dspark_ray.config import full                                          # noqa: E402
-from dspark_ray.step_service import Identity, StepService                       # noqa: E402
-from dspark_ray.graphs import GraphSet                                      # noqa: E402
+from dspark_ray.frontend.step_service import Identity, StepService                       # noqa: E402
+from dspark_ray.rank.graphs import GraphSet                                      # noqa: E402
 from dspark_ray.model.state import SlotState                                # noqa: E402
-from dspark_ray.wire import HEADER_SIZE, FrameWriter, decode_payload        # noqa: E402
-from support.instant_pair import InstantPair                                # noqa: E402
+from dspark_ray.protocol.wire import HEADER_SIZE, FrameWriter, decode_payload        # noqa: E402
+from dspark_ray.testing.instant_pair import InstantPair                                # noqa: E402
 
 
 def between_calls(kind: str):
@@ -139,8 +138,7 @@ def measure(rows: int, n: int) -> dict:
         pos[0] += rows
         if pos[0] > cfg.max_model_len - 2 * rows:
             pos[0] = 0
-            service._resync(grant.slot)
-            service.slots[grant.slot].owner = session
+            service.table.grant(grant.slot, session)
         e.generation = service.slots[grant.slot].cursor.generation
         r = service.step(session, C.Step(entries=[e], deadline_ms=100.0), time.monotonic_ns())
         assert r.results[0].code == C.Code.OK, r.results[0].reason
@@ -175,8 +173,8 @@ def measure(rows: int, n: int) -> dict:
         "ring_publish_copy": timed(lambda: slot_view.__setitem__(slice(0, len(batch_bytes)), batch_bytes), n),
         "rank_decode_batch": timed(lambda: M.decode_batch(in_slot), n),
         "rank_decode_and_view_taps": timed(lambda: M.decode_batch(in_slot).entries[0].taps_array(width), n),
-        "rank_stage_insert": timed(lambda: [gs._stage_insert(c) for c in gs._chunks(inserts)], n),
-        "rank_stage_draft": timed(lambda: gs._stage_draft([slot], [5]), n),
+        "rank_stage_insert": timed(lambda: [gs.stage_insert(c) for c in gs.chunks(inserts)], n),
+        "rank_stage_draft": timed(lambda: gs.stage_draft([slot], [5]), n),
         "rank_unpack": timed(lambda: gs._unpack(packed, 1, 5, 5, False, True), n),
         "rank_results_encode": timed(results_encode, n),
         "frontend_decode_reply": timed(lambda: M.decode_reply(reply), n),
@@ -191,7 +189,7 @@ def measure_in_actor(rows: int, n: int) -> dict:
     import ray
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {"PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests"), os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
 
     @ray.remote(num_cpus=1, runtime_env={"env_vars": env})
     def run():

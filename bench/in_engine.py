@@ -37,12 +37,11 @@ os.environ.setdefault("DSPARK_KEEP_WARM_LAUNCH_US", "0")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
 from bench import report  # noqa: E402
-from support import in_engine as E  # noqa: E402
+from dspark_ray.testing import in_engine as E  # noqa: E402
 
 WORKER_MODES = ("none", "dspark_blocking", "dspark", "ceiling")
 

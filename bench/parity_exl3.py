@@ -35,10 +35,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))          # support.parity
 
 from bench import report  # noqa: E402
-from support.parity import fp16_step  # noqa: E402
+from dspark_ray.testing.parity import fp16_step  # noqa: E402
+from dspark_ray.testing.workload import lockstep_rounds  # noqa: E402
 
 PAGE = 256
 # A routing gap at most this wide counts as a routing near-tie: 4 fp16 steps of a selection key near 2 (the keys are
@@ -48,35 +48,6 @@ ROUTING_LINE = 4 * 2.0 ** -9
 
 def log(msg: str) -> None:
     print(f"[parity_exl3 {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _taps_and_seed(cfg, n: int, g: torch.Generator):
-    """One request's round: n rows of fp16 taps, then its seed token, drawn from g in that order."""
-    taps = torch.randn(n, cfg.n_taps * cfg.hidden_size, generator=g).to(torch.float16)
-    return taps, int(torch.randint(0, cfg.vocab_size, (1,), generator=g))
-
-
-def rounds_for(cfg, n_rounds: int, seed: int):
-    """(start, rows, taps, seed token) per round: 6 rows first, then 1..B rows."""
-    g = torch.Generator().manual_seed(seed)
-    pos, out = 0, []
-    for r in range(n_rounds):
-        n = 6 if r == 0 else int(torch.randint(1, cfg.block_size + 1, (1,), generator=g))
-        out.append((pos, n, *_taps_and_seed(cfg, n, g)))
-        pos += n
-    return out
-
-
-def lockstep_rounds(cfg, n_rounds: int, seeds: list[int]):
-    """rounds_for of the first seed; each other seed draws its own taps and seed token for the same rows a round.
-    One list of (start, rows, [taps per seed], [seed token per seed]) a round."""
-    lead = rounds_for(cfg, n_rounds, seeds[0])
-    gens = [torch.Generator().manual_seed(s) for s in seeds[1:]]
-    out = []
-    for start, n, taps, tok in lead:
-        more = [_taps_and_seed(cfg, n, g) for g in gens]
-        out.append((start, n, [taps] + [t for t, _ in more], [tok] + [k for _, k in more]))
-    return out
 
 
 def ensure(preset: str, fmt: str, root: Path) -> Path:
@@ -202,10 +173,10 @@ class RouterMargins:
 
 
 def run_format(preset: str, fmt: str, args, root: Path) -> dict:
-    from dspark_ray.engine import RankEngine
-    from support.batches import Driver, entry
+    from dspark_ray.rank.engine import RankEngine
+    from dspark_ray.testing.batches import Driver, entry
     from dspark_ray.kernels.gemm import describe, kernels_for
-    from dspark_ray.modes import make_drafter
+    from dspark_ray.rank.modes import make_drafter
     from dspark_ray.weights.loader import Checkpoint
     d = ensure(preset, fmt, root)
     ck = Checkpoint(d)

@@ -15,7 +15,7 @@ kill (`--kills` in all).
 
 Where the time goes: per kill, `phases_s` lays the restart out from the kill to the first OK answer, phase by phase,
 from real stamps (wall-clock seconds, one host): the supervisor's (failure seen, serving again), the front-end's
-(old ranks gone, new actors asked for) and each new rank's own (rank_worker.py: its process's start, imports, CUDA
+(old ranks gone, new actors asked for) and each new rank's own (rank/worker.py: its process's start, imports, CUDA
 context, kernels, weights, the collectives' handshake, the drafter, the Markov rows, the graphs, the ring). Each
 phase runs from the end of the one before to its own end (its slowest rank's), so they add up to the kill's time to
 the first OK answer. `phases_p50_s` takes the median of each phase over the kills.
@@ -55,20 +55,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))          # support.workload
 
 import msgspec                                                   # noqa: E402
 import numpy as np                                               # noqa: E402
 
 from bench.report import commit as _commit, cpu as _device      # noqa: E402
 from dspark_ray.client import ClientError, DrafterClient         # noqa: E402
-from dspark_ray.contract import Code, Entry, EntryResult, make_entry   # noqa: E402
+from dspark_ray.protocol.contract import Code, Entry, EntryResult, make_entry   # noqa: E402
 
 # The H200 target (issue 51): a killed rank's one-card worker (full preset) serves again within 8 s, p50; a kill
 # during the restart within twice that.
 TARGET_S = 8.0
 # A restart's phases in the order they run: (name, where its end is stamped). "rank:" names the new ranks' own
-# stamps (rank_worker.RankWorker.startup; the slowest rank's end), the others the supervisor's and the front-end's.
+# stamps (rank/worker.py RankWorker.startup; the slowest rank's end), the others the supervisor's and the front-end's.
 PHASES = (("detect", "supervisor:failure_seen"), ("old_ranks_gone", "front_end:old_ranks_gone"),
           ("process_start", "rank:process"), ("imports", "rank:imports"), ("cuda_context", "rank:cuda_context"),
           ("kernels", "rank:kernels"), ("weights", "rank:weights"), ("connect", "rank:connect"),
@@ -208,8 +207,8 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
     (times are time.monotonic()), the OK answers with what was sent, and the kills."""
     import ray
 
-    from support import workload
-    from support.at_rest import spares_pending, wait_for_spares
+    from dspark_ray.testing import workload
+    from dspark_ray.testing.at_rest import spares_pending, wait_for_spares
     work = workload.stream(cfg, seed=seed, n_requests=requests)
     reqs = [Request(cfg.sliding_window, limits_rows) for _ in range(requests)]
     sess = Session(endpoint, reqs, timeout_s=max(120.0, 4 * deadline_ms / 1e3))
@@ -503,7 +502,7 @@ def measure(spec, *, name: str = "restart-bench", requests: int = 2, rounds: int
     answer against a fresh deployment of the same spec. Returns the figures (no device or commit: main adds them)."""
     from dspark_ray.actors.placement import deploy_workers, teardown
     from dspark_ray.config import load_config
-    from dspark_ray.contract import Limits
+    from dspark_ray.protocol.contract import Limits
     if not 0 <= kill_rank < spec.tp:
         raise ValueError(f"kill_rank {kill_rank}: a rank of the pair, 0..{spec.tp - 1}")
     if requests > spec.n_slots:

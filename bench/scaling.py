@@ -29,7 +29,6 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      # support.workload
 
 from bench import report                                    # noqa: E402
 
@@ -114,12 +113,12 @@ def main() -> None:
     import ray
     import torch
 
-    from support import workload
+    from dspark_ray.testing import workload
     from dspark_ray.actors.placement import bundles, deploy_workers, teardown
     from dspark_ray.spec import PairSpec
     from dspark_ray.cli import resolve_checkpoint
-    from dspark_ray.contract import Code, make_entry
-    from dspark_ray.pool import DrafterPool
+    from dspark_ray.protocol.contract import Code, make_entry
+    from dspark_ray.client.pool import DrafterPool
     from dspark_ray.weights.loader import Checkpoint
 
     gpu = torch.cuda.is_available()

@@ -6,7 +6,7 @@ rounds (`--requests` entries a STEP, 1 by default; `--rows` fresh rows each per 
 same entries through an in-process emulated pair (both ranks in this process, each on its own thread; on a CPU host
 they share one interpreter lock, so this is slower than the deployed pair's two processes) and reads rank 0's own
 engine time per step from the deployment: the service's overhead is the TCP round trip minus that. Every party
-stamps each step (`dspark_ray/stamps.py`); the JSON's "timeline" gives each hop of the round trip.
+stamps each step (`dspark_ray/observe/stamps.py`); the JSON's "timeline" gives each hop of the round trip.
 Prints one JSON object (p50 / p99 / min in ms, config, device, commit).
 
     python bench/step_latency.py [--rounds 60] [--out FILE]
@@ -28,12 +28,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      # support.workload
 
 from bench import report                                     # noqa: E402
 from dspark_ray.cli import cpu_list                          # noqa: E402
-from dspark_ray.graphs import step_graphs_enabled              # noqa: E402
-from dspark_ray.keep_warm import keep_warm_enabled, keep_warm_period_us   # noqa: E402
+from dspark_ray.rank.graphs import step_graphs_enabled              # noqa: E402
+from dspark_ray.observe.keep_warm import keep_warm_enabled, keep_warm_period_us   # noqa: E402
 
 
 
@@ -89,18 +88,18 @@ def main() -> None:
 
     import msgspec
 
-    from support import workload
-    from support.at_rest import spares_pending, wait_for_spares
-    from support.batches import Batcher, entry
+    from dspark_ray.testing import workload
+    from dspark_ray.testing.at_rest import spares_pending, wait_for_spares
+    from dspark_ray.testing.batches import Batcher, entry
     from dspark_ray.actors.placement import deploy, teardown
     from dspark_ray.spec import PairSpec
     from dspark_ray.cli import resolve_checkpoint
     from dspark_ray.client import DrafterClient
-    from dspark_ray.contract import Code
-    from dspark_ray.engine import RankEngine
-    from dspark_ray.modes import make_emulated, run_pair
+    from dspark_ray.protocol.contract import Code
+    from dspark_ray.rank.engine import RankEngine
+    from dspark_ray.rank.modes import make_emulated, run_pair
     from dspark_ray.scheduling import thread_deltas
-    from dspark_ray.stamps import CPU_HOPS, HOPS, RANK_PHASES, join_round_trips, now
+    from dspark_ray.observe.stamps import CPU_HOPS, HOPS, RANK_PHASES, join_round_trips, now
     from dspark_ray.weights.loader import Checkpoint
 
     torch.set_num_threads(1)

@@ -30,8 +30,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench import report                            # noqa: E402
-from dspark_ray import contract as C                 # noqa: E402
-from dspark_ray import wire                         # noqa: E402
+from dspark_ray.protocol import contract as C                 # noqa: E402
+from dspark_ray.protocol import wire                         # noqa: E402
 
 CLAIM = (64 << 20) - wire.HEADER_SIZE               # a payload length that makes a 64 MiB frame
 MIB = 1 << 20
@@ -195,7 +195,7 @@ def main() -> None:
     tokens = "token" in inspect.signature(deploy).parameters          # a tree after issue 63
     token = None
     if tokens:
-        from dspark_ray.access_token import new_token
+        from dspark_ray.protocol.access_token import new_token
         token = new_token()
     ray.init(num_cpus=2, include_dashboard=False, namespace="dspark", log_to_driver=False,
              logging_level=logging.WARNING)

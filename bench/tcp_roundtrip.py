@@ -19,7 +19,7 @@ alternating the two, each in a fresh server process:
 
     python bench/tcp_roundtrip.py --service --shm --rows 3 --iters 2000 --repeats 3
 
-`--service --metrics` asks what the front-end's metrics exporter (dspark_ray/metrics.py) costs the step path: every
+`--service --metrics` asks what the front-end's metrics exporter (dspark_ray/observe/metrics.py) costs the step path: every
 server process joins one local Ray (as the front-end actor's process is a Ray worker), and each repeat runs one server
 with the exporter exporting every second through Ray's metrics agent and one without, alternating which goes first:
 
@@ -41,11 +41,10 @@ import timeit
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))      # support.instant_pair
 
 from bench import report                            # noqa: E402
-from dspark_ray import contract as C                 # noqa: E402
-from dspark_ray import wire                         # noqa: E402
+from dspark_ray.protocol import contract as C                 # noqa: E402
+from dspark_ray.protocol import wire                         # noqa: E402
 from dspark_ray.client import DrafterClient         # noqa: E402
 from dspark_ray.config import tiny                  # noqa: E402
 
@@ -165,12 +164,12 @@ def bench_raw(req_bytes: int, rep_bytes: int, iters: int, warmup: int, cpu) -> d
 
 def _serve_service(conn, spin_us: float, ray_address: str | None = None, metrics: bool = False) -> None:
     """`ray_address`: join that Ray cluster first (a driver: a core worker in this process, as in an actor's);
-    `metrics`: and run the front-end's metrics exporter (dspark_ray/metrics.py) beside the service."""
+    `metrics`: and run the front-end's metrics exporter (dspark_ray/observe/metrics.py) beside the service."""
     from dspark_ray.config import full
-    from dspark_ray.recorders import ServerRecorder, ServiceRecorder
-    from dspark_ray.step_service import Identity, StepService
+    from dspark_ray.observe.recorders import ServerRecorder, ServiceRecorder
+    from dspark_ray.frontend.step_service import Identity, StepService
     from dspark_ray.transport.tcp import TcpServer
-    from support.instant_pair import InstantPair
+    from dspark_ray.testing.instant_pair import InstantPair
     if ray_address is not None:
         import logging
 
@@ -185,7 +184,7 @@ def _serve_service(conn, spin_us: float, ray_address: str | None = None, metrics
                     observer=stamped["tcp"]).start()
     exporter = None
     if metrics:
-        from dspark_ray.metrics import Exporter
+        from dspark_ray.observe.metrics import Exporter
         exporter = Exporter("bench", svc, None, srv).start()
     conn.send(srv.port)
     conn.recv()
@@ -236,7 +235,7 @@ def bench_service(rows: int, iters: int, warmup: int, spin_us: float, shm: bool 
     p.join(10)
     return {"round_trip": _stats(times), "server_hops": hops,
             "config": {"preset": "full", "rows": rows, "taps_bytes": taps.nbytes, "spin_us": spin_us,
-                       "iters": iters, "pair": "instant (tests/support/instant_pair.py)",
+                       "iters": iters, "pair": "instant (dspark_ray/testing/instant_pair.py)",
                        "transport": "shm" if shm else "tcp", "gap_us": gap_us,
                        "server": "no Ray" if ray_address is None else
                        f"in a Ray driver, metrics exporter {'on' if metrics else 'off'}", "exporter": exports}}

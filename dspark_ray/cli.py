@@ -65,8 +65,8 @@ def connect_ray(address: str | None, detach: bool, start: bool = True) -> str:
     holds one (cluster_join.py); else, with `start`, start one (`ray start --head` with --detach, token
     authentication on). ConnectionError saying why it cannot join (several clusters here, none, Ray's token)."""
     import ray
-    from .cluster_join import cluster_address, token_for_new_cluster, use_ray_token
-    from .endpoints import Directory
+    from .client.cluster_join import cluster_address, token_for_new_cluster, use_ray_token
+    from .client.endpoints import Directory
     kw = dict(namespace="dspark", log_to_driver=False, logging_level=logging.WARNING)
     found = cluster_address(address)
     if found is not None:
@@ -237,7 +237,7 @@ def kept_token_path(name: str) -> Path:
 def check_token_flags(a) -> None:
     """ValueError, saying how to make a token, for `serve`'s token flags that cannot serve: checked before anything
     starts."""
-    from .access_token import MAKE_ONE
+    from .protocol.access_token import MAKE_ONE
     if a.insecure and a.token_file:
         raise ValueError("--insecure and --token-file: one or the other")
     if not (a.insecure or a.token_file or is_loopback(a.host)):
@@ -250,7 +250,7 @@ def deployment_token(a) -> tuple[str | None, dict]:
     """(the token every HELLO must carry, where an operator finds it) for `serve`'s flags (check_token_flags); a
     token made here is kept for the next `serve` of the same name, so engines keep theirs. ValueError: a bad file."""
     import socket
-    from .access_token import new_token, read_token_file, readable_by_others, write_token_file
+    from .protocol.access_token import new_token, read_token_file, readable_by_others, write_token_file
     host = socket.gethostname()
     if a.insecure:
         return None, {"token": False, "insecure": True}
@@ -320,7 +320,7 @@ def cmd_serve(a, *, then=None) -> int:
 
 def _serve(a, spec, backend: str, device: str, then, token: str | None, auth: dict) -> int:
     from .actors.placement import deploy_workers
-    from .endpoints import worker_names
+    from .client.endpoints import worker_names
     t0 = time.monotonic()
     progress = LoadProgress(a.tp * a.pairs)
     try:
@@ -488,7 +488,7 @@ def _matmul(m: dict | None) -> str:
 def _auth_of(name: str) -> dict | None:
     """The deployment record's account of its token (placement.deploy_workers), from the joined cluster."""
     import ray
-    from .endpoints import Directory
+    from .client.endpoints import Directory
     try:
         return (Directory(ray.get_runtime_context().gcs_address).deployment(name) or {}).get("auth")
     except ConnectionError:
@@ -498,7 +498,7 @@ def _auth_of(name: str) -> dict | None:
 def cmd_endpoints(a) -> int:
     """The deployment's STEP endpoints from the endpoint table (only the GCS is asked, no Ray driver); where its
     token is, on stderr."""
-    from .endpoints import Directory
+    from .client.endpoints import Directory
     try:
         directory = Directory(a.address)
         eps = directory.endpoints(a.name)
@@ -513,8 +513,8 @@ def cmd_endpoints(a) -> int:
 
 def cmd_token(a) -> int:
     """`--new PATH`: a new token file (0600). Else the deployment's token, read from the cluster's GCS."""
-    from .access_token import new_token, write_token_file
-    from .endpoints import Directory
+    from .protocol.access_token import new_token, write_token_file
+    from .client.endpoints import Directory
     if a.new:
         write_token_file(a.new, new_token())
         print(f"a new token in {a.new} (0600): serve with --token-file {a.new}; engines send its contents")
@@ -554,9 +554,9 @@ def cmd_stop(a) -> int:
 
 
 def cmd_step(a) -> int:
-    from .access_token import read_token_file
-    from .client import ClientError
-    from .demo import run
+    from .protocol.access_token import read_token_file
+    from .client.drafter_client import ClientError
+    from .client.demo import run
     try:
         token = read_token_file(a.token_file) if a.token_file else None
     except ValueError as e:
@@ -571,7 +571,7 @@ def cmd_step(a) -> int:
 
 
 def cmd_demo(a) -> int:
-    from .demo import run
+    from .client.demo import run
     return cmd_serve(a, then=lambda ep, token: (run(ep, rounds=a.rounds, requests=a.requests, token=token), 0)[1])
 
 
@@ -603,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["synth"]:
-        from .weights.synth import synth_main
+        from .weights.synth_command import synth_main
         return synth_main(argv[1:])
     a = parser().parse_args(argv)
     return a.fn(a)
@@ -710,7 +710,7 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--name", default="dspark")
     sp.add_argument("--new", metavar="PATH", help="write a new token to PATH (0600) and print nothing of it")
     sp.set_defaults(fn=cmd_token)
-    # synth's own parser is weights/synth.py's (it imports torch): main() hands it its arguments first.
+    # synth's own parser is weights/synth_command.py's (it imports torch): main() hands it its arguments first.
     sub.add_parser("synth", help="write a deterministic synthetic checkpoint (dspark-ray synth --help)")
     sp = sub.add_parser("layout", help="what each rank holds, from the layout table")
     sp.add_argument("--preset", choices=["tiny", "full"], default="full")

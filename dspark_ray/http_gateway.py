@@ -32,11 +32,11 @@ import time
 import msgspec
 import numpy as np
 
-from .access_token import token_refusal
-from .client import ClientError
-from .contract import Code, Step, make_entry, validate_step
-from .pool import DrafterPool
-from .wire import DEFAULT_MAX_FRAME_BYTES
+from .protocol.access_token import token_refusal
+from .client.drafter_client import ClientError
+from .protocol.contract import Code, Step, make_entry, validate_step
+from .client.pool import DrafterPool
+from .protocol.wire import DEFAULT_MAX_FRAME_BYTES
 
 ROUTE = "/dspark"
 SESSION_TTL_S = 300.0

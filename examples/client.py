@@ -12,9 +12,8 @@ import argparse
 
 import numpy as np
 
-from dspark_ray.access_token import read_token_file
-from dspark_ray.client import DrafterClient
-from dspark_ray.contract import Code
+from dspark_ray.protocol.access_token import read_token_file
+from dspark_ray.client import Code, DrafterClient
 
 ap = argparse.ArgumentParser(description="one request drafting five rounds against a STEP endpoint")
 ap.add_argument("endpoint", help="HOST:PORT, as `dspark-ray serve` printed it")

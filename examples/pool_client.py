@@ -10,9 +10,9 @@ import argparse
 
 import numpy as np
 
-from dspark_ray.access_token import read_token_file
-from dspark_ray.contract import Code, make_entry
-from dspark_ray.pool import DrafterPool
+from dspark_ray.protocol.access_token import read_token_file
+from dspark_ray.protocol.contract import Code, make_entry
+from dspark_ray.client import DrafterPool
 
 ap = argparse.ArgumentParser(description="four requests drafting five rounds over several STEP endpoints")
 ap.add_argument("endpoints", help="HOST:PORT,HOST:PORT,..., as `dspark-ray serve --pairs N` printed them")

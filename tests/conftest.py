@@ -25,8 +25,8 @@ os.environ.setdefault("DSPARK_KEEP_WARM_HOLD_US", "0")      # from the step's en
 # which land raw in the suite's summary off a terminal; 0 keeps them plain (read by this process's Ray at each print).
 os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
-from dspark_ray import records as M  # noqa: E402
-from dspark_ray.contract import Code  # noqa: E402
+from dspark_ray.protocol import records as M  # noqa: E402
+from dspark_ray.protocol.contract import Code  # noqa: E402
 
 
 # ---- what the session leaves behind --------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ os.environ.setdefault("RAY_TMPDIR", SESSION_TMP)
 # Ray 2.60 starts every ray.init() cluster with token authentication and, finding no token, writes one to
 # ~/.ray/auth_token, where every later `ray start --head` of this user finds it. The session's token is its own.
 if "RAY_AUTH_TOKEN" not in os.environ and "RAY_AUTH_TOKEN_PATH" not in os.environ:
-    from dspark_ray.access_token import new_token, write_token_file  # noqa: E402
+    from dspark_ray.protocol.access_token import new_token, write_token_file  # noqa: E402
     os.environ["RAY_AUTH_TOKEN_PATH"] = str(write_token_file(os.path.join(SESSION_TMP, "ray-auth-token"),
                                                              new_token()))
 
@@ -186,7 +186,7 @@ def flip_stored_byte(file, name: str, offset: int) -> None:
 
 # ---- STEPs against the in-process reference (the deployment and pool tests) -------------------------------------
 class EnginePair:
-    """A worker's pair in this process (frontend.Pair): the rank loop's decode, step and encode (rank_worker.py)
+    """A worker's pair in this process (frontend.Pair): the rank loop's decode, step and encode (rank/worker.py)
     around one engine; `delay_s` stands for a slow step."""
 
     def __init__(self, engine, delay_s: float = 0.0):
@@ -205,7 +205,7 @@ def to_entry(e, slot, gen, **over):
 
 def step_as_reference(c, ref, grants, batch) -> None:
     """One STEP of `batch` (request i on grants[i]) over the wire: every answer OK and the in-process reference's
-    (a `support.batches.Driver`) bit for bit."""
+    (a `dspark_ray.testing.batches.Driver`) bit for bit."""
     want = ref.step(batch)
     got = c.step([to_entry(e, grants[i].slot, grants[i].generation) for i, e in enumerate(batch)], deadline_ms=60_000)
     for w, g in zip(want, got):

@@ -10,9 +10,9 @@ import stat
 
 import pytest
 
-from dspark_ray import access_token
-from dspark_ray import contract as C
-from dspark_ray import wire
+from dspark_ray.protocol import access_token
+from dspark_ray.protocol import contract as C
+from dspark_ray.protocol import wire
 from dspark_ray.client import ClientError, DrafterClient
 from dspark_ray.transport.ring import StepRing
 from dspark_ray.transport.tcp import TcpServer

@@ -18,12 +18,12 @@ import time
 
 import numpy as np
 
-from dspark_ray import contract as C
-from dspark_ray import wire
-from dspark_ray.engine import RankEngine
-from dspark_ray.step_service import Identity, StepService
-from dspark_ray.slot_cursor import SlotCursor
-from dspark_ray.modes import make_drafter
+from dspark_ray.protocol import contract as C
+from dspark_ray.protocol import wire
+from dspark_ray.rank.engine import RankEngine
+from dspark_ray.frontend.step_service import Identity, StepService
+from dspark_ray.protocol.slot_cursor import SlotCursor
+from dspark_ray.rank.modes import make_drafter
 
 from conftest import EnginePair
 

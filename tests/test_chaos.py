@@ -10,10 +10,10 @@ import time
 
 from dspark_ray.actors.placement import teardown
 from dspark_ray.client import DrafterClient
-from dspark_ray.contract import Code
-from dspark_ray.engine import RankEngine
-from support.batches import Driver
-from dspark_ray.modes import make_drafter
+from dspark_ray.protocol.contract import Code
+from dspark_ray.rank.engine import RankEngine
+from dspark_ray.testing.batches import Driver
+from dspark_ray.rank.modes import make_drafter
 
 from conftest import deploy_pair
 from test_supervision import Request

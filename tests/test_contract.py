@@ -11,8 +11,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from dspark_ray import contract as C
-from dspark_ray import wire
+from dspark_ray.protocol import contract as C
+from dspark_ray.protocol import wire
 
 LIMITS = C.Limits(vocab_size=4096, hidden_size=256, n_taps=3, slot_capacity=8, sliding_window=8,
                   max_frame_bytes=1 << 20)
@@ -149,7 +149,7 @@ def test_validate_entry_names_the_slot_field_value_and_rule(change, reason):
 
 def test_the_finite_scan_refuses_exactly_the_fp16_infs_and_nans_of_every_bit_pattern():
     """first_nonfinite_row against np.isfinite on all 65536 fp16 values, each alone in a row between finite rows."""
-    from dspark_ray.finite import first_nonfinite_row
+    from dspark_ray.protocol.finite import first_nonfinite_row
     every = np.arange(1 << 16, dtype=np.uint16).view(np.float16)
     rows = np.zeros((every.size, 3, 2), np.float16)
     rows[:, 1, 1] = every
@@ -468,7 +468,7 @@ def test_the_doc_header_table_is_the_wire_header():
 
 def test_the_doc_quotes_the_codes_reasons():
     """The refusals the doc shows as examples are the code's, word for word."""
-    from dspark_ray.step_service import Identity, StepService
+    from dspark_ray.frontend.step_service import Identity, StepService
     text = DOC.read_text()
     lim16 = msgspec.structs.replace(LIMITS, slot_capacity=16)
     assert C.validate_acquire(C.Acquire(n=17), lim16) in text.replace("\n  ", " ")

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
-from support import workload
+from dspark_ray.testing import workload
 from dspark_ray.actors.placement import teardown
 from dspark_ray.scheduling import pin_thread, thread_deltas, thread_niceness, threads_named
 from dspark_ray.client import ClientError, DrafterClient
-from dspark_ray.contract import Code, make_entry
-from dspark_ray.engine import RankEngine
-from support.batches import Driver, entry
+from dspark_ray.protocol.contract import Code, make_entry
+from dspark_ray.rank.engine import RankEngine
+from dspark_ray.testing.batches import Driver, entry
 from dspark_ray.model.layout import Layout
-from dspark_ray.modes import make_drafter
+from dspark_ray.rank.modes import make_drafter
 from dspark_ray import settings
 
 from conftest import PAIR_BACKEND, deploy_pair, step_as_reference, to_entry
@@ -461,7 +461,7 @@ def test_prometheus_counters_move_during_a_run_without_a_status_call(pair, cfg, 
 def test_every_party_stamps_a_step_and_the_hops_join_in_path_order(pair, cfg, ray_cluster):
     """The timeline of bench/step_latency.py: each round trip's stamps (client, TCP thread, service, ring, both
     ranks) join by frame arrival time and ring seq, and follow the path's order."""
-    from dspark_ray.stamps import HOPS, join_round_trips, now
+    from dspark_ray.observe.stamps import HOPS, join_round_trips, now
     g = torch.Generator().manual_seed(3)
     sent = []
     with client(pair) as c:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support import workload
+from dspark_ray.testing import workload
 from dspark_ray.actors.placement import deploy_workers, find_workers, teardown
 from dspark_ray.spec import PairSpec
-from dspark_ray.contract import Code
-from dspark_ray.engine import RankEngine
-from support.batches import Driver
-from dspark_ray.modes import make_drafter
-from dspark_ray.pool import DrafterPool
+from dspark_ray.protocol.contract import Code
+from dspark_ray.rank.engine import RankEngine
+from dspark_ray.testing.batches import Driver
+from dspark_ray.rank.modes import make_drafter
+from dspark_ray.client.pool import DrafterPool
 
 from conftest import PAIR_BACKEND, step_as_reference, to_entry
 

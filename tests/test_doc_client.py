@@ -1,7 +1,7 @@
 """A client written from docs/contract.md alone, against the real front-end (`StepService` before an in-process
 engine, run as a rank runs it) over TCP: its frames are packed by hand (`struct`), its payloads are plain maps
 through a generic MessagePack codec, and it imports nothing of dspark_ray's client side. Each step below is one rule
-of the doc (the section in the comment); the drafts it gets are those of the project's own client (client.py) on a
+of the doc (the section in the comment); the drafts it gets are those of the project's own client (client/drafter_client.py) on a
 twin worker, bit for bit."""
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from dspark_ray import contract as C
+from dspark_ray.protocol import contract as C
 from dspark_ray.client import DrafterClient
-from dspark_ray.engine import RankEngine
-from dspark_ray.step_service import Identity, StepService
-from dspark_ray.modes import make_drafter
+from dspark_ray.rank.engine import RankEngine
+from dspark_ray.frontend.step_service import Identity, StepService
+from dspark_ray.rank.modes import make_drafter
 from dspark_ray.transport.tcp import TcpServer
 
 from conftest import EnginePair

@@ -5,15 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from support import workload
-from support.batches import Driver
-from dspark_ray.contract import Code
-from dspark_ray.engine import RankEngine
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import Driver
+from dspark_ray.protocol.contract import Code
+from dspark_ray.rank.engine import RankEngine
 from dspark_ray.model import attention, heads, mhc, moe, ops
 from dspark_ray.model.drafter import Drafter
 from dspark_ray.model.heads import confident_prefix
 from dspark_ray.model.moe import Router
-from dspark_ray.modes import make_drafter
+from dspark_ray.rank.modes import make_drafter
 
 G = torch.Generator
 
@@ -127,7 +127,7 @@ def plant_boundary_tie(cfg, full_weights, d_ref: Drafter, lo=100, hi=None):
 
 
 def test_argmax_tie_across_the_rank_boundary_goes_to_rank_0(cfg, full_weights, tp1):
-    from dspark_ray.modes import make_emulated, run_pair
+    from dspark_ray.rank.modes import make_emulated, run_pair
     w, lo, hi = plant_boundary_tie(cfg, full_weights, tp1)
     assert hi == 2148
     ref = make_drafter(cfg, "tp1", full=w)
@@ -252,7 +252,7 @@ def test_rollback_drops_rows(tp1, cfg):
 def test_graph_set_gathers_the_windows_of_drafter_window_inputs_across_the_ring_wrap(tp1, cfg):
     """The graph engine's window gather (slot pool, ring rows staged by the host) == `Drafter.window_inputs`, for
     partial windows, an exact fill and the wrap at every offset."""
-    from dspark_ray.graphs import GraphSet
+    from dspark_ray.rank.graphs import GraphSet
     gs = GraphSet(tp1, n_slots=3, n_outs=(1,), insert_buckets=(8,))
     gs.pool.copy_(torch.randn(gs.pool.shape, generator=G().manual_seed(0)).half())
     a, b = gs.slots[0], gs.slots[2]
@@ -261,7 +261,7 @@ def test_graph_set_gathers_the_windows_of_drafter_window_inputs_across_the_ring_
     W = cfg.sliding_window
     for pos in [3, W, W + 1, gs.capacity - 1, gs.capacity, gs.capacity + 1, 2 * gs.capacity + 5, 1000]:
         a.position = pos
-        gs._stage_draft([a, b], [1, 2])
+        gs.stage_draft([a, b], [1, 2])
         gs.inp.upload(gs.inp.off["taps"][0])
         got, got_valid = gs.fns.windows(2)
         want, want_valid = tp1.window_inputs([a, b])

@@ -11,12 +11,12 @@ import threading
 import pytest
 import torch
 
-from support import workload
-from support.batches import placed
-from dspark_ray.graphs import GraphSet
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import placed
+from dspark_ray.rank.graphs import GraphSet
 from dspark_ray.model import ops
 from dspark_ray.model.drafter import Drafter
-from dspark_ray.modes import make_drafter
+from dspark_ray.rank.modes import make_drafter
 
 
 def _counting(name: str, calls: list) -> ops.Kernels:

@@ -1,5 +1,5 @@
 """The exllamav3 adapter against a real tiny deployment (Ray, one rank, STEP over TCP), driven by the calls
-exllamav3's generator makes (support/generator_calls.py: its jobs, pages, prefix cache and call order on plain
+exllamav3's generator makes (dspark_ray/testing/generator_calls.py: its jobs, pages, prefix cache and call order on plain
 tensors; no exllamav3 on the CPU). Every draft it returns as OK equals what the in-process reference drafts for the
 same context and seed; no schedule and no failure makes it raise into the generator."""
 from __future__ import annotations
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from dspark_ray.actors.placement import teardown
-from dspark_ray.contract import Code
-from dspark_ray.engine import RankEngine
+from dspark_ray.protocol.contract import Code
+from dspark_ray.rank.engine import RankEngine
 from dspark_ray.engines.exllamav3 import RemoteDrafter
-from dspark_ray.modes import make_drafter
-from support.batches import Driver, entry
-from support.generator_calls import GeneratorCalls
+from dspark_ray.rank.modes import make_drafter
+from dspark_ray.testing.batches import Driver, entry
+from dspark_ray.testing.generator_calls import GeneratorCalls
 
 from conftest import deploy_pair
 

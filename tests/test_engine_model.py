@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from dspark_ray.config import load_config
-from dspark_ray.engine import RankEngine
-from dspark_ray.modes import make_drafter
+from dspark_ray.rank.engine import RankEngine
+from dspark_ray.rank.modes import make_drafter
 from dspark_ray.weights.engine_model import (MARKOV_GAIN, drafter_successor, successor, trunk_specs,
                                              write_engine_model)
 from dspark_ray.weights.loader import Checkpoint
 from dspark_ray.weights.manifest import scan_safetensors
-from support.batches import Driver, entry
+from dspark_ray.testing.batches import Driver, entry
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_the_trunks_bigram_has_wide_margins_and_the_drafter_follows_it_but_where
 
 
 def test_synth_writes_it_from_the_command_line(tmp_path, capsys):
-    from dspark_ray.weights.synth import synth_main
+    from dspark_ray.weights.synth_command import synth_main
     assert synth_main(["--preset", "tiny", "--with-trunk", "--out", str(tmp_path / "m"), "--disagree", "0.5"]) == 0
     assert "trunk and drafter" in capsys.readouterr().out
     assert json.loads((tmp_path / "m" / "config.json").read_text())["dspark_engine_model"]["disagree"] == 0.5

@@ -20,19 +20,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from support import parity, workload
+from dspark_ray.testing import parity, workload
 from dspark_ray.actors.placement import teardown
 from dspark_ray.client import DrafterClient
 from dspark_ray.config import tiny
-from dspark_ray.engine import RankEngine
-from support.batches import Driver
+from dspark_ray.rank.engine import RankEngine
+from dspark_ray.testing.batches import Driver
 from dspark_ray.model.layout import Layout
-from dspark_ray.modes import make_drafter, make_emulated, read_rank, run_pair
+from dspark_ray.rank.modes import make_drafter, make_emulated, read_rank, run_pair
 from dspark_ray.weights import exl3
 from dspark_ray.weights.loader import Checkpoint, CheckpointError, canonical_name
 from dspark_ray.weights.manifest import MANIFEST_NAME, ManifestError, read_manifest, scan_safetensors
 from dspark_ray.weights.mix import MixError, parse_mix
-from dspark_ray.weights.synth import save_tensors, synth_main, synthesize
+from dspark_ray.weights.synth import save_tensors, synthesize
+from dspark_ray.weights.synth_command import synth_main
 
 from conftest import deploy_pair, step_as_reference, flip_stored_byte
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import assert_set_drafts_like_eager
 
-from support import workload
-from support.batches import placed
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import placed
 from dspark_ray.kernels import exl3_gemm
 from dspark_ray.model.layout import Layout
-from dspark_ray.modes import make_drafter, read_rank
+from dspark_ray.rank.modes import make_drafter, read_rank
 
 pytestmark = pytest.mark.gpu
 
@@ -182,7 +182,7 @@ def test_fused_experts_agree_with_the_decoded_experts_and_repeat_their_bits(exl3
 
 def test_drafter_on_the_kernels_matches_the_decoded_one_and_its_graphs(exl3_ckpt):
     exl3_gemm = _need_exl3()
-    from dspark_ray.graphs import GraphSet
+    from dspark_ray.rank.graphs import GraphSet
     from dspark_ray.kernels.gemm import kernels_for
     ck, cfg = exl3_ckpt, exl3_ckpt.config
     d = make_drafter(cfg, "tp1", ckpt=ck, device="cuda", kernels=kernels_for("fast"))

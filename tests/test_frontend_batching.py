@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from dspark_ray import contract as C
-from dspark_ray.records import RingBatch
-from dspark_ray.step_service import Identity, PairLate, StepService
+from dspark_ray.protocol import contract as C
+from dspark_ray.protocol.records import RingBatch
+from dspark_ray.frontend.step_service import Identity, PairLate, StepService
 
 WINDOW = 8
 
@@ -132,11 +132,11 @@ def test_a_batch_stuck_on_the_pair_answers_deadline_on_time_and_resyncs_its_slot
     assert ra.code == C.Code.DEADLINE and "resynced" in ra.reason and ra.generation == gen_a + 1, ra
     assert rb.code == C.Code.DEADLINE and "before the entry could run" in rb.reason and rb.generation == gen_b, rb
     assert ms_a < 150 and ms_b < 150, (ms_a, ms_b)
-    assert svc._running and all(b not in slots_ for _, slots_ in pair.batches)     # the pair is still held
+    assert svc.batcher.running and all(b not in slots_ for _, slots_ in pair.batches)     # the pair is still held
     assert _step(svc, sid, b, deadline_ms=50.0).code == C.Code.DEADLINE            # ... and refuses nothing else
     pair.gate.set()
     t0 = time.monotonic()
-    while svc._running and time.monotonic() - t0 < 5:
+    while svc.batcher.running and time.monotonic() - t0 < 5:
         time.sleep(0.001)
     assert _step(svc, sid, a).code == C.Code.OK               # the new generation, a fresh first insert
     assert a in pair.resets[-1] and pair.batches[-1][1] == [a]     # its reset rides the batch after the late one

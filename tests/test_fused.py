@@ -241,7 +241,7 @@ def _kernel_checks(dev: str, use) -> dict:
                      rope.inv_freq, rd), s2[i:i + 1]) for i in range(n2))
     # The Markov head loop on two vocabulary shards: a tie planted across the shard boundary (ids 250 and 300 the
     # largest logits, equal), a NaN logit (id 10), margins and kept logits.
-    from dspark_ray.comm.local import LocalCollectives
+    from dspark_ray.model.collectives import LocalCollectives
     from dspark_ray.model.heads import DraftHead, VocabShard
     V, r, hd_ = 512, 32, 64
     head_w, w2 = rn(V, hd_, s=hd_ ** -0.5).half(), rn(V, r, s=r ** -0.5).half()
@@ -359,7 +359,7 @@ def drafter_checks(ckpt_dir: str, dev: str) -> dict:
     drafters of one checkpoint, one on each kernel set, drafting over the same slots (filled on the exact path)."""
     from dspark_ray.config import load_config
     from dspark_ray.kernels.gemm import kernels_for
-    from dspark_ray.modes import make_drafter
+    from dspark_ray.rank.modes import make_drafter
     from dspark_ray.weights.loader import Checkpoint
     cfg = load_config(ckpt_dir)
     d = make_drafter(cfg, "tp1", ckpt=Checkpoint(ckpt_dir), device=dev)

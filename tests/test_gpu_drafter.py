@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from support import parity, workload
-from dspark_ray.modes import make_drafter, make_emulated, run_pair
+from dspark_ray.testing import parity, workload
+from dspark_ray.rank.modes import make_drafter, make_emulated, run_pair
 
 pytestmark = pytest.mark.gpu
 

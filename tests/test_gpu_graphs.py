@@ -7,9 +7,10 @@ import os
 import pytest
 import torch
 
-from support import workload
-from support.batches import placed
-from dspark_ray.modes import make_drafter
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import placed
+from dspark_ray.observe.keep_warm import rehearse_launch
+from dspark_ray.rank.modes import make_drafter
 from dspark_ray import settings
 
 pytestmark = pytest.mark.gpu
@@ -70,7 +71,7 @@ def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt, kernels):
     """Every graph equals the eager step; every batch bucket gives each request its one-request answer; drafts
     for n_out = k are the first k of n_out = B; inserts through the pool (any row count, chunked past 128, pad rows
     to the scratch slot) write the eager rows."""
-    from dspark_ray.graphs import GraphSet
+    from dspark_ray.rank.graphs import GraphSet
     d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda", kernels=kernels)
     gs = GraphSet(d, n_slots=8)
     gs.capture()
@@ -123,7 +124,7 @@ def test_every_graph_of_the_set_replays_the_eager_bits(cfg, ckpt, kernels):
 def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, kernels, monkeypatch):
     """Every step graph (the insert block by block beside the draft, each part joined by its block's attention)
     writes the eager insert's rows and drafts the eager bits, over rounds that wrap the slots' rings."""
-    from dspark_ray.graphs import GraphSet
+    from dspark_ray.rank.graphs import GraphSet
     monkeypatch.delenv("DSPARK_STEP_GRAPHS", raising=False)
     settings.reread()
     d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda", kernels=kernels)
@@ -146,7 +147,7 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, kernels,
             d.insert(eager[r], pos, taps)
         seeds = [int(x) for x in torch.randint(0, cfg.vocab_size, (bsz,), generator=g)]
         launches += not gs.inp.in_use                # (the inserts-only runs above leave their upload in flight)
-        gs.rehearse_launch()                         # keep_warm's launch between steps changes no bit
+        rehearse_launch(gs)                          # keep_warm's launch between steps changes no bit
         got = gs.run(placed(inserts), gs.slots[:bsz], seeds, n_out, margins)
         want = d.draft(eager[:bsz], seeds, n_out, margins)
         for k in ("drafts", "confidences", "confident_len") + (("margins",) if margins else ()):
@@ -158,7 +159,7 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, kernels,
     assert launches >= len(gs.step_graphs) - 1
     assert int(gs._noop_buf) == 1 + launches       # its warm-up, then one launch before each step with none in flight
     gs.inp.in_use = True                           # as while a step is in flight: no launch
-    gs.rehearse_launch()
+    rehearse_launch(gs)
     torch.cuda.synchronize()
     assert int(gs._noop_buf) == 1 + launches
     gs.inp.in_use = False
@@ -167,7 +168,7 @@ def test_every_step_graph_replays_the_eager_insert_and_draft(cfg, ckpt, kernels,
 def test_wide_buckets_replay_the_eager_bits_for_every_width(cfg, ckpt, kernels):
     """5-16 requests replay a wide bucket's graph (6, 8, 12, 16), padded with copies of the first request and drafted
     at n_out = B: for every width, the eager batch's bits and each request's one-request answer, bit for bit."""
-    from dspark_ray.graphs import GraphSet
+    from dspark_ray.rank.graphs import GraphSet
     d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda", kernels=kernels)
     gs = GraphSet(d, n_slots=16)
     gs.capture()

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from support import workload
-from support.batches import Driver, entry
-from dspark_ray import records as M
-from dspark_ray.contract import make_entry
-from dspark_ray.engine import RankEngine
-from dspark_ray.graphs import GraphSet, HostDraft
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import Driver, entry
+from dspark_ray.protocol import records as M
+from dspark_ray.protocol.contract import make_entry
+from dspark_ray.rank.engine import RankEngine
+from dspark_ray.rank.graphs import GraphSet, HostDraft
 from dspark_ray.model.heads import confident_prefix
-from dspark_ray.modes import make_drafter
+from dspark_ray.rank.modes import make_drafter
 from dspark_ray import settings
 
 N_SLOTS = 6
@@ -268,14 +268,14 @@ def test_the_staged_pool_rows_are_the_ring_rows_of_every_position(cfg, ckpt):
     for p0 in list(range(0, 2 * cap + 3)) + [900_001]:
         for base in {-1, max(0, p0 - 5), 0}:                     # fresh, partial window, (full for p0 >= W)
             slot.base, slot.position = base, p0
-            gs._stage_draft([gs.slots[0], slot], [3, 7])
+            gs.stage_draft([gs.slots[0], slot], [3, 7])
             win = h["win_rows"][:NB * 2 * W].reshape(NB, 2, W)[:, 1]
             assert np.array_equal(win, row0[:, None] + (p0 + np.arange(-W, 0)) % cap)
             held = 0 if base < 0 else min(W, p0 - base)
             assert np.array_equal(h["valid"][W:2 * W], np.arange(W) >= W - held)
             assert (h["seeds"][1], h["p0"][1]) == (7, p0)
         n = 1 + p0 % 11
-        rows, bucket = gs._stage_insert([(slot, p0, np.ones((n, gs.inp.width), np.float16))])
+        rows, bucket = gs.stage_insert([(slot, p0, np.ones((n, gs.inp.width), np.float16))])
         assert (rows, bucket) == (n, min(b for b in gs.insert_buckets if b >= n))
         assert np.array_equal(h["ins_pos"][:bucket], np.r_[p0 + np.arange(n), np.zeros(bucket - n)])
         dst = h["ins_rows"].reshape(NB, gs.T)[:, :bucket]

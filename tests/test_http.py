@@ -19,11 +19,11 @@ import urllib.request
 import numpy as np
 import pytest
 
-from dspark_ray import access_token
-from dspark_ray import contract as C
-from dspark_ray import wire
+from dspark_ray.protocol import access_token
+from dspark_ray.protocol import contract as C
+from dspark_ray.protocol import wire
 from dspark_ray import http_gateway as http
-from dspark_ray.wire import DEFAULT_MAX_FRAME_BYTES
+from dspark_ray.protocol.wire import DEFAULT_MAX_FRAME_BYTES
 
 STALL_S = 1.0
 BODY_TIMEOUT_S = 4.0

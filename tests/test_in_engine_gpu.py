@@ -23,7 +23,7 @@ pytestmark = pytest.mark.gpu
 
 exllamav3 = pytest.importorskip("exllamav3") if torch.cuda.is_available() else None
 
-from support import in_engine as E  # noqa: E402
+from dspark_ray.testing import in_engine as E  # noqa: E402
 
 MAX_NEW = 64
 DEADLINE_MS = 50.0

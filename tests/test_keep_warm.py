@@ -10,15 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from support import workload
-from support.batches import Driver
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import Driver
 from dspark_ray.transport.ring import RingTimeout, StepRing
-from dspark_ray.engine import RankEngine
-from dspark_ray.keep_warm import KeepWarm, launch_rehearsal_period_us
-from dspark_ray.modes import make_drafter
-from dspark_ray.records import RingBatch, RingEntry
-from dspark_ray.wire import spinning_recv_into
-from dspark_ray import settings, wire
+from dspark_ray.rank.engine import RankEngine
+from dspark_ray.observe.keep_warm import KeepWarm, launch_rehearsal_period_us, rehearse_engine
+from dspark_ray.rank.modes import make_drafter
+from dspark_ray.protocol.records import RingBatch, RingEntry
+from dspark_ray.protocol.wire import spinning_recv_into
+from dspark_ray import settings
+from dspark_ray.protocol import wire
 
 from test_graph_set import N_SLOTS, _same_rings, _same_step
 
@@ -142,7 +143,7 @@ def test_a_rehearsing_graph_engine_answers_and_writes_the_bits_of_one_that_does_
         unplaced = RingBatch([], [RingEntry.of(e, (-1, 0)) for e in batch])     # (a rehearsal reads no placement)
         for rehearsed in (last, unplaced):
             before = staged.copy()
-            warm.rehearse(rehearsed)
+            rehearse_engine(warm, rehearsed)
             n_staged += not np.array_equal(before, staged)
         _same_step(plain, warm, batch)
         last = unplaced
@@ -150,7 +151,7 @@ def test_a_rehearsing_graph_engine_answers_and_writes_the_bits_of_one_that_does_
     assert n_staged >= 10
     warm.graphs.inp.in_use = True                    # as while a GPU upload is in flight
     before = staged.copy()
-    warm.rehearse(last)
+    rehearse_engine(warm, last)
     assert np.array_equal(before, staged)
     warm.graphs.inp.in_use = False
 
@@ -198,7 +199,7 @@ def test_the_socket_waiters_readiness_check_sees_a_frame_that_came_during_a_rehe
 def test_the_gpu_wait_polls_its_event_and_runs_the_hook_with_the_events_own_check():
     """`StepInputs.synchronize(idle)` (the rank's wait for the draft): polls the event, runs `idle(event.query)`
     until it has completed, then synchronizes; a CPU stand-in for the CUDA event."""
-    from dspark_ray.graphs.inputs import StepInputs
+    from dspark_ray.rank.graphs.inputs import StepInputs
 
     class Event:
         def __init__(self):
@@ -223,7 +224,7 @@ def test_waits_that_outlast_their_spin_are_counted_and_a_mostly_asleep_party_say
     asleep and logs one hint when most of a window did (wake_ups.py)."""
     import logging
 
-    from dspark_ray.wake_ups import WINDOW, WakeUps
+    from dspark_ray.observe.wake_ups import WINDOW, WakeUps
     w = StepRing.create("dsr-wake", n_readers=1, spin_us=20_000)
     try:
         r = StepRing.attach(w.handle, 0)
@@ -256,23 +257,23 @@ def test_waits_that_outlast_their_spin_are_counted_and_a_mostly_asleep_party_say
     assert len(hints) == 1 and hints[0].startswith("rank 9: 75% of the last 100 STEPs found it asleep")
 
 
-def test_a_wide_batch_is_rehearsed_by_its_first_entries(cfg):
+def test_a_wide_batch_is_rehearsed_by_its_first_entries(cfg, monkeypatch):
     """Every entry runs the same code, so the rank and the STEP server rehearse a wide batch's first
     REHEARSAL_ENTRIES entries: a piece's cost stays bounded (a STEP arriving during it waits for it)."""
-    from dspark_ray import contract as C
-    from dspark_ray import records as M
-    from dspark_ray.keep_warm import REHEARSAL_ENTRIES
-    from dspark_ray.recorders import RankRecorder, ServerRecorder
-    from dspark_ray.wire import FrameReader
+    from dspark_ray.protocol import contract as C
+    from dspark_ray.protocol import records as M
+    from dspark_ray.observe import keep_warm
+    from dspark_ray.observe.keep_warm import REHEARSAL_ENTRIES
+    from dspark_ray.observe.recorders import RankRecorder, ServerRecorder
+    from dspark_ray.protocol.wire import FrameReader
     n = 9
     taps = workload.make_taps(cfg, 2, torch.Generator().manual_seed(1)).numpy()
     seen = []
 
     class Engine:
         graphs = None
-
-        def rehearse(self, batch):
-            seen.append(("rank", [e.slot for e in batch.entries]))
+    monkeypatch.setattr(keep_warm, "rehearse_engine",
+                        lambda engine, batch: seen.append(("rank", [e.slot for e in batch.entries])))
     rank = RankRecorder(0, 0.0, KeepWarm("rank", every_us=0, enabled=True))
     rank.serving(Engine())
     batch = M.RingBatch([3], [M.RingEntry.of(C.make_entry(slot=s, generation=1, seed_token=5, token_ids=[1, 2],

@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import assert_set_drafts_like_eager
 
-from support import parity, workload
-from support.batches import placed
+from dspark_ray.testing import parity, workload
+from dspark_ray.testing.batches import placed
 from dspark_ray.model.heads import markov_cache_rows
-from dspark_ray.modes import make_drafter
+from dspark_ray.rank.modes import make_drafter
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_cache_choices_and_bad_tokens_are_refused(cfg, full_weights):
 def test_cached_rows_give_the_live_bits_on_the_card(cfg, ckpt):
     """The fused path on the card (DSPARK_TEST_CKPT=/tmp/full: the full preset, every id cached): eager replays with
     and without the rows, and every 1-4-request graph captured with them against the eager step without them."""
-    from dspark_ray.graphs import GraphSet
+    from dspark_ray.rank.graphs import GraphSet
     from dspark_ray.kernels.gemm import kernels_for
     d = make_drafter(cfg, "tp1", ckpt=ckpt, device="cuda", kernels=kernels_for("fast"))
     rounds = workload.rounds(cfg, seed=9, n_requests=2, n_rounds=12, far_start=3000)

@@ -10,11 +10,11 @@ import types
 
 import pytest
 
-from dspark_ray import contract as C
-from dspark_ray.records import RingBatch
-from dspark_ray.step_service import Identity, PairFailure, StepService
-from dspark_ray.metrics import ANSWER_CODES, Exporter
-from dspark_ray.wake_ups import WakeUps
+from dspark_ray.protocol import contract as C
+from dspark_ray.protocol.records import RingBatch
+from dspark_ray.frontend.step_service import Identity, PairFailure, StepService
+from dspark_ray.observe.metrics import ANSWER_CODES, Exporter
+from dspark_ray.observe.wake_ups import WakeUps
 
 
 class _Metric:

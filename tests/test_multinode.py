@@ -16,15 +16,15 @@ import msgspec
 import pytest
 import torch
 
-from support import workload
-from support.batches import Driver, entry
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import Driver, entry
 from dspark_ray.actors.placement import deploy_workers, teardown
 from dspark_ray.actors.survey import survey
 from dspark_ray.client import ClientError
-from dspark_ray.contract import Code
-from dspark_ray.engine import RankEngine
-from dspark_ray.modes import make_drafter
-from dspark_ray.pool import DrafterPool
+from dspark_ray.protocol.contract import Code
+from dspark_ray.rank.engine import RankEngine
+from dspark_ray.rank.modes import make_drafter
+from dspark_ray.client.pool import DrafterPool
 from dspark_ray.spec import PairSpec
 
 from conftest import PAIR_BACKEND, without_the_shared_ray
@@ -282,5 +282,5 @@ def remove_rings_of(pid: int) -> None:
 
 def _nodes() -> dict:
     import ray
-    from dspark_ray.endpoints import Directory
+    from dspark_ray.client.endpoints import Directory
     return Directory(ray.get_runtime_context().gcs_address).nodes()

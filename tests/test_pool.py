@@ -9,14 +9,14 @@ import time
 
 import pytest
 
-from dspark_ray import contract as C
-from support import workload
+from dspark_ray.protocol import contract as C
+from dspark_ray.testing import workload
 from dspark_ray.client import ClientError
-from dspark_ray.engine import RankEngine
-from support.batches import Driver
-from dspark_ray.step_service import Identity, StepService
-from dspark_ray.modes import make_drafter
-from dspark_ray.pool import DrafterPool
+from dspark_ray.rank.engine import RankEngine
+from dspark_ray.testing.batches import Driver
+from dspark_ray.frontend.step_service import Identity, StepService
+from dspark_ray.rank.modes import make_drafter
+from dspark_ray.client.pool import DrafterPool
 from dspark_ray.transport.tcp import TcpServer
 
 from conftest import EnginePair, step_as_reference, to_entry
@@ -207,7 +207,7 @@ def test_a_pool_with_fixed_endpoints_needs_no_ray():
     import subprocess
     import sys
     code = ("import sys; sys.modules['ray'] = None\n"        # an import of ray now raises ImportError
-            "from dspark_ray.pool import DrafterPool\nfrom dspark_ray.client import DrafterClient\n"
+            "from dspark_ray.client.pool import DrafterPool\nfrom dspark_ray.client import DrafterClient\n"
             "DrafterPool(['127.0.0.1:1']).close()\nprint('ok')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]

@@ -3,7 +3,7 @@
 Every claim runs in two modes, `single` (both ranks in one process on one card, a thread and a stream each) and
 `pair` (two processes, one card each, CUDA IPC; needs two GPUs), and for both all-reduce variants (`flag`, the
 default, and `lamport`). The scenarios live in
-tests/support/push_selftest.py and run in spawned processes, so this process never touches CUDA and the poisoning
+dspark_ray/testing/push_selftest.py and run in spawned processes, so this process never touches CUDA and the poisoning
 scenario, which runs last in each mode, cannot affect anything else.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ if not (_CUDA and _CUPY):
 
 @pytest.fixture(scope="module", params=["single-flag", "pair-flag", "single-lamport", "pair-lamport"])
 def harness(request):
-    from support.push_selftest import Harness
+    from dspark_ray.testing.push_selftest import Harness
     mode, variant = request.param.split("-")
     if mode == "pair" and torch.cuda.device_count() < 2:
         pytest.skip("pair mode needs two GPUs")

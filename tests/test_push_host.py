@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from dspark_ray.comm.base import CollectiveError
+from dspark_ray.model.collectives import CollectiveError
 from dspark_ray.comm import peer_state
 from dspark_ray.comm.ipc import HANDLE_VERSION, PeerHandle, check_peer_handle
 from dspark_ray.comm.peer_state import (EPOCH_LAST, ERR_BAD_ID, ERR_CANCELLED, ERR_EXHAUSTED, ERR_LAYOUT,

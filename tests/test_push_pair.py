@@ -10,8 +10,8 @@ import socket
 import pytest
 import torch
 
-from support import parity, workload
-from dspark_ray.modes import make_emulated, run_pair
+from dspark_ray.testing import parity, workload
+from dspark_ray.rank.modes import make_emulated, run_pair
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two cards (nvidia-h200-x2)")]
@@ -30,7 +30,7 @@ def _rank(rank: int, ckpt_dir: str, port: int, out: str, n_rounds: int, engine: 
     from dspark_ray.comm.gloo import GlooCollectives
     from dspark_ray.comm.push import connect_over
     from dspark_ray.model.layout import Layout
-    from dspark_ray.modes import make_drafter
+    from dspark_ray.rank.modes import make_drafter
     from dspark_ray.weights.loader import Checkpoint
     torch.set_num_threads(1)
     torch.cuda.set_device(0)
@@ -39,7 +39,7 @@ def _rank(rank: int, ckpt_dir: str, port: int, out: str, n_rounds: int, engine: 
     gloo = GlooCollectives(rank, 2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=120)
     pc = connect_over(gloo.group, rank, Layout(cfg, 2).vocab_range(1 - rank), 2.0)
     if engine:
-        from dspark_ray.engine import RankEngine
+        from dspark_ray.rank.engine import RankEngine
         from dspark_ray.kernels.gemm import kernels_for
         d = make_drafter(cfg, "pair", ckpt=ck, rank=rank, coll=pc, device="cuda",
                          kernels=kernels_for(engine["matmul"]))

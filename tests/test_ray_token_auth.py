@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from dspark_ray import access_token
+from dspark_ray.protocol import access_token
 from dspark_ray.transport.tcp import TcpServer
 
 from test_tcp import FakeFrontEnd
@@ -117,7 +117,7 @@ def deployment(head):
     mode, address, home = head
     server = TcpServer(FakeFrontEnd(), token=STEP_TOKEN).start()
     script = textwrap.dedent(f"""
-        from dspark_ray.endpoints import Directory
+        from dspark_ray.client.endpoints import Directory
         d = Directory({address!r})
         node = next(n for n, info in d.nodes().items() if info["alive"])
         d.publish_deployment("tok", ["tok"], tp=2, device="cpu", auth={{"token": True}})
@@ -141,8 +141,8 @@ def test_from_deployment_reads_the_workers_and_the_token_from_the_cluster_and_dr
     mode, address, home, server = deployment
     script = textwrap.dedent(f"""
         import numpy as np
-        from dspark_ray.contract import make_entry
-        from dspark_ray.pool import DrafterPool
+        from dspark_ray.protocol.contract import make_entry
+        from dspark_ray.client.pool import DrafterPool
         with DrafterPool.from_deployment({address!r}, "tok", timeout_s=10) as pool:
             pool.hello(client="fresh driver")
             (g,) = pool.acquire(1)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark_ray import contract as C
+from dspark_ray.protocol import contract as C
 from dspark_ray.client import DrafterClient
-from dspark_ray.engine import RankEngine
-from dspark_ray.step_service import Identity, StepService
-from dspark_ray.modes import make_drafter
+from dspark_ray.rank.engine import RankEngine
+from dspark_ray.frontend.step_service import Identity, StepService
+from dspark_ray.rank.modes import make_drafter
 from dspark_ray.transport.tcp import TcpServer
 
 from conftest import EnginePair

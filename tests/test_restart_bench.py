@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from bench.restart import Request, differs, measure
-from support import workload
-from dspark_ray.contract import Code, EntryResult
+from dspark_ray.testing import workload
+from dspark_ray.protocol.contract import Code, EntryResult
 
 
 def _tokens(entry) -> list[int]:

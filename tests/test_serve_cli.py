@@ -71,7 +71,7 @@ def test_a_signal_tears_down_everything_serve_started_and_exits_0(ray_cluster, t
     (systemctl stop) and SIGINT (Ctrl-C) both remove the HTTP app, the front-end and ranks, their placement group,
     the ring and its doorbells, within the bound, and exit 0. Its output, read off a terminal, has one line per
     phase (no progress bar redraws)."""
-    from dspark_ray.access_token import new_token, write_token_file
+    from dspark_ray.protocol.access_token import new_token, write_token_file
     name = f"sig{sig.value}"
     http_port = free_port()
     log = tmp_path / "serve.log"

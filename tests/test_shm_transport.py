@@ -9,8 +9,8 @@ import tempfile
 
 import pytest
 
-from dspark_ray import contract as C
-from dspark_ray import wire
+from dspark_ray.protocol import contract as C
+from dspark_ray.protocol import wire
 from dspark_ray.transport.ring import StepRing
 from dspark_ray.client import ClientError, DrafterClient
 from dspark_ray.transport.shm import STATUS_BAD_FRAME

@@ -45,7 +45,7 @@ def test_spares_are_made_again_after_a_restart(ray_cluster, tiny_ckpt, capsys):
     from dspark_ray.actors.placement import deploy_workers, teardown
     from dspark_ray.spec import PairSpec
     spec = PairSpec(checkpoint=str(tiny_ckpt), tp=1, n_slots=4, max_batch=4, spare_ranks=1)
-    from dspark_ray import demo
+    from dspark_ray.client import demo
     ((fe, endpoint),) = deploy_workers(spec, 1, name="spare-refill")
     try:
         st = ray_cluster.get(fe.status.remote())

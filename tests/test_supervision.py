@@ -11,14 +11,14 @@ import msgspec
 import pytest
 import torch
 
-from support import workload
-from support.batches import Driver, entry
-from dspark_ray import contract as C
+from dspark_ray.testing import workload
+from dspark_ray.testing.batches import Driver, entry
+from dspark_ray.protocol import contract as C
 from dspark_ray.actors.placement import teardown
 from dspark_ray.client import DrafterClient
-from dspark_ray.contract import Code
-from dspark_ray.engine import RankEngine
-from dspark_ray.modes import make_drafter
+from dspark_ray.protocol.contract import Code
+from dspark_ray.rank.engine import RankEngine
+from dspark_ray.rank.modes import make_drafter
 
 from conftest import PAIR_BACKEND, deploy_pair
 

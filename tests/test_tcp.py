@@ -11,11 +11,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from dspark_ray import contract as C
-from dspark_ray import wire
+from dspark_ray.protocol import contract as C
+from dspark_ray.protocol import wire
 from dspark_ray.client import ClientError, DrafterClient
 from dspark_ray.transport.tcp import TcpServer
-from dspark_ray.wire import bound_blocking_io, spinning_recv_into
+from dspark_ray.protocol.wire import bound_blocking_io, spinning_recv_into
 
 LIMITS = C.Limits(vocab_size=4096, hidden_size=256, n_taps=3, slot_capacity=8, sliding_window=8,
                   max_entries_per_step=4, max_frame_bytes=1 << 20)
@@ -427,7 +427,7 @@ def test_an_idle_connection_is_kept_with_its_slots(server, front):
 def test_an_acquire_that_can_never_be_granted_is_a_bad_request(n):
     """n < 1 or n > slot_capacity can never succeed: BAD_ENTRY naming n and the rule, not OVERLOADED (which says:
     try again later), and no slot is granted. Also at the ends of what a msgpack int holds (2**63, 2**64-1)."""
-    from dspark_ray.step_service import Identity, StepService
+    from dspark_ray.frontend.step_service import Identity, StepService
     svc = StepService(Identity(**SERVED), LIMITS, None, window=LIMITS.sliding_window)
     with TcpServer(svc, max_frame_bytes=LIMITS.max_frame_bytes).start() as srv:
         with connect(srv) as c:

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from support import parity, workload
-from dspark_ray.comm.base import combine_max, combine_top2
+from dspark_ray.testing import parity, workload
+from dspark_ray.model.collectives import combine_max, combine_top2
 from dspark_ray.config import ConfigError, full, tiny
 from dspark_ray.model.layout import Layout, vocab_split
-from dspark_ray.modes import make_drafter, make_emulated, read_rank, run_pair
+from dspark_ray.rank.modes import make_drafter, make_emulated, read_rank, run_pair
 
 ROUNDS = dict(seed=7, n_requests=2, n_rounds=40, far_start=3000)
 

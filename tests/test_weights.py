@@ -14,7 +14,8 @@ from dspark_ray.config import tiny
 from dspark_ray.weights.inventory import kind_of, tensor_specs
 from dspark_ray.weights.loader import Checkpoint, CheckpointError, dequant_fp4, dequant_fp8
 from dspark_ray.weights.manifest import MANIFEST_NAME, ManifestError, read_manifest, scan_safetensors
-from dspark_ray.weights.synth import lowbias32, save_tensors, synth_main, synthesize, uniform
+from dspark_ray.weights.synth import lowbias32, save_tensors, synthesize, uniform
+from dspark_ray.weights.synth_command import synth_main
 
 from conftest import flip_stored_byte
 
@@ -345,7 +346,7 @@ def _through(source: str, ck, device: str):
 
 def _read_rank_through(ck, tp, rank, source, device):
     from dspark_ray.model.layout import Layout
-    from dspark_ray.modes import read_rank
+    from dspark_ray.rank.modes import read_rank
     layout = Layout(ck.config, tp)
     with _through(source, ck, device) as st:
         staged = read_rank(ck, layout, rank, device=device, staging=st)

@@ -33,9 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.parity_exl3 import rounds_for  # noqa: E402
 from dspark_ray.config import preset  # noqa: E402
 from dspark_ray.model.layout import Layout  # noqa: E402
+from dspark_ray.testing.workload import rounds_for  # noqa: E402
 from dspark_ray.weights import exl3  # noqa: E402
 from dspark_ray.weights.loader import Checkpoint  # noqa: E402
 from dspark_ray.weights.mix import DEFAULT_MIX  # noqa: E402
@@ -125,7 +125,7 @@ def check_forward(d: Path, ck: Checkpoint, dev, n_rounds: int, ref_device) -> di
     rounds."""
     from exllamav3 import Cache, Config, Model
 
-    from dspark_ray.modes import make_drafter
+    from dspark_ray.rank.modes import make_drafter
     cfg = ck.config
     rounds = rounds_for(cfg, n_rounds, 0)
     pages = -(-(sum(n for _, n, _, _ in rounds) + cfg.block_size + 1) // PAGE)

@@ -8,16 +8,16 @@ import os
 import sys
 import time
 
-from ..endpoints import Directory
-from ..keep_warm import KeepWarm
-from ..metrics import Exporter
-from ..recorders import DriverRecorder, ServerRecorder, ServiceRecorder
-from ..records import ring_slot_bytes
-from ..ring_driver import RingDriver
+from ..client.endpoints import Directory
+from ..observe.keep_warm import KeepWarm, step_checks
+from ..observe.metrics import Exporter
+from ..observe.recorders import DriverRecorder, ServerRecorder, ServiceRecorder
+from ..protocol.records import ring_slot_bytes
+from ..frontend.ring_driver import RingDriver
 from ..scheduling import pin_thread, process_facts, raise_priority
 from ..settings import current as settings
 from ..spec import SAFE_ENV, PairSpec
-from ..step_service import StepService
+from ..frontend.step_service import StepService
 from ..transport.ring import StepRing, remove_orphans
 from .pair import PairLauncher
 
@@ -42,9 +42,9 @@ def frontend_actor_class():
             sys.setswitchinterval(0.0005)
             import ray
             from ..config import load_config
-            from ..contract import Limits
-            from ..step_service import Identity
-            from ..supervisor import Supervisor
+            from ..protocol.contract import Limits
+            from ..frontend.step_service import Identity
+            from ..frontend.supervisor import Supervisor
             from ..transport.tcp import TcpServer
             from ..weights.loader import Checkpoint
             self.spec = PairSpec(**spec)
@@ -66,11 +66,12 @@ def frontend_actor_class():
             step_bound_s = self.spec.step_timeout_s or self.spec.collective_timeout_s * 2 + 5.0
             self.keep_warm = KeepWarm(f"front-end {name}")
             self.recorders = {"service": ServiceRecorder(), "ring": DriverRecorder(self.keep_warm)}
-            self.driver = RingDriver(self.ring, step_bound_s, on_fail=self.pair.kill, observer=self.recorders["ring"])
+            self.driver = RingDriver(self.ring, step_bound_s, on_fail=self.pair.kill)
+            self.recorders["ring"].seam(self.driver)
             self.service = StepService(self.identity, self.limits, None, window=cfg.sliding_window,
                                        observer=self.recorders["service"])
             self.recorders["tcp"] = ServerRecorder(f"front-end {name} endpoint", self.spec.spin_us, self.keep_warm,
-                                                   checks=self.service.rehearse)
+                                                   checks=step_checks(self.limits))
             # A restarted one-card rank captures the last batches' shapes first.
             self.supervisor = Supervisor(self.service, lambda: self.pair.restart(self.driver.recent_shapes()),
                                          threshold=restart_threshold)

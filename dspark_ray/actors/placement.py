@@ -7,7 +7,7 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from ..endpoints import Directory, worker_names, worker_pattern
+from ..client.endpoints import Directory, worker_names, worker_pattern
 from ..settings import current as settings
 
 if TYPE_CHECKING:

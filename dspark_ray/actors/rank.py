@@ -1,11 +1,11 @@
-"""`RankActor`: the Ray actor of one rank, a thin shell around `rank_worker.RankWorker`."""
+"""`RankActor`: the Ray actor of one rank, a thin shell around `rank/worker.py`'s `RankWorker`."""
 from __future__ import annotations
 
 import logging
 
-from ..keep_warm import KeepWarm
-from ..rank_worker import RankWorker
-from ..recorders import RankRecorder
+from ..observe.keep_warm import KeepWarm
+from ..rank.worker import RankWorker
+from ..observe.recorders import RankRecorder
 from ..spec import PairSpec
 
 
@@ -48,7 +48,7 @@ def rank_actor_class():
             return self.recorder.stamps.recent()
 
         def set_fault(self, kind: str | None, **params):
-            from ..faults import install
+            from ..rank.faults import install
             return install(self.w, kind, **params)
 
         def stop(self):

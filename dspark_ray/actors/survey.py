@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from ..endpoints import Directory
+from ..client.endpoints import Directory
 from .placement import find_workers
 
 log = logging.getLogger("dspark_ray.survey")

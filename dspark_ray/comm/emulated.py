@@ -2,7 +2,7 @@
 (the CPU tests' pair, bit for bit the real pair's arithmetic)."""
 from __future__ import annotations
 
-from .base import CollectiveError, Collectives, combine_max, combine_top2, fold, reduce_in_rank_order
+from ..model.collectives import CollectiveError, Collectives, combine_max, combine_top2, fold, reduce_in_rank_order
 
 
 class _Rendezvous:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from .base import CollectiveError, Collectives
+from ..model.collectives import CollectiveError, Collectives
 
 log = logging.getLogger("dspark_ray.comm")
 
@@ -35,7 +35,7 @@ def connect(backend: str, rank: int, tp: int, *, init_method: str | None, peer_i
             timeout_s: float) -> Collectives:
     """Rank `rank`'s collectives; both ranks call it at once (tp 1: the local backend). `peer_ids`: the peer's
     vocabulary range."""
-    from .local import LocalCollectives
+    from ..model.collectives import LocalCollectives
     if tp == 1:
         coll: Collectives = LocalCollectives(1)
     else:

@@ -6,7 +6,7 @@ import datetime
 
 import torch
 
-from .base import CollectiveError, Collectives, combine_max, combine_top2, fold, reduce_in_rank_order
+from ..model.collectives import CollectiveError, Collectives, combine_max, combine_top2, fold, reduce_in_rank_order
 
 
 class GlooCollectives(Collectives):

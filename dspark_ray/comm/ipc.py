@@ -7,7 +7,7 @@ import os
 import socket
 from dataclasses import asdict, dataclass
 
-from .base import CollectiveError
+from ..model.collectives import CollectiveError
 
 HANDLE_VERSION = 1
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from .base import CollectiveError
+from ..model.collectives import CollectiveError
 
 ERR_LOCAL_TIMEOUT = 1
 ERR_PEER_TIMEOUT = 2

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .base import CaptureInfo, CollectiveError, Collectives, MaxPart, Top2Part
+from ..model.collectives import CaptureInfo, CollectiveError, Collectives, MaxPart, Top2Part
 from .ipc import PeerHandle, HANDLE_VERSION, check_peer_handle, close_ipc_handle, export_ipc_handle, \
     open_ipc_handle, this_host, this_pid
 from .peer_state import MAXB, HostGuard, Layout, PeerState, describe_error_word, process_poison

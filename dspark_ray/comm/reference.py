@@ -1,5 +1,6 @@
-"""The push collectives' debug oracle: gather both payloads through a callable, combine as `base.py` defines it
-(torch's fp32 add in rank order, `combine_max`, `combine_top2`). Eager only; the push kernels must equal it bit for bit.
+"""The push collectives' debug oracle: gather both payloads through a callable, combine by the model's rules
+(`model/collectives.py`: torch's fp32 add in rank order, `combine_max`, `combine_top2`). Eager only; the push
+kernels must equal it bit for bit.
 """
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .base import CollectiveError, Collectives, combine_max, combine_top2, reduce_in_rank_order
+from ..model.collectives import CollectiveError, Collectives, combine_max, combine_top2, reduce_in_rank_order
 
 Gather = Callable[[torch.Tensor], list]
 

@@ -1,7 +1,7 @@
 """One rank of a pair timed alone: the collectives become local stand-ins."""
 from __future__ import annotations
 
-from .base import Collectives
+from ..model.collectives import Collectives
 
 
 class SoloCollectives(Collectives):

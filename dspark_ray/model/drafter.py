@@ -11,8 +11,7 @@ from typing import Iterator
 import torch
 from torch.profiler import record_function as stage
 
-from ..comm.base import Collectives
-from ..comm.local import LocalCollectives
+from .collectives import Collectives, LocalCollectives
 from ..config import DrafterConfig
 from . import ops
 from .attention import Attention

@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 
-from ..comm.base import Collectives
+from .collectives import Collectives
 from . import ops
 from .ops import f16, linear, sigmoid
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..slot_cursor import SlotCursor
+from ..protocol.slot_cursor import SlotCursor
 
 
 class SlotState(SlotCursor):

@@ -10,8 +10,8 @@ import time
 from typing import Callable
 
 from .ring import RingClosed, RingError, RingHandle, RingReader, RingTimeout, StepRing
-from ..contract import SHM_RING_PREFIX, ShmAttach
-from ..wire import ConnectionClosed, FrameError, FrameWriter, IdleTimeout, PayloadError, decode_frame
+from ..protocol.contract import SHM_RING_PREFIX, ShmAttach
+from ..protocol.wire import ConnectionClosed, FrameError, FrameWriter, IdleTimeout, PayloadError, decode_frame
 
 __all__ = ["attach_ring", "serve_ring", "handle_of", "STATUS_BAD_FRAME"]
 

@@ -14,11 +14,11 @@ import socket
 import threading
 import time
 
-from ..access_token import token_refusal
-from ..contract import (MAX_HELLO_FRAME_BYTES, MESSAGE_TYPES, Acquire, Code, ErrorReply, Hello, HelloReply, MsgType,
+from ..protocol.access_token import token_refusal
+from ..protocol.contract import (MAX_HELLO_FRAME_BYTES, MESSAGE_TYPES, Acquire, Code, ErrorReply, Hello, HelloReply, MsgType,
                         ShmAttach, ShmAttachReply, Step, StepHandler)
-from ..observers import ServerObserver
-from ..wire import (DEFAULT_MAX_FRAME_BYTES, ConnectionClosed, FrameError, FrameReader, FrameWriter, IdleTimeout,
+from ..observe.observers import ServerObserver
+from ..protocol.wire import (DEFAULT_MAX_FRAME_BYTES, ConnectionClosed, FrameError, FrameReader, FrameWriter, IdleTimeout,
                     PayloadError, VersionMismatch, bound_blocking_io, spinning_recv_into)
 from .shm import attach_ring, serve_ring
 

@@ -15,9 +15,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ...client import ClientError, RequestSlot
-from ...contract import Code, Entry, EntryResult, error_result
-from ...pool import DrafterPool, PoolPendingStep
+from ...client.drafter_client import ClientError, RequestSlot
+from ...protocol.contract import Code, Entry, EntryResult, error_result
+from ...client.pool import DrafterPool, PoolPendingStep
 from .draft_cache import DraftCache
 from .generator_rows import GeneratorRows, Row, token_ids
 from .prefix_windows import PAGE_SIZE, PrefixKeys, PrefixWindows
