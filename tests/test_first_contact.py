@@ -65,8 +65,8 @@ def test_status_says_the_supervisors_state_in_words():
     from types import SimpleNamespace
 
     from dspark_ray.cli import supervisor_words
-    from dspark_ray.step_service import PairFailure
-    from dspark_ray.supervisor import Supervisor
+    from dspark_ray.frontend.step_service import PairFailure
+    from dspark_ray.frontend.supervisor import Supervisor
     restarted = threading.Event()
     service = SimpleNamespace(last_errors=[], unavailable=None, worker_generation=0, resync_all=lambda: None)
     sv = Supervisor(service, restart=restarted.set)
