@@ -391,7 +391,7 @@ def asleep(w: dict | None) -> str:
     return f"{w['after_sleep']} of {w['steps']} STEPs found it asleep (spin {w['spin_ms']:g} ms)"
 
 
-STATUS_TIMEOUT_S = 2.0      # for the front-ends, all asked at once
+STATUS_TIMEOUT_S = 2.0      # the survey: the front-ends, all asked at once, answer while the tables are read
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ a worker that does not answer is described from the endpoint table, Ray's node t
 from __future__ import annotations
 
 import logging
+import time
 
 from ..client.endpoints import Directory
 from .placement import find_workers
@@ -15,30 +16,41 @@ NODE_DEAD = "node dead"
 
 
 def survey(name: str, timeout_s: float = 2.0) -> list[dict] | None:
-    """One row per worker of `name` (None: no such deployment), with its front-end's `status` where it answered."""
+    """One row per worker of `name` (None: no such deployment), with its front-end's `status` where it answered
+    within `timeout_s` of the survey's start."""
     import ray
     from ray.util import placement_group_table
-    directory = Directory(ray.get_runtime_context().gcs_address, timeout_s=timeout_s)
+    deadline = time.monotonic() + timeout_s
     handles = dict(find_workers(name))
+    asked = {w: fe.status.remote() for w, fe in handles.items()}
+    # The tables are read while the front-ends answer, within the same bound.
+    directory = Directory(ray.get_runtime_context().gcs_address, timeout_s=timeout_s)
     try:
         records = directory.workers(name)
     except LookupError:
         records = dict.fromkeys(handles)
     if not records:
+        _cancel(asked.values())
         return None
     nodes = directory.nodes()
     groups = {g.get("name"): g.get("state") for g in placement_group_table().values()
               if g.get("state") != "REMOVED"}
-    asked = {w: handles[w].status.remote() for w in records if w in handles}
-    done, late = ray.wait(list(asked.values()), num_returns=len(asked), timeout=timeout_s) if asked else ([], [])
-    for ref in late:             # else a front-end that comes back runs them all
+    refs = list(asked.values())
+    done, late = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic())) \
+        if refs else ([], [])
+    _cancel(late)
+    done = set(done)
+    return [_row(w, rec, *_answer(asked.get(w), asked.get(w) in done), w in handles, nodes,
+                 groups.get(f"{w}-pg"), timeout_s) for w, rec in records.items()]
+
+
+def _cancel(refs) -> None:
+    import ray
+    for ref in refs:            # else a front-end that comes back runs them all
         try:
             ray.cancel(ref)
         except Exception:
             pass
-    done = set(done)
-    return [_row(w, rec, *_answer(asked.get(w), asked.get(w) in done), w in handles, nodes,
-                 groups.get(f"{w}-pg"), timeout_s) for w, rec in records.items()]
 
 
 def _answer(ref, answered: bool) -> tuple[dict | None, str | None]:
