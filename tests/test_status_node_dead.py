@@ -17,12 +17,11 @@ import time
 import pytest
 
 from dspark_ray.actors.placement import deploy_workers, teardown
-from dspark_ray.client.cluster_join import use_ray_token
 from dspark_ray.client.endpoints import Directory
 from dspark_ray.spec import PairSpec
 
 from conftest import PAIR_BACKEND, without_the_shared_ray
-from test_multinode import FAST_NODE_DEATH, ROOM, ROOT, alive, wait_for
+from test_multinode import FAST_NODE_DEATH, ROOM, ROOT, alive, rays_token_on_every_node, wait_for
 
 pytestmark = pytest.mark.slow
 if PAIR_BACKEND != "gloo":
@@ -38,11 +37,7 @@ def one_node(monkeypatch):
     until the test adds a node."""
     import ray
     from ray.cluster_utils import Cluster
-    # Token authentication on every node from the start: our Ray calls turn it on in this process
-    # (use_ray_token), and a node added after that, requiring the token, would refuse a head that sends none (the
-    # placement group is then never placed there).
-    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)         # as it was, after the test
-    assert use_ray_token()
+    rays_token_on_every_node(monkeypatch)
     with without_the_shared_ray():
         c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False,
                                                               _system_config=FAST_NODE_DEATH))
