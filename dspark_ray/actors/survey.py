@@ -77,7 +77,7 @@ def _row(worker: str, rec: dict | None, status: dict | None, why: str | None, ha
                    endpoint=status.get("endpoint"), status=status)
     node = nodes.get(row["node_id"] or "")
     row["node_alive"] = None if node is None else node["alive"]
-    row["lost_node"] = lost = lost_node(rec, nodes)
+    row["lost_node"] = lost = _lost_node(rec, nodes)
     if status is not None and not status.get("unavailable"):
         row["state"], row["why"] = SERVING, None
     elif not has_frontend:
@@ -97,7 +97,7 @@ def _row(worker: str, rec: dict | None, status: dict | None, why: str | None, ha
     return row
 
 
-def lost_node(rec: dict, nodes: dict) -> dict | None:
+def _lost_node(rec: dict, nodes: dict) -> dict | None:
     """The node the worker served on, where Ray's node table has it dead: the one its record names, or the one its
     front-end, placed again on another node, says it moved from (a placement group moves only when its node dies)."""
     for where in (rec, rec.get("moved_from") or {}):
