@@ -391,27 +391,48 @@ def asleep(w: dict | None) -> str:
     return f"{w['after_sleep']} of {w['steps']} STEPs found it asleep (spin {w['spin_ms']:g} ms)"
 
 
-STATUS_TIMEOUT_S = 2.0      # for the front-ends, all asked at once
+STATUS_TIMEOUT_S = 2.0      # the survey: the front-ends, all asked at once, answer while the tables are read
+
+
+@contextlib.contextmanager
+def ray_says_it_on_stderr():
+    """While inside, stdout (sys.stdout and fd 1) is stderr: Ray's error listener prints what the cluster tells every
+    driver ("(raylet) The node ... has been marked dead") to stdout, where it would break `status --json`. The
+    command prints its own output after, once Ray is disconnected (ray.shutdown joins that listener)."""
+    sys.stdout.flush()
+    saved_fd, saved = os.dup(1), sys.stdout
+    os.dup2(2, 1)               # Ray's C++ parts write to the fd, its Python parts to sys.stdout
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+        sys.stdout = saved
 
 
 def cmd_status(a) -> int:
     """Every worker: where it runs, whether it serves, its front-end's account (exit codes: docs/operations.md)."""
     import ray
     from .actors.survey import SERVING, survey
-    if not joined("status", a.address, start=False, to=sys.stderr):
-        return 1
-    try:
-        rows = survey(a.name, timeout_s=STATUS_TIMEOUT_S)
-        auth = _auth_of(a.name)
-    finally:
-        ray.shutdown()          # sooner than Ray's own hook at exit
+    with ray_says_it_on_stderr():
+        if not joined("status", a.address, start=False, to=sys.stderr):
+            return 1
+        t = time.monotonic()
+        try:
+            rows = survey(a.name, timeout_s=STATUS_TIMEOUT_S)
+            auth = _auth_of(a.name)
+        finally:
+            ray.shutdown()          # sooner than Ray's own hook at exit
+        took = time.monotonic() - t
     if rows is None:
         print(f"no deployment named {a.name!r}", file=sys.stderr)
         return 1
     down = [r["worker"] for r in rows if r["state"] != SERVING]
     if a.json:
         print(json.dumps({"name": a.name, "workers": rows, "serving": len(rows) - len(down), "down": down,
-                          "auth": auth}, indent=1, default=str))
+                          "auth": auth, "survey_s": round(took, 3)}, indent=1, default=str))
     else:
         print(f"{a.name}: {len(rows)} worker(s), {len(rows) - len(down)} serving"
               + (f", down: {', '.join(down)}" if down else ""))

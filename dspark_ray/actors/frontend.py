@@ -81,7 +81,11 @@ def frontend_actor_class():
             self.host, self.name = host, name
             self.directory = Directory(ray.get_runtime_context().gcs_address)
             reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
-            for p in self._ports(port, reconstructed):
+            last = self._last_record() if reconstructed else {}
+            # Restarted on another node: Ray moves a placement group only when its node dies (`status` says so).
+            self.moved_from = ({"node_id": last["node_id"], "node_ip": last.get("node_ip")}
+                               if last.get("node_id") not in (None, self.node_id) else None)
+            for p in self._ports(port, reconstructed, last):
                 try:
                     self.server = TcpServer(self.service, host=host, port=p, spin_us=self.spec.spin_us,
                                             on_thread_start=lambda: pin_thread(cpus, f"front-end {name} endpoint"),
@@ -124,25 +128,29 @@ def frontend_actor_class():
                      else "no token: whoever reaches the endpoint may HELLO")
             return self.server.endpoint
 
-        def _ports(self, port: int, reconstructed: bool) -> list[int]:
+        def _ports(self, port: int, reconstructed: bool, last: dict) -> list[int]:
             """Ports to try. After a Ray restart, first the one served on, if on this node (a fixed-endpoint client
             finds it again), and a free one last (the endpoint table tells clients)."""
             if not reconstructed:
                 return [port]
-            try:
-                last = self.directory.workers_by_name([self.name]).get(self.name) or {}
-            except ConnectionError as e:
-                log.warning("front-end %s: the endpoint table does not answer: %s", self.name, e)
-                last = {}
             first = [last["port"]] if last.get("node_id") == self.node_id and last.get("port") else []
             return list(dict.fromkeys(first + [port, 0]))
+
+        def _last_record(self) -> dict:
+            """This worker's entry in the endpoint table, as its previous process left it."""
+            try:
+                return self.directory.workers_by_name([self.name]).get(self.name) or {}
+            except ConnectionError as e:
+                log.warning("front-end %s: the endpoint table does not answer: %s", self.name, e)
+                return {}
 
         def _publish(self, state: str) -> None:
             try:
                 self.directory.publish_worker(
                     self.name, state=state, endpoint=self.server.endpoint if state == "serving" else None,
                     host=self.host, port=self.server.port, node_id=self.node_id, node_ip=self.node_ip,
-                    cards=[p["cards"] for p in self.pair.placement], tp=self.spec.tp, pid=os.getpid())
+                    cards=[p["cards"] for p in self.pair.placement], tp=self.spec.tp, pid=os.getpid(),
+                    moved_from=self.moved_from)
             except ConnectionError as e:        # the table is for finding workers; serving goes on without it
                 log.warning("front-end %s: endpoint table not updated (%s): %s", self.name, state, e)
 
