@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
-import re
 import shutil
 import tempfile
 import threading
@@ -37,9 +36,9 @@ from dspark_ray.protocol.contract import Code  # noqa: E402
 # (RAY_TMPDIR; its address file too, so `ray.init(address="auto")` in a test finds this session's cluster only)
 # live in it, and anything else left in it at the end fails the run (pytest_sessionfinish), as does a name new in
 # /dev/shm, or a name of ours new in the host's temp folder (written there directly), that one of the session's own
-# processes made: the pid in its name (a ring's "<prefix>-<pid>-<hex>") is one of theirs (SessionProcesses).
-# Another deployment or test session on the host makes names of the same kinds; a name without a pid is not
-# counted, since it cannot be told apart. Then the folder goes.
+# processes made: the pid in its name (a ring's "<prefix>-<pid>-<hex>", the pattern every segment of ours follows)
+# is one of theirs (SessionProcesses). Another deployment or test session on the host makes names of the same kinds;
+# a name without a pid cannot be told apart, and is not counted. Then the folder goes.
 HOST_TMP = tempfile.gettempdir()
 SESSION_TMP = tempfile.mkdtemp(prefix="dsr-tests-")      # short: Ray's socket paths live under it
 OURS = ("dsr-*", "dr-*", "dspark*", "*.bells")            # names our code and tests give, in the host's temp folder
@@ -97,22 +96,17 @@ def _ns_pids(pid: int) -> set[int]:
     return {pid}
 
 
-def pids_in(name: str) -> set[int]:
-    """The pids a name may carry: a ring's creator, else every number between '-', '_' or '.'."""
-    from dspark_ray.transport.ring import ring_owner_pid
-    pid = ring_owner_pid(name)
-    return {pid} if pid is not None else {int(t) for t in re.split(r"[-_.]", name) if t.isdigit()}
-
-
 def listing(places) -> dict[str, set[str]]:
     return {p: set(os.listdir(p)) if os.path.isdir(p) else set() for p in places}
 
 
 def left_behind(before: dict[str, set[str]], only: tuple[str, ...] = ("*",), pids: set[int] | None = None
                 ) -> list[str]:
-    """The paths new since `before` whose names match a glob of `only` (and, given `pids`, carry one of them)."""
+    """The paths new since `before` whose names match a glob of `only` (and, given `pids`, were made by one of them:
+    the creator's pid in a name of the rings' pattern, transport/ring.py)."""
+    from dspark_ray.transport.ring import ring_owner_pid
     return sorted(os.path.join(p, n) for p, names in listing(tuple(before)).items() for n in names - before[p]
-                  if any(fnmatch.fnmatch(n, g) for g in only) and (pids is None or pids_in(n) & pids))
+                  if any(fnmatch.fnmatch(n, g) for g in only) and (pids is None or ring_owner_pid(n) in pids))
 
 
 BEFORE_SHM, BEFORE_HOST = listing(["/dev/shm"]), listing([HOST_TMP])
