@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import secrets
 import socket
 import statistics
 import sys
@@ -330,7 +331,8 @@ def run_ranks(fn, *fn_args, cpus=(None, None), timeout_s: float = 600) -> tuple[
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    shm = shared_memory.SharedMemory(create=True, size=16)
+    # Named with this process's pid, as a ring is: the test suite's leftover check tells its names from others' by it.
+    shm = shared_memory.SharedMemory(name=f"dsr-barrier-{os.getpid()}-{secrets.token_hex(4)}", create=True, size=16)
     shm.buf[:16] = bytes(16)
     try:
         procs = [ctx.Process(target=_child, args=(f"pair rank {r}", r, cpus[r], fn, (r, port, shm.name, *fn_args), q))

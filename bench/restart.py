@@ -22,7 +22,9 @@ the first OK answer. `phases_p50_s` takes the median of each phase over the kill
 
 A kill during a restart (`--kills-during-restart N`): N more kills, each followed, `--second-kill-at` x the single
 kills' p50 after it, by a SIGKILL to the new rank's process (still starting); `during_restart` reports the time from
-the first kill to the first OK answer against twice the single kills' p50.
+the first kill to the first OK answer against twice the single kills' p50. `--second-kill-at 0` times it by state, not
+by the clock: a worker with spare ranks loses the spare set its restart takes as soon as a STEP shows the failure
+(the restart has begun; its pids were known before), one without spares its new rank as soon as its process answers.
 
 Correctness: every entry answered OK, before and after the kills, is replayed in its STEP through a fresh deployment
 of the same spec (a request's slot there fresh again wherever the tested slot was re-inserted). Both answers must be
@@ -199,9 +201,30 @@ class Session:
 
 
 # ---- the load and the kills ---------------------------------------------------------------------------------------
+def next_spare_pids(name: str, serving: list[int]) -> list[int]:
+    """The pids (one per rank) of the spare rank set a restart of worker `name` takes next: the lowest numbered
+    ("<name>-rank<r>.spare<n>", actors/pair.py) not `serving` (a promoted set keeps its names); [] without spares."""
+    import re
+
+    import ray
+    from ray.util import list_named_actors
+    own = re.compile(rf"{re.escape(name)}-rank(\d+)\.spare(\d+)")
+    sets: dict[int, dict[int, str]] = {}
+    for a in list_named_actors(all_namespaces=True):
+        m = own.fullmatch(a["name"]) if a["namespace"] == "dspark" else None
+        if m is not None:
+            sets.setdefault(int(m[2]), {})[int(m[1])] = a["name"]
+    for n in sorted(sets):
+        pids = [ray.get(ray.get_actor(sets[n][r], namespace="dspark").status.remote(), timeout=30)["pid"]
+                for r in sorted(sets[n])]
+        if not set(pids) & set(serving):
+            return pids
+    return []
+
+
 def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: int, kills: int, kill_rank: int,
           gap_ms: float, deadline_ms: float, seed: int, restart_timeout_s: float, kills_during_restart: int = 0,
-          second_kill_at: float = 0.5) -> dict:
+          second_kill_at: float = 0.5, name: str = "") -> dict:
     """Step the workload against the worker, killing rank `kill_rank` after every `rounds` rounds (`kills` times,
     then `kills_during_restart` more, each with a second kill of the restarting rank); returns the STEPs' record
     (times are time.monotonic()), the OK answers with what was sent, and the kills."""
@@ -231,7 +254,10 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
 
     def kill_again(k: dict) -> None:
         """SIGKILL the new rank `second_kill_at` x the single kills' p50 after the first kill, once its process
-        answers (it is loading, connecting or capturing: the restart is under way)."""
+        answers (it is loading, connecting or capturing: the restart is under way); at 0, as soon as it answers, or
+        where the worker has spares, the spare set's rank as the restart begins (kill_next_spare)."""
+        if second_kill_at == 0 and k["spare_pids"]:
+            return kill_next_spare(k)
         singles = [d["t_ok"] - d["t"] for d in done if not d["during_restart"] and d.get("t_ok")]
         at = k["t"] + second_kill_at * (statistics.median(singles) if singles else 10.0)
         while time.monotonic() < k["t"] + restart_timeout_s and "t_ok" not in k:
@@ -246,6 +272,22 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
                     "after the first")
                 return
             time.sleep(0.05)
+
+    def kill_next_spare(k: dict) -> None:
+        """SIGKILL rank `kill_rank` of the spare set the restart takes, as soon as a STEP showed the failure (the
+        supervisor was told of it: the restart has begun, and a spare set's start takes it some Ray calls more)."""
+        pid = k["spare_pids"][kill_rank]
+        if not k["failure_seen"].wait(restart_timeout_s):
+            return
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:          # (the spare died before: no second kill to report)
+            log(f"second kill: the spare rank the restart takes (pid {pid}) was gone already")
+            return
+        k["second"] = {"pid": pid, "t": time.monotonic(), "after_s": round(time.monotonic() - k["t"], 3),
+                       "spare": True}
+        log(f"second kill: SIGKILL to the spare rank the restart takes (pid {pid}) {k['second']['after_s']:.2f} s "
+            "after the first")
 
     def settle(k: dict) -> bool:
         """Whether the restart after kill `k` has finished the work it left for between steps (its Markov rows,
@@ -283,7 +325,10 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
                 sup = ray.get(fe.status.remote(), timeout=30)["supervisor"]
                 rtt = statistics.median(s["t_recv"] - s["t_send"] for s in steps[-rounds:])
                 killing = {"rank": kill_rank, "pid": pids[kill_rank], "pids": pids, "restarts": sup["restarts"],
-                           "delay_s": rtt / 2, "during_restart": len(done) >= kills}
+                           "delay_s": rtt / 2, "during_restart": len(done) >= kills,
+                           "failure_seen": threading.Event()}
+                if killing["during_restart"] and second_kill_at == 0:
+                    killing["spare_pids"] = next_spare_pids(name, pids)
                 timer = threading.Timer(rtt / 2, fire, args=(killing,))
                 log(f"kill {len(done) + 1} of {kills + kills_during_restart}: SIGKILL to rank {kill_rank} (pid "
                     f"{killing['pid']}) {rtt / 2 * 1e3:.1f} ms into the next STEP"
@@ -314,6 +359,8 @@ def drive(fe, endpoint: str, cfg, limits_rows: int, *, requests: int, rounds: in
                     q.settle(r)
             since += 1
             if killing is not None:
+                if t_recv > killing["t"] and (res is None or not any(r.code == Code.OK for r in res)):
+                    killing["failure_seen"].set()       # the supervisor was told: the restart has begun
                 if res is not None and t_send > killing["t"] and any(r.code == Code.OK for r in res):
                     killing["t_ok"] = t_recv
                     st = ray.get(fe.status.remote(), timeout=30)
@@ -517,7 +564,7 @@ def measure(spec, *, name: str = "restart-bench", requests: int = 2, rounds: int
     try:
         run = drive(fe, endpoint, cfg, max_rows, requests=requests, rounds=rounds, kills=kills, kill_rank=kill_rank,
                     gap_ms=gap_ms, deadline_ms=deadline_ms, seed=seed, restart_timeout_s=restart_timeout_s,
-                    kills_during_restart=kills_during_restart, second_kill_at=second_kill_at)
+                    kills_during_restart=kills_during_restart, second_kill_at=second_kill_at, name=name)
     finally:
         teardown(name)
     steps = run["steps"]
@@ -644,7 +691,8 @@ def main() -> None:
     ap.add_argument("--kills-during-restart", type=int, default=0,
                     help="more kills, each with a second kill of the restarting rank (a kill during a restart)")
     ap.add_argument("--second-kill-at", type=float, default=0.5,
-                    help="when the second kill lands: this fraction of the single kills' p50 after the first")
+                    help="when the second kill lands: this fraction of the single kills' p50 after the first (0: as "
+                         "the restart begins, by state; see the module docstring)")
     ap.add_argument("--kill-rank", type=int, default=0)
     ap.add_argument("--gap-ms", type=float, default=10.0, help="between a reply and the next STEP (the trunk's "
                                                              "forward)")

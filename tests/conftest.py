@@ -6,6 +6,7 @@ import fnmatch
 import os
 import shutil
 import tempfile
+import threading
 import time
 
 import msgspec
@@ -33,25 +34,83 @@ from dspark_ray.protocol.contract import Code  # noqa: E402
 # A test leaves no shared-memory segment and no temp file. The session's temp folder is one made here (TMPDIR, for
 # this process and all it starts: Ray's workers, the CLI's processes): pytest's tmp_path folders and Ray's session
 # (RAY_TMPDIR; its address file too, so `ray.init(address="auto")` in a test finds this session's cluster only)
-# live in it, and anything else left in it at the end, anything new in /dev/shm, or a name of ours new in the
-# host's temp folder (written there directly), fails the run (pytest_sessionfinish). Then the folder goes.
+# live in it, and anything else left in it at the end fails the run (pytest_sessionfinish), as does a name new in
+# /dev/shm, or a name of ours new in the host's temp folder (written there directly), that one of the session's own
+# processes made: the pid in its name (a ring's "<prefix>-<pid>-<hex>", the pattern every segment of ours follows)
+# is one of theirs (SessionProcesses). Another deployment or test session on the host makes names of the same kinds;
+# a name without a pid cannot be told apart, and is not counted. Then the folder goes.
 HOST_TMP = tempfile.gettempdir()
 SESSION_TMP = tempfile.mkdtemp(prefix="dsr-tests-")      # short: Ray's socket paths live under it
 OURS = ("dsr-*", "dr-*", "dspark*", "*.bells")            # names our code and tests give, in the host's temp folder
 SESSION_OWN = ("pytest", "ray", "ray-auth-token")         # pytest's and Ray's, in the session's folder
 
 
+class SessionProcesses:
+    """The pids of the session's processes: pytest and every process started under it, Ray's daemons and workers
+    too (each inherits `MARK` in its environment). A thread looks for new ones every `period_s`, since the names a
+    process made outlive it; each one's pids in inner PID namespaces (tests/test_readme.py) count too."""
+
+    MARK = "DSPARK_TEST_SESSION"
+
+    def __init__(self, token: str, period_s: float = 0.2):
+        os.environ[self.MARK] = token
+        self._mark = f"{self.MARK}={token}".encode()
+        self.pids = {os.getpid()}
+        self._looked: set[int] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, args=(period_s,), name="dsr-session-pids", daemon=True).start()
+
+    def _watch(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            self.look()
+
+    def look(self) -> set[int]:
+        """Take in the session's processes running now; the pids seen so far."""
+        with self._lock:
+            for pid in [int(n) for n in os.listdir("/proc") if n.isdigit()]:
+                if pid not in self._looked:
+                    self._looked.add(pid)
+                    if self._mark in _read(f"/proc/{pid}/environ").split(b"\0"):
+                        self.pids.update(_ns_pids(pid))
+            return set(self.pids)
+
+    def stop(self) -> set[int]:
+        self._stop.set()
+        return self.look()
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:                         # gone meanwhile, or not ours to read
+        return b""
+
+
+def _ns_pids(pid: int) -> set[int]:
+    """`pid` and its pids in the PID namespaces below this one ("NSpid:" of /proc/<pid>/status)."""
+    for line in _read(f"/proc/{pid}/status").decode(errors="replace").splitlines():
+        if line.startswith("NSpid:"):
+            return {int(p) for p in line.split()[1:]}
+    return {pid}
+
+
 def listing(places) -> dict[str, set[str]]:
     return {p: set(os.listdir(p)) if os.path.isdir(p) else set() for p in places}
 
 
-def left_behind(before: dict[str, set[str]], only: tuple[str, ...] = ("*",)) -> list[str]:
-    """The paths new since `before` whose names match a glob of `only`."""
+def left_behind(before: dict[str, set[str]], only: tuple[str, ...] = ("*",), pids: set[int] | None = None
+                ) -> list[str]:
+    """The paths new since `before` whose names match a glob of `only` (and, given `pids`, were made by one of them:
+    the creator's pid in a name of the rings' pattern, transport/ring.py)."""
+    from dspark_ray.transport.ring import ring_owner_pid
     return sorted(os.path.join(p, n) for p, names in listing(tuple(before)).items() for n in names - before[p]
-                  if any(fnmatch.fnmatch(n, g) for g in only))
+                  if any(fnmatch.fnmatch(n, g) for g in only) and (pids is None or ring_owner_pid(n) in pids))
 
 
 BEFORE_SHM, BEFORE_HOST = listing(["/dev/shm"]), listing([HOST_TMP])
+SESSION_PROCESSES = SessionProcesses(SESSION_TMP)
 os.environ["TMPDIR"] = SESSION_TMP
 tempfile.tempdir = SESSION_TMP
 os.environ.setdefault("RAY_TMPDIR", SESSION_TMP)
@@ -68,14 +127,23 @@ def pytest_configure(config):
         config.option.basetemp = os.path.join(SESSION_TMP, "pytest")
 
 
+LEFT_BEHIND: list[str] = []
+
+
 def pytest_sessionfinish(session, exitstatus):
-    left = left_behind(BEFORE_SHM) + left_behind(BEFORE_HOST, OURS) + \
+    pids = SESSION_PROCESSES.stop()
+    LEFT_BEHIND[:] = left_behind(BEFORE_SHM, pids=pids) + left_behind(BEFORE_HOST, OURS, pids) + \
         sorted(os.path.join(SESSION_TMP, n) for n in set(os.listdir(SESSION_TMP)) - set(SESSION_OWN))
     shutil.rmtree(SESSION_TMP, ignore_errors=True)
-    if left:
-        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
-            "the test session left behind (shared memory or temp files):\n  " + "\n  ".join(left), red=True)
+    if LEFT_BEHIND:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if LEFT_BEHIND:
+        terminalreporter.section("left behind by this session (shared memory or temp files)", red=True)
+        for path in LEFT_BEHIND:
+            terminalreporter.write_line(f"  {path}", red=True)
 
 
 def pytest_collection_modifyitems(config, items):

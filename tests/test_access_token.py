@@ -14,7 +14,7 @@ from dspark_ray.protocol import access_token
 from dspark_ray.protocol import contract as C
 from dspark_ray.protocol import wire
 from dspark_ray.client import ClientError, DrafterClient
-from dspark_ray.transport.ring import StepRing
+from dspark_ray.transport.ring import StepRing, ring_owner_pid
 from dspark_ray.transport.tcp import TcpServer
 
 from test_tcp import LIMITS, WAIT_S, FakeFrontEnd, assert_closed_by_server, assert_served, entry, raw
@@ -137,7 +137,8 @@ def test_a_token_file_must_hold_a_token_and_a_new_one_is_private(tmp_path):
 
 # ---- shared memory: HELLO is on TCP; the rings are private ----------------------------------------------------------
 def shm_names() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(C.SHM_RING_PREFIX)}
+    """The client rings this process made (another test session on the host makes its own)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(C.SHM_RING_PREFIX) and ring_owner_pid(n) == os.getpid()}
 
 
 def test_a_shm_client_without_the_token_is_refused_before_any_ring_is_made(server, front):

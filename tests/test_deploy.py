@@ -44,13 +44,15 @@ def pair(ray_cluster, tiny_ckpt):
     teardown("e2e")
 
 
+# A STEP that a test expects answered (OK, or refused for what it holds) carries a 60 s deadline: the client's default
+# 100 ms is a serving engine's, which a loaded 2-core host misses, and these tests are about the answers, not the time.
 def client(pair, **hello):
     c = DrafterClient(pair[1], pair[2], timeout_s=60)
     c.hello(client="test", **hello)
     return c
 
 
-def acquire_when_free(c, n, seconds=5.0):
+def acquire_when_free(c, n, seconds=30.0):
     """Acquire n slots, retrying while slots of closed sessions are still being freed (the server frees them when
     it sees the connection close, asynchronously to the client)."""
     import time
@@ -180,12 +182,12 @@ def test_rounds_over_the_wire_equal_the_in_process_reference_bit_for_bit(pair, c
 
 
 def frees_slots(pair, ray_cluster, n: int, close) -> None:
-    """close() ends a session: within 10 s the front-end holds n slots fewer."""
+    """close() ends a session: within 30 s the front-end holds n slots fewer."""
     def held():
         return ray_cluster.get(pair[0].status.remote())["slots"]["held"]
     before = held()
     close()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while held() > before - n and time.monotonic() < deadline:
         time.sleep(0.1)
     assert held() == before - n
@@ -211,7 +213,7 @@ def test_n_out_prefix_over_the_wire(pair, cfg):
         for n_out in (5, 2):
             (g,) = acquire_when_free(c, 1)
             (r,) = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=9, token_ids=np.arange(7),
-                                      taps=taps, n_out=n_out, want_margins=True)])
+                                      taps=taps, n_out=n_out, want_margins=True)], deadline_ms=60_000)
             outs[n_out] = r
             c.release([g.slot])
     assert np.array_equal(outs[2].drafts_array(), outs[5].drafts_array()[:2])
@@ -226,14 +228,14 @@ def test_bad_entry_fails_alone_and_stale_generation_is_refused(pair, cfg):
         good = make_entry(slot=a.slot, generation=a.generation, seed_token=5, token_ids=[1, 2, 3], taps=taps)
         bad = make_entry(slot=b.slot, generation=b.generation, seed_token=cfg.vocab_size + 7, token_ids=[1, 2, 3],
                          taps=taps)
-        r = c.step([good, bad])
+        r = c.step([good, bad], deadline_ms=60_000)
         assert r[0].code == Code.OK and r[1].code == Code.BAD_ENTRY and "4103" in r[1].reason
         gap = make_entry(slot=a.slot, generation=a.generation, seed_token=5, start_pos=9, token_ids=[1], taps=taps[:1])
-        r = c.step([gap])
+        r = c.step([gap], deadline_ms=60_000)
         assert r[0].code == Code.BAD_ENTRY and "position gap" in r[0].reason
         stale = make_entry(slot=a.slot, generation=a.generation + 1, seed_token=5, start_pos=3, token_ids=[1],
                            taps=taps[:1])
-        r = c.step([stale])
+        r = c.step([stale], deadline_ms=60_000)
         assert r[0].code == Code.STALE_GENERATION and r[0].generation == a.generation
         c.release([a.slot, b.slot])
 
@@ -255,7 +257,7 @@ def test_bad_frames_close_only_their_own_connection(pair, cfg):
                 assert e.errno in (errno.ENOTCONN, errno.ECONNRESET), e
             s.close()
             r = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=1, start_pos=pos,
-                                   token_ids=[3, 4], taps=taps)])
+                                   token_ids=[3, 4], taps=taps)], deadline_ms=60_000)
             assert r[0].code == Code.OK
             pos += 2
 
@@ -300,7 +302,8 @@ def test_a_step_past_its_deadline_answers_deadline(pair, cfg):
                    deadline_ms=1e-6)
         assert r[0].code == Code.DEADLINE
         # Nothing ran: the slot is still fresh, an insert at 0 is accepted.
-        r = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=1, token_ids=[1, 2], taps=taps)])
+        r = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=1, token_ids=[1, 2], taps=taps)],
+                   deadline_ms=60_000)
         assert r[0].code == Code.OK
 
 
@@ -440,7 +443,7 @@ def test_prometheus_counters_move_during_a_run_without_a_status_call(pair, cfg, 
                                       token_ids=[1, 2], taps=taps)], deadline_ms=60_000)
             assert r.code == Code.OK, r.reason
         (r,) = c.step([make_entry(slot=g.slot, generation=g.generation, seed_token=cfg.vocab_size, start_pos=2 * n,
-                                  token_ids=[1, 2], taps=taps)])
+                                  token_ids=[1, 2], taps=taps)], deadline_ms=60_000)
         assert r.code == Code.BAD_ENTRY
         want = {("ray_dspark_steps_total", None): n + 1, ("ray_dspark_answers_total", "ok"): n,
                 ("ray_dspark_answers_total", "bad_entry"): 1, ("ray_dspark_entries_total", None): n,

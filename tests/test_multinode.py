@@ -279,15 +279,11 @@ def test_a_deployment_rides_out_a_lost_node_and_grows_onto_nodes_that_join(clust
 
 
 def remove_rings_of(pid: int) -> None:
-    """The step ring (shared memory and doorbells) of the lost node's front-end, which died without closing it.
-    (Issue 51: a front-end removes a ring whose owner died; until then the test removes its own.)"""
-    import glob
-    import shutil
-    import tempfile
-    for seg in glob.glob(f"/dev/shm/dspark-mn.1-{pid}-*"):
-        os.unlink(seg)
-    for bells in glob.glob(os.path.join(tempfile.gettempdir(), f"dspark-mn.1-{pid}-*.bells")):
-        shutil.rmtree(bells, ignore_errors=True)
+    """The step ring (shared memory and doorbells) of the lost node's front-end, which died without removing it,
+    unless the restarted front-end's sweep took it first: removed as a sweep removes a dead owner's ring (its lock is
+    free), and only that one."""
+    from dspark_ray.transport.ring import remove_orphans
+    remove_orphans(f"dspark-mn.1-{pid}-")
 
 
 def _nodes() -> dict:

@@ -41,10 +41,15 @@ def free_port() -> int:
 
 
 def rings_of(name: str) -> list[str]:
-    """The shared-memory segments and doorbell folders of the worker `name`'s ring (transport/ring.py names)."""
+    """The shared-memory segments and doorbell folders of the worker `name`'s ring (transport/ring.py names) that
+    this session's processes made (another test session on the host may serve a worker of the same name)."""
     import tempfile
-    return ([f for f in os.listdir("/dev/shm") if f.startswith(f"dspark-{name}-")]
-            + [f for f in os.listdir(tempfile.gettempdir()) if f.startswith(f"dspark-{name}-")])
+
+    from conftest import SESSION_PROCESSES
+    from dspark_ray.transport.ring import ring_owner_pid
+    ours = SESSION_PROCESSES.look()
+    return [f for where in ("/dev/shm", tempfile.gettempdir()) for f in os.listdir(where)
+            if f.startswith(f"dspark-{name}-") and ring_owner_pid(f) in ours]
 
 
 def deployed(ray_cluster, name: str) -> dict:

@@ -3,7 +3,7 @@ RPC per step: docs/engine.md, "Measurements behind the step path"). Processes no
 name (segment, doorbell FIFOs) through a picklable `RingHandle`. The segment, in 64-byte lines of uint64 words:
 
     control   magic, layout version, n_readers, n_slots, slot_bytes, completion_bytes, closed, write_seq
-    writer    sleeping flag, pid
+    writer    sleeping flag, pid, locked (1: the writer holds the ring's locks, below)
     reader i  ack (last consumed seq), sleeping flag, start seq, generation, pid          (one line each)
     slot k    seq, payload length, spill-name length, spill name (128-byte header) + slot_bytes of payload
     record i  seq, status, payload length (64-byte header) + completion_bytes of payload   (one per reader)
@@ -17,12 +17,16 @@ on both sides. A waiter spins `spin_us`, then sleeps on its doorbell in naps of 
 A reader acks a message by taking the next or completing it; its view is valid until then. `reset_reader(i)` moves
 index i to the writer's seq and bumps its generation: a restarted reader attaches there, an old one gets RingClosed.
 Each endpoint is used by one thread at a time.
+The writer holds an flock on the segment's file and on a lock file among its doorbells from `create` to `unlink` (or
+its death): `remove_orphans` takes a ring for an orphan only when it can take those locks, which a live owner in any
+PID namespace holds (a pid in a name means nothing to a process in another namespace).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import mmap
 import os
 import platform
@@ -63,6 +67,7 @@ _WORDS_PER_LINE = _LINE // 8
 _C_MAGIC, _C_VERSION, _C_NREADERS, _C_NSLOTS, _C_SLOT_BYTES, _C_COMP_BYTES, _C_CLOSED, _C_WRITE_SEQ = range(8)
 _W_SLEEPING = _WORDS_PER_LINE + 0
 _W_PID = _WORDS_PER_LINE + 1
+_W_LOCKED = _WORDS_PER_LINE + 2
 _R_ACK, _R_SLEEPING, _R_START, _R_GEN, _R_PID = range(5)
 _S_SEQ, _S_LEN, _S_SPILL = 0, 1, 2
 _SLOT_HDR = 128
@@ -71,6 +76,8 @@ _SPILL_NAME_MAX = _SLOT_HDR - _SPILL_NAME_AT
 _K_SEQ, _K_STATUS, _K_LEN = 0, 1, 2
 _COMP_HDR = 64
 
+_BELL_LOCK = "lock"               # the file among a ring's doorbells that its writer holds an flock on
+_YOUNG_S = 60.0                   # a ring without locks this young may be one whose creator has not locked it yet
 _NAME_PREFIX_MAX = 40             # keeps "<prefix>-<pid>-<hex>-x<seq>" inside the 104-byte spill-name field
 
 # A locked instruction is a full barrier on x86, and CPython's Lock acquire/release runs one: pure Python's only fence.
@@ -134,6 +141,12 @@ _SHM_DIR = "/dev/shm"
 _RING_NAME = re.compile(r"(?P<ring>.+-(?P<pid>\d+)-[0-9a-f]{8})(?:-x\d+|\.bells)?")
 
 
+def ring_owner_pid(name: str) -> int | None:
+    """The creator's pid in a name of a ring's (its segment, a spill, its doorbells), or None for another name."""
+    m = _RING_NAME.fullmatch(name)
+    return int(m["pid"]) if m is not None else None
+
+
 def process_started_at(pid: int) -> float | None:
     """When process `pid` started (epoch seconds), or None when there is no such process."""
     try:
@@ -160,28 +173,75 @@ def owner_alive(pid: int, made_at: float) -> bool:
 
 def remove_orphans(prefix: str = "dspark-") -> list[str]:
     """Remove (and return) this host's rings whose owner is gone (docs/operations.md, "Leftovers")."""
-    found: dict[str, list[str]] = {}
-    places = [(_SHM_DIR, n) for n in _listdir(_SHM_DIR)] + [(tempfile.gettempdir(), n)
-                                                            for n in _listdir(tempfile.gettempdir())]
-    for where, n in places:
-        m = _RING_NAME.fullmatch(n)
-        if m is None or not n.startswith(prefix):
-            continue
-        path = os.path.join(where, n)
-        try:
-            made_at = os.stat(path).st_mtime
-        except OSError:
-            continue
-        if not owner_alive(int(m["pid"]), made_at):
-            found.setdefault(m["ring"], []).append(path)
-    for paths in found.values():
-        for path in paths:
+    rings: dict[str, list[str]] = {}
+    for where in (_SHM_DIR, tempfile.gettempdir()):
+        for n in _listdir(where):
+            m = _RING_NAME.fullmatch(n)
+            if m is not None and n.startswith(prefix):
+                rings.setdefault(m["ring"], []).append(os.path.join(where, n))
+    gone = sorted(ring for ring, paths in rings.items() if not _owner_may_run(ring, paths))
+    for ring in gone:
+        for path in rings[ring]:
             if os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-    return sorted(found)
+    return gone
+
+
+def _owner_may_run(ring: str, paths: list[str]) -> bool:
+    """Whether the writer of `ring` (its names `paths`) may still run: while it runs it holds its locks. A ring
+    without them (made before rings took locks, or caught between its creation and its lock) is judged by its pid,
+    and left alone while young; in doubt, yes."""
+    seg = os.path.join(_SHM_DIR, ring)
+    bells = [p for p in paths if p.endswith(".bells")]
+    locks = [_lock_state(seg, mark_at=_W_LOCKED * 8)] + [_lock_state(os.path.join(b, _BELL_LOCK)) for b in bells]
+    if "held" in locks:
+        return True
+    if "free" in locks:                     # its writer took the lock and let go of it: it unlinked, or died
+        return False
+    made_at = min((_mtime(p) for p in paths), default=None)
+    if made_at is None:                     # its names went meanwhile
+        return False
+    pid = int(_RING_NAME.fullmatch(ring)["pid"])
+    return time.time() - made_at < _YOUNG_S or owner_alive(pid, made_at)
+
+
+def _lock_state(path: str, mark_at: int | None = None) -> str | None:
+    """"held" or "free": the flock on `path`, which its writer took; None: no such file, or (`mark_at`: the offset
+    of the writer's "locked" word) one its writer never locked."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        if mark_at is not None and os.pread(fd, 8, mark_at) != (1).to_bytes(8, "little"):
+            return None
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return "free"
+    except BlockingIOError:
+        return "held"
+    finally:
+        os.close(fd)                        # (and with it the lock, if this took it)
+
+
+def _mtime(path: str) -> float | None:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None
+
+
+def _take_lock(path: str, flags: int = os.O_RDONLY) -> int:
+    """An fd of `path` holding its flock: held until closed, or until this process dies."""
+    fd = os.open(path, flags, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _listdir(path: str) -> list[str]:
@@ -332,10 +392,11 @@ class _End:
 class RingWriter(_End):
     """The front-end's end: `publish` steps, `wait_completions` for them, `reset_reader` after a restart."""
 
-    def __init__(self, handle: RingHandle, shm: shared_memory.SharedMemory):
+    def __init__(self, handle: RingHandle, shm: shared_memory.SharedMemory, locks: list[int]):
         super().__init__(handle, "writer")
         lay, n_r = self._lay, handle.n_readers
         self._shm = shm
+        self._locks = locks                     # fds holding the ring's flocks until unlink (module docstring)
         self._buf = shm.buf
         self._w = _words(shm.buf[:lay.total])
         self._bell = _Bell(handle.writer_bell)
@@ -513,6 +574,9 @@ class RingWriter(_End):
         except FileNotFoundError:
             pass
         shutil.rmtree(self._h.bell_dir, ignore_errors=True)
+        for fd in self._locks:                  # last: the names are gone, nothing is left to take for an orphan
+            os.close(fd)
+        self._locks = []
 
     def __enter__(self) -> "RingWriter":
         return self
@@ -693,15 +757,25 @@ class StepRing:
         bell_dir = os.path.join(tempfile.gettempdir(), f"{name}.bells")
         h = RingHandle(name, n_readers, n_slots, slot_bytes, completion_bytes, bell_dir, float(spin_us),
                        float(nap_s), max(int(max_message_bytes), slot_bytes))
-        os.mkdir(bell_dir, 0o700)
+        # The segment first, locked, then the doorbells: whoever sees any name of the ring sees a held lock.
+        shm = shared_memory.SharedMemory(name=name, create=True, size=_Layout(h).total)
+        locks: list[int] = []
         try:
+            locks.append(_take_lock(os.path.join(_SHM_DIR, name)))
+            w = _words(shm.buf)
+            w[_W_LOCKED] = 1
+            w.release()
+            os.mkdir(bell_dir, 0o700)
+            locks.append(_take_lock(os.path.join(bell_dir, _BELL_LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL))
             for i in range(n_readers):
                 os.mkfifo(h.reader_bell(i), 0o600)
             os.mkfifo(h.writer_bell, 0o600)
-            lay = _Layout(h)
-            shm = shared_memory.SharedMemory(name=name, create=True, size=lay.total)
         except BaseException:
             shutil.rmtree(bell_dir, ignore_errors=True)
+            shm.close()
+            shm.unlink()
+            for fd in locks:
+                os.close(fd)
             raise
         w = _words(shm.buf)
         w[_C_VERSION] = _VERSION
@@ -712,7 +786,7 @@ class StepRing:
         w[_W_PID] = os.getpid()
         w[_C_MAGIC] = _MAGIC                  # last: a reader that sees the magic sees the sizes
         w.release()
-        return RingWriter(h, shm)
+        return RingWriter(h, shm, locks)
 
     @staticmethod
     def attach(handle: RingHandle, reader_index: int) -> RingReader:
