@@ -184,7 +184,10 @@ def stopped_by_signals():
 
 
 def shut_down(name: str, why: str, bound_s: float) -> int:
-    """Remove the deployment within `bound_s`, further signals ignored: 0 when gone, 1 when the bound ran out."""
+    """Remove the deployment within `bound_s`, further signals ignored: 0 when gone, 1 when the bound ran out. Where
+    the cluster's GCS stops answering meanwhile (a signal to the whole process group stops an embedded Ray, or a
+    `ray start --head` in the group, at once), the workers went with it: `cluster_gone` ends the process."""
+    import ray
     from .actors.placement import teardown
     from . import http_gateway as http
     from .transport.ring import remove_orphans
@@ -199,6 +202,7 @@ def shut_down(name: str, why: str, bound_s: float) -> int:
     quiet_serve_logs()
     print(f"{why}: stopping {name} ...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
+    gcs = ray.get_runtime_context().gcs_address
     step = {"now": "the HTTP app"}
 
     def run():
@@ -210,13 +214,47 @@ def shut_down(name: str, why: str, bound_s: float) -> int:
         step["now"] = None
     t = threading.Thread(target=run, name="dspark-stop", daemon=True)
     t.start()
-    t.join(bound_s)
+    misses = 0
+    while step["now"] is not None and time.monotonic() - t0 < bound_s:
+        t.join(min(GCS_PROBE_S, max(0.0, bound_s - (time.monotonic() - t0))))
+        misses = 0 if step["now"] is None or gcs_answers(gcs) else misses + 1
+        if misses >= 2:              # twice, GCS_PROBE_S apart: not a connect lost once
+            cluster_gone(name, gcs, t0)
     if step["now"] is not None:
         print(f"dspark-ray {name}: not stopped within {bound_s:g} s (still removing {step['now']})",
               file=sys.stderr, flush=True)
         return 1
     print(f"stopped {name} in {time.monotonic() - t0:.1f} s", flush=True)
     return 0
+
+
+GCS_PROBE_S = 0.5       # how often a teardown asks whether the cluster's GCS still takes connections
+
+
+def gcs_answers(address: str, timeout_s: float = GCS_PROBE_S) -> bool:
+    """Whether the GCS at "host:port" takes a connection: a plain connect, since Ray's own calls wait a minute for a
+    GCS that is gone."""
+    import socket
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def cluster_gone(name: str, gcs: str, t0: float) -> None:
+    """The GCS is gone, and the workers with their cluster: remove what they left on this host (their rings and
+    doorbells), say so, and exit 0 at once, since Ray's core worker would wait a minute for the GCS, then abort."""
+    import re
+    from .client.endpoints import worker_pattern
+    from .transport.ring import remove_orphans, remove_rings
+    rings = remove_rings(re.compile(rf"dspark-{worker_pattern(name).pattern}")) + remove_orphans()
+    print(f"the Ray cluster's GCS at {gcs} no longer answers (stopped with this command, or lost): {name}'s "
+          f"workers went with it; removed its rings on this host: {', '.join(rings) or 'none left'}",
+          file=sys.stderr, flush=True)
+    print(f"stopped {name} in {time.monotonic() - t0:.1f} s", flush=True)
+    os._exit(0)
 
 
 def is_loopback(host: str) -> bool:
