@@ -534,17 +534,23 @@ def _auth_of(name: str) -> dict | None:
 
 
 def cmd_endpoints(a) -> int:
-    """The deployment's STEP endpoints from the endpoint table (only the GCS is asked, no Ray driver); where its
-    token is, on stderr."""
+    """The deployment's STEP endpoints from the endpoint table (only the GCS is asked, no Ray driver): `-` / null for
+    a worker that serves nowhere now, a stale entry (its owner gone) named on stderr with why; where its token is, on
+    stderr. Exit 3 when a worker does not serve."""
     from .client.endpoints import Directory
     try:
         directory = Directory(a.address)
-        eps = directory.endpoints(a.name)
+        entries = directory.entries(a.name)
         auth = (directory.deployment(a.name) or {}).get("auth")
     except (LookupError, ConnectionError, ValueError) as e:
         print(f"dspark-ray endpoints: {e}", file=sys.stderr)
         return 1
+    eps = {w: e["endpoint"] if e["live"] else None for w, e in entries.items()}
     print(json.dumps(eps) if a.json else ",".join(ep or "-" for ep in eps.values()))
+    for w, e in entries.items():
+        if not e["live"]:
+            said = f"stale entry {e['endpoint']}" if e["stale"] else "not serving"
+            print(f"{w}: {said}: {e['why']}", file=sys.stderr)
     print(token_line(auth, a.name), file=sys.stderr)
     return 0 if all(eps.values()) else 3
 
@@ -571,13 +577,13 @@ def cmd_token(a) -> int:
 
 
 def cmd_stop(a) -> int:
-    from .actors.placement import find_workers, teardown
+    """Remove the deployment, saying what was removed of each worker; exit 1 when there was nothing to remove."""
+    from .actors.placement import teardown
     from . import http_gateway as http
     from .transport.ring import remove_orphans
     if not joined("stop", a.address, start=False, to=sys.stderr):
         return 1
     quiet_serve_logs()
-    names = [w for w, _ in find_workers(a.name)] or [a.name]
     had_http = http.stop(a.name)
     removed = teardown(a.name)
     gone = remove_orphans()
@@ -587,8 +593,19 @@ def cmd_stop(a) -> int:
     if not (had_http or removed):
         print(f"no deployment named {a.name!r}", file=sys.stderr)
         return 1
-    print(f"stopped {', '.join(names)}")
+    if had_http:
+        print(f"stopped {a.name}-http (its HTTP app)")
+    for w, parts in removed.items():
+        print(f"stopped {w}: {removed_words(parts)}")
     return 0
+
+
+def removed_words(parts: list[str]) -> str:
+    """What `teardown` removed of one worker, in a line: "removed its front-end, placement group and endpoint entry";
+    a worker without its front-end any more is said to have had none to stop."""
+    said = parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+    gone = "" if "front-end" in parts else " (its front-end was gone already)"
+    return f"removed its {said}{gone}"
 
 
 def cmd_step(a) -> int:

@@ -78,6 +78,7 @@ def frontend_actor_class():
             cpus = self.spec.frontend_cpus
             self.node_ip = ray.util.get_node_ip_address()
             self.node_id = ray.get_runtime_context().get_node_id()
+            self.actor_id = ray.get_runtime_context().get_actor_id()   # readers of its entry check it lives
             self.host, self.name = host, name
             self.directory = Directory(ray.get_runtime_context().gcs_address)
             reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
@@ -142,7 +143,8 @@ def frontend_actor_class():
                 self.directory.publish_worker(
                     self.name, state=state, endpoint=self.server.endpoint if state == "serving" else None,
                     host=self.host, port=self.server.port, node_id=self.node_id, node_ip=self.node_ip,
-                    cards=[p["cards"] for p in self.pair.placement], tp=self.spec.tp, pid=os.getpid())
+                    cards=[p["cards"] for p in self.pair.placement], tp=self.spec.tp, pid=os.getpid(),
+                    actor_id=self.actor_id)
             except ConnectionError as e:        # the table is for finding workers; serving goes on without it
                 log.warning("front-end %s: endpoint table not updated (%s): %s", self.name, state, e)
 
