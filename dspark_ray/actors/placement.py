@@ -137,7 +137,8 @@ def _frontend(spec: PairSpec, name: str, pg, host: str, port: int, detach: bool,
     from ..spec import SAFE_ENV
     from .frontend import frontend_actor_class
     _, rank_res, fe_res = bundles(spec.tp, spec.device.startswith("cuda"))
-    opts = dict(fe_res, name=f"{name}-frontend", namespace=NAMESPACE, max_restarts=3,
+    # Ray restarts it however often its node is lost; its own deaths have a budget of their own (frontend.py).
+    opts = dict(fe_res, name=f"{name}-frontend", namespace=NAMESPACE, max_restarts=-1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=spec.tp),
                 runtime_env={"env_vars": {**SAFE_ENV, **settings().as_env(), "OMP_NUM_THREADS": "1",
                                           "PYTHONUNBUFFERED": "1"}})

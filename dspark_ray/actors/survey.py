@@ -61,7 +61,8 @@ def _row(worker: str, rec: dict | None, ref, answered: bool, has_frontend: bool,
         row["state"] = "unavailable" if status.get("unavailable") else SERVING
         row["why"] = status.get("unavailable")
     elif not has_frontend:
-        row["state"], row["why"] = "gone", "no front-end: it died more often than Ray restarts it, or was killed"
+        row["state"] = "gone"
+        row["why"] = rec.get("why") or "no front-end: it gave up after its own restarts, or was killed"
     elif group == "PENDING" and not rec:
         row["state"], row["why"] = "waiting for room", "no node has room for its placement group yet"
     elif node is not None and not node["alive"]:

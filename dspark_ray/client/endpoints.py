@@ -175,7 +175,7 @@ def _entry(rec: dict | None, nodes: dict, states: dict) -> dict:
         return {"endpoint": None, "live": False, "stale": False, "why": "no entry: not placed yet"}
     if rec.get("state") != "serving" or not rec.get("endpoint"):
         return {"endpoint": None, "live": False, "stale": False,
-                "why": f"its front-end is {rec.get('state', 'not serving')}"}
+                "why": rec.get("why") or f"its front-end is {rec.get('state', 'not serving')}"}
     why, stale = None, True
     node = nodes.get(rec.get("node_id"))
     state = states.get(rec.get("actor_id"), "DEAD") if rec.get("actor_id") else "ALIVE"
