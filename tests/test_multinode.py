@@ -47,6 +47,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def cluster():
     import ray
     from ray.cluster_utils import Cluster
+    from dspark_ray.client.cluster_join import use_ray_token
+    # Token authentication on from the head's start: a node added once this process turned it on (as it does when it
+    # first reads the endpoint table) would refuse every request of a head started without it, placements included.
+    use_ray_token()
     with without_the_shared_ray():
         c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False,
                                                               _system_config=FAST_NODE_DEATH))
@@ -293,7 +297,7 @@ def test_node_losses_do_not_use_up_a_workers_restarts(cluster, tiny_ckpt):
     import re
     from dspark_ray.client.endpoints import Directory
     from dspark_ray.transport.ring import remove_rings
-    for _ in range(3):               # room for it after each of 4 losses (nodes added now, as the head was started)
+    for _ in range(3):               # with the fixture's two, room for it after each of 4 losses
         cluster.add_node(num_cpus=ROOM)
     spec = PairSpec(checkpoint=str(tiny_ckpt), tp=1, n_slots=2, collective_timeout_s=3.0)
     workers = deploy_workers(spec, 1, name="nl")            # (held: Ray ends a driver's actor it holds no handle of)
