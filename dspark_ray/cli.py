@@ -184,7 +184,10 @@ def stopped_by_signals():
 
 
 def shut_down(name: str, why: str, bound_s: float) -> int:
-    """Remove the deployment within `bound_s`, further signals ignored: 0 when gone, 1 when the bound ran out."""
+    """Remove the deployment within `bound_s`, further signals ignored: 0 when gone, 1 when the bound ran out. Where
+    the cluster's GCS stops answering meanwhile (a signal to the whole process group stops an embedded Ray, or a
+    `ray start --head` in the group, at once), the workers went with it: `cluster_gone` ends the process."""
+    import ray
     from .actors.placement import teardown
     from . import http_gateway as http
     from .transport.ring import remove_orphans
@@ -199,6 +202,7 @@ def shut_down(name: str, why: str, bound_s: float) -> int:
     quiet_serve_logs()
     print(f"{why}: stopping {name} ...", file=sys.stderr, flush=True)
     t0 = time.monotonic()
+    gcs = ray.get_runtime_context().gcs_address
     step = {"now": "the HTTP app"}
 
     def run():
@@ -210,13 +214,47 @@ def shut_down(name: str, why: str, bound_s: float) -> int:
         step["now"] = None
     t = threading.Thread(target=run, name="dspark-stop", daemon=True)
     t.start()
-    t.join(bound_s)
+    misses = 0
+    while step["now"] is not None and time.monotonic() - t0 < bound_s:
+        t.join(min(GCS_PROBE_S, max(0.0, bound_s - (time.monotonic() - t0))))
+        misses = 0 if step["now"] is None or gcs_answers(gcs) else misses + 1
+        if misses >= 2:              # twice, GCS_PROBE_S apart: not a connect lost once
+            cluster_gone(name, gcs, t0)
     if step["now"] is not None:
         print(f"dspark-ray {name}: not stopped within {bound_s:g} s (still removing {step['now']})",
               file=sys.stderr, flush=True)
         return 1
     print(f"stopped {name} in {time.monotonic() - t0:.1f} s", flush=True)
     return 0
+
+
+GCS_PROBE_S = 0.5       # how often a teardown asks whether the cluster's GCS still takes connections
+
+
+def gcs_answers(address: str, timeout_s: float = GCS_PROBE_S) -> bool:
+    """Whether the GCS at "host:port" takes a connection: a plain connect, since Ray's own calls wait a minute for a
+    GCS that is gone."""
+    import socket
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def cluster_gone(name: str, gcs: str, t0: float) -> None:
+    """The GCS is gone, and the workers with their cluster: remove what they left on this host (their rings and
+    doorbells), say so, and exit 0 at once, since Ray's core worker would wait a minute for the GCS, then abort."""
+    import re
+    from .client.endpoints import worker_pattern
+    from .transport.ring import remove_orphans, remove_rings
+    rings = remove_rings(re.compile(rf"dspark-{worker_pattern(name).pattern}")) + remove_orphans()
+    print(f"the Ray cluster's GCS at {gcs} no longer answers (stopped with this command, or lost): {name}'s "
+          f"workers went with it; removed its rings on this host: {', '.join(rings) or 'none left'}",
+          file=sys.stderr, flush=True)
+    print(f"stopped {name} in {time.monotonic() - t0:.1f} s", flush=True)
+    os._exit(0)
 
 
 def is_loopback(host: str) -> bool:
@@ -517,17 +555,23 @@ def _auth_of(name: str) -> dict | None:
 
 
 def cmd_endpoints(a) -> int:
-    """The deployment's STEP endpoints from the endpoint table (only the GCS is asked, no Ray driver); where its
-    token is, on stderr."""
+    """The deployment's STEP endpoints from the endpoint table (only the GCS is asked, no Ray driver): `-` / null for
+    a worker that serves nowhere now, a stale entry (its owner gone) named on stderr with why; where its token is, on
+    stderr. Exit 3 when a worker does not serve."""
     from .client.endpoints import Directory
     try:
         directory = Directory(a.address)
-        eps = directory.endpoints(a.name)
+        entries = directory.entries(a.name)
         auth = (directory.deployment(a.name) or {}).get("auth")
     except (LookupError, ConnectionError, ValueError) as e:
         print(f"dspark-ray endpoints: {e}", file=sys.stderr)
         return 1
+    eps = {w: e["endpoint"] if e["live"] else None for w, e in entries.items()}
     print(json.dumps(eps) if a.json else ",".join(ep or "-" for ep in eps.values()))
+    for w, e in entries.items():
+        if not e["live"]:
+            said = f"stale entry {e['endpoint']}" if e["stale"] else "not serving"
+            print(f"{w}: {said}: {e['why']}", file=sys.stderr)
     print(token_line(auth, a.name), file=sys.stderr)
     return 0 if all(eps.values()) else 3
 
@@ -554,13 +598,13 @@ def cmd_token(a) -> int:
 
 
 def cmd_stop(a) -> int:
-    from .actors.placement import find_workers, teardown
+    """Remove the deployment, saying what was removed of each worker; exit 1 when there was nothing to remove."""
+    from .actors.placement import teardown
     from . import http_gateway as http
     from .transport.ring import remove_orphans
     if not joined("stop", a.address, start=False, to=sys.stderr):
         return 1
     quiet_serve_logs()
-    names = [w for w, _ in find_workers(a.name)] or [a.name]
     had_http = http.stop(a.name)
     removed = teardown(a.name)
     gone = remove_orphans()
@@ -570,8 +614,19 @@ def cmd_stop(a) -> int:
     if not (had_http or removed):
         print(f"no deployment named {a.name!r}", file=sys.stderr)
         return 1
-    print(f"stopped {', '.join(names)}")
+    if had_http:
+        print(f"stopped {a.name}-http (its HTTP app)")
+    for w, parts in removed.items():
+        print(f"stopped {w}: {removed_words(parts)}")
     return 0
+
+
+def removed_words(parts: list[str]) -> str:
+    """What `teardown` removed of one worker, in a line: "removed its front-end, placement group and endpoint entry";
+    a worker without its front-end any more is said to have had none to stop."""
+    said = parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+    gone = "" if "front-end" in parts else " (its front-end was gone already)"
+    return f"removed its {said}{gone}"
 
 
 def cmd_step(a) -> int:

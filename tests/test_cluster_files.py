@@ -147,3 +147,13 @@ def test_every_cluster_file_runs_ray_with_token_authentication_and_serves_with_a
     head_sh, worker_sh = (CLUSTER / "start-head.sh").read_text(), (CLUSTER / "start-worker.sh").read_text()
     assert "ray get-auth-token --generate" in head_sh and 'dspark-ray token --new "$token"' in head_sh
     assert 'dspark-ray serve --detach --token-file "$token"' in head_sh and "~/.ray/auth_token" in worker_sh
+
+
+# ---- stopping (issue 64) --------------------------------------------------------------------------------------------
+def test_the_systemd_unit_stops_serve_before_ray(monkeypatch):
+    """`systemctl stop` signals serve alone (KillMode=mixed), so its teardown runs while the unit's Ray head is up;
+    `ray stop` comes after it, and systemd waits past serve's own bound before it kills what is left."""
+    unit = dict(re.findall(r"^(\w+)=(.*)$", (CLUSTER / "dspark-ray.service").read_text(), re.M))
+    assert unit["KillMode"] == "mixed" and unit["ExecStopPost"].endswith("ray stop")
+    a = parsed_serve(monkeypatch, serve_args(unit["ExecStart"]))
+    assert float(unit["TimeoutStopSec"]) > a.stop_timeout, (unit["TimeoutStopSec"], a.stop_timeout)

@@ -128,9 +128,16 @@ def test_a_pool_over_two_pairs_answers_bit_for_bit_and_a_dead_worker_fails_alone
         assert [s["down"] is None for s in pool.status()] == [True, False]
 
 
-def test_teardown_removes_every_worker(two):
-    """Also the placement group of worker 1, whose front-end the test above killed."""
-    teardown("multi")
+def test_teardown_removes_every_worker(two, ray_cluster):
+    """Also the placement group of worker 1, whose front-end the test above killed: its entry, which that front-end
+    never removed, is stale until then (`endpoints`, from_deployment), and teardown names what it removed of each
+    worker, both (issue 64: `stop` named only the workers whose front-end was alive)."""
+    from dspark_ray.client.endpoints import Directory
+    entries = Directory(ray_cluster.get_runtime_context().gcs_address).entries("multi")
+    assert entries["multi.0"]["live"] and entries["multi.1"]["stale"], entries
+    assert entries["multi.1"]["why"].startswith("its front-end (pid "), entries
+    assert teardown("multi") == {"multi.0": ["front-end", "placement group"],
+                                 "multi.1": ["placement group", "endpoint entry"]}
     assert find_workers("multi") == []
     from ray.util import placement_group_table
     assert not [p for p in placement_group_table().values()

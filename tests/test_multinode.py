@@ -290,3 +290,38 @@ def _nodes() -> dict:
     import ray
     from dspark_ray.client.endpoints import Directory
     return Directory(ray.get_runtime_context().gcs_address).nodes()
+
+
+def test_node_losses_do_not_use_up_a_workers_restarts(cluster, tiny_ckpt):
+    """Ray counted every restart against the front-end's max_restarts (3), node losses too: after a 4th lost node a
+    worker stayed gone with its placement group held (issue 64). Now a lost node is not counted: after 4 losses in a
+    row the worker serves again, with none of its own restarts used."""
+    import re
+    from dspark_ray.client.endpoints import Directory
+    from dspark_ray.transport.ring import remove_rings
+    for _ in range(3):               # with the fixture's two, room for it after each of 4 losses
+        cluster.add_node(num_cpus=ROOM)
+    spec = PairSpec(checkpoint=str(tiny_ckpt), tp=1, n_slots=2, collective_timeout_s=3.0)
+    workers = deploy_workers(spec, 1, name="nl")            # (held: Ray ends a driver's actor it holds no handle of)
+    directory = Directory(cluster.address)
+    pids = []
+    try:
+        for loss in range(1, 5):
+            before = directory.workers("nl")["nl"]
+            pids.append(before["pid"])
+            victim = next(n for n in cluster.worker_nodes if n.node_id == before["node_id"])
+            t = time.monotonic()
+            victim.kill_raylet()
+            entry = wait_for(f"nl serving again after loss {loss}", lambda: (
+                (e := directory.workers("nl")["nl"]) and e["state"] == "serving" and e["node_id"] != before["node_id"]
+                and directory.entries("nl")["nl"]["live"] and e), 120)
+            print(f"loss {loss}: nl serving again on node {entry['node_id'][:8]} {time.monotonic() - t:.1f} s after "
+                  f"its node's raylet was killed")
+            assert entry["own_failures"] == 0, entry
+        (row,) = survey("nl")
+        assert row["state"] == "serving", row
+    finally:
+        teardown("nl")
+        del workers
+    wait_for("the lost nodes' front-ends gone", lambda: not any(alive(p) for p in pids), 30)
+    remove_rings(re.compile(r"dspark-nl"))          # theirs, which no front-end of this host outlived to remove

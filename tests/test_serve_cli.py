@@ -144,6 +144,42 @@ def test_detached_serve_prints_no_warning_and_stop_removes_it_then_says_nothing_
     assert again.returncode == 1 and f"no deployment named {name!r}" in again.stderr, again.stdout + again.stderr
 
 
+def test_a_serve_killed_outright_leaves_a_stale_entry_that_endpoints_marks_and_stop_removes(ray_cluster, tiny_ckpt,
+                                                                                              tmp_path):
+    """kill -9 of a `serve` in the foreground: Ray ends the workers it owned, but their endpoint entry stays.
+    `endpoints` marks it stale, naming the endpoint, and exits 3; a pool built from the deployment does not take it
+    for live; `stop` removes the entry, says so, exits 0, and leaves nothing of the deployment (issue 64)."""
+    from dspark_ray.client.pool import DrafterPool
+    name = "k64"
+    env = dict(cli_env(), DSPARK_CACHE=str(tmp_path))
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        p = subprocess.Popen(cli("serve", "--checkpoint", str(tiny_ckpt), "--tp", "1", "--name", name,
+                                 "--address", address(ray_cluster)), cwd=ROOT, env=env, stdout=out,
+                             stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 300
+        while "serving; Ctrl-C or SIGTERM to stop" not in open(log).read():
+            assert p.poll() is None and time.monotonic() < deadline, open(log).read()
+            time.sleep(0.5)
+        p.kill()
+        p.wait(30)
+    endpoint = open(log).read().split("STEP endpoint ", 1)[1].split()[0]
+    deadline = time.monotonic() + 60           # Ray ends the driver's actors once it sees the driver gone
+    while deployed(ray_cluster, name)["actors"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert deployed(ray_cluster, name)["actors"] == []
+    eps = run_cli(ray_cluster, "endpoints", "--name", name, env=env)
+    assert eps.returncode == 3 and eps.stdout.strip() == "-", eps.stdout + eps.stderr
+    assert f"{name}: stale entry {endpoint}: its front-end (pid " in eps.stderr, eps.stderr
+    pool = DrafterPool.from_deployment(address(ray_cluster), name)
+    assert [(w["name"], w["endpoint"]) for w in pool.status()] == [(name, None)]
+    pool.close()
+    down = run_cli(ray_cluster, "stop", "--name", name, env=env)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert down.stdout == f"stopped {name}: removed its endpoint entry (its front-end was gone already)\n", down.stdout
+    assert deployed(ray_cluster, name) == NOTHING
+
+
 @pytest.mark.parametrize("args,why", [
     (["--host", "0.0.0.0"], "--host 0.0.0.0 serves beyond this host, to engines that must hold the deployment's "
                             "token: make one with `dspark-ray token --new PATH`"),

@@ -29,6 +29,19 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+# A front-end that dies on a live node is restarted by Ray at most this many times; a restart after its node was
+# lost is not counted (Ray's own max_restarts counts both: a deployment lost its workers after 4 lost nodes).
+OWN_RESTARTS = 3
+
+
+def own_failures(last: dict, nodes: dict) -> int:
+    """A restarted front-end's own deaths so far, the one it was restarted after included unless its node was lost:
+    from its previous process's entry (`last`, {} when none was read) and the cluster's nodes (Directory.nodes)."""
+    before = int(last.get("own_failures", 0))
+    node = nodes.get(last.get("node_id") or "")
+    return before if node is not None and not node["alive"] else before + 1
+
+
 def frontend_actor_class():
     import ray
 
@@ -78,14 +91,19 @@ def frontend_actor_class():
             cpus = self.spec.frontend_cpus
             self.node_ip = ray.util.get_node_ip_address()
             self.node_id = ray.get_runtime_context().get_node_id()
+            self.actor_id = ray.get_runtime_context().get_actor_id()   # readers of its entry check it lives
             self.host, self.name = host, name
             self.directory = Directory(ray.get_runtime_context().gcs_address)
             reconstructed = ray.get_runtime_context().was_current_actor_reconstructed
-            last = self._last_record() if reconstructed else {}
+            last = self._last_entry() if reconstructed else {}
             # Restarted on another node: Ray moves a placement group only when its node dies (`status` says so).
             self.moved_from = ({"node_id": last["node_id"], "node_ip": last.get("node_ip")}
                                if last.get("node_id") not in (None, self.node_id) else None)
-            for p in self._ports(port, reconstructed, last):
+            self.own_failures = own_failures(last, self._nodes()) if reconstructed else 0
+            if self.own_failures > OWN_RESTARTS:
+                self._give_up(pg)
+                return
+            for p in self._ports(port, last):
                 try:
                     self.server = TcpServer(self.service, host=host, port=p, spin_us=self.spec.spin_us,
                                             on_thread_start=lambda: pin_thread(cpus, f"front-end {name} endpoint"),
@@ -128,21 +146,44 @@ def frontend_actor_class():
                      else "no token: whoever reaches the endpoint may HELLO")
             return self.server.endpoint
 
-        def _ports(self, port: int, reconstructed: bool, last: dict) -> list[int]:
-            """Ports to try. After a Ray restart, first the one served on, if on this node (a fixed-endpoint client
-            finds it again), and a free one last (the endpoint table tells clients)."""
-            if not reconstructed:
-                return [port]
-            first = [last["port"]] if last.get("node_id") == self.node_id and last.get("port") else []
-            return list(dict.fromkeys(first + [port, 0]))
-
-        def _last_record(self) -> dict:
-            """This worker's entry in the endpoint table, as its previous process left it."""
+        def _last_entry(self) -> dict:
+            """The entry the previous process of this front-end left in the table ({} when none is to be read)."""
             try:
                 return self.directory.workers_by_name([self.name]).get(self.name) or {}
             except ConnectionError as e:
                 log.warning("front-end %s: the endpoint table does not answer: %s", self.name, e)
                 return {}
+
+        def _nodes(self) -> dict:
+            try:
+                return self.directory.nodes()
+            except ConnectionError as e:
+                log.warning("front-end %s: the node table does not answer: %s", self.name, e)
+                return {}
+
+        def _ports(self, port: int, last: dict) -> list[int]:
+            """Ports to try. After a Ray restart (`last`: the previous process's entry), first the one served on, if
+            on this node (a fixed-endpoint client finds it again), and a free one last (the table tells clients)."""
+            if not last:
+                return [port]
+            first = [last["port"]] if last.get("node_id") == self.node_id and last.get("port") else []
+            return list(dict.fromkeys(first + [port, 0]))
+
+        def _give_up(self, pg) -> None:
+            """Past its own restart budget: say so in its entry and the log, and hand itself and its placement
+            group to a helper that ends both for good (release.py)."""
+            from .release import release_worker
+            why = (f"gave up after its front-end died {self.own_failures} times on a live node (Ray restarts it "
+                   f"{OWN_RESTARTS} times; a lost node does not count): its placement group was released")
+            log.error("front-end %s %s", self.name, why)
+            self.ring.unlink()
+            try:
+                self.directory.publish_worker(self.name, state="gave up", why=why, endpoint=None,
+                                              node_id=self.node_id, node_ip=self.node_ip, pid=os.getpid(),
+                                              actor_id=self.actor_id, own_failures=self.own_failures)
+            except ConnectionError as e:
+                log.warning("front-end %s: endpoint table not updated (gave up): %s", self.name, e)
+            release_worker(self.name, pg)
 
         def _publish(self, state: str) -> None:
             try:
@@ -150,7 +191,8 @@ def frontend_actor_class():
                     self.name, state=state, endpoint=self.server.endpoint if state == "serving" else None,
                     host=self.host, port=self.server.port, node_id=self.node_id, node_ip=self.node_ip,
                     cards=[p["cards"] for p in self.pair.placement], tp=self.spec.tp, pid=os.getpid(),
-                    moved_from=self.moved_from)
+                    moved_from=self.moved_from, actor_id=self.actor_id,
+                    own_failures=self.own_failures)
             except ConnectionError as e:        # the table is for finding workers; serving goes on without it
                 log.warning("front-end %s: endpoint table not updated (%s): %s", self.name, state, e)
 

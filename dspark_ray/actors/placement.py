@@ -137,7 +137,8 @@ def _frontend(spec: PairSpec, name: str, pg, host: str, port: int, detach: bool,
     from ..spec import SAFE_ENV
     from .frontend import frontend_actor_class
     _, rank_res, fe_res = bundles(spec.tp, spec.device.startswith("cuda"))
-    opts = dict(fe_res, name=f"{name}-frontend", namespace=NAMESPACE, max_restarts=3,
+    # Ray restarts it however often its node is lost; its own deaths have a budget of their own (frontend.py).
+    opts = dict(fe_res, name=f"{name}-frontend", namespace=NAMESPACE, max_restarts=-1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=spec.tp),
                 runtime_env={"env_vars": {**SAFE_ENV, **settings().as_env(), "OMP_NUM_THREADS": "1",
                                           "PYTHONUNBUFFERED": "1"}})
@@ -169,9 +170,10 @@ def find_workers(name: str = "dspark") -> list[tuple[str, object]]:
     return [(w, find(w)) for w in found]
 
 
-def teardown(name: str = "dspark", timeout_s: float = 30.0) -> list[str]:
+def teardown(name: str = "dspark", timeout_s: float = 30.0) -> dict[str, list[str]]:
     """Remove every worker of `name`, placed or not: front-ends (running ones shut down within `timeout_s`, the
-    rest killed), placement groups, endpoint entries. Returns the names removed."""
+    rest killed), placement groups, endpoint entries. Returns, per worker, what of it was removed ("front-end",
+    "placement group", "endpoint entry"), the deployment's own entry under its name where no worker had one."""
     import ray
     from ray.util import placement_group_table
     from ray.util.placement_group import get_placement_group
@@ -188,24 +190,30 @@ def teardown(name: str = "dspark", timeout_s: float = 30.0) -> list[str]:
     done, late = ray.wait(list(shutdowns), num_returns=len(shutdowns), timeout=timeout_s) if shutdowns else ([], [])
     for ref in late + [r for r in done if _failed(r)]:      # killed below
         log.warning("worker %s did not shut down cleanly; killing it", shutdowns[ref])
-    removed = []
+    removed: dict[str, list[str]] = {}
     for w, fe in handles:
         ray.kill(fe)
-        removed.append(f"{w}-frontend")
+        removed.setdefault(w, []).append("front-end")
     pat = worker_pattern(name)
     for pg in placement_group_table().values():
         pg_name = pg.get("name") or ""
         if pg.get("state") != "REMOVED" and pg_name.endswith("-pg") and pat.fullmatch(pg_name[:-len("-pg")]):
             try:
                 ray.util.remove_placement_group(get_placement_group(pg_name))
-                removed.append(pg_name)
+                removed.setdefault(pg_name[:-len("-pg")], []).append("placement group")
             except Exception:
                 pass
     try:
-        directory.remove(name)
+        keys = directory.remove(name)
     except ConnectionError as e:
         log.warning("deployment %s: its endpoint table entries stay: %s", name, e)
-    return removed
+        keys = []
+    entries = [k[len("worker/"):] for k in keys if k.startswith("worker/")]
+    if not entries and f"deployment/{name}" in keys:
+        entries = [name]
+    for w in entries:
+        removed.setdefault(w, []).append("endpoint entry")
+    return dict(sorted(removed.items(), key=lambda kv: (len(kv[0]), kv[0])))
 
 
 def _failed(ref) -> bool:

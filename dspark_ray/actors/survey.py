@@ -81,7 +81,8 @@ def _row(worker: str, rec: dict | None, status: dict | None, why: str | None, ha
     if status is not None and not status.get("unavailable"):
         row["state"], row["why"] = SERVING, None
     elif not has_frontend:
-        row["state"], row["why"] = "gone", "no front-end: it died more often than Ray restarts it, or was killed"
+        row["state"] = "gone"
+        row["why"] = rec.get("why") or "no front-end: it gave up after its own restarts, or was killed"
     elif lost is not None:
         row["state"] = NODE_DEAD
         row["why"] = _node_dead_why(lost, row, group, status)

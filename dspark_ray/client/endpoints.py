@@ -5,6 +5,7 @@ token where the process holds one (cluster_join.py).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import socket
@@ -103,18 +104,18 @@ class Directory:
                                                                            timeout=self.timeout_s))
         return None if blob is None else blob.decode()
 
-    def remove(self, name: str) -> None:
-        """The deployment `name`, its token and every record of its workers."""
+    def remove(self, name: str) -> list[str]:
+        """The deployment `name`, its token and every record of its workers; returns the keys that were there."""
         pat = worker_pattern(name)
         keys = self._call("listing workers", lambda g: g.internal_kv_keys(b"worker/", KV_NAMESPACE,
                                                                             timeout=self.timeout_s))
-        for k in keys:
-            if pat.fullmatch(k.decode()[len("worker/"):]):
-                self._call(f"removing {k!r}", lambda g: g.internal_kv_del(k, False, KV_NAMESPACE,
-                                                                           timeout=self.timeout_s))
-        for key in (f"token/{name}", f"deployment/{name}"):
-            self._call(f"removing {key}", lambda g: g.internal_kv_del(key.encode(), False, KV_NAMESPACE,
-                                                                       timeout=self.timeout_s))
+        keys = [k.decode() for k in keys if pat.fullmatch(k.decode()[len("worker/"):])]
+        removed = []
+        for key in keys + [f"token/{name}", f"deployment/{name}"]:
+            if self._call(f"removing {key}", lambda g: g.internal_kv_del(key.encode(), False, KV_NAMESPACE,
+                                                                          timeout=self.timeout_s)):
+                removed.append(key)
+        return removed
 
     def deployment(self, name: str) -> dict | None:
         blob = self._call(f"reading deployment/{name}", lambda g: g.internal_kv_get(
@@ -139,10 +140,70 @@ class Directory:
         info = self._call("reading the nodes", lambda g: g.get_all_node_info(timeout=self.timeout_s))
         return {nid.hex(): {"ip": n.node_manager_address, "alive": n.state == 0} for nid, n in info.items()}
 
-    def endpoints(self, name: str) -> dict[str, str | None]:
-        """{worker: "host:port" where it serves now, or None (not placed yet, starting, or its node dead)}."""
+    def actor_states(self, actor_ids: list[str]) -> dict[str, str]:
+        """{actor id (hex): its state in the cluster's actor table: "ALIVE", "RESTARTING", "DEAD", ...}; an id the
+        table does not hold is left out."""
+        from ray._raylet import ActorID
+        from ray.core.generated.gcs_pb2 import ActorTableData
+
+        async def ask(g):
+            got = await asyncio.gather(*(g.async_get_all_actor_info(actor_id=ActorID.from_hex(a),
+                                                                    timeout=self.timeout_s) for a in actor_ids))
+            return {k.hex(): ActorTableData.ActorState.Name(v.state) for d in got for k, v in d.items()}
+        return self._call("reading the actor table", lambda g: _on_a_loop_of_its_own(ask(g), self.timeout_s))
+
+    def entries(self, name: str) -> dict[str, dict]:
+        """{worker: {"endpoint": where its entry says it serves (or None), "live": whether it serves there now,
+        "stale": whether its entry says `serving` though its owner is gone, "why": why not live (None when it is)}}.
+        An entry that says `serving` is live while Ray holds its node and its front-end (`actor_id`) alive; stale
+        when either is dead (a front-end killed outright, or with the `serve` that owned it, never removes it)."""
         workers = self.workers(name)
+        ids = [r["actor_id"] for r in workers.values() if r and r.get("state") == "serving" and r.get("actor_id")]
+        states = self.actor_states(ids) if ids else {}
         nodes = self.nodes()
-        return {w: rec["endpoint"] if rec and rec.get("state") == "serving" and rec.get("endpoint")
-                and nodes.get(rec.get("node_id"), {}).get("alive") else None
-                for w, rec in workers.items()}
+        return {w: _entry(rec, nodes, states) for w, rec in workers.items()}
+
+    def endpoints(self, name: str) -> dict[str, str | None]:
+        """{worker: "host:port" where it serves now, or None (not placed yet, starting, its node dead, or its
+        front-end gone)}."""
+        return {w: e["endpoint"] if e["live"] else None for w, e in self.entries(name).items()}
+
+
+def _entry(rec: dict | None, nodes: dict, states: dict) -> dict:
+    """One worker's entry as `Directory.entries` reads it; `stale`: it says `serving`, but its owner is gone."""
+    if rec is None:
+        return {"endpoint": None, "live": False, "stale": False, "why": "no entry: not placed yet"}
+    if rec.get("state") != "serving" or not rec.get("endpoint"):
+        return {"endpoint": None, "live": False, "stale": False,
+                "why": rec.get("why") or f"its front-end is {rec.get('state', 'not serving')}"}
+    why, stale = None, True
+    node = nodes.get(rec.get("node_id"))
+    state = states.get(rec.get("actor_id"), "DEAD") if rec.get("actor_id") else "ALIVE"
+    if not (node and node["alive"]):
+        why = f"its node {str(rec.get('node_id'))[:8]} ({rec.get('node_ip')}) is dead"
+    elif state == "DEAD":
+        why = (f"its front-end (pid {rec.get('pid')} on {rec.get('node_ip')}) is gone: the serve that owned it "
+               f"ended, or it was killed")
+    elif state == "RESTARTING":
+        why, stale = "its front-end is restarting", False
+    return {"endpoint": rec["endpoint"], "live": why is None, "stale": why is not None and stale, "why": why}
+
+
+def _on_a_loop_of_its_own(coro, timeout_s: float):
+    """Run `coro` on a new event loop in a thread of its own, within `timeout_s` (+1 s): the caller may be inside
+    a running loop of its own (an asyncio engine), where it can neither start another nor block its own."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = asyncio.run(coro)
+        except BaseException as e:          # handed to the caller
+            out["error"] = e
+    t = threading.Thread(target=run, name="dspark-gcs-read", daemon=True)
+    t.start()
+    t.join(timeout_s + 1.0)
+    if t.is_alive():
+        raise TimeoutError(f"no answer within {timeout_s + 1.0:g} s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]

@@ -793,3 +793,22 @@ class StepRing:
         """Attach as reader `reader_index`, from its start seq (0, or the writer's seq at `reset_reader`)."""
         _require_x86_64()
         return RingReader(handle, reader_index)
+
+
+def remove_rings(prefix: re.Pattern) -> list[str]:
+    """Remove (and return) this host's rings whose `StepRing.create` prefix fullmatches `prefix`, whatever their
+    owner's state: for a deployment that ends while its front-ends cannot remove their own (its cluster is gone)."""
+    found: dict[str, list[str]] = {}
+    for where in (_SHM_DIR, tempfile.gettempdir()):
+        for n in _listdir(where):
+            m = _RING_NAME.fullmatch(n)
+            if m is not None and prefix.fullmatch(m["ring"][:m.start("pid") - 1]):
+                found.setdefault(m["ring"], []).append(os.path.join(where, n))
+    for paths in found.values():
+        for path in paths:
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+    return sorted(found)
