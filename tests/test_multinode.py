@@ -52,8 +52,8 @@ def rays_token_on_every_node(monkeypatch) -> None:
     assert use_ray_token()
 
 
-@pytest.fixture
-def cluster(monkeypatch):
+def small_cluster(monkeypatch, nodes: int):
+    """A head with no CPUs and `nodes` nodes with room for one tiny pair each, Ray's fast node death, joined."""
     import ray
     from ray.cluster_utils import Cluster
     rays_token_on_every_node(monkeypatch)
@@ -61,13 +61,18 @@ def cluster(monkeypatch):
         c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False,
                                                               _system_config=FAST_NODE_DEATH))
         try:
-            for _ in range(2):
+            for _ in range(nodes):
                 c.add_node(num_cpus=ROOM)
             ray.init(address=c.address, namespace="dspark", log_to_driver=False, logging_level=logging.WARNING)
             yield c
         finally:
             ray.shutdown()
             c.shutdown()
+
+
+@pytest.fixture
+def cluster(monkeypatch):
+    yield from small_cluster(monkeypatch, nodes=2)
 
 
 class Request:

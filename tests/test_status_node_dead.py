@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import glob
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -20,8 +19,8 @@ from dspark_ray.actors.placement import deploy_workers, teardown
 from dspark_ray.client.endpoints import Directory
 from dspark_ray.spec import PairSpec
 
-from conftest import PAIR_BACKEND, without_the_shared_ray
-from test_multinode import FAST_NODE_DEATH, ROOM, ROOT, alive, rays_token_on_every_node, wait_for
+from conftest import PAIR_BACKEND
+from test_multinode import ROOM, ROOT, alive, small_cluster, wait_for
 
 pytestmark = pytest.mark.slow
 if PAIR_BACKEND != "gloo":
@@ -35,19 +34,7 @@ CALL_BOUND_S = 20.0           # the whole command: Python, Ray's import and the 
 def one_node(monkeypatch):
     """A head with no CPUs and one node with room for one tiny pair: a worker whose node dies has nowhere to go
     until the test adds a node."""
-    import ray
-    from ray.cluster_utils import Cluster
-    rays_token_on_every_node(monkeypatch)
-    with without_the_shared_ray():
-        c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False,
-                                                              _system_config=FAST_NODE_DEATH))
-        try:
-            c.add_node(num_cpus=ROOM)
-            ray.init(address=c.address, namespace="dspark", log_to_driver=False, logging_level=logging.WARNING)
-            yield c
-        finally:
-            ray.shutdown()
-            c.shutdown()
+    yield from small_cluster(monkeypatch, nodes=1)
 
 
 class Calls:
