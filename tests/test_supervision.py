@@ -23,6 +23,9 @@ from dspark_ray.rank.modes import make_drafter
 from conftest import PAIR_BACKEND, deploy_pair
 
 STEP_TIMEOUT = 4.0
+# A pair's restart starts new processes that import torch and load the weights: seconds alone, over a minute on a
+# 2-core host loaded by another suite and busy loops. What these tests bound is the STEPs, not the restart's pace.
+RESTART_BOUND_S = 180.0
 
 
 class Request:
@@ -75,14 +78,16 @@ def _status(ray_cluster, fe):
     return ray_cluster.get(fe.status.remote(), timeout=30)
 
 
-def _wait_serving(ray_cluster, fe, timeout=60):
+def _wait_serving(ray_cluster, fe, timeout=RESTART_BOUND_S):
     t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
+    while True:
         st = _status(ray_cluster, fe)
         if not st["unavailable"] and not st["supervisor"]["restarting"]:
             return st
+        if time.monotonic() - t0 > timeout:
+            pytest.fail(f"the pair did not come back within {timeout:g} s: unavailable {st['unavailable']!r}, "
+                        f"supervisor {st['supervisor']}")
         time.sleep(0.1)
-    pytest.fail("the pair did not come back")
 
 
 def _client(sup):
@@ -167,8 +172,10 @@ def test_dead_hung_or_timed_out_rank_fails_closed_and_restarts_the_pair(sup, ray
 
 
 def test_a_frozen_rank_never_holds_a_step_past_its_deadline(sup, ray_cluster, cfg):
-    """SIGSTOP of a rank mid-load: every STEP is answered by its deadline (+ 50 ms), DEADLINE while the pair is
-    stuck and UNAVAILABLE once it is known bad, then the pair restarts and drafts equal the reference again."""
+    """SIGSTOP of a rank mid-load: every STEP in flight while the rank is frozen, until the pair is replaced, is
+    answered by its deadline (+ 50 ms), DEADLINE while the pair is stuck and UNAVAILABLE once it is known bad; then
+    the pair restarts and drafts equal the reference again. (The STEPs of a healthy pair, before and after, are not
+    the claim: on a host starved by busy loops they miss a 300 ms deadline by as much as the host delays them.)"""
     import signal
     import threading
     fe, _, _, ref = sup
@@ -200,12 +207,14 @@ def test_a_frozen_rank_never_holds_a_step_past_its_deadline(sup, ray_cluster, cf
     frozen = time.monotonic()
     try:
         while True:                          # the stopped rank is found out (DEADLINE meanwhile) and replaced
-            st = _wait_serving(ray_cluster, fe, timeout=90)
-            if st["supervisor"]["restarts"] > before["supervisor"]["restarts"] or time.monotonic() > frozen + 90:
+            st = _wait_serving(ray_cluster, fe)
+            if st["supervisor"]["restarts"] > before["supervisor"]["restarts"] or \
+                    time.monotonic() > frozen + RESTART_BOUND_S:
                 break
             time.sleep(0.1)
-        back = time.monotonic()
-        t_end = back + 60
+        # when the supervisor had the new pair serving (its wall-clock stamp, on this process's clock)
+        back = time.monotonic() - (time.time() - st["supervisor"]["last_restart"].get("serving", time.time()))
+        t_end = time.monotonic() + RESTART_BOUND_S
         while time.monotonic() < t_end and not errors and \
                 sum(1 for t0, _, c in list(rows) if t0 > back and c == Code.OK) < 6:
             time.sleep(0.1)
@@ -219,7 +228,8 @@ def test_a_frozen_rank_never_holds_a_step_past_its_deadline(sup, ray_cluster, cf
             pass
     assert not errors, errors
     assert st["supervisor"]["restarts"] == before["supervisor"]["restarts"] + 1
-    late = [(round(t0 - frozen, 2), round(ms, 1), c.name) for t0, ms, c in rows if ms > deadline_ms + slack_ms]
+    late = [(round(t0 - frozen, 2), round(ms, 1), c.name) for t0, ms, c in rows
+            if t0 + ms / 1e3 >= frozen and t0 <= back and ms > deadline_ms + slack_ms]
     assert not late, f"answered after deadline + {slack_ms:g} ms: {late}"
     after = [c for t0, _, c in rows if t0 >= frozen]
     assert Code.DEADLINE in after and Code.UNAVAILABLE in after, sorted(set(after))
@@ -240,8 +250,8 @@ def test_a_dead_front_end_is_restarted_and_recreates_its_pair(sup, ray_cluster):
                 break
         except Exception:
             pass
-        if time.monotonic() - t0 > 90:
-            pytest.fail("the front-end did not come back")
+        if time.monotonic() - t0 > RESTART_BOUND_S:
+            pytest.fail(f"the front-end did not come back within {RESTART_BOUND_S:g} s")
         time.sleep(0.5)
     assert all(p not in pids for p in (x["pid"] for x in st["ranks"]))
     assert st["worker_generation"] > before["worker_generation"]
