@@ -173,21 +173,32 @@ def owner_alive(pid: int, made_at: float) -> bool:
 
 def remove_orphans(prefix: str = "dspark-") -> list[str]:
     """Remove (and return) this host's rings whose owner is gone (docs/operations.md, "Leftovers")."""
+    rings = _rings_here(lambda n, m: n.startswith(prefix))
+    gone = sorted(ring for ring, paths in rings.items() if not _owner_may_run(ring, paths))
+    for ring in gone:
+        _remove_names(rings[ring])
+    return gone
+
+
+def _rings_here(keep) -> dict[str, list[str]]:
+    """This host's rings whose names `keep(name, match)` keeps: ring -> the paths of its names (segment, spills,
+    doorbells)."""
     rings: dict[str, list[str]] = {}
     for where in (_SHM_DIR, tempfile.gettempdir()):
         for n in _listdir(where):
             m = _RING_NAME.fullmatch(n)
-            if m is not None and n.startswith(prefix):
+            if m is not None and keep(n, m):
                 rings.setdefault(m["ring"], []).append(os.path.join(where, n))
-    gone = sorted(ring for ring, paths in rings.items() if not _owner_may_run(ring, paths))
-    for ring in gone:
-        for path in rings[ring]:
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-    return gone
+    return rings
+
+
+def _remove_names(paths: list[str]) -> None:
+    for path in paths:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def _owner_may_run(ring: str, paths: list[str]) -> bool:
@@ -204,8 +215,7 @@ def _owner_may_run(ring: str, paths: list[str]) -> bool:
     made_at = min((_mtime(p) for p in paths), default=None)
     if made_at is None:                     # its names went meanwhile
         return False
-    pid = int(_RING_NAME.fullmatch(ring)["pid"])
-    return time.time() - made_at < _YOUNG_S or owner_alive(pid, made_at)
+    return time.time() - made_at < _YOUNG_S or owner_alive(ring_owner_pid(ring), made_at)
 
 
 def _lock_state(path: str, mark_at: int | None = None) -> str | None:
@@ -798,17 +808,7 @@ class StepRing:
 def remove_rings(prefix: re.Pattern) -> list[str]:
     """Remove (and return) this host's rings whose `StepRing.create` prefix fullmatches `prefix`, whatever their
     owner's state: for a deployment that ends while its front-ends cannot remove their own (its cluster is gone)."""
-    found: dict[str, list[str]] = {}
-    for where in (_SHM_DIR, tempfile.gettempdir()):
-        for n in _listdir(where):
-            m = _RING_NAME.fullmatch(n)
-            if m is not None and prefix.fullmatch(m["ring"][:m.start("pid") - 1]):
-                found.setdefault(m["ring"], []).append(os.path.join(where, n))
+    found = _rings_here(lambda n, m: prefix.fullmatch(m["ring"][:m.start("pid") - 1]))
     for paths in found.values():
-        for path in paths:
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+        _remove_names(paths)
     return sorted(found)
