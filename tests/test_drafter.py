@@ -196,6 +196,20 @@ def test_n_out_k_is_the_prefix_of_n_out_5_bit_for_bit(tp1):
         assert torch.equal(part.margins, full.margins[:, :k])
 
 
+def test_a_drafter_that_consumes_its_weights_stacks_each_expert_once_and_drafts_the_same(cfg, full_weights, tp1):
+    """The rank hands the drafter its only copy (`consume=True`): each routed expert leaves the dict as it is
+    stacked, so the full preset needs the experts' 25 GiB once, not twice (it did not fit one H100 beside the
+    engine); the answers are the non-consuming drafter's bit for bit."""
+    mine = dict(full_weights)
+    d = Drafter(cfg, [mine], consume=True)
+    routed = [k for k in full_weights if ".ffn.experts." in k]
+    assert routed and not any(k in mine for k in routed)
+    assert all(k in mine for k in full_weights if k not in routed)
+    a = d.draft([filled(d, 9)], [21], 5, want_margins=True)
+    b = tp1.draft([filled(tp1, 9)], [21], 5, want_margins=True)
+    assert same(a, b) and torch.equal(a.margins, b.margins)
+
+
 def test_margins_do_not_change_the_drafts(tp1):
     a = tp1.draft([filled(tp1, 9)], [21], 5, want_margins=True)
     b = tp1.draft([filled(tp1, 9)], [21], 5, want_margins=False)

@@ -38,7 +38,7 @@ class DraftOut(HeadOut):
 
 
 class _Block:
-    def __init__(self, cfg: DrafterConfig, n: int, shards: list[Weights], rope: Rope, fp8_kv: bool):
+    def __init__(self, cfg: DrafterConfig, n: int, shards: list[Weights], rope: Rope, fp8_kv: bool, consume: bool):
         p = f"mtp.{n}."
         w0 = shards[0]
         hc = dict(m=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
@@ -54,9 +54,10 @@ class _Block:
                              scaling=cfg.routed_scaling_factor)
         e = p + "ffn.experts."
         s = p + "ffn.shared_experts."
-        self.experts = [Experts([w[f"{e}{i}.w1.weight"] for i in range(cfg.n_routed_experts)],
-                                [w[f"{e}{i}.w3.weight"] for i in range(cfg.n_routed_experts)],
-                                [w[f"{e}{i}.w2.weight"] for i in range(cfg.n_routed_experts)],
+        take = dict.pop if consume else dict.__getitem__
+        self.experts = [Experts([take(w, f"{e}{i}.w1.weight") for i in range(cfg.n_routed_experts)],
+                                [take(w, f"{e}{i}.w3.weight") for i in range(cfg.n_routed_experts)],
+                                [take(w, f"{e}{i}.w2.weight") for i in range(cfg.n_routed_experts)],
                                 (w[s + "w1.weight"], w[s + "w3.weight"], w[s + "w2.weight"]),
                                 limit=cfg.swiglu_limit)
                         for w in shards]
@@ -86,7 +87,9 @@ class _Block:
 class Drafter:
     def __init__(self, cfg: DrafterConfig, shards: list[Weights], vocab_starts: list[int] | None = None,
                  coll: Collectives | None = None, *, fp8_kv: bool = False, conf_threshold: float = 0.5,
-                 markov_cache: int = 0, kernels: ops.Kernels = ops.EXACT):
+                 markov_cache: int = 0, kernels: ops.Kernels = ops.EXACT, consume: bool = False):
+        """`consume`: the shards are the caller's only copy; each block's routed experts leave them as they are
+        stacked, so the experts need their memory once, not twice (the full preset's: 25 GiB, not 50)."""
         self.cfg = cfg
         if not isinstance(kernels, ops.Kernels):
             raise TypeError(f"kernels {kernels!r} are not an ops.Kernels (kernels.gemm.kernels_for builds them)")
@@ -104,7 +107,7 @@ class Drafter:
         self.rope = Rope(cfg.qk_rope_head_dim, cfg.rope_theta, dev)
         self.embed = w0["embed.weight"]
         self.main_proj, self.main_norm = w0["mtp.0.main_proj.weight"], w0["mtp.0.main_norm.weight"]
-        self.blocks = [_Block(cfg, n, shards, self.rope, fp8_kv) for n in range(cfg.n_blocks)]
+        self.blocks = [_Block(cfg, n, shards, self.rope, fp8_kv, consume) for n in range(cfg.n_blocks)]
         last = f"mtp.{cfg.n_blocks - 1}."
         self.hyper_head = HyperHead(w0[last + "hc_head_fn"], w0[last + "hc_head_base"], w0[last + "hc_head_scale"],
                                     hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)

@@ -136,7 +136,7 @@ class RankWorker:
                            timeout_s=self.spec.collective_timeout_s)
         with self._phase("drafter"):
             drafter = Drafter(cfg, [self.weights], [self.layout.vocab_range(self.rank)[0]], coll,
-                              kernels=self.kernels)
+                              kernels=self.kernels, consume=True)
             self.weights = None      # the drafter holds what it uses (routed experts stacked: the originals go)
         cuda = self.spec.device.startswith("cuda")
         graphs = self.spec.graphs is not False

@@ -194,7 +194,8 @@ def generate(trunk: Trunk, jobs: list[JobSpec] | list[list[int]], *, mode: str, 
             if out is not None:
                 for k, j in enumerate(jobs):
                     verified[(j.identifier, j.sequences[0].kv_position)] = out[k].tolist()
-            for k, m in enumerate(getattr(draft_model, "last_margins", [])):
+            # exllamav3 skips the drafter when no job has finished its prefill: the margins are the last call's
+            for k, m in enumerate(getattr(draft_model, "last_margins", []) if out is not None else []):
                 if m is not None:
                     run.margins[(jobs[k].identifier, jobs[k].sequences[0].kv_position)] = m.tolist()
             return out
