@@ -558,7 +558,7 @@ def cmd_endpoints(a) -> int:
     """The deployment's STEP endpoints from the endpoint table (only the GCS is asked, no Ray driver): `-` / null for
     a worker that serves nowhere now, a stale entry (its owner gone) named on stderr with why; where its token is, on
     stderr. Exit 3 when a worker does not serve."""
-    from .client.endpoints import Directory
+    from .client.endpoints import Directory, live_endpoints
     try:
         directory = Directory(a.address)
         entries = directory.entries(a.name)
@@ -566,7 +566,7 @@ def cmd_endpoints(a) -> int:
     except (LookupError, ConnectionError, ValueError) as e:
         print(f"dspark-ray endpoints: {e}", file=sys.stderr)
         return 1
-    eps = {w: e["endpoint"] if e["live"] else None for w, e in entries.items()}
+    eps = live_endpoints(entries)
     print(json.dumps(eps) if a.json else ",".join(ep or "-" for ep in eps.values()))
     for w, e in entries.items():
         if not e["live"]:

@@ -166,7 +166,12 @@ class Directory:
     def endpoints(self, name: str) -> dict[str, str | None]:
         """{worker: "host:port" where it serves now, or None (not placed yet, starting, its node dead, or its
         front-end gone)}."""
-        return {w: e["endpoint"] if e["live"] else None for w, e in self.entries(name).items()}
+        return live_endpoints(self.entries(name))
+
+
+def live_endpoints(entries: dict[str, dict]) -> dict[str, str | None]:
+    """{worker: its endpoint where its entry (`Directory.entries`) is live, else None}."""
+    return {w: e["endpoint"] if e["live"] else None for w, e in entries.items()}
 
 
 def _entry(rec: dict | None, nodes: dict, states: dict) -> dict:
