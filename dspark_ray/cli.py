@@ -228,6 +228,7 @@ def shut_down(name: str, why: str, bound_s: float) -> int:
     return 0
 
 
+RINGS_LET_GO_S = 5.0    # how long a teardown whose cluster is gone waits for its front-ends' ring locks to go
 GCS_PROBE_S = 0.5       # how often a teardown asks whether the cluster's GCS still takes connections
 
 
@@ -249,9 +250,17 @@ def cluster_gone(name: str, gcs: str, t0: float) -> None:
     import re
     from .client.endpoints import worker_pattern
     from .transport.ring import remove_orphans, remove_rings
-    rings = remove_rings(re.compile(rf"dspark-{worker_pattern(name).pattern}")) + remove_orphans()
+    ours = re.compile(rf"dspark-{worker_pattern(name).pattern}")
+    rings, held = remove_rings(ours, gcs)
+    until = time.monotonic() + RINGS_LET_GO_S
+    while held and time.monotonic() < until:     # its front-ends are ending with the cluster: their locks go with them
+        time.sleep(0.1)
+        gone, held = remove_rings(ours, gcs)
+        rings += gone
+    rings += remove_orphans()
     print(f"the Ray cluster's GCS at {gcs} no longer answers (stopped with this command, or lost): {name}'s "
-          f"workers went with it; removed its rings on this host: {', '.join(rings) or 'none left'}",
+          f"workers went with it; removed its rings on this host: {', '.join(rings) or 'none left'}"
+          + (f"; left {', '.join(held)}: a live process holds them (another cluster's {name}?)" if held else ""),
           file=sys.stderr, flush=True)
     print(f"stopped {name} in {time.monotonic() - t0:.1f} s", flush=True)
     os._exit(0)

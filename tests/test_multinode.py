@@ -301,9 +301,8 @@ def test_node_losses_do_not_use_up_a_workers_restarts(cluster, tiny_ckpt):
     """Ray counted every restart against the front-end's max_restarts (3), node losses too: after a 4th lost node a
     worker stayed gone with its placement group held (issue 64). Now a lost node is not counted: after 4 losses in a
     row the worker serves again, with none of its own restarts used."""
-    import re
     from dspark_ray.client.endpoints import Directory
-    from dspark_ray.transport.ring import remove_rings
+    from dspark_ray.transport.ring import remove_orphans
     for _ in range(3):               # with the fixture's two, room for it after each of 4 losses
         cluster.add_node(num_cpus=ROOM)
     spec = PairSpec(checkpoint=str(tiny_ckpt), tp=1, n_slots=2, collective_timeout_s=3.0)
@@ -329,4 +328,5 @@ def test_node_losses_do_not_use_up_a_workers_restarts(cluster, tiny_ckpt):
         teardown("nl")
         del workers
     wait_for("the lost nodes' front-ends gone", lambda: not any(alive(p) for p in pids), 30)
-    remove_rings(re.compile(r"dspark-nl"))          # theirs, which no front-end of this host outlived to remove
+    for pid in pids:                # theirs, which no front-end of this host outlived to remove; only theirs
+        remove_orphans(f"dspark-nl-{pid}-")

@@ -327,7 +327,8 @@ def test_a_live_owners_ring_survives_remove_orphans_whatever_its_pid_says(where)
     vanished to a sweep outside), and removes the same ring once the owner died."""
     import subprocess
     import sys
-    from dspark_ray.transport.ring import remove_orphans
+    import re
+    from dspark_ray.transport.ring import remove_orphans, remove_rings
     if where == "another PID namespace":
         prefix, fake = pid_namespace_prefix(), 0
         if prefix is None:
@@ -344,9 +345,15 @@ def test_a_live_owners_ring_survives_remove_orphans_whatever_its_pid_says(where)
         pid = int(name.rsplit("-", 2)[1])
         assert pid != owner.pid and (fake == 0 or pid == fake)       # its name's pid is not its pid here
         assert remove_orphans(f"dspark-owner-test-{pid}-") == []
+        # a deployment's teardown whose cluster is gone takes its name's rings so too (cli.cluster_gone)
+        gone, held = remove_rings(re.compile("dspark-owner-test"))
+        assert name in held and name not in gone
         assert _names(name) == [name] and os.path.isdir(bells)
     finally:
         owner.stdin.close()
         owner.wait(30)
-    assert remove_orphans(f"dspark-owner-test-{pid}-") == [name]
+    if where == "another PID namespace":
+        assert remove_orphans(f"dspark-owner-test-{pid}-") == [name]
+    else:
+        assert name in remove_rings(re.compile("dspark-owner-test"))[0]
     assert _names(name) == [] and not os.path.exists(bells)

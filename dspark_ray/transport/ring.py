@@ -159,6 +159,34 @@ def process_started_at(pid: int) -> float | None:
     return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
+def _running(pid: int) -> bool:
+    """Whether `pid` names a process here that is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _stranded(pid: int | None, gone_gcs: str | None) -> bool:
+    """Whether `pid` is a Ray worker of this host whose raylet (RAY_RAYLET_PID in its environment) no longer runs,
+    or serves the cluster whose GCS, `gone_gcs`, is gone (its `--gcs-address`)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except (OSError, TypeError):
+        return False
+    raylet = next((e.split(b"=", 1)[1] for e in env if e.startswith(b"RAY_RAYLET_PID=")), b"")
+    if not raylet.isdigit() or not _running(pid):
+        return False
+    try:
+        with open(f"/proc/{int(raylet)}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return True
+    return not _running(int(raylet)) or (gone_gcs is not None and f"--gcs-address={gone_gcs}".encode() in args)
+
+
 def owner_alive(pid: int, made_at: float) -> bool:
     """Whether the process that made a name at `made_at` still runs (not a younger one on its pid); in doubt, yes."""
     try:
@@ -805,10 +833,14 @@ class StepRing:
         return RingReader(handle, reader_index)
 
 
-def remove_rings(prefix: re.Pattern) -> list[str]:
-    """Remove (and return) this host's rings whose `StepRing.create` prefix fullmatches `prefix`, whatever their
-    owner's state: for a deployment that ends while its front-ends cannot remove their own (its cluster is gone)."""
+def remove_rings(prefix: re.Pattern, gone_gcs: str | None = None) -> tuple[list[str], list[str]]:
+    """This host's rings whose `StepRing.create` prefix fullmatches `prefix`: (those removed, their owner gone or
+    stranded; those left, their owner may still serve). Another cluster's deployment of the same name on this host
+    keeps its rings: a ring is taken only when its locks are free, or its owner is a Ray worker whose raylet is gone
+    or serves the cluster of `gone_gcs` (it waits out Ray's minute for its GCS, then aborts, removing nothing)."""
     found = _rings_here(lambda n, m: prefix.fullmatch(m["ring"][:m.start("pid") - 1]))
-    for paths in found.values():
-        _remove_names(paths)
-    return sorted(found)
+    gone = sorted(ring for ring, paths in found.items()
+                  if not _owner_may_run(ring, paths) or _stranded(ring_owner_pid(ring), gone_gcs))
+    for ring in gone:
+        _remove_names(found[ring])
+    return gone, sorted(set(found) - set(gone))
