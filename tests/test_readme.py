@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,11 +42,6 @@ def test_readme_shows_every_command_a_newcomer_needs():
     assert 'exec dspark-ray demo "$@"' in open(os.path.join(ROOT, "run.sh")).read()
     body = [ln for ln in open(os.path.join(ROOT, "test.sh")).read().splitlines() if ln and not ln.startswith("#")]
     assert body[:2] == ["set -e", 'source "$(dirname "$0")/scripts/env.sh"'], body[:2]
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
 
 
 def run_readme(tmp: str) -> dict:
@@ -86,16 +80,17 @@ def run_readme(tmp: str) -> dict:
     return {"ran": ran, "failed": None}
 
 
-@pytest.mark.skipif(not _port_free(6379), reason="a Ray head already listens on 6379 (README: `ray start --head`)")
-@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
-                    reason="needs unshare as root: the README's `ray stop` must see only this run's Ray")
+@pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("ip") is None or os.geteuid() != 0,
+                    reason="needs unshare as root and ip: the README's `ray stop` must see only this run's Ray")
 def test_every_readme_command_runs_as_written():
-    """In a PID namespace of its own: the README's `ray stop` stops every Ray process it can see, which would
-    otherwise include this test session's own cluster (and anyone else's on the host)."""
+    """In a PID and network namespace of its own: the README's `ray stop` stops every Ray process it can see, which
+    would otherwise include this test session's own cluster (and anyone else's on the host), and its `ray start
+    --head` takes Ray's default port 6379, which another suite's run of this test may hold at the same time."""
     tmp = tempfile.mkdtemp(prefix="dr-", dir="/tmp")      # short: Ray's socket paths live under TMPDIR
     try:
-        p = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, __file__, tmp], cwd=ROOT,
-                           capture_output=True, text=True, timeout=1500)
+        inner = 'ip link set lo up && exec "$@"'
+        p = subprocess.run(["unshare", "--pid", "--net", "--fork", "--mount-proc", "bash", "-c", inner, "bash",
+                            sys.executable, __file__, tmp], cwd=ROOT, capture_output=True, text=True, timeout=1500)
         assert p.returncode == 0, p.stderr[-3000:]
         res = json.loads(p.stdout.strip().splitlines()[-1])
         assert res["failed"] is None, f"README line `{res['failed']}` {res['why']}:\n{res['output']}"
