@@ -188,6 +188,7 @@ def test_a_deployment_rides_out_a_lost_node_and_grows_onto_nodes_that_join(clust
     spec = PairSpec(checkpoint=str(tiny_ckpt), tp=2, n_slots=4, collective_timeout_s=3.0)
     # Room for two pairs: mn.0 and mn.1 each take a node whole, mn.2 waits for room.
     workers = deploy_workers(spec, 3, name="mn", pending_ok=True, place_timeout_s=3.0)
+    pool = load = None
     try:
         assert [ep is not None for _, ep in workers] == [True, True, False]
         rows = {r["worker"]: r for r in survey("mn")}
@@ -266,10 +267,14 @@ def test_a_deployment_rides_out_a_lost_node_and_grows_onto_nodes_that_join(clust
         wait_for("answers from mn.1 where it is now", lambda: load.ok_since(t, 5, "mn.1") >= 3, 60, load)
         rc, st, _ = status_cli(cluster.address, "mn")
         assert rc == 0 and st["down"] == [] and st["serving"] == 3, st
-        load.stop.set()
-        load.join(30)
-        pool.close()
     finally:
+        # stopped on a failure too: once, with the load left stepping after a failure, Ray ended this process 60 s
+        # after the cluster was shut down ("Failed to connect to GCS within 60 seconds. ... will terminate")
+        if load is not None and load.is_alive():
+            load.stop.set()
+            load.join(30)
+        if pool is not None:
+            pool.close()
         teardown("mn")
     codes = {c for _, _, _, c in load.answers}
     print(f"{len(load.rounds)} rounds, {len(load.answers)} answers ({', '.join(sorted(c.name for c in codes))}), "
