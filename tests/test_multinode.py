@@ -285,15 +285,15 @@ def test_a_deployment_rides_out_a_lost_node_and_grows_onto_nodes_that_join(clust
     assert Code.UNAVAILABLE in codes                        # (the lost slots were answered so, then replaced)
     # Nothing of the lost node outlives it.
     wait_for("the lost node's processes gone", lambda: not any(alive(p) for p in pids), 30)
-    remove_rings_of(pids[0])
+    remove_rings_of("mn.1", pids[0])
 
 
-def remove_rings_of(pid: int) -> None:
-    """The step ring (shared memory and doorbells) of the lost node's front-end, which died without removing it,
+def remove_rings_of(worker: str, pid: int) -> None:
+    """The step ring (shared memory and doorbells) of a lost node's front-end `pid`, which died without removing it,
     unless the restarted front-end's sweep took it first: removed as a sweep removes a dead owner's ring (its lock is
-    free), and only that one."""
+    free), and only that one (another suite's worker of the same name may run beside)."""
     from dspark_ray.transport.ring import remove_orphans
-    remove_orphans(f"dspark-mn.1-{pid}-")
+    remove_orphans(f"dspark-{worker}-{pid}-")
 
 
 def _nodes() -> dict:
@@ -307,7 +307,6 @@ def test_node_losses_do_not_use_up_a_workers_restarts(cluster, tiny_ckpt):
     worker stayed gone with its placement group held (issue 64). Now a lost node is not counted: after 4 losses in a
     row the worker serves again, with none of its own restarts used."""
     from dspark_ray.client.endpoints import Directory
-    from dspark_ray.transport.ring import remove_orphans
     for _ in range(3):               # with the fixture's two, room for it after each of 4 losses
         cluster.add_node(num_cpus=ROOM)
     spec = PairSpec(checkpoint=str(tiny_ckpt), tp=1, n_slots=2, collective_timeout_s=3.0)
@@ -333,5 +332,5 @@ def test_node_losses_do_not_use_up_a_workers_restarts(cluster, tiny_ckpt):
         teardown("nl")
         del workers
     wait_for("the lost nodes' front-ends gone", lambda: not any(alive(p) for p in pids), 30)
-    for pid in pids:                # theirs, which no front-end of this host outlived to remove; only theirs
-        remove_orphans(f"dspark-nl-{pid}-")
+    for pid in pids:                # theirs, which no front-end of this host outlived to remove
+        remove_rings_of("nl", pid)

@@ -201,8 +201,13 @@ def owner_alive(pid: int, made_at: float) -> bool:
 
 def remove_orphans(prefix: str = "dspark-") -> list[str]:
     """Remove (and return) this host's rings whose owner is gone (docs/operations.md, "Leftovers")."""
-    rings = _rings_here(lambda n, m: n.startswith(prefix))
-    gone = sorted(ring for ring, paths in rings.items() if not _owner_may_run(ring, paths))
+    return _remove_where(_rings_here(lambda n, m: n.startswith(prefix)),
+                         lambda ring, paths: not _owner_may_run(ring, paths))
+
+
+def _remove_where(rings: dict[str, list[str]], take) -> list[str]:
+    """Remove (and return) the rings of `rings` (ring -> the paths of its names) that `take(ring, paths)` takes."""
+    gone = sorted(ring for ring, paths in rings.items() if take(ring, paths))
     for ring in gone:
         _remove_names(rings[ring])
     return gone
@@ -839,8 +844,6 @@ def remove_rings(prefix: re.Pattern, gone_gcs: str | None = None) -> tuple[list[
     keeps its rings: a ring is taken only when its locks are free, or its owner is a Ray worker whose raylet is gone
     or serves the cluster of `gone_gcs` (it waits out Ray's minute for its GCS, then aborts, removing nothing)."""
     found = _rings_here(lambda n, m: prefix.fullmatch(m["ring"][:m.start("pid") - 1]))
-    gone = sorted(ring for ring, paths in found.items()
-                  if not _owner_may_run(ring, paths) or _stranded(ring_owner_pid(ring), gone_gcs))
-    for ring in gone:
-        _remove_names(found[ring])
+    gone = _remove_where(found, lambda ring, paths: not _owner_may_run(ring, paths)
+                         or _stranded(ring_owner_pid(ring), gone_gcs))
     return gone, sorted(set(found) - set(gone))
